@@ -1,0 +1,327 @@
+"""Training images: the built-in shapes, a folder, a saved or a Hub dataset.
+
+Every source yields uint8 tensors of shape (3, S, S), already resized and
+cropped. Random flips and the scaling to [-1, 1] happen on whole batches on
+the training device (`to_model_input`), so a dataset that is decoded once
+(`preload`) never needs decoding again.
+
+Batches come from a per-epoch permutation that depends only on the seed and
+the epoch (`epoch_batches`), so a resumed run starts mid-epoch without
+decoding the batches it skips.
+"""
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision.transforms import v2 as T
+
+from model import ConfigError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+BUILTIN = "shapes"
+
+
+# --- the built-in dataset ----------------------------------------------------
+
+
+def _hsv_to_rgb(h, s, v):
+    """Vectorised HSV -> RGB for tensors in [0, 1]; returns (..., 3)."""
+    k = torch.stack([(5 + h * 6) % 6, (3 + h * 6) % 6, (1 + h * 6) % 6], dim=-1)
+    return v[..., None] - v[..., None] * s[..., None] * (torch.minimum(k, 4 - k).clamp(0, 1))
+
+
+def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4):
+    """Coloured circles, squares and triangles on plain backgrounds, as uint8.
+
+    Deterministic in `seed`. Shapes are rendered at `supersample` times the
+    size and averaged down, for clean edges.
+    """
+    n, k = num_images, max_shapes
+    # One row of uniform numbers per image, so the first m images of a larger
+    # set are the m images of a smaller one.
+    u = torch.rand(n, 4 + 7 * k, generator=torch.Generator().manual_seed(seed))
+    shape_u = u[:, 4:].view(n, k, 7)
+
+    def scale(x, lo, hi):
+        return lo + (hi - lo) * x
+
+    background = _hsv_to_rgb(u[:, 0], scale(u[:, 1], 0.1, 0.45), scale(u[:, 2], 0.2, 0.95))
+    count = 1 + (u[:, 3] * k).long()  # 1..k shapes
+    kind = (shape_u[..., 0] * 3).long()  # 0 circle, 1 square, 2 triangle
+    color = _hsv_to_rgb(shape_u[..., 1], scale(shape_u[..., 2], 0.65, 1), scale(shape_u[..., 3], 0.7, 1))
+    radius = scale(shape_u[..., 4], 0.12, 0.28)
+    cx = radius + (1 - 2 * radius) * shape_u[..., 5]
+    cy = radius + (1 - 2 * radius) * shape_u[..., 6]
+
+    side = image_size * supersample
+    grid = (torch.arange(side) + 0.5) / side
+    ys, xs = grid.view(1, side, 1), grid.view(1, 1, side)
+    out = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
+    chunk = max(1, 2**22 // side**2)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        img = background[lo:hi, :, None, None].expand(-1, -1, side, side).clone()
+        for j in range(k):
+            dx = xs - cx[lo:hi, j, None, None]
+            dy = ys - cy[lo:hi, j, None, None]
+            r = radius[lo:hi, j, None, None]
+            masks = torch.stack(
+                [
+                    dx**2 + dy**2 < r**2,
+                    torch.maximum(dx.abs(), dy.abs()) < 0.85 * r,
+                    (dy < 0.5 * r) & (dx.abs() * math.sqrt(3) < dy + r),
+                ]
+            )  # (3 kinds, b, side, side)
+            pick = kind[lo:hi, j].view(1, -1, 1, 1) == torch.arange(3).view(3, 1, 1, 1)
+            mask = (masks & pick).any(0) & (j < count[lo:hi]).view(-1, 1, 1)
+            img = torch.where(mask[:, None], color[lo:hi, j, :, None, None], img)
+        img = F.avg_pool2d(img, supersample)
+        out[lo:hi] = (img * 255).round().clamp(0, 255).to(torch.uint8)
+    return out
+
+
+# --- files and Hugging Face datasets ------------------------------------------
+
+
+def image_transform(image_size, center_crop=True):
+    """PIL image -> uint8 (3, S, S): RGB, shorter side resized to S, cropped."""
+    crop = T.CenterCrop(image_size) if center_crop else T.RandomCrop(image_size)
+    return T.Compose(
+        [
+            T.Lambda(lambda im: im.convert("RGB")),
+            T.Resize(image_size, interpolation=T.InterpolationMode.BILINEAR, antialias=True),
+            crop,
+            T.PILToTensor(),
+        ]
+    )
+
+
+class FileImages(torch.utils.data.Dataset):
+    """Image files decoded on demand; an item is (image, None) or (None, error)."""
+
+    def __init__(self, paths, transform):
+        self.paths, self.transform = paths, transform
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        try:
+            with Image.open(self.paths[i]) as im:
+                return self.transform(im), None
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            return None, f"cannot read image {self.paths[i]} ({e})"
+
+
+class HubImages(torch.utils.data.Dataset):
+    """One image column of a `datasets.Dataset`; an item is (image, None) or (None, error)."""
+
+    def __init__(self, dataset, column, transform):
+        self.dataset, self.column, self.transform = dataset, column, transform
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        try:
+            return self.transform(self.dataset[i][self.column]), None
+        except (OSError, ValueError) as e:
+            return None, f"cannot read the image in row {i} ({e})"
+
+
+def find_images(folder):
+    paths = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    if not paths:
+        raise ConfigError(
+            f"no images ({', '.join(e[1:] for e in IMAGE_EXTENSIONS)}) found under {folder}: "
+            "point --dataset at a folder of images"
+        )
+    return paths
+
+
+def _is_saved_dataset(path):
+    return any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
+
+
+def _looks_like_path(name):
+    return name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name or name.endswith(os.sep)
+
+
+def _image_column(dataset, requested, source):
+    import datasets
+
+    columns = list(dataset.column_names)
+    if requested:
+        if requested not in columns:
+            raise ConfigError(
+                f"dataset {source} has no column '{requested}' (columns: {', '.join(columns)}); fix --image_column"
+            )
+        return requested
+    for c in columns:
+        if isinstance(dataset.features[c], datasets.Image):
+            return c
+    for c in ("image", "img"):
+        if c in columns:
+            return c
+    raise ConfigError(f"dataset {source} has no image column (columns: {', '.join(columns)}); pass --image_column")
+
+
+def _pick_split(dataset, split, source):
+    import datasets
+
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise ConfigError(f"dataset {source} has no split '{split}' (splits: {', '.join(dataset)}); fix --split")
+        return dataset[split]
+    return dataset
+
+
+def _load_hub(name, config, split):
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("loading a Hub dataset needs the `datasets` package: pip install datasets") from None
+    quiet = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()  # no retry warnings: the one-line error below says it
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # offline, unknown id, bad split, gated: all reported the same way
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"could not load dataset '{name}' from the Hugging Face Hub ({reason[:200]}); "
+            "check the id and the network, or train on the built-in dataset (leave out --dataset) "
+            "or on a local folder (--dataset PATH)"
+        ) from None
+    finally:
+        datasets.logging.set_verbosity(quiet)
+        hub_logger.setLevel(hub_level)
+
+
+def open_dataset(source, image_size, center_crop=True, config=None, split="train", image_column=None):
+    """The torch Dataset behind `--dataset`: a folder, a saved dataset or a Hub id.
+
+    (The built-in dataset is generated directly as a tensor: `make_shapes`.)
+    """
+    transform = image_transform(image_size, center_crop)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            import datasets
+
+            dataset = _pick_split(datasets.load_from_disk(str(path)), split, source)
+            return HubImages(dataset, _image_column(dataset, image_column, source), transform)
+        return FileImages(find_images(path), transform)
+    if path.exists():
+        raise ConfigError(f"--dataset {source} is a file: point it at a folder of images or a saved dataset")
+    if _looks_like_path(source):
+        raise ConfigError(f"--dataset {source}: no such folder; check the path")
+    dataset = _load_hub(source, config, split)
+    return HubImages(dataset, _image_column(dataset, image_column, source), transform)
+
+
+def _collate(items):
+    """(stacked images that decoded, errors of those that did not).
+
+    Runs in the loader's worker processes, so it reports instead of raising.
+    """
+    images = [image for image, _ in items if image is not None]
+    errors = [error for _, error in items if error is not None]
+    return (torch.stack(images) if images else None), errors
+
+
+def _check_decoded(errors):
+    if errors:
+        raise ConfigError(f"{errors[0]}: remove or replace the file")
+
+
+def preload(dataset, num_workers=0, progress=False):
+    """Decode every image once into one uint8 tensor (N, 3, S, S)."""
+    from tqdm.auto import tqdm
+
+    loader = torch.utils.data.DataLoader(dataset, batch_size=64, num_workers=num_workers, collate_fn=_collate)
+    parts = []
+    with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
+        for images, errors in loader:
+            _check_decoded(errors)
+            parts.append(images)
+            bar.update(len(images))
+    return torch.cat(parts)
+
+
+# --- batches -------------------------------------------------------------------
+
+
+def epoch_batches(num_images, batch_size, seed, epoch, rank=0, world_size=1):
+    """Index tensors of this process's batches in one epoch (the last partial batch is dropped).
+
+    The order is a permutation that depends only on (seed, epoch), so every
+    process agrees on it and a resumed run can start anywhere in the epoch.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(num_images, generator=g)
+    per_step = batch_size * world_size
+    steps = num_images // per_step
+    return [order[s * per_step + rank * batch_size : s * per_step + (rank + 1) * batch_size] for s in range(steps)]
+
+
+class _IndexBatches(torch.utils.data.Sampler):
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(b.tolist() for b in self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class Batches:
+    """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader."""
+
+    def __init__(self, source, batch_size, seed, device, rank=0, world_size=1, num_workers=0):
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
+        self.preloaded = isinstance(source, torch.Tensor)
+
+    def __len__(self):
+        return len(self.source)
+
+    def batches_per_epoch(self):
+        return len(self.source) // (self.batch_size * self.world_size)
+
+    def epoch(self, epoch, start=0):
+        """The epoch's batches from batch index `start` on."""
+        batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
+        batches = batches[start:]
+        if self.preloaded:
+            for index in batches:
+                yield self.source[index.to(self.source.device)].to(self.device, non_blocking=True)
+            return
+        loader = torch.utils.data.DataLoader(
+            self.source,
+            batch_sampler=_IndexBatches(batches),
+            num_workers=self.num_workers,
+            collate_fn=_collate,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=False,
+        )
+        for images, errors in loader:
+            _check_decoded(errors)
+            yield images.to(self.device, non_blocking=True)
+
+
+def to_model_input(images, random_flip=True):
+    """uint8 (B, 3, S, S) -> float in [-1, 1], each image flipped left-right with probability 1/2."""
+    x = images.float().div_(127.5).sub_(1)
+    if random_flip:
+        flip = torch.rand(x.shape[0], device=x.device) < 0.5
+        x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
+    return x

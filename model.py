@@ -1,0 +1,140 @@
+"""Model presets, the noise schedule and the DDPM training loss.
+
+Every model is a diffusers `UNet2DModel`, so a trained run loads with
+`DDPMPipeline.from_pretrained(output_dir)`. The presets live in one dict,
+`PRESETS`; `python flops.py --model NAME` prints what each one costs.
+"""
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler, UNet2DModel
+
+
+class ConfigError(Exception):
+    """A bad flag, path or combination: reported as one line, exit code 2."""
+
+
+def _unet(channels, attention_at, layers_per_block=2, **extra):
+    """UNet2DModel kwargs: one down and one up block per entry of `channels`.
+
+    `attention_at` holds the indices (0 = full resolution) of the levels whose
+    blocks carry self-attention; the up path mirrors the down path.
+    """
+    down = tuple("AttnDownBlock2D" if i in attention_at else "DownBlock2D" for i in range(len(channels)))
+    up = tuple(b.replace("Down", "Up") for b in reversed(down))
+    return dict(
+        block_out_channels=tuple(channels),
+        layers_per_block=layers_per_block,
+        down_block_types=down,
+        up_block_types=up,
+        **extra,
+    )
+
+
+# name -> description, the image size it was made for, and UNet2DModel kwargs.
+# Parameter counts and FLOPs are in the README (from `python flops.py`).
+PRESETS = {
+    # The bare `python train.py`: small enough to learn the built-in shapes on a
+    # 2-core CPU in a few minutes.
+    "small": dict(
+        description="CPU-sized UNet for the built-in dataset",
+        image_size=32,
+        unet=_unet((32, 64, 64), attention_at=(), layers_per_block=1, norm_num_groups=8),
+    ),
+    # For tests and smoke runs: a few hundred thousand parameters.
+    "tiny": dict(
+        description="test-sized UNet",
+        image_size=16,
+        unet=_unet((16, 32), attention_at=(1,), layers_per_block=1, norm_num_groups=8, attention_head_dim=8),
+    ),
+    # Ho et al. (2020)'s CIFAR-10 network, as in google/ddpm-cifar10-32.
+    "ddpm32": dict(
+        description="DDPM CIFAR-10 UNet (Ho et al. 2020), 35.7M",
+        image_size=32,
+        unet=_unet((128, 256, 256, 256), attention_at=(1,)),
+    ),
+    # ADM-style 64px UNet (Dhariwal & Nichol 2021): attention at 16x16 and 8x8
+    # with 32-channel heads. ADM resamples with average pooling and nearest
+    # upsampling; UNet2DModel's blocks always use 3x3 convolutions there, which
+    # add 1.58M parameters (22.08M instead of ADM's 20.5M) and 7.1 GFLOP/img.
+    "adm64": dict(
+        description="ADM-style 64px UNet, attention at 16x16 and 8x8",
+        image_size=64,
+        unet=_unet((64, 128, 192, 256), attention_at=(2, 3), attention_head_dim=32),
+    ),
+    # The diffusers train_unconditional.py model: 113,673,219 parameters.
+    "ref128": dict(
+        description="diffusers train_unconditional.py UNet, 113.7M",
+        image_size=128,
+        unet=_unet((128, 128, 256, 256, 512, 512), attention_at=(4,)),
+    ),
+}
+
+# `--model auto` picks the preset made for the image size, else `small`.
+AUTO_MODEL = {128: "ref128", 64: "adm64"}
+
+
+def resolve_model_name(name, image_size):
+    """The preset `--model` names; `auto` picks one by image size."""
+    if name == "auto":
+        return AUTO_MODEL.get(image_size, "small")
+    if name not in PRESETS:
+        raise ConfigError(f"unknown --model '{name}': choose one of auto, {', '.join(PRESETS)}")
+    return name
+
+
+def size_multiple(name):
+    """Image sides must be a multiple of this: one halving per level but the last."""
+    return 2 ** (len(PRESETS[name]["unet"]["block_out_channels"]) - 1)
+
+
+def check_image_size(name, image_size):
+    multiple = size_multiple(name)
+    if image_size < multiple or image_size % multiple:
+        examples = ", ".join(str(multiple * k) for k in (1, 2, 4, 8))
+        raise ConfigError(
+            f"--model {name} cannot take --image_size {image_size}: it halves the image "
+            f"{multiple.bit_length() - 1} times, so the size must be a multiple of {multiple} "
+            f"({examples}, ...)"
+        )
+
+
+def build_unet(name, image_size, device=None):
+    """A fresh UNet2DModel of preset `name` for square images of side `image_size`."""
+    check_image_size(name, image_size)
+    with torch.device(device or "cpu"):
+        return UNet2DModel(sample_size=image_size, in_channels=3, out_channels=3, **PRESETS[name]["unet"])
+
+
+def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon"):
+    return DDPMScheduler(
+        num_train_timesteps=num_train_timesteps,
+        beta_schedule=beta_schedule,
+        prediction_type=prediction_type,
+    )
+
+
+def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_type="epsilon"):
+    """The DDPM training loss, Algorithm 1 of Ho et al. (2020), in fp32.
+
+    x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps          (their eq. 4)
+    loss = || target - model(x_t, t) ||^2                  (their eq. 14)
+
+    with target eps ("epsilon"), x_0 ("sample") or the velocity
+    v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0 ("v_prediction", Salimans & Ho
+    2022). `alphas_cumprod` is the scheduler's abar table, already on the
+    device, so that no step copies it there again.
+    """
+    abar = alphas_cumprod[timesteps].float().view(-1, 1, 1, 1)
+    clean_images, noise = clean_images.float(), noise.float()
+    noisy = abar.sqrt() * clean_images + (1 - abar).sqrt() * noise
+    prediction = model(noisy, timesteps, return_dict=False)[0]
+    if prediction_type == "epsilon":
+        target = noise
+    elif prediction_type == "sample":
+        target = clean_images
+    elif prediction_type == "v_prediction":
+        target = abar.sqrt() * noise - (1 - abar).sqrt() * clean_images
+    else:
+        raise ConfigError(f"unknown --prediction_type '{prediction_type}': choose epsilon, v_prediction or sample")
+    return F.mse_loss(prediction.float(), target)

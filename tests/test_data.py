@@ -1,0 +1,172 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import data
+from model import ConfigError
+
+
+def test_shapes_are_deterministic_in_the_seed():
+    a = data.make_shapes(8, 16, seed=1)
+    assert a.shape == (8, 3, 16, 16) and a.dtype == torch.uint8
+    assert torch.equal(a, data.make_shapes(8, 16, seed=1))
+    assert not torch.equal(a, data.make_shapes(8, 16, seed=2))
+
+
+def test_shapes_do_not_depend_on_how_many_are_made():
+    assert torch.equal(data.make_shapes(3, 16, seed=0), data.make_shapes(10, 16, seed=0)[:3])
+
+
+@pytest.mark.parametrize("size", [8, 24, 48, 128])
+def test_shapes_at_any_size(size):
+    assert data.make_shapes(2, size).shape == (2, 3, size, size)
+
+
+def test_shapes_are_shapes_on_plain_backgrounds():
+    images = data.make_shapes(32, 32, seed=0).long()
+    for image in images:
+        colours, counts = torch.unique(image.view(3, -1).T, dim=0, return_counts=True)
+        # a plain background covers a large share of the image ...
+        assert counts.max() > 0.3 * 32 * 32
+        # ... and at least one shape of another colour sits on it
+        assert (counts > 20).sum() >= 2
+    # the backgrounds and shapes vary from image to image
+    assert len({tuple(img[:, 0, 0].tolist()) for img in images}) == len(images)
+
+
+def write_image(path, size=(40, 30), mode="RGB", color=(200, 30, 30)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, color if mode == "RGB" else color[0]).save(path)
+
+
+def test_folder_is_searched_recursively_and_images_become_rgb(tmp_path):
+    write_image(tmp_path / "a.png")
+    write_image(tmp_path / "nested" / "deeper" / "b.JPG")
+    write_image(tmp_path / "nested" / "c.webp", mode="L", color=(90,))
+    (tmp_path / "notes.txt").write_text("not an image")
+    dataset = data.open_dataset(str(tmp_path), image_size=16)
+    assert len(dataset) == 3
+    images = data.preload(dataset)
+    assert images.shape == (3, 3, 16, 16) and images.dtype == torch.uint8
+    # sorted by path: a.png, nested/c.webp (greyscale, now three equal channels), nested/deeper/b.JPG
+    assert torch.all(images[1] == 90)
+    assert images[2, :, 0, 0].tolist() == pytest.approx([200, 30, 30], abs=3)  # JPEG is lossy
+
+
+def test_resize_and_center_crop_keep_the_middle(tmp_path):
+    # 60x20: left third red, middle blue, right third green; the centre crop is all blue
+    pixels = np.zeros((20, 60, 3), np.uint8)
+    pixels[:, :20] = (255, 0, 0)
+    pixels[:, 20:40] = (0, 0, 255)
+    pixels[:, 40:] = (0, 255, 0)
+    Image.fromarray(pixels).save(tmp_path / "wide.png")
+    image = data.preload(data.open_dataset(str(tmp_path), image_size=8))[0]
+    assert image.shape == (3, 8, 8)
+    assert image[2].min() > 200 and image[0].max() < 50 and image[1].max() < 50
+
+
+def test_saved_dataset(tmp_path):
+    import datasets
+
+    pictures = [Image.new("RGB", (20, 20), (i * 40, 0, 0)) for i in range(5)]
+    ds = datasets.Dataset.from_dict({"picture": pictures, "label": list(range(5))})
+    ds = ds.cast_column("picture", datasets.Image())
+    ds.save_to_disk(str(tmp_path / "saved"))
+    dataset = data.open_dataset(str(tmp_path / "saved"), image_size=8)
+    images = data.preload(dataset)
+    assert images.shape == (5, 3, 8, 8)
+    assert images[:, 0, 0, 0].tolist() == [0, 40, 80, 120, 160]
+
+
+def test_saved_dataset_dict_uses_the_split(tmp_path):
+    import datasets
+
+    def part(value, n):
+        return datasets.Dataset.from_dict({"image": [Image.new("RGB", (8, 8), (value,) * 3)] * n}).cast_column(
+            "image", datasets.Image()
+        )
+
+    datasets.DatasetDict(train=part(10, 3), test=part(250, 2)).save_to_disk(str(tmp_path / "dd"))
+    test_split = data.preload(data.open_dataset(str(tmp_path / "dd"), image_size=8, split="test"))
+    assert len(test_split) == 2 and int(test_split.float().mean().round()) == 250
+    with pytest.raises(ConfigError, match="no split 'valid'.*train, test"):
+        data.open_dataset(str(tmp_path / "dd"), image_size=8, split="valid")
+
+
+def test_saved_dataset_without_an_image_column(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "t"))
+    with pytest.raises(ConfigError, match="no image column \\(columns: text\\)"):
+        data.open_dataset(str(tmp_path / "t"), image_size=8)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ConfigError, match="no such folder"):
+        data.open_dataset(str(tmp_path / "nope"), image_size=8)
+
+
+def test_empty_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no images .* found under"):
+        data.open_dataset(str(tmp_path / "empty"), image_size=8)
+
+
+def test_unreadable_image_is_named(tmp_path):
+    write_image(tmp_path / "good.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    dataset = data.open_dataset(str(tmp_path), image_size=8)
+    with pytest.raises(ConfigError, match="cannot read image .*broken.png"):
+        data.preload(dataset)
+
+
+def test_unreachable_hub_dataset_is_one_clear_error():
+    # conftest sets HF_HUB_OFFLINE: the Hub cannot be reached
+    with pytest.raises(ConfigError) as e:
+        data.open_dataset("someone/no-such-dataset", image_size=8)
+    message = str(e.value)
+    assert "someone/no-such-dataset" in message and "built-in dataset" in message and "local folder" in message
+    assert "\n" not in message
+
+
+def test_epoch_batches_are_a_shared_permutation_split_across_processes():
+    ranks = [data.epoch_batches(50, 4, seed=3, epoch=2, rank=r, world_size=3) for r in range(3)]
+    assert all(len(batches) == 50 // 12 for batches in ranks)
+    seen = torch.cat([b for batches in ranks for b in batches])
+    assert len(seen) == len(set(seen.tolist())) == 4 * 12  # no image twice; last partial batch dropped
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0], data.epoch_batches(50, 4, 3, 2, 0, 3)))
+    assert not torch.equal(ranks[0][0], data.epoch_batches(50, 4, 3, 3, 0, 3)[0])  # a new order each epoch
+
+
+def test_batches_start_mid_epoch_with_the_same_batches():
+    images = data.make_shapes(40, 8)
+    batches = data.Batches(images, 4, seed=0, device=torch.device("cpu"))
+    whole = list(batches.epoch(1))
+    assert len(whole) == batches.batches_per_epoch() == 10
+    resumed = list(batches.epoch(1, start=6))
+    assert len(resumed) == 4 and all(torch.equal(a, b) for a, b in zip(whole[6:], resumed))
+
+
+def test_streamed_batches_equal_preloaded_ones(tmp_path):
+    for i in range(12):
+        write_image(tmp_path / f"{i:02d}.png", color=(i * 20, 0, 0))
+    dataset = data.open_dataset(str(tmp_path), image_size=8)
+    cpu = torch.device("cpu")
+    streamed = list(data.Batches(dataset, 4, seed=0, device=cpu, num_workers=2).epoch(0))
+    preloaded = list(data.Batches(data.preload(dataset), 4, seed=0, device=cpu).epoch(0))
+    assert len(streamed) == 3
+    assert all(torch.equal(a, b) for a, b in zip(streamed, preloaded))
+
+
+def test_model_input_is_scaled_and_flipped():
+    images = torch.zeros(64, 3, 4, 4, dtype=torch.uint8)
+    images[..., 0] = 255  # left column white
+    torch.manual_seed(0)
+    x = data.to_model_input(images.clone(), random_flip=True)
+    assert x.dtype == torch.float32 and x.min() == -1 and x.max() == 1
+    flipped = x[:, 0, 0, -1] == 1
+    assert 10 < flipped.sum() < 54  # about half
+    assert torch.all(x[~flipped, :, :, 0] == 1)
+    unflipped = data.to_model_input(images.clone(), random_flip=False)
+    assert torch.all(unflipped[..., 0] == 1) and torch.all(unflipped[..., 1:] == -1)

@@ -1,0 +1,153 @@
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import flops
+import model as models
+
+
+def test_linear_flops_match_hand_count():
+    batch, n_in, n_out = 5, 7, 3
+    layer = nn.Linear(n_in, n_out)
+    x = torch.randn(batch, n_in, requires_grad=True)
+    # forward: one multiply and one add per weight per row
+    assert flops.count_flops(lambda: layer(x)) == 2 * batch * n_in * n_out
+    # backward: the same product again for dx and for dW
+    assert flops.count_flops(lambda: layer(x).sum().backward()) == 3 * 2 * batch * n_in * n_out
+
+
+def test_conv2d_flops_match_hand_count():
+    batch, c_in, c_out, k, side = 2, 3, 4, 3, 8
+    conv = nn.Conv2d(c_in, c_out, k, padding=1)
+    x = torch.randn(batch, c_in, side, side, requires_grad=True)
+    forward = 2 * batch * c_out * side * side * c_in * k * k
+    assert flops.count_flops(lambda: conv(x)) == forward
+    assert flops.count_flops(lambda: conv(x).sum().backward()) == 3 * forward
+
+
+def test_reference_model_params_and_flops():
+    # The diffusers train_unconditional.py UNet: 113,673,219 parameters,
+    # 372.17 GFLOP/img forward+backward counted on a CPU (SDPA counted 0),
+    # 23.82 TFLOP per step at batch 64.
+    cost = flops.unet_flops("ref128", 128, 1)
+    assert cost["params"] == 113_673_219
+    assert cost["flops_fwd"] == pytest.approx(124.10e9, rel=0.005)
+    assert cost["flops_fwdbwd"] == pytest.approx(372.17e9, rel=0.005)
+    assert 64 * cost["flops_fwdbwd"] == pytest.approx(23.82e12, rel=0.005)
+
+
+def test_flops_scale_linearly_with_batch():
+    one = flops.unet_flops("tiny", 16, 1)
+    four = flops.unet_flops("tiny", 16, 4)
+    assert four["flops_fwd"] == 4 * one["flops_fwd"]
+    assert four["flops_fwdbwd"] == 4 * one["flops_fwdbwd"]
+
+
+def test_meta_count_equals_a_real_cpu_count_plus_attention():
+    # On the meta device attention runs as two batched matmuls, which are
+    # counted; a CPU's fused attention kernel counts 0. Everything else must
+    # match real tensors exactly, and the difference must be exactly the
+    # attention matmuls: QK^T and AV, 2*L*L*C multiply-adds each forward,
+    # twice that backward, for the mid block's L = 4*4 tokens of C = 64.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    name, size, batch = "small", 16, 2
+
+    def by_op(device):
+        unet = models.build_unet(name, size, device=device)
+        x = torch.randn(batch, 3, size, size, device=device)
+        t = torch.tensor([3, 500], device=device)
+        with FlopCounterMode(display=False) as counter:
+            unet(x, t).sample.square().mean().backward()
+        return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+    meta, real = by_op("meta"), by_op("cpu")
+    attention = meta.pop("aten.bmm")
+    assert meta == real
+    tokens, channels = (size // 4) ** 2, 64
+    assert attention == 3 * 2 * (2 * batch * tokens * tokens * channels)
+    assert flops.unet_flops(name, size, batch)["flops_fwdbwd"] == sum(real.values()) + attention
+
+
+def test_gradient_checkpointing_adds_hardware_flops_only():
+    plain = flops.step_flops("tiny", 16, 2)
+    checkpointed = flops.step_flops("tiny", 16, 2, gradient_checkpointing=True)
+    assert checkpointed["model_flops"] == plain["model_flops"]
+    assert checkpointed["hardware_flops"] > plain["hardware_flops"]
+    # the recompute is at most one more forward pass
+    forward = flops.unet_flops("tiny", 16, 2)["flops_fwd"]
+    assert checkpointed["hardware_flops"] <= plain["hardware_flops"] + forward
+
+
+@pytest.mark.parametrize(
+    "device_name, precision, gpu, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", "H100 SXM", 989.4),
+        ("NVIDIA H100 80GB HBM3", "tf32", "H100 SXM", 494.7),
+        ("NVIDIA H100 80GB HBM3", "fp32", "H100 SXM", 66.9),
+        ("NVIDIA H100 PCIe", "bf16", "H100 PCIe", 756.5),
+        ("NVIDIA H200", "fp16", "H200 SXM", 989.4),
+        ("NVIDIA A100-SXM4-80GB", "bf16", "A100", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "tf32", "A100", 156.0),
+        ("NVIDIA A100 80GB PCIe", "fp32", "A100", 19.5),
+        ("NVIDIA A10G", "bf16", "A10/A10G", 125.0),
+        ("NVIDIA L4", "fp16", "L4", 121.0),
+        ("NVIDIA GeForce RTX 4090", "bf16", "RTX 4090", 165.2),
+    ],
+)
+def test_peak_lookup(device_name, precision, gpu, tflops):
+    assert flops.lookup_peak(device_name, precision) == (gpu, pytest.approx(tflops * 1e12))
+
+
+@pytest.mark.parametrize("device_name", ["Tesla T4", "cpu", "", None, "NVIDIA A1000"])
+def test_unknown_gpu_has_no_peak(device_name):
+    assert flops.lookup_peak(device_name, "bf16") == (None, None)
+
+
+def test_matmul_precision():
+    assert flops.matmul_precision("bf16", True) == "bf16"
+    assert flops.matmul_precision("fp16", False) == "fp16"
+    assert flops.matmul_precision("no", True) == "tf32"
+    assert flops.matmul_precision("no", False) == "fp32"
+
+
+def test_utilization():
+    perf = flops.utilization(model_flops=10e12, hardware_flops=12e12, step_time_s=0.5, peak_flops=100e12)
+    assert perf["achieved_flops"] == pytest.approx(20e12)
+    assert perf["mfu"] == pytest.approx(0.20)
+    assert perf["hfu"] == pytest.approx(0.24)
+    unknown = flops.utilization(10e12, 10e12, 0.5, None)
+    assert unknown["mfu"] is None and unknown["hfu"] is None
+
+
+def test_step_timer_times_steps_but_not_warmup_or_pauses(monkeypatch):
+    clock = iter([0.0, 1.0, 3.0, 6.0, 100.0, 101.5]).__next__
+    monkeypatch.setattr(flops.time, "perf_counter", clock)
+    timer = flops.StepTimer(torch.device("cpu"), warmup_steps=1)
+    timer.restart()  # t=0
+    timer.step_done()  # t=1: warm-up step, not timed
+    timer.step_done()  # t=3: 2 s
+    timer.step_done()  # t=6: 3 s
+    timer.restart()  # t=100: sampling happened in between
+    timer.step_done()  # t=101.5: 1.5 s
+    assert timer.collect() == [2.0, 3.0, 1.5]
+    assert timer.collect() == []
+    assert timer.all_times == [2.0, 3.0, 1.5]
+
+
+def test_flops_cli_json_for_the_reference_model(capsys):
+    code = flops.main(flops.parse_args(["--image_size", "128", "--train_batch_size", "64", "--json"]))
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {"params", "flops_per_image_fwd", "flops_per_image_fwdbwd", "flops_per_step"}
+    assert result["model"] == "ref128"
+    assert result["params"] == 113_673_219
+    assert result["flops_per_step"] == pytest.approx(23.82e12, rel=0.005)
+
+
+def test_flops_cli_refuses_an_unknown_model(capsys):
+    assert flops.main(flops.parse_args(["--model", "nope"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown --model 'nope'" in err

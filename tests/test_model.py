@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+import model as models
+from model import ConfigError
+
+
+def param_count(name):
+    unet = models.build_unet(name, models.PRESETS[name]["image_size"], device="meta")
+    return sum(p.numel() for p in unet.parameters())
+
+
+def test_reference_preset_is_exactly_the_diffusers_example_model():
+    assert param_count("ref128") == 113_673_219
+    config = models.PRESETS["ref128"]["unet"]
+    assert config["block_out_channels"] == (128, 128, 256, 256, 512, 512)
+    assert config["down_block_types"][4] == "AttnDownBlock2D"
+    assert config["up_block_types"][1] == "AttnUpBlock2D"
+    assert sum("Attn" in b for b in config["down_block_types"] + config["up_block_types"]) == 2
+
+
+def test_adm64_preset_shape():
+    config = models.PRESETS["adm64"]["unet"]
+    assert config["block_out_channels"] == (64, 128, 192, 256)
+    # attention at 16x16 and 8x8 of a 64px image: the 3rd and 4th levels
+    assert config["down_block_types"] == ("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D")
+    assert config["attention_head_dim"] == 32
+    assert 20e6 < param_count("adm64") < 23e6
+
+
+def test_auto_model_follows_the_image_size():
+    assert models.resolve_model_name("auto", 128) == "ref128"
+    assert models.resolve_model_name("auto", 64) == "adm64"
+    assert models.resolve_model_name("auto", 32) == "small"
+    assert models.resolve_model_name("ddpm32", 128) == "ddpm32"
+
+
+def test_unknown_preset_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match="unknown --model 'big'.*ref128"):
+        models.resolve_model_name("big", 32)
+
+
+def test_image_size_the_model_cannot_take_is_refused_with_the_sizes_it_can():
+    with pytest.raises(ConfigError, match="multiple of 32 \\(32, 64, 128, 256"):
+        models.check_image_size("ref128", 100)
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        models.check_image_size("ref128", 16)
+    models.check_image_size("ref128", 96)  # a multiple of 32 works
+
+
+@pytest.mark.parametrize("name", list(models.PRESETS))
+def test_every_preset_runs_at_its_own_size(name):
+    size = models.PRESETS[name]["image_size"]
+    unet = models.build_unet(name, size, device="meta")
+    out = unet(torch.empty(2, 3, size, size, device="meta"), torch.zeros(2, dtype=torch.long, device="meta"))
+    assert out.sample.shape == (2, 3, size, size)
+
+
+class Recorder(torch.nn.Module):
+    """Returns a fixed prediction and records its input."""
+
+    def __init__(self, prediction):
+        super().__init__()
+        self.prediction = prediction
+
+    def forward(self, x, t, return_dict=True):
+        self.x, self.t = x, t
+        return (self.prediction,)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_ddpm_loss_matches_the_scheduler(prediction_type):
+    scheduler = models.make_noise_scheduler(1000, "linear", prediction_type)
+    g = torch.Generator().manual_seed(0)
+    clean = torch.rand(4, 3, 8, 8, generator=g) * 2 - 1
+    noise = torch.randn(4, 3, 8, 8, generator=g)
+    t = torch.tensor([0, 10, 500, 999])
+    prediction = torch.randn(4, 3, 8, 8, generator=g)
+    net = Recorder(prediction)
+
+    loss = models.ddpm_loss(net, clean, noise, t, scheduler.alphas_cumprod, prediction_type)
+
+    torch.testing.assert_close(net.x, scheduler.add_noise(clean, noise, t))
+    target = {
+        "epsilon": noise,
+        "v_prediction": scheduler.get_velocity(clean, noise, t),
+        "sample": clean,
+    }[prediction_type]
+    torch.testing.assert_close(loss, ((prediction - target) ** 2).mean())
+
+
+def test_ddpm_loss_is_fp32_under_bf16_autocast():
+    unet = models.build_unet("tiny", 16)
+    scheduler = models.make_noise_scheduler()
+    clean, noise = torch.rand(2, 3, 16, 16) * 2 - 1, torch.randn(2, 3, 16, 16)
+    t = torch.tensor([5, 700])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = models.ddpm_loss(unet, clean, noise, t, scheduler.alphas_cumprod)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert all(p.grad is not None for p in unet.parameters() if p.requires_grad)

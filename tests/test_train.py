@@ -1,0 +1,205 @@
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import train
+from conftest import ROOT
+
+# A tiny model on 64 built-in images at 16px: 8 steps per epoch.
+TINY = [
+    "--model", "tiny", "--image_size", "16", "--shapes_num_images", "64", "--train_batch_size", "8",
+    "--num_inference_steps", "4", "--eval_batch_size", "4", "--lr_warmup_steps", "2",
+    "--dataloader_num_workers", "0", "--timing_warmup_steps", "1",
+]  # fmt: skip
+
+
+def run(output_dir, *flags):
+    return train.main(train.parse_args([*TINY, "--output_dir", str(output_dir), *map(str, flags)]))
+
+
+def scalars(output_dir):
+    """{tag: [(step, value)]} from the run's tensorboard logs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found = {}
+    for events in (output_dir / "logs").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            found.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return {tag: sorted(values) for tag, values in found.items()}
+
+
+def test_end_to_end_run_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = run(
+        out, "--max_train_steps", 9, "--save_images_epochs", 1, "--logging_steps", 3,
+        "--checkpointing_steps", 2, "--checkpoints_total_limit", 2, "--peak_tflops", 0.5,
+    )  # fmt: skip
+    stdout = capsys.readouterr().out
+
+    # samples: a grid after epoch 0 and at the end (epoch 1, one step in); 4 images of 16px, 2 by 2
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["0000.png", "0001.png"]
+    with Image.open(out / "samples" / "0001.png") as grid:
+        assert grid.size == (2 * 16 + 3 * 2, 2 * 16 + 3 * 2)
+
+    # the trained model loads as a diffusers pipeline and generates
+    from diffusers import DDPMPipeline
+
+    pipeline = DDPMPipeline.from_pretrained(str(out))
+    pipeline.set_progress_bar_config(disable=True)
+    image = pipeline(batch_size=1, num_inference_steps=2, output_type="np").images
+    assert image.shape == (1, 16, 16, 3)
+
+    # checkpoints every 2 steps, only the newest 2 kept, nothing half-written left behind
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-6", "checkpoint-8"]
+    assert json.loads((out / "checkpoints" / "checkpoint-8" / "trainer_state.json").read_text()) == {"step": 8}
+
+    # the resolved configuration
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["model"] == "tiny" and saved["total_train_steps"] == 9 and saved["params"] == config["params"]
+    assert saved["model_flops_per_step"] > 0
+
+    # tensorboard: loss and learning rate every log, throughput and utilization once timed
+    logged = scalars(out)
+    assert [step for step, _ in logged["loss"]] == [3, 6, 9]
+    for tag in ("images_per_s", "step_time_s", "mfu", "hfu", "achieved_flops"):
+        assert [step for step, _ in logged[tag]] == [3, 6, 9] and all(v > 0 for _, v in logged[tag]), tag
+    assert [step for step, _ in logged["lr"]] == [3, 6, 9] and logged["lr"][0][1] > 0
+
+    # the stdout line users quote
+    line = re.compile(
+        r"step (\d+)/9 \| loss [\d.]+ \| [\d.e+-]+ s/step \| [\d.]+ img/s \| [\d.e+-]+ TFLOP/step \| "
+        r"[\d.e+-]+ TFLOP/s \| MFU [\d.]+% HFU [\d.]+% \| peak 0.5 TFLOP/s \(--peak_tflops\)"
+    )
+    assert [m.group(1) for m in line.finditer(stdout)] == ["3", "6", "9", "9"]
+    assert re.search(r"^final: step 9/9", stdout, re.M)
+
+
+def test_unknown_peak_prints_no_percentage(tmp_path, capsys):
+    run(tmp_path, "--max_train_steps", 3, "--logging_steps", 3, "--checkpointing_steps", 100)
+    stdout = capsys.readouterr().out
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("step 3/3")]
+    assert lines and "MFU/HFU n/a | peak unknown for cpu fp32 (pass --peak_tflops)" in lines[0]
+    assert "%" not in lines[0]
+
+
+def test_dry_run_prints_the_configuration_and_flops_and_writes_nothing(tmp_path, capsys):
+    config = run(tmp_path / "dry", "--dry_run")
+    stdout = capsys.readouterr().out
+    assert "model tiny: 177,427 parameters" in stdout
+    assert f"{config['model_flops_per_step'] / 1e12:.4g} TFLOP per step" in stdout
+    assert re.search(r"^learning_rate\s+0.0001$", stdout, re.M)
+    assert not (tmp_path / "dry").exists()
+
+
+def tensors_of(folder):
+    found = {}
+    for f in sorted(folder.rglob("*.safetensors")):
+        found.update({f"{f.relative_to(folder)}:{k}": v for k, v in load_file(f).items()})
+    ema = torch.load(folder / "custom_checkpoint_1.pkl", weights_only=False) if folder.name.startswith("checkpoint") else None
+    return found, ema
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_resume_is_bit_identical(tmp_path, accumulation):
+    # 8 steps straight, versus the checkpoint at step 4 (mid-epoch) resumed for 4 more.
+    flags = ["--max_train_steps", 8, "--checkpointing_steps", 4, "--gradient_accumulation_steps", accumulation,
+             "--train_batch_size", 4, "--save_images_epochs", 100]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, *flags)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
+    run(resumed, *flags, "--resume_from_checkpoint", "latest")
+
+    for part in ("checkpoints/checkpoint-8", "unet"):
+        a, a_ema = tensors_of(straight / part)
+        b, b_ema = tensors_of(resumed / part)
+        assert a.keys() == b.keys() and a
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+        if a_ema is not None:
+            assert a_ema["optimization_step"] == b_ema["optimization_step"] == 8
+            assert all(torch.equal(x, y) for x, y in zip(a_ema["shadow_params"], b_ema["shadow_params"]))
+
+
+def tv(images):
+    """Mean absolute difference of neighbouring pixels: low for flat shapes, high for noise."""
+    images = images.float()
+    return ((images[..., 1:] - images[..., :-1]).abs().mean() + (images[..., 1:, :] - images[..., :-1, :]).abs().mean()).item() / 2
+
+
+def test_a_small_model_learns_the_built_in_data(tmp_path):
+    import data
+
+    flags = ["--shapes_num_images", 512, "--train_batch_size", 32, "--learning_rate", 2e-3, "--lr_warmup_steps", 20,
+             "--max_train_steps", 400, "--eval_batch_size", 16, "--num_inference_steps", 20,
+             "--checkpointing_steps", 1000, "--save_images_epochs", 1000, "--logging_steps", 50]  # fmt: skip
+    run(tmp_path / "trained", *flags)
+    run(tmp_path / "untrained", *flags[:-8], "--max_train_steps", 1, "--checkpointing_steps", 1000,
+        "--save_images_epochs", 1000, "--logging_steps", 1, "--learning_rate", 1e-12)  # fmt: skip
+
+    losses = [v for _, v in scalars(tmp_path / "trained")["loss"]]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+    def grid_tv(run_dir):
+        with Image.open(next((run_dir / "samples").iterdir())) as grid:
+            return tv(torch.from_numpy(np.array(grid)).permute(2, 0, 1) / 255)
+
+    real = tv(data.make_shapes(16, 16, seed=1).float() / 255)
+    trained, untrained = grid_tv(tmp_path / "trained"), grid_tv(tmp_path / "untrained")
+    assert abs(trained - real) < 0.5 * abs(untrained - real), (real, trained, untrained)
+
+
+def visible(stream):
+    """The lines a terminal shows: progress bars redraw themselves with carriage returns."""
+    return [line.split("\r")[-1] for line in stream.split("\n") if line.split("\r")[-1].strip()]
+
+
+BAD_INPUTS = [
+    (["--dataset", "./no/such/folder"], "no such folder"),
+    (["--dataset", "{empty}"], "no images"),
+    (["--dataset", "{broken}"], "cannot read image"),
+    (["--model", "huge"], "unknown --model 'huge'"),
+    (["--model", "ref128", "--image_size", "100"], "multiple of 32"),
+    (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
+    (["--num_epochs", "0"], "--num_epochs must be at least 1"),
+    (["--learning_rate", "0"], "--learning_rate must be greater than 0"),
+    (["--learning_rate=-1e-4"], "--learning_rate must be greater than 0"),
+    (["--dataset", "someone/no-such-dataset"], "could not load dataset 'someone/no-such-dataset'"),
+    (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--train_batch_size", "many"], "invalid int value: 'many'"),
+    (["--shapes_num_images", "4"], "fewer than one optimizer step takes"),
+    (["--resume_from_checkpoint", "./no/checkpoint"], "not a checkpoint folder"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, flags, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "broken" / "fine.png")
+    (tmp_path / "broken" / "bad.jpg").write_bytes(b"\xff\xd8\xff truncated")
+    flags = [f.format(empty=tmp_path / "empty", broken=tmp_path / "broken") for f in flags]
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path / "out", *flags)
+    assert exit_info.value.code == 2
+    err = visible(capsys.readouterr().err)
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+
+
+def test_bad_input_from_the_command_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "train.py", "--train_batch_size", "0", "--output_dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == "train.py: error: --train_batch_size must be at least 1 (got 0)"

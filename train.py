@@ -1,0 +1,554 @@
+"""Train a DDPM (a diffusers UNet2DModel) and report honest FLOPs and utilization.
+
+    python train.py                                   # built-in shapes, CPU-sized model
+    python train.py --dataset path/to/images --image_size 64
+    python train.py --dataset huggan/smithsonian_butterflies_subset \\
+        --image_size 128 --train_batch_size 64 --num_epochs 50 --learning_rate 1e-4
+    python train.py --dry_run                         # resolved config, parameters, FLOPs; no training
+
+Resume a run from its newest checkpoint:
+
+    python train.py ...same flags... --resume_from_checkpoint latest
+
+What it writes into --output_dir: samples/NNNN.png (a grid from the EMA
+weights, the same noise every time), the trained pipeline
+(`DDPMPipeline.from_pretrained(output_dir)`), checkpoints/checkpoint-STEP/,
+train_config.json and tensorboard logs under logs/. Every --logging_steps it
+prints one line: s/step, images/s, TFLOP/step, TFLOP/s, MFU, HFU and the peak
+they are measured against.
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+import data
+import flops
+import model as models
+from model import ConfigError
+
+SAMPLERS = ("ddpm", "ddim", "dpmsolver")
+LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line, exit code 2: no usage block (the message says what to change)."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv=None):
+    p = _Parser(prog="train.py", description="Train a DDPM UNet2DModel with accelerate.")
+    d = p.add_argument_group("data")
+    d.add_argument(
+        "--dataset",
+        default=data.BUILTIN,
+        help="'shapes' (built in, no files), a folder of images, a dataset saved with "
+        "datasets' save_to_disk, or a Hugging Face Hub dataset id",
+    )
+    d.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
+    d.add_argument("--split", default="train", help="dataset split to train on")
+    d.add_argument("--image_column", default=None, help="column holding the images (default: found by type)")
+    d.add_argument("--shapes_num_images", type=int, default=2048, help="size of the built-in dataset")
+    d.add_argument("--image_size", type=int, default=32, help="train on square images of this side")
+    d.add_argument(
+        "--center_crop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="crop the centre after resizing (--no-center_crop: a random crop, decoded every epoch)",
+    )
+    d.add_argument("--random_flip", action=argparse.BooleanOptionalAction, default=True, help="random left-right flips")
+    d.add_argument(
+        "--preload_data",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode the dataset once and keep it in memory as uint8 (on the GPU when training on one)",
+    )
+    d.add_argument(
+        "--preload_max_gib", type=float, default=8.0, help="stream from disk instead when preloading needs more"
+    )
+    d.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="processes that decode images",
+    )
+
+    m = p.add_argument_group("model and noise schedule")
+    m.add_argument(
+        "--model",
+        default="auto",
+        help=f"preset: {', '.join(models.PRESETS)}; auto = ref128 at 128px, adm64 at 64px, small otherwise",
+    )
+    m.add_argument("--num_train_timesteps", type=int, default=1000, help="diffusion steps T")
+    m.add_argument(
+        "--beta_schedule",
+        default="linear",
+        choices=("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"),
+        help="noise schedule",
+    )
+    m.add_argument(
+        "--prediction_type",
+        default="epsilon",
+        choices=("epsilon", "v_prediction", "sample"),
+        help="what the network predicts",
+    )
+
+    t = p.add_argument_group("training")
+    t.add_argument("--train_batch_size", type=int, default=32, help="images per device per micro-batch")
+    t.add_argument("--num_epochs", type=int, default=40, help="passes over the dataset")
+    t.add_argument("--max_train_steps", type=int, default=None, help="optimizer steps; overrides --num_epochs")
+    t.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--learning_rate", type=float, default=1e-4, help="peak AdamW learning rate")
+    t.add_argument("--lr_scheduler", default="cosine", choices=LR_SCHEDULES, help="learning-rate schedule")
+    t.add_argument("--lr_warmup_steps", type=int, default=500, help="linear warm-up steps")
+    t.add_argument("--adam_beta1", type=float, default=0.95, help="AdamW beta1")
+    t.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW beta2")
+    t.add_argument("--weight_decay", type=float, default=1e-6, help="AdamW weight decay")
+    t.add_argument("--adam_epsilon", type=float, default=1e-8, help="AdamW epsilon")
+    t.add_argument("--max_grad_norm", type=float, default=1.0, help="clip gradients to this norm (0: off)")
+    t.add_argument(
+        "--use_ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA of the weights"
+    )
+    t.add_argument("--ema_max_decay", type=float, default=0.9999, help="EMA decay after warm-up")
+    t.add_argument("--ema_inv_gamma", type=float, default=1.0, help="EMA warm-up: decay = 1 - (1 + step/inv_gamma)^-power")
+    t.add_argument("--ema_power", type=float, default=0.75, help="EMA warm-up power")
+    t.add_argument(
+        "--mixed_precision",
+        default=None,
+        choices=("no", "fp16", "bf16"),
+        help="autocast precision (default: bf16 on a GPU that has it, else no)",
+    )
+    t.add_argument(
+        "--allow_tf32",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let fp32 matmuls and convolutions use TF32 on GPUs that have it",
+    )
+    t.add_argument(
+        "--gradient_checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="recompute activations in the backward pass to save memory",
+    )
+    t.add_argument("--seed", type=int, default=0, help="seeds the data, the model and the noise")
+
+    o = p.add_argument_group("outputs")
+    o.add_argument("--output_dir", default="ddpm-output", help="where samples, checkpoints and the model go")
+    o.add_argument("--save_images_epochs", type=int, default=10, help="write a sample grid every N epochs")
+    o.add_argument("--eval_batch_size", type=int, default=16, help="images in a sample grid")
+    o.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler for the grids")
+    o.add_argument("--num_inference_steps", type=int, default=50, help="sampling steps for the grids")
+    o.add_argument("--checkpointing_steps", type=int, default=500, help="save a checkpoint every N steps")
+    o.add_argument("--checkpoints_total_limit", type=int, default=None, help="keep at most this many checkpoints")
+    o.add_argument(
+        "--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder to continue from"
+    )
+
+    r = p.add_argument_group("performance report")
+    r.add_argument("--logging_steps", type=int, default=50, help="print and log throughput every N steps")
+    r.add_argument("--timing_warmup_steps", type=int, default=5, help="steps left out of the timing")
+    r.add_argument(
+        "--peak_tflops", type=float, default=None, help="peak TFLOP/s per device for MFU/HFU (default: from flops.py)"
+    )
+    r.add_argument("--dry_run", action="store_true", help="print the resolved configuration and FLOPs, then exit")
+    return p.parse_args(argv)
+
+
+def validate(args):
+    """Refuse bad flags before anything is loaded; resolve `--model auto`."""
+    at_least = dict(
+        image_size=8,
+        train_batch_size=1,
+        eval_batch_size=1,
+        num_epochs=1,
+        gradient_accumulation_steps=1,
+        shapes_num_images=1,
+        num_train_timesteps=1,
+        num_inference_steps=1,
+        save_images_epochs=1,
+        checkpointing_steps=1,
+        logging_steps=1,
+        lr_warmup_steps=0,
+        timing_warmup_steps=0,
+        dataloader_num_workers=0,
+    )
+    for name, low in at_least.items():
+        if getattr(args, name) < low:
+            raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
+    for name in ("max_train_steps", "checkpoints_total_limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    for name in ("learning_rate", "preload_max_gib", "adam_epsilon"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name} must be greater than 0 (got {getattr(args, name)})")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ConfigError(f"--peak_tflops must be greater than 0 (got {args.peak_tflops})")
+    for name in ("adam_beta1", "adam_beta2", "ema_max_decay"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be in [0, 1) (got {getattr(args, name)})")
+    if args.weight_decay < 0 or args.max_grad_norm < 0:
+        raise ConfigError("--weight_decay and --max_grad_norm must not be negative")
+    if args.num_inference_steps > args.num_train_timesteps:
+        raise ConfigError(
+            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed --num_train_timesteps "
+            f"({args.num_train_timesteps})"
+        )
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no")
+    args.model = models.resolve_model_name(args.model, args.image_size)
+    models.check_image_size(args.model, args.image_size)
+    if args.mixed_precision is None:
+        gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        args.mixed_precision = "bf16" if gpu_bf16 else "no"
+    return args
+
+
+def main(args):
+    """Train; a bad flag, path or dataset exits with code 2 and a one-line message."""
+    try:
+        return train(validate(args))
+    except ConfigError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# --- pieces of the run -------------------------------------------------------------
+
+
+def load_images(args, device):
+    """The training images: a uint8 tensor (preloaded) or a Dataset to stream."""
+    if args.dataset == data.BUILTIN:
+        return data.make_shapes(args.shapes_num_images, args.image_size, seed=args.seed)
+    dataset = data.open_dataset(
+        args.dataset, args.image_size, args.center_crop, args.dataset_config, args.split, args.image_column
+    )
+    gib = len(dataset) * 3 * args.image_size**2 / 2**30
+    if not args.preload_data or not args.center_crop or gib > args.preload_max_gib:
+        return dataset
+    return data.preload(dataset, args.dataloader_num_workers, progress=True)
+
+
+def make_sampling_scheduler(name, training_scheduler):
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
+
+    if name == "ddpm":
+        return copy.deepcopy(training_scheduler)
+    if name == "ddim":
+        return DDIMScheduler.from_config(training_scheduler.config)
+    return DPMSolverMultistepScheduler.from_config(training_scheduler.config, algorithm_type="dpmsolver++")
+
+
+def ema_unet(accelerator, model, ema):
+    """A stand-alone copy of the UNet carrying the EMA weights (or the raw ones without EMA)."""
+    unet = copy.deepcopy(accelerator.unwrap_model(model)).eval()
+    if ema is not None:
+        ema.copy_to(unet.parameters())
+    return unet
+
+
+def save_sample_grid(unet, scheduler, args, path, accelerator):
+    """Sample `eval_batch_size` images from fixed noise and write them as one grid PNG."""
+    from diffusers import DDPMPipeline
+    from torchvision.utils import make_grid, save_image
+
+    pipeline = DDPMPipeline(unet=unet, scheduler=scheduler)
+    pipeline.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(args.seed)  # the same noise at every epoch
+    with accelerator.autocast():
+        images = pipeline(
+            batch_size=args.eval_batch_size,
+            generator=generator,
+            num_inference_steps=args.num_inference_steps,
+            output_type="pt",
+        ).images
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_image(make_grid(images.float(), nrow=math.ceil(math.sqrt(len(images)))), path)
+
+
+def checkpoint_dirs(output_dir):
+    """Complete checkpoints, oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    found = [p for p in root.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(accelerator, output_dir, step, total_limit):
+    """accelerate's save_state plus the step, written atomically: a temporary folder, then a rename."""
+    root = Path(output_dir) / "checkpoints"
+    final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if total_limit is not None:
+            for old in checkpoint_dirs(output_dir)[:-total_limit]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def find_resume_checkpoint(args):
+    """The checkpoint folder --resume_from_checkpoint names, or None to start fresh."""
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = checkpoint_dirs(args.output_dir)
+        return found[-1] if found else None
+    path = Path(args.resume_from_checkpoint)
+    if not (path / "trainer_state.json").is_file():
+        raise ConfigError(f"--resume_from_checkpoint {path}: not a checkpoint folder (no trainer_state.json)")
+    return path
+
+
+def peak_description(args, device):
+    """(peak FLOP/s per device or None, words saying what it is)."""
+    precision = flops.matmul_precision(args.mixed_precision, args.allow_tf32 and device.type == "cuda")
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, f"peak {args.peak_tflops:g} TFLOP/s (--peak_tflops)"
+    if device.type != "cuda":
+        return None, f"peak unknown for {device.type} {precision} (pass --peak_tflops)"
+    name = torch.cuda.get_device_name(device)
+    gpu, peak = flops.lookup_peak(name, precision)
+    if peak is None:
+        return None, f"peak unknown for {name} {precision} (pass --peak_tflops)"
+    return peak, f"peak {name} {precision} {peak / 1e12:g} TFLOP/s"
+
+
+# --- the run -------------------------------------------------------------------------
+
+
+def train(args):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+    from diffusers import DDPMPipeline
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+    from tqdm.auto import tqdm
+
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.dry_run else "tensorboard",
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "logs")),
+    )
+    device, world = accelerator.device, accelerator.num_processes
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
+
+    # Data: decoded (or generated) before the model is built, so that a bad
+    # path or file fails in seconds.
+    images = load_images(args, device)
+    images_per_step = args.train_batch_size * world * args.gradient_accumulation_steps
+    if len(images) < images_per_step:
+        raise ConfigError(
+            f"the dataset has {len(images)} images, fewer than one optimizer step takes "
+            f"({args.train_batch_size} x {world} processes x {args.gradient_accumulation_steps} accumulation): "
+            "lower --train_batch_size or --gradient_accumulation_steps"
+        )
+    steps_per_epoch = len(images) // images_per_step
+    max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
+    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
+
+    # FLOPs per optimizer step and process, counted once on the meta device.
+    cost = flops.step_flops(args.model, args.image_size, args.train_batch_size, args.gradient_checkpointing)
+    model_flops = cost["model_flops"] * args.gradient_accumulation_steps * world  # all processes
+    hardware_flops = cost["hardware_flops"] * args.gradient_accumulation_steps * world
+    peak_flops, peak_words = peak_description(args, device)
+
+    config = dict(
+        vars(args),
+        num_processes=world,
+        num_images=len(images),
+        data_path="preloaded" if isinstance(images, torch.Tensor) else "streamed",
+        global_batch_size=images_per_step,
+        steps_per_epoch=steps_per_epoch,
+        total_train_steps=max_train_steps,
+        total_epochs=num_epochs,
+        params=cost["params"],
+        model_flops_per_step=model_flops,
+        hardware_flops_per_step=hardware_flops,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+    )
+    if args.dry_run:
+        for key, value in config.items():
+            accelerator.print(f"{key:28s} {value}")
+        accelerator.print(
+            f"model {args.model}: {cost['params']:,} parameters, {model_flops / 1e12:.4g} TFLOP per step "
+            f"({model_flops / images_per_step / 1e9:.2f} GFLOP per image, forward+backward); {peak_words}"
+        )
+        return config
+
+    set_seed(args.seed, device_specific=True)  # each process draws its own noise
+    if isinstance(images, torch.Tensor) and device.type == "cuda":
+        images = images.to(device)  # small enough to sit on the GPU: preload_max_gib
+    batches = data.Batches(
+        images,
+        args.train_batch_size,
+        args.seed,
+        device,
+        accelerator.process_index,
+        world,
+        args.dataloader_num_workers,
+    )
+
+    unet = models.build_unet(args.model, args.image_size)
+    if args.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type)
+    sampling_scheduler = make_sampling_scheduler(args.sampler, noise_scheduler)
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(device)
+
+    optimizer = torch.optim.AdamW(
+        unet.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.weight_decay,
+        eps=args.adam_epsilon,
+    )
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_train_steps
+    )
+    model, optimizer = accelerator.prepare(unet, optimizer)
+    accelerator.register_for_checkpointing(lr_scheduler)
+    ema = None
+    if args.use_ema:
+        ema = EMAModel(
+            accelerator.unwrap_model(model).parameters(),
+            decay=args.ema_max_decay,
+            use_ema_warmup=True,
+            inv_gamma=args.ema_inv_gamma,
+            power=args.ema_power,
+            foreach=True,
+        )
+        ema.to(device)
+        accelerator.register_for_checkpointing(ema)
+
+    global_step = 0
+    resume_from = find_resume_checkpoint(args)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        if ema is not None:
+            ema.to(device)
+        global_step = json.loads((resume_from / "trainer_state.json").read_text())["step"]
+        accelerator.print(f"resumed from {resume_from} at step {global_step}")
+    elif args.resume_from_checkpoint == "latest":
+        accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints: starting from scratch")
+
+    output_dir = Path(args.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        accelerator.init_trackers("train", config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))})
+
+    accelerator.print(
+        f"training {args.model} ({cost['params']:,} parameters) on {len(images)} images at {args.image_size}px: "
+        f"{max_train_steps} steps of {images_per_step} images, mixed precision {args.mixed_precision}, "
+        f"{world} process(es) on {config['device']}; {model_flops / 1e12:.4g} TFLOP per step; {peak_words}"
+    )
+
+    def write_samples(epoch):
+        if accelerator.is_main_process:
+            path = output_dir / "samples" / f"{epoch:04d}.png"
+            save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
+        accelerator.wait_for_everyone()
+
+    timer = flops.StepTimer(device, args.timing_warmup_steps)
+    loss_sum, loss_count = torch.zeros((), device=device), 0
+    progress = tqdm(
+        total=max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps"
+    )
+
+    last_loss = float("nan")
+
+    def report(step_times, final=False):
+        """Log the loss since the last report and print the throughput line."""
+        nonlocal loss_sum, loss_count, last_loss
+        if loss_count:
+            last_loss = (loss_sum / loss_count).item()  # the one host sync per log interval
+            loss_sum.zero_()
+            loss_count = 0
+            accelerator.log(dict(loss=last_loss, lr=lr_scheduler.get_last_lr()[0]), step=global_step)
+        if not step_times:
+            line = f"step {global_step}/{max_train_steps} | loss {last_loss:.4f} | timing: still warming up"
+        else:
+            step_time_s = flops.median(step_times)
+            perf = flops.utilization(model_flops, hardware_flops, step_time_s, peak_flops and peak_flops * world)
+            line = flops.format_perf_line(
+                global_step, max_train_steps, last_loss, step_time_s, images_per_step, model_flops, perf, peak_words, world
+            )
+            if not final:
+                progress.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{images_per_step / step_time_s:.1f}")
+                logs = dict(step_time_s=step_time_s, images_per_s=images_per_step / step_time_s)
+                accelerator.log(logs | {k: v for k, v in perf.items() if v is not None}, step=global_step)
+        if accelerator.is_local_main_process:
+            progress.write(("final: " if final else "") + line)
+
+    first_epoch = global_step // steps_per_epoch
+    model.train()
+    for epoch in range(first_epoch, num_epochs):
+        start = (global_step - epoch * steps_per_epoch) * args.gradient_accumulation_steps
+        micro_batches = batches.epoch(epoch, start=start)
+        timer.restart()
+        while global_step < min(max_train_steps, (epoch + 1) * steps_per_epoch):
+            for _ in range(args.gradient_accumulation_steps):
+                clean = data.to_model_input(next(micro_batches), args.random_flip)
+                noise = torch.randn_like(clean)
+                timesteps = torch.randint(0, args.num_train_timesteps, (clean.shape[0],), device=device)
+                with accelerator.accumulate(model):
+                    loss = models.ddpm_loss(model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                loss_sum += loss.detach()
+                loss_count += 1
+            lr_scheduler.step()
+            if ema is not None:
+                ema.step(model.parameters())
+            global_step += 1
+            timer.step_done()
+            progress.update(1)
+
+            if global_step % args.logging_steps == 0:
+                report(timer.collect())
+            if global_step % args.checkpointing_steps == 0:
+                path = save_checkpoint(accelerator, output_dir, global_step, args.checkpoints_total_limit)
+                if accelerator.is_local_main_process:
+                    progress.write(f"saved {path}")
+                timer.restart()
+
+        last_epoch = global_step >= max_train_steps
+        if epoch % args.save_images_epochs == 0 or last_epoch:
+            write_samples(epoch)
+            timer.restart()
+        if last_epoch:
+            break
+
+    progress.close()
+    if loss_count:
+        report(timer.collect())
+    timer.collect()
+    report(timer.all_times, final=True)
+    if accelerator.is_main_process:
+        pipeline = DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler)
+        pipeline.save_pretrained(str(output_dir))
+        accelerator.print(f"saved the pipeline to {output_dir}; sample grids in {output_dir / 'samples'}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return config
+
+
+if __name__ == "__main__":
+    main(parse_args())
