@@ -140,6 +140,38 @@ def parse_args(argv=None):
     )
     t.add_argument("--seed", type=int, default=0, help="seeds the data, the model and the noise")
 
+    s = p.add_argument_group("speed (each defaults to on with a CUDA GPU, off on a CPU; bench.py measures them)")
+    s.add_argument(
+        "--channels_last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep weights and activations channels_last (NHWC), the layout tensor-core convolutions read",
+    )
+    s.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the UNet (the first steps compile; the saved model is the uncompiled one)",
+    )
+    s.add_argument(
+        "--compile_mode",
+        default="default",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        help="torch.compile mode; reduce-overhead adds CUDA graphs",
+    )
+    s.add_argument(
+        "--fused_adam",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fused AdamW where torch has it for the device, else foreach",
+    )
+    s.add_argument(
+        "--cudnn_benchmark",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let cuDNN time its convolution algorithms on the first steps and keep the fastest",
+    )
+
     o = p.add_argument_group("outputs")
     o.add_argument("--output_dir", default="ddpm-output", help="where samples, checkpoints and the model go")
     o.add_argument("--save_images_epochs", type=int, default=10, help="write a sample grid every N epochs")
@@ -208,6 +240,9 @@ def validate(args):
     if args.mixed_precision is None:
         gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         args.mixed_precision = "bf16" if gpu_bf16 else "no"
+    for name in ("channels_last", "compile", "fused_adam", "cudnn_benchmark"):
+        if getattr(args, name) is None:
+            setattr(args, name, torch.cuda.is_available())
     return args
 
 
@@ -345,6 +380,7 @@ def train(args):
     )
     device, world = accelerator.device, accelerator.num_processes
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
 
     # Data: decoded (or generated) before the model is built, so that a bad
     # path or file fails in seconds.
@@ -409,8 +445,10 @@ def train(args):
     sampling_scheduler = make_sampling_scheduler(args.sampler, noise_scheduler)
     alphas_cumprod = noise_scheduler.alphas_cumprod.to(device)
 
-    optimizer = torch.optim.AdamW(
-        unet.parameters(),
+    optimizer = models.prepare_for_training(
+        unet,
+        args.channels_last,
+        args.fused_adam,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.weight_decay,
@@ -420,6 +458,7 @@ def train(args):
         args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_train_steps
     )
     model, optimizer = accelerator.prepare(unet, optimizer)
+    step_model = models.compile_for_training(model, args.compile_mode if args.compile else None)
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = None
     if args.use_ema:
@@ -506,7 +545,7 @@ def train(args):
                 noise = torch.randn_like(clean)
                 timesteps = torch.randint(0, args.num_train_timesteps, (clean.shape[0],), device=device)
                 with accelerator.accumulate(model):
-                    loss = models.ddpm_loss(model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
+                    loss = models.ddpm_loss(step_model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and args.max_grad_norm > 0:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
