@@ -1,6 +1,6 @@
 """The speed ladder: one training step, timed with one more speed-up per row.
 
-    python bench.py                                    # GPU: the ref128 and adm64 ladders; CPU: the small preset
+    python bench.py                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
     python bench.py --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
     python bench.py --workload tiny --steps 3 --warmup 1   # seconds on a CPU
 
@@ -23,8 +23,10 @@ against the GPU's dense bf16 peak in every row, the denominator of the
 project's target, so it stays proportional to speed down the table.
 
 It prints the device and library versions, then one table per workload and
-batch size, and writes the printed text (.txt), every number (.json) and a
-bar chart (.png) into --output, named by the device, workload and batch sizes.
+batch size, and writes every number (.json, rewritten after every row, so a
+run cut short keeps what it measured), the printed tables (.txt) and a bar
+chart (.png, at the end; `--redraw FILE.json` draws it again) into --output,
+named by the device, workload and batch sizes.
 """
 
 import argparse
@@ -337,8 +339,6 @@ def run_variant(variant, workload, batch_size, init_state, images, reference, ar
     """Build, check and time one variant; returns its row of results (status ok)."""
     settings = variant["settings"]
     if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     step = TrainingStep(settings, workload, init_state, images, device)
     check = check_variant(step, settings, check_inputs(images, args.seed, device), reference, device)
@@ -385,8 +385,11 @@ def add_rates(row, flops_per_step, batch_size, peak_bf16, peak_row):
     row["mfu_row_precision"] = flops_per_step / step_time_s / peak_row if peak_row else None
 
 
-def run_workload(name, args, device, peaks, print_line):
-    """Every variant at every batch size for one workload, smallest batch first; yields each batch's rows."""
+def run_workload(name, args, device, peaks, print_line, save):
+    """Every variant at every batch size for one workload, smallest batch first; yields each batch's rows.
+
+    `save(rows)` is called with the batch's rows so far after every row.
+    """
     workload = WORKLOADS[name]
     torch.manual_seed(args.seed)
     init_state = models.build_unet(workload["model"], workload["image_size"]).state_dict()
@@ -428,23 +431,22 @@ def run_workload(name, args, device, peaks, print_line):
                 row |= dict(status="skipped", reason=f"out of memory at batch {out_of_memory_at[variant['name']]}")
             else:
                 print_line(f"  {name} batch {batch_size}: {variant['name']} ...", progress=True)
-                error = None
                 try:
                     row |= run_variant(variant, workload, batch_size, init_state, images, reference, args, device)
                     if reference_note:
                         row["check"]["note"] = reference_note
                 except torch.OutOfMemoryError as e:
                     out_of_memory_at[variant["name"]] = batch_size
-                    error = dict(status="oom", reason=f"out of memory at batch {batch_size}: {_first_line(e)}")
+                    row |= dict(status="oom", reason=f"out of memory at batch {batch_size}: {_first_line(e)}")
                 except Exception as e:  # one broken row must not lose the others' numbers
-                    error = dict(status="error", reason=f"{type(e).__name__}: {_first_line(e)}")
-                if error:
-                    row |= error
-                release_memory(device, forget_compiled=bool(error) or uses_cuda_graphs(variant["settings"]))
+                    row |= dict(status="error", reason=f"{type(e).__name__}: {_first_line(e)}")
+                # A failed row may leave half-built graphs and CUDA-graph pools behind: drop them too.
+                release_memory(device, forget_compiled=row["status"] != "ok" or uses_cuda_graphs(variant["settings"]))
                 if row["status"] == "ok":
                     precision = matmul_precision(variant["settings"], device)
                     add_rates(row, flops_per_step, batch_size, peaks["bf16"], peaks[precision])
             group.append(row)
+            save(group)
         timed = [r for r in group if r["status"] == "ok"]
         for r in timed:
             r["speedup_over"] = timed[0]["variant"]
@@ -478,7 +480,7 @@ def environment(device, argv):
         python=platform.python_version(),
         cpu_threads=torch.get_num_threads(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        command="python bench.py " + " ".join(argv),
+        command=" ".join(["python bench.py", *argv]),
     )
     if device.type == "cpu" and hasattr(os, "getloadavg"):
         # A shared machine's other work slows every row: say how busy it was.
@@ -603,7 +605,8 @@ def parse_args(argv=None):
         default=None,
         choices=(*WORKLOADS, *WORKLOAD_GROUPS),
         help="model and image size: ref128 (128px, batch 64), adm64 (64px, batch 32), small, tiny, or all "
-        "(ref128 and adm64); default: all on a GPU, small on a CPU",
+        "(ref128 and adm64); default: all on a GPU, tiny on a CPU (bf16 on a CPU without bf16 "
+        "instructions is emulated: small's bf16 rows take ~20 s a step on 2 AVX2 cores)",
     )
     p.add_argument(
         "--batch_sizes",
@@ -653,7 +656,7 @@ def validate(args):
         if unknown or not args.variants:
             raise ConfigError(f"unknown --variants '{','.join(unknown)}': choose from {', '.join(names)}")
     if args.workload is None:
-        args.workload = "all" if torch.cuda.is_available() else "small"
+        args.workload = "all" if torch.cuda.is_available() else "tiny"
     try:
         Path(args.output).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -692,14 +695,18 @@ def main(args):
 
     tag = args.tag or _default_tag(env, args)
     rows = []
+
+    def save(unfinished=()):
+        """Written after every row, so that a run cut short keeps what it measured."""
+        return write_outputs(rows + list(unfinished), env, args, lines, tag)
+
     for name in WORKLOAD_GROUPS.get(args.workload, (args.workload,)):
-        for group in run_workload(name, args, device, peaks, print_line):
+        for group in run_workload(name, args, device, peaks, print_line, save):
             print_line()
             for line in format_group(group, peak_words):
                 print_line(line)
             rows.extend(group)
-            # Written after every table, so that a run cut short keeps what it measured.
-            result = write_outputs(rows, env, args, lines, tag)
+            result = save()
     chart = draw_chart_if_possible(result, Path(args.output) / f"{tag}.png")
     print(f"\nwrote {Path(args.output) / tag}.json and .txt; {chart}")
 

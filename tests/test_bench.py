@@ -153,6 +153,12 @@ def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
     with Image.open(tmp_path / "run.png") as chart:
         assert chart.format == "PNG" and chart.width > 300 and chart.height > 200
 
+    # --redraw draws the chart again from the JSON alone (for a GPU machine without matplotlib)
+    (tmp_path / "run.png").unlink()
+    assert bench.main(bench.parse_args(["--redraw", str(tmp_path / "run.json")])) == 0
+    with Image.open(tmp_path / "run.png") as chart:
+        assert chart.format == "PNG"
+
 
 def fake_run_variant(out_of_memory_above, variant_name):
     """Stands in for run_variant: a quick row, or out of memory for `variant_name` above a batch size."""
@@ -203,6 +209,7 @@ BAD_INPUTS = [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--warmup", "-1"], "--warmup must be at least 0"),
     (["--output", "{file}"], "cannot write to --output"),
+    (["--redraw", "{file}"], "not the JSON of a bench.py run"),
 ]
 
 
