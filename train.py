@@ -32,6 +32,7 @@ import torch
 import data
 import flops
 import model as models
+import sample
 from model import ConfigError
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver")
@@ -237,13 +238,7 @@ def load_images(args, device):
 
 
 def make_sampling_scheduler(name, training_scheduler):
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-
-    if name == "ddpm":
-        return copy.deepcopy(training_scheduler)
-    if name == "ddim":
-        return DDIMScheduler.from_config(training_scheduler.config)
-    return DPMSolverMultistepScheduler.from_config(training_scheduler.config, algorithm_type="dpmsolver++")
+    return sample.make_scheduler(name, training_scheduler.config)
 
 
 def ema_unet(accelerator, model, ema):
