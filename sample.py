@@ -1,7 +1,9 @@
-"""Generate images from a trained run.
+"""Generate images from a trained run, and measure its FID and KID.
 
     python sample.py ddpm-output --num_images 64 --output samples/
     python sample.py ddpm-output --num_images 16 --sampler ddpm --num_inference_steps 1000 --output slow/
+    python sample.py ddpm-output --fid --num_images 10000                  # against the run's training set
+    python sample.py ddpm-output/best --fid --dataset path/to/images --fid_weights weights-inception.pth
 
 RUN_DIR is a training run's --output_dir (its saved pipeline, or its newest
 checkpoint while it has none), a pipeline folder (`best/`, a reconstructed
@@ -13,7 +15,7 @@ Into --output it writes 000000.png, 000001.png, ... and grid.png (the first
 (--seed, i): the same seed gives the same files, whatever --batch_size.
 
 The samplers are diffusers schedulers built from the training schedule
-(`make_scheduler`); train.py uses the same ones for its grids.
+(`make_scheduler`); train.py uses the same ones for its grids and FID.
 """
 
 import argparse
@@ -235,10 +237,10 @@ def load_model(path, ema=True):
 
 
 def parse_args(argv=None):
-    p = OneLineParser(prog="sample.py", description="Generate images from a trained run.")
+    p = OneLineParser(prog="sample.py", description="Generate images from a trained run; measure FID and KID.")
     p.add_argument("run_dir", help="a run's --output_dir, a pipeline folder or a checkpoint folder")
     p.add_argument("--num_images", type=int, default=16, help="images to generate")
-    p.add_argument("--output", default=None, help="folder for the PNGs and grid.png")
+    p.add_argument("--output", default=None, help="folder for the PNGs and grid.png (optional with --fid)")
     p.add_argument("--batch_size", type=int, default=16, help="images generated at once")
     p.add_argument("--seed", type=int, default=0, help="image i's noise is seeded by (seed, i)")
     p.add_argument("--sampler", default=DEFAULT_SAMPLER, choices=SAMPLERS, help="diffusers scheduler that samples")
@@ -248,6 +250,15 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
 
+    f = p.add_argument_group("FID and KID")
+    f.add_argument("--fid", action=argparse.BooleanOptionalAction, default=False, help="measure FID and KID")
+    f.add_argument(
+        "--dataset", default=None, help="reference images, as train.py's --dataset (default: the run's training set)"
+    )
+    f.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
+    f.add_argument("--split", default=None, help="dataset split (default: the run's, else train)")
+    f.add_argument("--image_column", default=None, help="column holding the images")
+    f.add_argument("--fid_weights", default=None, help="Inception weights file, for machines without internet")
     return p.parse_args(argv)
 
 
@@ -255,8 +266,10 @@ def validate(args):
     for name in ("num_images", "batch_size", "num_inference_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    if args.output is None:
-        raise ConfigError("say where the images go with --output DIR")
+    if args.output is None and not args.fid:
+        raise ConfigError("say where the images go with --output DIR (or measure them with --fid)")
+    if args.fid and args.num_images < 2:
+        raise ConfigError(f"--fid needs --num_images of at least 2 (got {args.num_images})")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if not Path(args.run_dir).exists():
@@ -273,6 +286,8 @@ def main(args):
 
 
 def run(args):
+    import metrics
+
     run_dir = Path(args.run_dir)
     unet, training_config = load_model(run_dir, ema=args.ema)
     unet.to(args.device)
@@ -282,15 +297,21 @@ def run(args):
             f"{training_config['num_train_timesteps']} training timesteps"
         )
     scheduler = make_scheduler(args.sampler, training_config)
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
+    # The Inception weights and the reference statistics before any sampling: a missing file fails now.
+    evaluation = metrics.SampleEvaluation(run_dir, args, unet.config.sample_size) if args.fid else None
+    output = Path(args.output) if args.output else None
+    if output is not None:
+        output.mkdir(parents=True, exist_ok=True)
 
     grid, done = [], 0
     batches = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, args.num_inference_steps)
     for images in batches:
-        for i, image in enumerate(images):
-            save_png(image, output / f"{done + i:06d}.png")
-        grid.extend(images[: max(0, GRID_IMAGES - len(grid))])
+        if evaluation is not None:
+            evaluation.add(images)
+        if output is not None:
+            for i, image in enumerate(images):
+                save_png(image, output / f"{done + i:06d}.png")
+            grid.extend(images[: max(0, GRID_IMAGES - len(grid))])
         done += len(images)
         print(f"generated {done}/{args.num_images}", end="\r", file=sys.stderr)
     print(file=sys.stderr)
@@ -299,8 +320,14 @@ def run(args):
         run=str(run_dir), num_images=args.num_images, seed=args.seed, sampler=args.sampler,
         num_inference_steps=args.num_inference_steps, ema=args.ema,
     )  # fmt: skip
-    save_grid(torch.stack(grid), output / "grid.png")
-    print(f"wrote {args.num_images} images and grid.png to {output}")
+    if output is not None:
+        save_grid(torch.stack(grid), output / "grid.png")
+        print(f"wrote {args.num_images} images and grid.png to {output}")
+    if evaluation is not None:
+        result |= evaluation.result()
+        print(metrics.format_scores(result))
+        if output is not None:
+            (output / "fid.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -31,6 +31,7 @@ import torch
 
 import data
 import flops
+import metrics
 import model as models
 import sample
 from model import ConfigError
@@ -153,6 +154,14 @@ def parse_args(argv=None):
         "--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder to continue from"
     )
 
+    q = p.add_argument_group("sample quality: FID and KID (README: Sampling and evaluation)")
+    q.add_argument("--eval_every_epochs", type=int, default=None, help="FID and KID every N epochs and at the end (default: off)")
+    q.add_argument("--eval_num_samples", type=int, default=10000, help="images generated for each FID/KID")
+    q.add_argument("--fid_batch_size", type=int, default=64, help="images per batch when generating and embedding for FID")
+    q.add_argument(
+        "--fid_weights", default=None, help="Inception weights file for machines without internet (default: downloaded)"
+    )
+
     r = p.add_argument_group("performance report")
     r.add_argument("--logging_steps", type=int, default=50, help="print and log throughput every N steps")
     r.add_argument("--timing_warmup_steps", type=int, default=5, help="steps left out of the timing")
@@ -209,6 +218,18 @@ def validate(args):
     if args.mixed_precision is None:
         gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         args.mixed_precision = "bf16" if gpu_bf16 else "no"
+    return validate_sample_quality(args)
+
+
+def validate_sample_quality(args):
+    """The FID flags."""
+    for name, low in dict(eval_num_samples=2, fid_batch_size=1).items():
+        if getattr(args, name) < low:
+            raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
+    if args.eval_every_epochs is not None and args.eval_every_epochs < 1:
+        raise ConfigError(f"--eval_every_epochs must be at least 1 (got {args.eval_every_epochs})")
+    if args.fid_weights is not None and not Path(args.fid_weights).is_file():
+        raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     return args
 
 
@@ -340,6 +361,10 @@ def train(args):
     )
     device, world = accelerator.device, accelerator.num_processes
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
+    evaluator = None
+    if args.eval_every_epochs and accelerator.is_main_process and not args.dry_run:
+        # Loads the Inception network now: missing weights stop the run before any training.
+        evaluator = metrics.TrainingEvaluator(args, args.output_dir, device, log=accelerator.print)
 
     # Data: decoded (or generated) before the model is built, so that a bad
     # path or file fails in seconds.
@@ -384,6 +409,8 @@ def train(args):
         )
         return config
 
+    if evaluator is not None:
+        evaluator.prepare_reference(images)
     set_seed(args.seed, device_specific=True)  # each process draws its own noise
     if isinstance(images, torch.Tensor) and device.type == "cuda":
         images = images.to(device)  # small enough to sit on the GPU: preload_max_gib
@@ -458,6 +485,17 @@ def train(args):
             save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
         accelerator.wait_for_everyone()
 
+    def evaluate(epoch):
+        """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
+        if evaluator is not None:
+            unet = ema_unet(accelerator, model, ema)
+            save = DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained
+            result = evaluator.evaluate(unet, sampling_scheduler, epoch, global_step, save, accelerator.autocast)
+            accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=global_step)
+            best = " (best so far: saved to best/)" if result["best"] else ""
+            progress.write(f"eval epoch {epoch} step {global_step} | {metrics.format_scores(result)}{best}")
+        accelerator.wait_for_everyone()
+
     timer = flops.StepTimer(device, args.timing_warmup_steps)
     loss_sum, loss_count = torch.zeros((), device=device), 0
     progress = tqdm(
@@ -527,6 +565,9 @@ def train(args):
         last_epoch = global_step >= max_train_steps
         if epoch % args.save_images_epochs == 0 or last_epoch:
             write_samples(epoch)
+            timer.restart()
+        if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last_epoch):
+            evaluate(epoch)
             timer.restart()
         if last_epoch:
             break

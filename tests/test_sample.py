@@ -113,6 +113,17 @@ def test_a_checkpoint_gives_its_ema_weights_by_default_and_raw_ones_with_no_ema(
     assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw)
 
 
+def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, capsys):
+    import metrics
+    from test_metrics import TinyFeatures
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    result = sample_main(tiny_run, "--fid", "--num_images", 6, "--num_inference_steps", 2, "--output", tmp_path)
+    assert result["fid"] > 0 and result["reference_images"] == 32  # the run's training set
+    assert (tiny_run / metrics.REFERENCE_FILE).is_file() and (tmp_path / "fid.json").is_file()
+    assert f"FID {result['fid']:.3f} | KID" in capsys.readouterr().out
+
+
 SAMPLE_ERRORS = [
     (["{run}", "--num_images", "2"], "--output DIR"),
     (["{run}", "--num_images", "0", "--output", "x"], "--num_images must be at least 1"),
