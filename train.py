@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import data
+import ema as posthoc_ema
 import flops
 import metrics
 import model as models
@@ -154,7 +155,18 @@ def parse_args(argv=None):
         "--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder to continue from"
     )
 
-    q = p.add_argument_group("sample quality: FID and KID (README: Sampling and evaluation)")
+    q = p.add_argument_group("sample quality: power EMA, FID and KID (README: Sampling and evaluation)")
+    q.add_argument(
+        "--ema",
+        default="standard",
+        choices=("standard", "power"),
+        help="standard: decay with warm-up (--ema_max_decay ...); power: Karras et al. 2024's power-function EMAs "
+        "with snapshots for post-hoc reconstruction (ema.py reconstruct)",
+    )
+    q.add_argument(
+        "--ema_stds", default="0.05,0.10", help="power EMA: relative widths tracked; the first gives grids, FID and the pipeline"
+    )
+    q.add_argument("--ema_snapshot_every", type=int, default=1000, help="power EMA: snapshot every N steps and at the end")
     q.add_argument("--eval_every_epochs", type=int, default=None, help="FID and KID every N epochs and at the end (default: off)")
     q.add_argument("--eval_num_samples", type=int, default=10000, help="images generated for each FID/KID")
     q.add_argument("--fid_batch_size", type=int, default=64, help="images per batch when generating and embedding for FID")
@@ -222,8 +234,11 @@ def validate(args):
 
 
 def validate_sample_quality(args):
-    """The FID flags."""
-    for name, low in dict(eval_num_samples=2, fid_batch_size=1).items():
+    """The power-EMA and FID flags."""
+    if args.ema == "power" and not args.use_ema:
+        raise ConfigError("--ema power needs an EMA: drop --no-use_ema")
+    args.ema_stds = posthoc_ema.parse_stds(args.ema_stds) if isinstance(args.ema_stds, str) else args.ema_stds
+    for name, low in dict(ema_snapshot_every=1, eval_num_samples=2, fid_batch_size=1).items():
         if getattr(args, name) < low:
             raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
     if args.eval_every_epochs is not None and args.eval_every_epochs < 1:
@@ -444,7 +459,19 @@ def train(args):
     model, optimizer = accelerator.prepare(unet, optimizer)
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = None
-    if args.use_ema:
+    if args.use_ema and args.ema == "power":
+        # step() also writes snapshots to ema_snapshots/ every --ema_snapshot_every steps.
+        ema = posthoc_ema.PowerEMA(
+            accelerator.unwrap_model(model).parameters(),
+            args.ema_stds,
+            names=[name for name, _ in accelerator.unwrap_model(model).named_parameters()],
+            snapshot_dir=Path(args.output_dir) / posthoc_ema.SNAPSHOT_DIR,
+            snapshot_every=args.ema_snapshot_every,
+            write=accelerator.is_main_process,
+        )
+        ema.to(device)
+        accelerator.register_for_checkpointing(ema)
+    elif args.use_ema:
         ema = EMAModel(
             accelerator.unwrap_model(model).parameters(),
             decay=args.ema_max_decay,
@@ -577,6 +604,8 @@ def train(args):
         report(timer.collect())
     timer.collect()
     report(timer.all_times, final=True)
+    if args.use_ema and args.ema == "power":
+        ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
     if accelerator.is_main_process:
         pipeline = DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler)
         pipeline.save_pretrained(str(output_dir))
