@@ -59,7 +59,7 @@ def inception_weights(fid_weights=None):
         torch.hub.download_url_to_file(INCEPTION_URL, str(cached), progress=True)
     except Exception as e:
         raise ConfigError(
-            f"FID needs the Inception weights and they could not be downloaded ({type(e).__name__}: {e}): "
+            f"FID needs the Inception weights and they could not be downloaded ({type(e).__name__}: {' '.join(str(e).split())}): "
             f"on a machine with internet download {INCEPTION_URL} and pass --fid_weights PATH"
         ) from None
     finally:
@@ -128,9 +128,8 @@ def _fid_metric(num_features):
     from torchmetrics.image.fid import FrechetInceptionDistance
 
     # sync_on_compute=False: only the main process evaluates; a sync would wait for the others forever.
-    return FrechetInceptionDistance(
-        feature=_Precomputed(num_features), reset_real_features=False, sync_on_compute=False
-    ).double()
+    # (Its feature sums are float64 already.)
+    return FrechetInceptionDistance(feature=_Precomputed(num_features), reset_real_features=False, sync_on_compute=False)
 
 
 class Reference:

@@ -65,6 +65,9 @@ def make_scheduler(name, training_config):
     Schedules and Sample Steps are Flawed"): the first step is t = T-1, the
     noise level x_T ~ N(0, I) actually has. Set explicitly because
     `from_config` would otherwise carry DDPMScheduler's "leading" over.
+    (diffusers' DDIM steps from t to t - T // steps; when the step count does
+    not divide T that is up to one timestep off the trailing schedule, which
+    is harmless.)
     """
     from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 

@@ -37,7 +37,7 @@ import model as models
 import sample
 from model import ConfigError
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver")
+SAMPLERS = sample.SAMPLERS
 LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
