@@ -147,9 +147,9 @@ def test_a_weights_file_loads_the_inception_network_offline(tmp_path, no_weights
 # --- during training -----------------------------------------------------------------
 
 TINY = [
-    "--model", "tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "8",
+    "--model", "tiny", "--image_size", "16", "--shapes_num_images", "16", "--train_batch_size", "8",
     "--num_inference_steps", "2", "--eval_batch_size", "4", "--lr_warmup_steps", "1", "--dataloader_num_workers", "0",
-    "--timing_warmup_steps", "1", "--save_images_epochs", "100", "--logging_steps", "4", "--checkpointing_steps", "100",
+    "--timing_warmup_steps", "1", "--save_images_epochs", "100", "--logging_steps", "2", "--checkpointing_steps", "100",
 ]  # fmt: skip
 
 
@@ -170,27 +170,27 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
 
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (CountingFeatures(), "tiny-features"))
     out = tmp_path / "run"
-    # 4 steps per epoch, 3 epochs, FID every 2 epochs and at the end: after epochs 1 and 2
-    run(out, "--max_train_steps", 12, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_batch_size", 4)
+    # 2 steps per epoch, 3 epochs, FID every 2 epochs and at the end: after epochs 1 and 2
+    run(out, "--max_train_steps", 6, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_batch_size", 4)
     stdout = capsys.readouterr().out
 
     results = json.loads((out / "eval_results.json").read_text())
-    assert [(r["epoch"], r["step"]) for r in results] == [(1, 8), (2, 12)]
-    assert all(r["fid"] > 0 and r["num_images"] == 6 and r["reference_images"] == 32 for r in results)
+    assert [(r["epoch"], r["step"]) for r in results] == [(1, 4), (2, 6)]
+    assert all(r["fid"] > 0 and r["num_images"] == 6 and r["reference_images"] == 16 for r in results)
     lines = [line for line in stdout.splitlines() if line.startswith("eval epoch")]
     assert [line.split(" | ")[1] for line in lines] == [f"FID {r['fid']:.3f}" for r in results]
     logged = scalars(out)
-    assert [step for step, _ in logged["fid"]] == [8, 12] and [step for step, _ in logged["kid_mean"]] == [8, 12]
+    assert [step for step, _ in logged["fid"]] == [4, 6] and [step for step, _ in logged["kid_mean"]] == [4, 6]
     assert logged["fid"][1][1] == pytest.approx(results[1]["fid"], rel=1e-5)
 
     best = json.loads((out / "best" / "eval.json").read_text())
     assert best["fid"] == min(r["fid"] for r in results)
     DDPMPipeline.from_pretrained(str(out / "best"))
-    assert sum(embedded) == 32 + 2 * 6  # the training set once, then the generated images
+    assert sum(embedded) == 16 + 2 * 6  # the training set once, then the generated images
 
     # a second run in the same folder reads the cached reference statistics
     embedded.clear()
-    run(out, "--max_train_steps", 4, "--eval_every_epochs", 1, "--eval_num_samples", 6)
+    run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6)
     assert sum(embedded) == 6
 
 
