@@ -22,7 +22,7 @@ import torch
 
 # The phases of a training step, in order, then what happens between steps.
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "ema")
-PAUSES = ("sampling", "checkpointing")
+PAUSES = ("sampling", "evaluation", "checkpointing")
 
 
 class Breakdown:

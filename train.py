@@ -30,13 +30,16 @@ import torch
 
 import checkpoint
 import data
+import ema as posthoc_ema
 import flops
+import metrics
 import model as models
 import profiling
+import sample
 from checkpoint import RunError
 from model import ConfigError
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver")
+SAMPLERS = sample.SAMPLERS
 LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -188,6 +191,25 @@ def parse_args(argv=None):
         help="stop at an unreadable image instead of skipping it with a warning",
     )
 
+    q = p.add_argument_group("sample quality: power EMA, FID and KID (README: Sampling and evaluation)")
+    q.add_argument(
+        "--ema",
+        default="standard",
+        choices=("standard", "power"),
+        help="standard: decay with warm-up (--ema_max_decay ...); power: Karras et al. 2024's power-function EMAs "
+        "with snapshots for post-hoc reconstruction (ema.py reconstruct)",
+    )
+    q.add_argument(
+        "--ema_stds", default="0.05,0.10", help="power EMA: relative widths tracked; the first gives grids, FID and the pipeline"
+    )
+    q.add_argument("--ema_snapshot_every", type=int, default=1000, help="power EMA: snapshot every N steps and at the end")
+    q.add_argument("--eval_every_epochs", type=int, default=None, help="FID and KID every N epochs and at the end (default: off)")
+    q.add_argument("--eval_num_samples", type=int, default=10000, help="images generated for each FID/KID")
+    q.add_argument("--fid_batch_size", type=int, default=64, help="images per batch when generating and embedding for FID")
+    q.add_argument(
+        "--fid_weights", default=None, help="Inception weights file for machines without internet (default: downloaded)"
+    )
+
     r = p.add_argument_group("performance report")
     r.add_argument("--logging_steps", type=int, default=50, help="print and log throughput every N steps")
     r.add_argument("--timing_warmup_steps", type=int, default=5, help="steps left out of the timing")
@@ -259,6 +281,21 @@ def validate(args):
     if args.mixed_precision is None:
         gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         args.mixed_precision = "bf16" if gpu_bf16 else "no"
+    return validate_sample_quality(args)
+
+
+def validate_sample_quality(args):
+    """The power-EMA and FID flags."""
+    if args.ema == "power" and not args.use_ema:
+        raise ConfigError("--ema power needs an EMA: drop --no-use_ema")
+    args.ema_stds = posthoc_ema.parse_stds(args.ema_stds) if isinstance(args.ema_stds, str) else args.ema_stds
+    for name, low in dict(ema_snapshot_every=1, eval_num_samples=2, fid_batch_size=1).items():
+        if getattr(args, name) < low:
+            raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
+    if args.eval_every_epochs is not None and args.eval_every_epochs < 1:
+        raise ConfigError(f"--eval_every_epochs must be at least 1 (got {args.eval_every_epochs})")
+    if args.fid_weights is not None and not Path(args.fid_weights).is_file():
+        raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     return args
 
 
@@ -297,13 +334,7 @@ def load_images(args, unreadable):
 
 
 def make_sampling_scheduler(name, training_scheduler):
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-
-    if name == "ddpm":
-        return copy.deepcopy(training_scheduler)
-    if name == "ddim":
-        return DDIMScheduler.from_config(training_scheduler.config)
-    return DPMSolverMultistepScheduler.from_config(training_scheduler.config, algorithm_type="dpmsolver++")
+    return sample.make_scheduler(name, training_scheduler.config)
 
 
 def ema_unet(accelerator, model, ema):
@@ -367,6 +398,10 @@ def train(args):
     )
     device, world = accelerator.device, accelerator.num_processes
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
+    evaluator = None
+    if args.eval_every_epochs and accelerator.is_main_process and not args.dry_run:
+        # Loads the Inception network now: missing weights stop the run before any training.
+        evaluator = metrics.TrainingEvaluator(args, args.output_dir, device, log=accelerator.print)
 
     # Data: decoded (or generated) before the model is built, so that a bad
     # path or file fails in seconds.
@@ -416,6 +451,8 @@ def train(args):
         args.output_dir, config, args.resume, args.resume_from_checkpoint, args.overwrite_output_dir
     )
     accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
+    if evaluator is not None:
+        evaluator.prepare_reference(images)
     set_seed(args.seed, device_specific=True)  # each process draws its own noise
     if isinstance(images, torch.Tensor) and device.type == "cuda":
         images = images.to(device)  # small enough to sit on the GPU: preload_max_gib
@@ -453,7 +490,19 @@ def train(args):
     model, optimizer = accelerator.prepare(unet, optimizer)
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = None
-    if args.use_ema:
+    if args.use_ema and args.ema == "power":
+        # step() also writes snapshots to ema_snapshots/ every --ema_snapshot_every steps.
+        ema = posthoc_ema.PowerEMA(
+            accelerator.unwrap_model(model).parameters(),
+            args.ema_stds,
+            names=[name for name, _ in accelerator.unwrap_model(model).named_parameters()],
+            snapshot_dir=Path(args.output_dir) / posthoc_ema.SNAPSHOT_DIR,
+            snapshot_every=args.ema_snapshot_every,
+            write=accelerator.is_main_process,
+        )
+        ema.to(device)
+        accelerator.register_for_checkpointing(ema)
+    elif args.use_ema:
         ema = EMAModel(
             accelerator.unwrap_model(model).parameters(),
             decay=args.ema_max_decay,
@@ -517,6 +566,21 @@ def train(args):
             progress.write(f"saved {path}")
         timer.restart()
         return path
+
+    def evaluate(epoch):
+        """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
+        with breakdown.pause("evaluation"):
+            _evaluate(epoch)
+
+    def _evaluate(epoch):
+        if evaluator is not None:
+            unet = ema_unet(accelerator, model, ema)
+            save = DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained
+            result = evaluator.evaluate(unet, sampling_scheduler, epoch, global_step, save, accelerator.autocast)
+            accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=global_step)
+            best = " (best so far: saved to best/)" if result["best"] else ""
+            progress.write(f"eval epoch {epoch} step {global_step} | {metrics.format_scores(result)}{best}")
+        accelerator.wait_for_everyone()
 
     timer = flops.StepTimer(device, args.timing_warmup_steps)
     breakdown = profiling.Breakdown(device)
@@ -642,6 +706,9 @@ def train(args):
             if epoch % args.save_images_epochs == 0 or last_epoch:
                 write_samples(epoch)
                 timer.restart()
+            if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last_epoch):
+                evaluate(epoch)
+                timer.restart()
             if last_epoch:
                 break
 
@@ -656,6 +723,8 @@ def train(args):
         )
     parts, wall_s = breakdown.summary()
     accelerator.print(breakdown.format())
+    if args.use_ema and args.ema == "power":
+        ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
     if accelerator.is_main_process:
         pipeline = DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler)
         pipeline.save_pretrained(str(output_dir))
