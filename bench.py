@@ -33,6 +33,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -59,8 +60,13 @@ WORKLOADS = {
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 
 # Everything the ladder does not vary comes from train.py's defaults
-# (learning rate, AdamW betas, EMA decay, clipping, noise schedule, flips).
+# (AdamW betas, EMA decay, clipping, noise schedule, flips, non-finite steps).
 TRAIN_DEFAULTS = train.parse_args([])
+
+
+def train_defaults(workload):
+    """train.py's resolved defaults for a workload's model (its learning rate is the preset's)."""
+    return train.validate(train.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
 
 # Relative error of the loss and of the whole gradient vector against the
 # fp32 eager step, by the precision convolutions and matmuls run in. TF32 and
@@ -76,6 +82,7 @@ STRICT_FP32 = dict(
     cudnn_benchmark=False,
     channels_last=False,
     fused_adam=False,
+    nonfinite_guard=False,
     ema_foreach=False,
     compile_mode=None,
     sync_every=0,
@@ -133,9 +140,11 @@ def _ladder():
     )
     add(
         "fused_adamw",
-        "fused AdamW (one kernel per step) and the EMA as foreach ops",
+        "fused AdamW (one kernel per step; train.py's non-finite guard skips a bad step inside it, "
+        "without a host sync) and the EMA as foreach ops",
         dict(ref128=81, adm64=24),
         fused_adam=True,
+        nonfinite_guard=True,
         ema_foreach=True,
     )
     add(
@@ -173,7 +182,8 @@ def train_default_variant():
         cudnn_benchmark=args.cudnn_benchmark,
         channels_last=args.channels_last,
         fused_adam=args.fused_adam,
-        ema_foreach=True,  # train.py always builds its EMAModel with foreach=True
+        nonfinite_guard=True,  # train.py always checks each step for NaN/inf
+        ema_foreach=True,  # train.py builds its EMAModel with foreach=True
         compile_mode=args.compile_mode if args.compile else None,
         sync_every=args.logging_steps,
     )
@@ -220,7 +230,7 @@ class TrainingStep:
     def __init__(self, settings, workload, init_state, images, device):
         from diffusers.training_utils import EMAModel
 
-        t = TRAIN_DEFAULTS
+        t = self.train_args = train_defaults(workload)
         set_backend_flags(settings)
         self.device, self.images = device, images
         self.unet = models.build_unet(workload["model"], workload["image_size"], device=device)
@@ -236,6 +246,8 @@ class TrainingStep:
             eps=t.adam_epsilon,
         )
         self.model = models.compile_for_training(self.unet, settings["compile_mode"])
+        # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
+        self.guard = train.NonFiniteGuard(self.optimizer, t.on_nonfinite, device) if settings["nonfinite_guard"] else None
         self.ema = EMAModel(
             self.unet.parameters(),
             decay=t.ema_max_decay,
@@ -251,17 +263,19 @@ class TrainingStep:
 
     def loss_and_backward(self, clean, noise, timesteps):
         with torch.autocast(**self.autocast):
-            loss = models.ddpm_loss(self.model, clean, noise, timesteps, self.alphas_cumprod, TRAIN_DEFAULTS.prediction_type)
+            loss = models.ddpm_loss(self.model, clean, noise, timesteps, self.alphas_cumprod, self.train_args.prediction_type)
         loss.backward()
         return loss.detach()
 
     def __call__(self):
-        t = TRAIN_DEFAULTS
+        t = self.train_args
         clean = data.to_model_input(self.images, t.random_flip)
         noise = torch.randn_like(clean)
         timesteps = torch.randint(0, t.num_train_timesteps, (clean.shape[0],), device=self.device)
         loss = self.loss_and_backward(clean, noise, timesteps)
-        torch.nn.utils.clip_grad_norm_(self.unet.parameters(), t.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), t.max_grad_norm or math.inf)
+        if self.guard is not None:
+            self.guard.check(loss, grad_norm, step=0)  # `step` only names the step in a 'stop' error
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.step(self.unet.parameters())

@@ -13,6 +13,7 @@ decoding the batches it skips.
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -237,22 +238,59 @@ def _collate(items):
     return (torch.stack(images) if images else None), errors
 
 
-def _check_decoded(errors):
-    if errors:
-        raise ConfigError(f"{errors[0]}: remove or replace the file")
+class Unreadable:
+    """Images that could not be decoded: skipped with a warning that names each, and counted.
+
+    With `strict` the first one stops the run instead. `verbose=False` keeps
+    the other processes of a multi-process run quiet (they see the same files).
+    """
+
+    def __init__(self, strict=False, verbose=True):
+        self.strict, self.verbose = strict, verbose
+        self.messages = []
+
+    def report(self, errors):
+        for error in errors:
+            if self.strict:
+                raise ConfigError(f"{error}: remove or replace the file (or leave out --strict_data to skip it)")
+            if error not in self.messages:
+                self.messages.append(error)
+                if self.verbose:
+                    print(f"warning: skipping {error}", file=sys.stderr)
+
+    def __len__(self):
+        return len(self.messages)
 
 
-def preload(dataset, num_workers=0, progress=False):
-    """Decode every image once into one uint8 tensor (N, 3, S, S)."""
+def check_readable(dataset, unreadable):
+    """Decode images until one works: a dataset with no readable image fails before training."""
+    for i in range(len(dataset)):
+        image, error = dataset[i]
+        if image is not None:
+            return
+        unreadable.report([error])
+    raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
+
+
+def preload(dataset, num_workers=0, progress=False, unreadable=None):
+    """Decode every image once into one uint8 tensor (N, 3, S, S).
+
+    Unreadable images are passed to `unreadable` (default: strict, the first
+    one is an error) and left out.
+    """
     from tqdm.auto import tqdm
 
+    unreadable = Unreadable(strict=True) if unreadable is None else unreadable
     loader = torch.utils.data.DataLoader(dataset, batch_size=64, num_workers=num_workers, collate_fn=_collate)
     parts = []
     with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
         for images, errors in loader:
-            _check_decoded(errors)
-            parts.append(images)
-            bar.update(len(images))
+            unreadable.report(errors)
+            if images is not None:
+                parts.append(images)
+            bar.update(len(errors) + (0 if images is None else len(images)))
+    if not parts:
+        raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
     return torch.cat(parts)
 
 
@@ -286,10 +324,12 @@ class _IndexBatches(torch.utils.data.Sampler):
 class Batches:
     """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader."""
 
-    def __init__(self, source, batch_size, seed, device, rank=0, world_size=1, num_workers=0):
+    def __init__(self, source, batch_size, seed, device, rank=0, world_size=1, num_workers=0, unreadable=None):
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
         self.preloaded = isinstance(source, torch.Tensor)
+        # Streamed images are decoded every epoch; one that fails makes its batch one image smaller.
+        self.unreadable = Unreadable() if unreadable is None else unreadable
 
     def __len__(self):
         return len(self.source)
@@ -317,7 +357,9 @@ class Batches:
             persistent_workers=False,
         )
         for images, errors in loader:
-            _check_decoded(errors)
+            self.unreadable.report(errors)
+            if images is None:
+                raise ConfigError(f"every image of a batch was unreadable ({errors[0]}): check the dataset")
             yield images.to(self.device, non_blocking=True)
 
 

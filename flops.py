@@ -175,8 +175,10 @@ class StepTimer:
         return times
 
 
-def format_perf_line(step, total_steps, loss, step_time_s, images_per_step, model_flops, perf, peak_words, world=1):
-    """The line users quote: time, throughput, FLOPs, utilization and the peak behind it."""
+def format_perf_line(
+    step, total_steps, loss, step_time_s, images_per_step, model_flops, perf, peak_words, world=1, peak_memory_gib=None
+):
+    """The line users quote: time, throughput, FLOPs, utilization, the peak behind it, and peak memory."""
     parts = [
         f"step {step}/{total_steps}",
         f"loss {loss:.4f}",
@@ -192,6 +194,8 @@ def format_perf_line(step, total_steps, loss, step_time_s, images_per_step, mode
     else:
         parts.append(f"MFU {100 * perf['mfu']:.1f}% HFU {100 * perf['hfu']:.1f}%")
     parts.append(peak_words)
+    if peak_memory_gib is not None:
+        parts.append(f"peak mem {peak_memory_gib:.2f} GiB")
     return " | ".join(parts)
 
 

@@ -31,7 +31,8 @@ def _unet(channels, attention_at, layers_per_block=2, **extra):
     )
 
 
-# name -> description, the image size it was made for, and UNet2DModel kwargs.
+# name -> description, the image size it was made for, the learning rate
+# train.py uses unless --learning_rate is given, and UNet2DModel kwargs.
 # Parameter counts and FLOPs are in the README (from `python flops.py`).
 PRESETS = {
     # The bare `python train.py`: small enough to learn the built-in shapes on a
@@ -39,18 +40,23 @@ PRESETS = {
     "small": dict(
         description="CPU-sized UNet for the built-in dataset",
         image_size=32,
+        # A 1M-parameter UNet tolerates a high rate, and the bare command has
+        # only ~1000 steps to show the shapes.
+        learning_rate=2e-3,
         unet=_unet((32, 64, 64), attention_at=(), layers_per_block=1, norm_num_groups=8),
     ),
     # For tests and smoke runs: a few hundred thousand parameters.
     "tiny": dict(
         description="test-sized UNet",
         image_size=16,
+        learning_rate=2e-3,
         unet=_unet((16, 32), attention_at=(1,), layers_per_block=1, norm_num_groups=8, attention_head_dim=8),
     ),
     # Ho et al. (2020)'s CIFAR-10 network, as in google/ddpm-cifar10-32.
     "ddpm32": dict(
         description="DDPM CIFAR-10 UNet (Ho et al. 2020), 35.7M",
         image_size=32,
+        learning_rate=1e-4,
         unet=_unet((128, 256, 256, 256), attention_at=(1,)),
     ),
     # ADM-style 64px UNet (Dhariwal & Nichol 2021): attention at 16x16 and 8x8
@@ -60,12 +66,14 @@ PRESETS = {
     "adm64": dict(
         description="ADM-style 64px UNet, attention at 16x16 and 8x8",
         image_size=64,
+        learning_rate=1e-4,
         unet=_unet((64, 128, 192, 256), attention_at=(2, 3), attention_head_dim=32),
     ),
     # The diffusers train_unconditional.py model: 113,673,219 parameters.
     "ref128": dict(
         description="diffusers train_unconditional.py UNet, 113.7M",
         image_size=128,
+        learning_rate=1e-4,
         unet=_unet((128, 128, 256, 256, 512, 512), attention_at=(4,)),
     ),
 }

@@ -23,18 +23,23 @@ import copy
 import json
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+import checkpoint
 import data
+import ema as posthoc_ema
 import flops
+import metrics
 import model as models
+import profiling
+import sample
+from checkpoint import RunError
 from model import ConfigError
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver")
+SAMPLERS = sample.SAMPLERS
 LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -102,13 +107,18 @@ def parse_args(argv=None):
     )
 
     t = p.add_argument_group("training")
-    t.add_argument("--train_batch_size", type=int, default=32, help="images per device per micro-batch")
-    t.add_argument("--num_epochs", type=int, default=40, help="passes over the dataset")
+    t.add_argument("--train_batch_size", type=int, default=16, help="images per device per micro-batch")
+    t.add_argument("--num_epochs", type=int, default=8, help="passes over the dataset")
     t.add_argument("--max_train_steps", type=int, default=None, help="optimizer steps; overrides --num_epochs")
     t.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    t.add_argument("--learning_rate", type=float, default=1e-4, help="peak AdamW learning rate")
+    t.add_argument(
+        "--learning_rate",
+        type=float,
+        default=None,
+        help="peak AdamW learning rate (default: the preset's, 1e-4 for ref128, adm64 and ddpm32, 2e-3 for small)",
+    )
     t.add_argument("--lr_scheduler", default="cosine", choices=LR_SCHEDULES, help="learning-rate schedule")
-    t.add_argument("--lr_warmup_steps", type=int, default=500, help="linear warm-up steps")
+    t.add_argument("--lr_warmup_steps", type=int, default=100, help="linear warm-up steps")
     t.add_argument("--adam_beta1", type=float, default=0.95, help="AdamW beta1")
     t.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW beta2")
     t.add_argument("--weight_decay", type=float, default=1e-6, help="AdamW weight decay")
@@ -139,8 +149,13 @@ def parse_args(argv=None):
         help="recompute activations in the backward pass to save memory",
     )
     t.add_argument("--seed", type=int, default=0, help="seeds the data, the model and the noise")
+    t.add_argument(
+        "--cpu",
+        action="store_true",
+        help="train on the CPU even if a GPU is there (needed for several CPU processes: gloo)",
+    )
 
-    s = p.add_argument_group("speed (each defaults to on with a CUDA GPU, off on a CPU; bench.py measures them)")
+    s = p.add_argument_group("speed (bench.py measures each; unset, the switches are on with a CUDA GPU, off with --cpu or none)")
     s.add_argument(
         "--channels_last",
         action=argparse.BooleanOptionalAction,
@@ -162,8 +177,9 @@ def parse_args(argv=None):
     s.add_argument(
         "--fused_adam",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="fused AdamW where torch has it for the device, else foreach",
+        default=True,
+        help="fused AdamW where torch has it for the device (CUDA and CPU do), else foreach; fused skips a "
+        "non-finite step on the device, without a host sync",
     )
     s.add_argument(
         "--cudnn_benchmark",
@@ -174,14 +190,57 @@ def parse_args(argv=None):
 
     o = p.add_argument_group("outputs")
     o.add_argument("--output_dir", default="ddpm-output", help="where samples, checkpoints and the model go")
-    o.add_argument("--save_images_epochs", type=int, default=10, help="write a sample grid every N epochs")
+    o.add_argument("--save_images_epochs", type=int, default=2, help="write a sample grid every N epochs")
     o.add_argument("--eval_batch_size", type=int, default=16, help="images in a sample grid")
     o.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler for the grids")
     o.add_argument("--num_inference_steps", type=int, default=50, help="sampling steps for the grids")
     o.add_argument("--checkpointing_steps", type=int, default=500, help="save a checkpoint every N steps")
     o.add_argument("--checkpoints_total_limit", type=int, default=None, help="keep at most this many checkpoints")
     o.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="continue from the newest checkpoint in --output_dir when there is one (--no-resume: refuse to)",
+    )
+    o.add_argument(
         "--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder to continue from"
+    )
+    o.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="start afresh in an --output_dir that holds another run (its checkpoints are deleted)",
+    )
+
+    f = p.add_argument_group("faults")
+    f.add_argument(
+        "--on_nonfinite",
+        default="skip",
+        choices=("skip", "stop"),
+        help="a step whose loss or gradients are NaN/inf: skip its update and count it, or stop the run",
+    )
+    f.add_argument(
+        "--strict_data",
+        action="store_true",
+        help="stop at an unreadable image instead of skipping it with a warning",
+    )
+
+    q = p.add_argument_group("sample quality: power EMA, FID and KID (README: Sampling and evaluation)")
+    q.add_argument(
+        "--ema",
+        default="standard",
+        choices=("standard", "power"),
+        help="standard: decay with warm-up (--ema_max_decay ...); power: Karras et al. 2024's power-function EMAs "
+        "with snapshots for post-hoc reconstruction (ema.py reconstruct)",
+    )
+    q.add_argument(
+        "--ema_stds", default="0.05,0.10", help="power EMA: relative widths tracked; the first gives grids, FID and the pipeline"
+    )
+    q.add_argument("--ema_snapshot_every", type=int, default=1000, help="power EMA: snapshot every N steps and at the end")
+    q.add_argument("--eval_every_epochs", type=int, default=None, help="FID and KID every N epochs and at the end (default: off)")
+    q.add_argument("--eval_num_samples", type=int, default=10000, help="images generated for each FID/KID")
+    q.add_argument("--fid_batch_size", type=int, default=64, help="images per batch when generating and embedding for FID")
+    q.add_argument(
+        "--fid_weights", default=None, help="Inception weights file for machines without internet (default: downloaded)"
     )
 
     r = p.add_argument_group("performance report")
@@ -191,6 +250,15 @@ def parse_args(argv=None):
         "--peak_tflops", type=float, default=None, help="peak TFLOP/s per device for MFU/HFU (default: from flops.py)"
     )
     r.add_argument("--dry_run", action="store_true", help="print the resolved configuration and FLOPs, then exit")
+    r.add_argument(
+        "--profile",
+        action="store_true",
+        help="record a few steps with torch.profiler: a trace, a top-operator table and chart in output_dir/profile/",
+    )
+    r.add_argument("--profile_steps", type=int, default=3, help="steps recorded by --profile (after 1 skipped and 1 warm-up)")
+    r.add_argument("--profile_top", type=int, default=15, help="operators in the --profile table")
+    r.add_argument("--profile_stack", action="store_true", help="record Python stacks too (slow)")
+    r.add_argument("--profile_only", action="store_true", help="stop once --profile has recorded its steps")
     return p.parse_args(argv)
 
 
@@ -208,6 +276,8 @@ def validate(args):
         save_images_epochs=1,
         checkpointing_steps=1,
         logging_steps=1,
+        profile_steps=1,
+        profile_top=1,
         lr_warmup_steps=0,
         timing_warmup_steps=0,
         dataloader_num_workers=0,
@@ -219,7 +289,7 @@ def validate(args):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
     for name in ("learning_rate", "preload_max_gib", "adam_epsilon"):
-        if not getattr(args, name) > 0:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise ConfigError(f"--{name} must be greater than 0 (got {getattr(args, name)})")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ConfigError(f"--peak_tflops must be greater than 0 (got {args.peak_tflops})")
@@ -233,32 +303,61 @@ def validate(args):
             f"--num_inference_steps ({args.num_inference_steps}) cannot exceed --num_train_timesteps "
             f"({args.num_train_timesteps})"
         )
+    if args.profile_only and not args.profile:
+        raise ConfigError("--profile_only needs --profile")
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no")
     args.model = models.resolve_model_name(args.model, args.image_size)
     models.check_image_size(args.model, args.image_size)
+    if args.learning_rate is None:
+        args.learning_rate = models.PRESETS[args.model]["learning_rate"]
     if args.mixed_precision is None:
         gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         args.mixed_precision = "bf16" if gpu_bf16 else "no"
-    for name in ("channels_last", "compile", "fused_adam", "cudnn_benchmark"):
+    # The fast path is the default with a CUDA GPU (bench.py measures each part).
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    for name in ("channels_last", "compile", "cudnn_benchmark"):
         if getattr(args, name) is None:
-            setattr(args, name, torch.cuda.is_available())
+            setattr(args, name, on_gpu)
+    return validate_sample_quality(args)
+
+
+def validate_sample_quality(args):
+    """The power-EMA and FID flags."""
+    if args.ema == "power" and not args.use_ema:
+        raise ConfigError("--ema power needs an EMA: drop --no-use_ema")
+    args.ema_stds = posthoc_ema.parse_stds(args.ema_stds) if isinstance(args.ema_stds, str) else args.ema_stds
+    for name, low in dict(ema_snapshot_every=1, eval_num_samples=2, fid_batch_size=1).items():
+        if getattr(args, name) < low:
+            raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
+    if args.eval_every_epochs is not None and args.eval_every_epochs < 1:
+        raise ConfigError(f"--eval_every_epochs must be at least 1 (got {args.eval_every_epochs})")
+    if args.fid_weights is not None and not Path(args.fid_weights).is_file():
+        raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     return args
 
 
 def main(args):
-    """Train; a bad flag, path or dataset exits with code 2 and a one-line message."""
+    """Train. Errors are one line: exit code 2 for a bad flag, path or dataset,
+    1 when training cannot go on (disk full, non-finite loss with --on_nonfinite stop);
+    143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved."""
     try:
         return train(validate(args))
     except ConfigError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RunError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
+        print("train.py: interrupted twice: stopped without saving", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 # --- pieces of the run -------------------------------------------------------------
 
 
-def load_images(args, device):
+def load_images(args, unreadable):
     """The training images: a uint8 tensor (preloaded) or a Dataset to stream."""
     if args.dataset == data.BUILTIN:
         return data.make_shapes(args.shapes_num_images, args.image_size, seed=args.seed)
@@ -267,18 +366,13 @@ def load_images(args, device):
     )
     gib = len(dataset) * 3 * args.image_size**2 / 2**30
     if not args.preload_data or not args.center_crop or gib > args.preload_max_gib:
+        data.check_readable(dataset, unreadable)
         return dataset
-    return data.preload(dataset, args.dataloader_num_workers, progress=True)
+    return data.preload(dataset, args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)
 
 
 def make_sampling_scheduler(name, training_scheduler):
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-
-    if name == "ddpm":
-        return copy.deepcopy(training_scheduler)
-    if name == "ddim":
-        return DDIMScheduler.from_config(training_scheduler.config)
-    return DPMSolverMultistepScheduler.from_config(training_scheduler.config, algorithm_type="dpmsolver++")
+    return sample.make_scheduler(name, training_scheduler.config)
 
 
 def ema_unet(accelerator, model, ema):
@@ -308,45 +402,6 @@ def save_sample_grid(unet, scheduler, args, path, accelerator):
     save_image(make_grid(images.float(), nrow=math.ceil(math.sqrt(len(images)))), path)
 
 
-def checkpoint_dirs(output_dir):
-    """Complete checkpoints, oldest first."""
-    root = Path(output_dir) / "checkpoints"
-    found = [p for p in root.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def save_checkpoint(accelerator, output_dir, step, total_limit):
-    """accelerate's save_state plus the step, written atomically: a temporary folder, then a rename."""
-    root = Path(output_dir) / "checkpoints"
-    final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if total_limit is not None:
-            for old in checkpoint_dirs(output_dir)[:-total_limit]:
-                shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def find_resume_checkpoint(args):
-    """The checkpoint folder --resume_from_checkpoint names, or None to start fresh."""
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        found = checkpoint_dirs(args.output_dir)
-        return found[-1] if found else None
-    path = Path(args.resume_from_checkpoint)
-    if not (path / "trainer_state.json").is_file():
-        raise ConfigError(f"--resume_from_checkpoint {path}: not a checkpoint folder (no trainer_state.json)")
-    return path
-
-
 def peak_description(args, device):
     """(peak FLOP/s per device or None, words saying what it is)."""
     precision = flops.matmul_precision(args.mixed_precision, args.allow_tf32 and device.type == "cuda")
@@ -373,6 +428,7 @@ def train(args):
     from tqdm.auto import tqdm
 
     accelerator = Accelerator(
+        cpu=args.cpu,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.dry_run else "tensorboard",
@@ -381,10 +437,15 @@ def train(args):
     device, world = accelerator.device, accelerator.num_processes
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    evaluator = None
+    if args.eval_every_epochs and accelerator.is_main_process and not args.dry_run:
+        # Loads the Inception network now: missing weights stop the run before any training.
+        evaluator = metrics.TrainingEvaluator(args, args.output_dir, device, log=accelerator.print)
 
     # Data: decoded (or generated) before the model is built, so that a bad
     # path or file fails in seconds.
-    images = load_images(args, device)
+    unreadable = data.Unreadable(strict=args.strict_data, verbose=accelerator.is_main_process)
+    images = load_images(args, unreadable)
     images_per_step = args.train_batch_size * world * args.gradient_accumulation_steps
     if len(images) < images_per_step:
         raise ConfigError(
@@ -425,6 +486,12 @@ def train(args):
         )
         return config
 
+    start_from = checkpoint.choose_start(
+        args.output_dir, config, args.resume, args.resume_from_checkpoint, args.overwrite_output_dir
+    )
+    accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
+    if evaluator is not None:
+        evaluator.prepare_reference(images)
     set_seed(args.seed, device_specific=True)  # each process draws its own noise
     if isinstance(images, torch.Tensor) and device.type == "cuda":
         images = images.to(device)  # small enough to sit on the GPU: preload_max_gib
@@ -436,6 +503,7 @@ def train(args):
         accelerator.process_index,
         world,
         args.dataloader_num_workers,
+        unreadable,
     )
 
     unet = models.build_unet(args.model, args.image_size)
@@ -445,6 +513,9 @@ def train(args):
     sampling_scheduler = make_sampling_scheduler(args.sampler, noise_scheduler)
     alphas_cumprod = noise_scheduler.alphas_cumprod.to(device)
 
+    # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and
+    # it can skip a step on the device (see NonFiniteGuard), so a NaN costs no
+    # host sync per step. channels_last converts the UNet in place first.
     optimizer = models.prepare_for_training(
         unet,
         args.channels_last,
@@ -461,7 +532,19 @@ def train(args):
     step_model = models.compile_for_training(model, args.compile_mode if args.compile else None)
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = None
-    if args.use_ema:
+    if args.use_ema and args.ema == "power":
+        # step() also writes snapshots to ema_snapshots/ every --ema_snapshot_every steps.
+        ema = posthoc_ema.PowerEMA(
+            accelerator.unwrap_model(model).parameters(),
+            args.ema_stds,
+            names=[name for name, _ in accelerator.unwrap_model(model).named_parameters()],
+            snapshot_dir=Path(args.output_dir) / posthoc_ema.SNAPSHOT_DIR,
+            snapshot_every=args.ema_snapshot_every,
+            write=accelerator.is_main_process,
+        )
+        ema.to(device)
+        accelerator.register_for_checkpointing(ema)
+    elif args.use_ema:
         ema = EMAModel(
             accelerator.unwrap_model(model).parameters(),
             decay=args.ema_max_decay,
@@ -473,16 +556,20 @@ def train(args):
         ema.to(device)
         accelerator.register_for_checkpointing(ema)
 
-    global_step = 0
-    resume_from = find_resume_checkpoint(args)
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+    global_step, skipped_before = 0, 0
+    if start_from is not None:
+        accelerator.load_state(str(start_from))
         if ema is not None:
             ema.to(device)
-        global_step = json.loads((resume_from / "trainer_state.json").read_text())["step"]
-        accelerator.print(f"resumed from {resume_from} at step {global_step}")
-    elif args.resume_from_checkpoint == "latest":
-        accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints: starting from scratch")
+        state = checkpoint.read_state(start_from)
+        global_step, skipped_before = state["step"], state.get("skipped_nonfinite", 0)
+        accelerator.print(f"resumed from {start_from} at step {global_step}")
+    if global_step >= max_train_steps:
+        accelerator.print(
+            f"{args.output_dir} is already trained to step {global_step} of {max_train_steps}: "
+            "raise --max_train_steps or --num_epochs to train longer"
+        )
+        return config
 
     output_dir = Path(args.output_dir)
     if accelerator.is_main_process:
@@ -497,26 +584,61 @@ def train(args):
     )
 
     def write_samples(epoch):
+        with breakdown.pause("sampling"):
+            _write_samples(epoch)
+
+    def _write_samples(epoch):
         if accelerator.is_main_process:
             path = output_dir / "samples" / f"{epoch:04d}.png"
-            save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
+            try:
+                save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
+            except OSError as e:
+                raise RunError(f"could not write {path} ({e.strerror or e}): free space and run the same command again") from None
+        accelerator.wait_for_everyone()
+
+    guard = NonFiniteGuard(optimizer, args.on_nonfinite, device)
+
+    def save_checkpoint():
+        if not weights_finite(model):  # never replace a good checkpoint with a broken state
+            raise RunError(f"the weights are not finite at step {global_step}: not saving a checkpoint; resume from the last one")
+        state = dict(skipped_nonfinite=skipped_before + guard.count(), run=checkpoint.run_identity(config))
+        with breakdown.pause("checkpointing"):
+            path = checkpoint.save(accelerator, output_dir, global_step, state, args.checkpoints_total_limit)
+        if accelerator.is_local_main_process:
+            progress.write(f"saved {path}")
+        timer.restart()
+        return path
+
+    def evaluate(epoch):
+        """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
+        with breakdown.pause("evaluation"):
+            _evaluate(epoch)
+
+    def _evaluate(epoch):
+        if evaluator is not None:
+            unet = ema_unet(accelerator, model, ema)
+            save = DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained
+            result = evaluator.evaluate(unet, sampling_scheduler, epoch, global_step, save, accelerator.autocast)
+            accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=global_step)
+            best = " (best so far: saved to best/)" if result["best"] else ""
+            progress.write(f"eval epoch {epoch} step {global_step} | {metrics.format_scores(result)}{best}")
         accelerator.wait_for_everyone()
 
     timer = flops.StepTimer(device, args.timing_warmup_steps)
-    loss_sum, loss_count = torch.zeros((), device=device), 0
-    progress = tqdm(
-        total=max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps"
-    )
+    breakdown = profiling.Breakdown(device)
+    loss_sum, loss_count = torch.zeros((), device=device), torch.zeros((), device=device)
+    started_at = profiling.now_iso()
 
     last_loss = float("nan")
 
     def report(step_times, final=False):
         """Log the loss since the last report and print the throughput line."""
-        nonlocal loss_sum, loss_count, last_loss
-        if loss_count:
-            last_loss = (loss_sum / loss_count).item()  # the one host sync per log interval
+        nonlocal last_loss
+        count = loss_count.item()  # the one host sync per log interval
+        if count:
+            last_loss = (loss_sum / count).item()
             loss_sum.zero_()
-            loss_count = 0
+            loss_count.zero_()
             accelerator.log(dict(loss=last_loss, lr=lr_scheduler.get_last_lr()[0]), step=global_step)
         if not step_times:
             line = f"step {global_step}/{max_train_steps} | loss {last_loss:.4f} | timing: still warming up"
@@ -524,8 +646,9 @@ def train(args):
             step_time_s = flops.median(step_times)
             perf = flops.utilization(model_flops, hardware_flops, step_time_s, peak_flops and peak_flops * world)
             line = flops.format_perf_line(
-                global_step, max_train_steps, last_loss, step_time_s, images_per_step, model_flops, perf, peak_words, world
-            )
+                global_step, max_train_steps, last_loss, step_time_s, images_per_step, model_flops, perf, peak_words,
+                world, profiling.peak_memory_gib(device),
+            )  # fmt: skip
             if not final:
                 progress.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{images_per_step / step_time_s:.1f}")
                 logs = dict(step_time_s=step_time_s, images_per_s=images_per_step / step_time_s)
@@ -533,60 +656,197 @@ def train(args):
         if accelerator.is_local_main_process:
             progress.write(("final: " if final else "") + line)
 
+    def stop_requested(signals):
+        """Whether to stop now. Processes must agree, or one would wait in save_state for
+        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps."""
+        if world == 1:
+            return signals.requested
+        if global_step % STOP_CHECK_STEPS:
+            return False
+        flag = torch.tensor(float(signals.requested), device=device)
+        return accelerator.reduce(flag, reduction="sum").item() > 0
+
+    def stop_for_signal(signals):
+        """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""
+        progress.close()
+        saved = checkpoint.checkpoint_dirs(output_dir)
+        path = saved[-1] if saved and checkpoint.read_state(saved[-1])["step"] == global_step else save_checkpoint()
+        accelerator.print(
+            f"stopped by {signals.received.name} at step {global_step}: saved {path}; "
+            "run the same command again to continue"
+        )
+        accelerator.end_training()
+        raise SystemExit(signals.exit_code)
+
+    # --profile: torch.profiler on rank 0 over a few steps (1 skipped, 1 warm-up, then recorded).
+    profiler, profile_until = None, global_step + 2 + args.profile_steps
+    if args.profile and accelerator.is_main_process:
+        profiler = profiling.make_profiler(
+            output_dir / "profile", 1, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack
+        )
+        profiler.start()
+
     first_epoch = global_step // steps_per_epoch
     model.train()
-    for epoch in range(first_epoch, num_epochs):
-        start = (global_step - epoch * steps_per_epoch) * args.gradient_accumulation_steps
-        micro_batches = batches.epoch(epoch, start=start)
-        timer.restart()
-        while global_step < min(max_train_steps, (epoch + 1) * steps_per_epoch):
-            for _ in range(args.gradient_accumulation_steps):
-                clean = data.to_model_input(next(micro_batches), args.random_flip)
-                noise = torch.randn_like(clean)
-                timesteps = torch.randint(0, args.num_train_timesteps, (clean.shape[0],), device=device)
-                with accelerator.accumulate(model):
-                    loss = models.ddpm_loss(step_model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and args.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                loss_sum += loss.detach()
-                loss_count += 1
-            lr_scheduler.step()
-            if ema is not None:
-                ema.step(model.parameters())
-            global_step += 1
-            timer.step_done()
-            progress.update(1)
-
-            if global_step % args.logging_steps == 0:
-                report(timer.collect())
-            if global_step % args.checkpointing_steps == 0:
-                path = save_checkpoint(accelerator, output_dir, global_step, args.checkpoints_total_limit)
-                if accelerator.is_local_main_process:
-                    progress.write(f"saved {path}")
-                timer.restart()
-
-        last_epoch = global_step >= max_train_steps
-        if epoch % args.save_images_epochs == 0 or last_epoch:
-            write_samples(epoch)
+    progress = tqdm(
+        total=max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps"
+    )
+    breakdown.start()
+    with checkpoint.StopSignals() as signals, progress:  # the bar is closed before any error is printed
+        for epoch in range(first_epoch, num_epochs):
+            start = (global_step - epoch * steps_per_epoch) * args.gradient_accumulation_steps
+            micro_batches = batches.epoch(epoch, start=start)
             timer.restart()
-        if last_epoch:
-            break
+            while global_step < min(max_train_steps, (epoch + 1) * steps_per_epoch):
+                breakdown.begin_step()
+                for _ in range(args.gradient_accumulation_steps):
+                    clean = data.to_model_input(next(micro_batches), args.random_flip)
+                    noise = torch.randn_like(clean)
+                    timesteps = torch.randint(0, args.num_train_timesteps, (clean.shape[0],), device=device)
+                    breakdown.phase_done("data")
+                    with accelerator.accumulate(model):
+                        loss = models.ddpm_loss(step_model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
+                        breakdown.phase_done("forward")
+                        accelerator.backward(loss)
+                        breakdown.phase_done("backward")
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                            guard.check(loss, grad_norm, global_step + 1)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    finite = torch.isfinite(loss.detach())  # a skipped NaN is counted by the guard, not averaged
+                    loss_sum += torch.where(finite, loss.detach(), 0.0)
+                    loss_count += finite
+                    breakdown.phase_done("optimizer")
+                lr_scheduler.step()
+                if ema is not None:
+                    ema.step(model.parameters())
+                breakdown.phase_done("ema")
+                global_step += 1
+                timer.step_done()
+                progress.update(1)
 
-    progress.close()
-    if loss_count:
+                if profiler is not None:
+                    profiler.step()
+                    if global_step == profile_until:  # the trace and table are written
+                        profiler.stop()
+                        profiler = None
+                if args.profile_only and global_step == profile_until:
+                    progress.close()
+                    accelerator.print(f"stopped after profiling at step {global_step}: see {output_dir / 'profile'}")
+                    accelerator.end_training()
+                    return config
+                if global_step % args.logging_steps == 0:
+                    report(timer.collect())
+                    breakdown.collect()
+                if global_step % args.checkpointing_steps == 0 or global_step == max_train_steps:
+                    save_checkpoint()
+                if stop_requested(signals):
+                    stop_for_signal(signals)
+
+            last_epoch = global_step >= max_train_steps
+            if epoch % args.save_images_epochs == 0 or last_epoch:
+                write_samples(epoch)
+                timer.restart()
+            if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last_epoch):
+                evaluate(epoch)
+                timer.restart()
+            if last_epoch:
+                break
+
+    if global_step % args.logging_steps:
         report(timer.collect())
     timer.collect()
     report(timer.all_times, final=True)
+    skipped = skipped_before + guard.count()
+    if skipped or len(unreadable):
+        accelerator.print(
+            f"skipped {skipped} step(s) with a non-finite loss or gradient and {len(unreadable)} unreadable image(s)"
+        )
+    parts, wall_s = breakdown.summary()
+    accelerator.print(breakdown.format())
+    if args.use_ema and args.ema == "power":
+        ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
     if accelerator.is_main_process:
         pipeline = DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler)
         pipeline.save_pretrained(str(output_dir))
         accelerator.print(f"saved the pipeline to {output_dir}; sample grids in {output_dir / 'samples'}")
+        step_time_s = flops.median(timer.all_times) if timer.all_times else None
+        perf = flops.utilization(model_flops, hardware_flops, step_time_s, peak_flops and peak_flops * world) if step_time_s else {}
+        profiling.write_manifest(
+            output_dir / "run.json",
+            config=config,
+            git_commit=profiling.git_commit(),
+            versions=profiling.library_versions(),
+            device=profiling.device_facts(device, world),
+            start_time=started_at,
+            end_time=profiling.now_iso(),
+            steps=global_step,
+            skipped_nonfinite_steps=skipped,
+            unreadable_images=len(unreadable),
+            final_loss=last_loss,
+            median_step_time_s=step_time_s,
+            images_per_s=images_per_step / step_time_s if step_time_s else None,
+            achieved_flops=perf.get("achieved_flops"),
+            mfu=perf.get("mfu"),
+            hfu=perf.get("hfu"),
+            peak=peak_words,
+            peak_memory_gib=profiling.peak_memory_gib(device),
+            train_wall_s=wall_s,
+            time_breakdown_s=parts,
+            samples_dir=str(output_dir / "samples"),
+            checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(output_dir)],
+            pipeline_dir=str(output_dir),
+        )
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    accelerator.end_training()  # flushes the tensorboard logs that the plots read
+    if accelerator.is_main_process:
+        profiling.draw_run_plots(output_dir)
     return config
+
+
+# With several processes, how often they agree on whether a signal asked them to stop.
+STOP_CHECK_STEPS = 10
+
+
+class NonFiniteGuard:
+    """Keeps a step whose loss or gradients are NaN/inf from changing the weights.
+
+    A fused AdamW takes the decision on the device: given `found_inf` (the
+    hook torch's GradScaler uses) it leaves weights, moments and step count
+    as they were, so 'skip' costs no host sync. Otherwise, and for 'stop',
+    the flag is read on the host every step.
+    """
+
+    def __init__(self, optimizer, mode, device):
+        self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+        self.mode = mode
+        self.on_device = mode == "skip" and bool(self.inner.defaults.get("fused"))
+        self.skipped = torch.zeros((), device=device)
+
+    def check(self, loss, grad_norm, step):
+        bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss.detach()))
+        self.skipped += bad
+        if self.on_device:
+            self.inner.found_inf = bad.float()
+            return
+        if bad.item():
+            if self.mode == "stop":
+                raise RunError(
+                    f"non-finite loss or gradient at step {step} (--on_nonfinite stop): lower --learning_rate "
+                    "or use --on_nonfinite skip; the last checkpoint holds the state before it"
+                )
+            for group in self.inner.param_groups:  # without a fused optimizer, drop the gradients
+                for p in group["params"]:
+                    p.grad = None
+
+    def count(self):
+        return int(self.skipped.item())
+
+
+def weights_finite(model):
+    norms = torch._foreach_norm([p.detach() for p in model.parameters()])
+    return bool(torch.isfinite(torch.stack(norms)).all())
 
 
 if __name__ == "__main__":

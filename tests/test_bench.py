@@ -51,6 +51,7 @@ def test_each_variant_matches_the_fp32_eager_step(fixed_step, variant):
     # the variant is what its settings say
     assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last) == settings["channels_last"]
     assert bool(step.optimizer.defaults["fused"]) == settings["fused_adam"]
+    assert (step.guard is not None) == settings["nonfinite_guard"]
     assert step.ema.foreach == settings["ema_foreach"]
     assert (step.model is step.unet) == (settings["compile_mode"] is None)
 
@@ -244,11 +245,14 @@ def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys)
 
 
 def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
-    flags = ("compile", "channels_last", "fused_adam", "cudnn_benchmark")
+    flags = ("compile", "channels_last", "cudnn_benchmark")
     cpu = train.validate(train.parse_args([]))
     assert not any(getattr(cpu, f) for f in flags)
+    assert cpu.fused_adam  # fused AdamW runs on a CPU too, and is what the non-finite guard skips steps in
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = train.validate(train.parse_args(["--mixed_precision", "no"]))
-    assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "default"
+    assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "default" and gpu.fused_adam
     chosen = train.validate(train.parse_args(["--mixed_precision", "no", "--no-compile", "--no-fused_adam"]))
     assert not chosen.compile and not chosen.fused_adam and chosen.channels_last
+    forced_cpu = train.validate(train.parse_args(["--mixed_precision", "no", "--cpu"]))
+    assert not any(getattr(forced_cpu, f) for f in flags)

@@ -118,7 +118,10 @@ def test_unreadable_image_is_named(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     dataset = data.open_dataset(str(tmp_path), image_size=8)
     with pytest.raises(ConfigError, match="cannot read image .*broken.png"):
-        data.preload(dataset)
+        data.preload(dataset)  # strict unless told otherwise
+    unreadable = data.Unreadable(verbose=False)
+    images = data.preload(dataset, unreadable=unreadable)
+    assert len(images) == 1 and len(unreadable) == 1 and "broken.png" in unreadable.messages[0]
 
 
 def test_unreachable_hub_dataset_is_one_clear_error():

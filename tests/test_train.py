@@ -59,9 +59,10 @@ def test_end_to_end_run_writes_every_output(tmp_path, capsys):
     image = pipeline(batch_size=1, num_inference_steps=2, output_type="np").images
     assert image.shape == (1, 16, 16, 3)
 
-    # checkpoints every 2 steps, only the newest 2 kept, nothing half-written left behind
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-6", "checkpoint-8"]
-    assert json.loads((out / "checkpoints" / "checkpoint-8" / "trainer_state.json").read_text()) == {"step": 8}
+    # checkpoints every 2 steps and at the end, only the newest 2 kept, nothing half-written left behind
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-8", "checkpoint-9"]
+    state = json.loads((out / "checkpoints" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["skipped_nonfinite"] == 0 and state["run"]["model"] == "tiny"
 
     # the resolved configuration
     saved = json.loads((out / "train_config.json").read_text())
@@ -97,7 +98,7 @@ def test_dry_run_prints_the_configuration_and_flops_and_writes_nothing(tmp_path,
     stdout = capsys.readouterr().out
     assert "model tiny: 177,427 parameters" in stdout
     assert f"{config['model_flops_per_step'] / 1e12:.4g} TFLOP per step" in stdout
-    assert re.search(r"^learning_rate\s+0.0001$", stdout, re.M)
+    assert re.search(r"^learning_rate\s+0.002$", stdout, re.M)  # the tiny preset's default, resolved
     assert not (tmp_path / "dry").exists()
 
 
@@ -167,7 +168,7 @@ def visible(stream):
 BAD_INPUTS = [
     (["--dataset", "./no/such/folder"], "no such folder"),
     (["--dataset", "{empty}"], "no images"),
-    (["--dataset", "{broken}"], "cannot read image"),
+    (["--dataset", "{broken}", "--strict_data"], "cannot read image"),
     (["--model", "huge"], "unknown --model 'huge'"),
     (["--model", "ref128", "--image_size", "100"], "multiple of 32"),
     (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
@@ -194,6 +195,15 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, flags, message)
     assert exit_info.value.code == 2
     err = visible(capsys.readouterr().err)
     assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+
+
+def test_the_reference_command_builds_the_reference_model(tmp_path, capsys):
+    argv = ["--image_size", "128", "--train_batch_size", "64", "--num_epochs", "50", "--learning_rate", "1e-4",
+            "--shapes_num_images", "64", "--dry_run", "--output_dir", str(tmp_path)]  # fmt: skip
+    config = train.main(train.parse_args(argv))
+    assert config["model"] == "ref128" and config["params"] == 113_673_219
+    assert config["learning_rate"] == 1e-4 and config["total_train_steps"] == 50
+    assert config["model_flops_per_step"] == pytest.approx(23.82e12, rel=0.005)
 
 
 def test_bad_input_from_the_command_line(tmp_path):

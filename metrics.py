@@ -1,0 +1,362 @@
+"""FID and KID of generated images: features, cached reference statistics, best checkpoint.
+
+The arithmetic is torchmetrics' (FrechetInceptionDistance,
+KernelInceptionDistance); the network is torch-fidelity's Inception-v3 with
+the weights of the original TensorFlow FID code, loaded through torchmetrics
+(`NoTrainInceptionV3`). Features are computed once per image and handed to
+both metrics through a pass-through "feature extractor", so the Inception
+network runs once per image, not once per metric, and a cached reference needs
+no images at all.
+
+Weights: `--fid_weights PATH`, else torch's hub cache, else a download from
+`INCEPTION_URL` at start-up; when none works, a one-line error before anything
+is trained or sampled.
+"""
+
+import json
+import os
+import shutil
+import socket
+import warnings
+from pathlib import Path
+
+import torch
+
+import data
+from model import ConfigError
+
+# torch-fidelity's URL_INCEPTION_V3, the file torchmetrics downloads (a test keeps them equal).
+INCEPTION_URL = (
+    "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
+)
+INCEPTION_FEATURES = "2048"  # the pool3 features FID is defined on
+# KID keeps every feature vector; beyond this many images per side its
+# estimate (subsets of KID_SUBSET_SIZE) no longer improves, memory still grows.
+KID_MAX_IMAGES = 10_000
+KID_SUBSET_SIZE = 1000
+KID_SUBSETS = 100
+REFERENCE_FILE = "fid_reference.pt"
+RESULTS_FILE = "eval_results.json"
+
+
+# --- the feature extractor -----------------------------------------------------------
+
+
+def inception_weights(fid_weights=None):
+    """Path of the Inception weights: the given file, the hub cache, or a fresh download."""
+    if fid_weights is not None:
+        path = Path(fid_weights).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--fid_weights {fid_weights}: no such file")
+        return path
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / INCEPTION_URL.rsplit("/", 1)[1]
+    if cached.is_file():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)  # a network that drops packets fails in a minute, not never
+    try:
+        torch.hub.download_url_to_file(INCEPTION_URL, str(cached), progress=True)
+    except Exception as e:
+        raise ConfigError(
+            f"FID needs the Inception weights and they could not be downloaded ({type(e).__name__}: {' '.join(str(e).split())}): "
+            f"on a machine with internet download {INCEPTION_URL} and pass --fid_weights PATH"
+        ) from None
+    finally:
+        socket.setdefaulttimeout(previous)
+    return cached
+
+
+def feature_extractor(fid_weights=None):
+    """(Inception-v3 returning 2048 pool features for uint8 images of any size, its name)."""
+    from torchmetrics.image.fid import NoTrainInceptionV3
+
+    path = inception_weights(fid_weights)
+    try:
+        network = NoTrainInceptionV3(
+            name="inception-v3-compat", features_list=[INCEPTION_FEATURES], feature_extractor_weights_path=str(path)
+        )
+    except Exception as e:
+        raise ConfigError(f"cannot load Inception weights from {path} ({type(e).__name__}): pass a valid --fid_weights file") from None
+    return network, f"inception-v3-compat:{INCEPTION_FEATURES}:{path.name}"
+
+
+def uint8_batches(images, batch_size, num_workers=0):
+    """uint8 batches from a (N, 3, S, S) tensor or from a dataset of such images."""
+    if isinstance(images, torch.Tensor):
+        for start in range(0, len(images), batch_size):
+            yield images[start : start + batch_size]
+        return
+    loader = torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers, collate_fn=data._collate)
+    for batch, errors in loader:
+        data._check_decoded(errors)
+        yield batch
+
+
+@torch.no_grad()
+def embed(extractor, batches, device):
+    """Features (N, D) in float64 on the CPU of every uint8 batch.
+
+    TF32 is off while the extractor runs, so the features (and the FID) do not
+    depend on whether training allowed it.
+    """
+    extractor = extractor.to(device).eval()
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        parts = [extractor(batch.to(device)).double().cpu() for batch in batches]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    return torch.cat(parts)
+
+
+# --- the metrics ---------------------------------------------------------------------
+
+
+class _Precomputed(torch.nn.Module):
+    """The "feature extractor" torchmetrics gets: the features are already computed."""
+
+    def __init__(self, num_features):
+        super().__init__()
+        self.num_features = num_features
+
+    def forward(self, features):
+        return features
+
+
+def _fid_metric(num_features):
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    # sync_on_compute=False: only the main process evaluates; a sync would wait for the others forever.
+    # (Its feature sums are float64 already.)
+    return FrechetInceptionDistance(feature=_Precomputed(num_features), reset_real_features=False, sync_on_compute=False)
+
+
+class Reference:
+    """The reference set's statistics: FID's feature sums (all images) and KID's features (up to KID_MAX_IMAGES)."""
+
+    FID_STATES = ("real_features_sum", "real_features_cov_sum", "real_features_num_samples")
+
+    def __init__(self, fid_state, kid_features, key):
+        self.fid_state, self.kid_features, self.key = fid_state, kid_features, key
+
+    @classmethod
+    def from_features(cls, features, key):
+        if len(features) < 2:
+            raise ConfigError(f"FID needs at least 2 reference images (the dataset has {len(features)})")
+        fid = _fid_metric(features.shape[1])
+        fid.update(features, real=True)
+        state = {name: getattr(fid, name).clone() for name in cls.FID_STATES}
+        # A fixed random subset, so that KID does not see only the dataset's first files.
+        keep = torch.randperm(len(features), generator=torch.Generator().manual_seed(0))[:KID_MAX_IMAGES]
+        return cls(state, features[keep.sort().values].float(), key)
+
+    @property
+    def num_images(self):
+        return int(self.fid_state["real_features_num_samples"])
+
+    def save(self, path):
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(dict(key=self.key, fid_state=self.fid_state, kid_features=self.kid_features), tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path, key):
+        """The cached reference at `path` if it was computed for `key`, else None."""
+        if not path.is_file():
+            return None
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved["key"] != key:
+            return None
+        return cls(saved["fid_state"], saved["kid_features"], saved["key"])
+
+    def scores(self, features, device="cpu"):
+        """{'fid', 'kid_mean', 'kid_std'} of generated-image `features` (N, D) against this reference.
+
+        Computed on `device`: KID's kernels are a few TFLOP at 10k images, a GPU's work.
+        """
+        from torchmetrics.image.kid import KernelInceptionDistance
+
+        if len(features) < 2:
+            raise ConfigError(f"FID needs at least 2 generated images (got {len(features)})")
+        fid = _fid_metric(features.shape[1]).to(device)
+        for name, value in self.fid_state.items():
+            setattr(fid, name, value.clone().to(device))
+        fid.update(features.double().to(device), real=False)
+
+        fake = features[:KID_MAX_IMAGES].float()
+        subset = min(KID_SUBSET_SIZE, len(fake), len(self.kid_features))
+        with warnings.catch_warnings():  # that KID keeps every feature is why KID_MAX_IMAGES exists
+            warnings.filterwarnings("ignore", "Metric `Kernel Inception Distance` will save all extracted features")
+            kid = KernelInceptionDistance(
+                feature=_Precomputed(features.shape[1]), subsets=KID_SUBSETS, subset_size=subset, sync_on_compute=False
+            )
+        kid.update(self.kid_features.to(device), real=True)
+        kid.update(fake.to(device), real=False)
+        # KID draws its subsets with the global RNG: a private, seeded one keeps the
+        # score reproducible and leaves the training's random stream untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            kid_mean, kid_std = kid.compute()
+        return dict(fid=float(fid.compute()), kid_mean=float(kid_mean), kid_std=float(kid_std))
+
+
+def cached_reference(folder, key, get_images, extractor, device, batch_size, num_workers=0, log=print):
+    """The reference statistics of `get_images()`, read from folder/fid_reference.pt when made for `key`."""
+    path = Path(folder) / REFERENCE_FILE
+    reference = Reference.load(path, key)
+    if reference is not None:
+        return reference
+    images = get_images()
+    log(f"computing FID reference statistics of {len(images)} images (once: cached in {path})")
+    features = embed(extractor, uint8_batches(images, batch_size, num_workers), device)
+    reference = Reference.from_features(features, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reference.save(path)
+    return reference
+
+
+def reference_key(options, image_size, extractor_name):
+    """What the reference statistics depend on: the dataset options, the size, the network."""
+    key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column", "center_crop")}
+    if options.get("dataset") == data.BUILTIN:
+        key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"))
+    return key | dict(image_size=image_size, extractor=extractor_name)
+
+
+def format_scores(result):
+    return (
+        f"FID {result['fid']:.3f} | KID {result['kid_mean']:.5f} ± {result['kid_std']:.5f} | "
+        f"{result['num_images']} images, {result['sampler']} {result['num_inference_steps']} steps, "
+        f"against {result['reference_images']} reference images"
+    )
+
+
+# --- the best checkpoint -------------------------------------------------------------
+
+
+class BestCheckpoint:
+    """Keeps in `folder` the pipeline with the lowest FID so far, with its scores in eval.json.
+
+    The best FID survives a restart: it is read back from folder/eval.json.
+    """
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        scores = self.folder / "eval.json"
+        self.best_fid = json.loads(scores.read_text())["fid"] if scores.is_file() else float("inf")
+
+    def offer(self, result, save):
+        """Keep `save(folder)`'s output if result['fid'] is the lowest yet (a NaN never is). True if kept."""
+        if not result["fid"] < self.best_fid:
+            return False
+        tmp = self.folder.with_name(f".tmp-{self.folder.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save(tmp)
+        (tmp / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        shutil.rmtree(self.folder, ignore_errors=True)  # the old best goes only once the new one is complete
+        os.replace(tmp, self.folder)
+        self.best_fid = result["fid"]
+        return True
+
+
+# --- during training -----------------------------------------------------------------
+
+
+class TrainingEvaluator:
+    """FID and KID of the EMA weights every --eval_every_epochs, for train.py (main process only).
+
+    Creating it loads the Inception network, so missing weights stop the run
+    before training. Results go to eval_results.json in the run folder; the
+    best pipeline by FID to best/.
+    """
+
+    def __init__(self, args, output_dir, device, log=print):
+        self.args, self.output_dir, self.device, self.log = args, Path(output_dir), device, log
+        self.extractor, self.extractor_name = feature_extractor(args.fid_weights)
+        self.best = BestCheckpoint(self.output_dir / "best")
+        self.reference = None
+
+    def prepare_reference(self, images):
+        """Reference statistics of the training images (computed once, then read from the run folder)."""
+        key = reference_key(vars(self.args), self.args.image_size, self.extractor_name)
+        self.reference = cached_reference(
+            self.output_dir, key, lambda: images, self.extractor, self.device, self.args.fid_batch_size,
+            self.args.dataloader_num_workers, self.log,
+        )  # fmt: skip
+
+    def evaluate(self, unet, scheduler, epoch, step, save_pipeline, autocast):
+        """Generate --eval_num_samples images, score them, record them; returns the result dict."""
+        import sample
+
+        args = self.args
+        batches = sample.generate_batches(
+            unet, scheduler, args.eval_num_samples, args.fid_batch_size, args.seed, args.num_inference_steps, autocast
+        )
+        features = embed(self.extractor, batches, self.device)
+        result = dict(
+            epoch=epoch, step=step, **self.reference.scores(features, self.device), num_images=len(features),
+            sampler=args.sampler, num_inference_steps=args.num_inference_steps,
+            reference_images=self.reference.num_images,
+        )  # fmt: skip
+        result["best"] = self.best.offer(result, save_pipeline)
+        self._record(result)
+        return result
+
+    def _record(self, result):
+        """Append to eval_results.json; entries from an abandoned later run (before a resume) are dropped."""
+        path = self.output_dir / RESULTS_FILE
+        results = json.loads(path.read_text()) if path.is_file() else []
+        results = [r for r in results if r["step"] < result["step"]] + [result]
+        path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+# --- sample.py --fid -----------------------------------------------------------------
+
+
+class SampleEvaluation:
+    """`sample.py --fid`: collects the generated images' features, scores them at the end.
+
+    The reference defaults to the run's training set, whose statistics train.py
+    cached in the run folder when it evaluated during training.
+    """
+
+    def __init__(self, run_dir, args, image_size, log=print):
+        import sample
+
+        run_dir = Path(run_dir)
+        run_folder = sample.find_run_folder(run_dir)
+        if args.dataset is None and run_folder is None:
+            raise ConfigError(f"{run_dir} has no train_config.json to take the training set from: pass --dataset")
+        if args.dataset is None:
+            options = sample.find_run_config(run_dir)  # the training set, loaded as it was for training
+        else:
+            options = dict(
+                dataset=args.dataset, dataset_config=args.dataset_config, split=args.split or "train",
+                image_column=args.image_column, center_crop=True, shapes_num_images=2048, seed=0,
+            )  # fmt: skip
+        self.extractor, extractor_name = feature_extractor(args.fid_weights)
+        self.device = args.device
+        self.reference = cached_reference(
+            run_folder or run_dir, reference_key(options, image_size, extractor_name),
+            lambda: reference_images(options, image_size), self.extractor, self.device, args.batch_size, log=log,
+        )  # fmt: skip
+        self.parts = []
+
+    def add(self, images):
+        self.parts.append(embed(self.extractor, [images], self.device))
+
+    def result(self):
+        scores = self.reference.scores(torch.cat(self.parts), self.device)
+        return scores | dict(reference_images=self.reference.num_images)
+
+
+def reference_images(options, image_size):
+    """The images `options` (train.py's dataset flags) name, at `image_size`: a tensor or a dataset."""
+    if options["dataset"] == data.BUILTIN:
+        return data.make_shapes(options["shapes_num_images"], image_size, seed=options["seed"])
+    return data.open_dataset(
+        options["dataset"], image_size, options.get("center_crop", True), options.get("dataset_config"),
+        options.get("split") or "train", options.get("image_column"),
+    )  # fmt: skip

@@ -1,0 +1,342 @@
+"""Where the time goes: the step-time breakdown, torch.profiler traces, plots and the run manifest.
+
+    python profiling.py plots RUN_DIR      # (re)draw RUN_DIR/plots/*.png from the run's tensorboard logs
+
+train.py uses the pieces here: `Breakdown` times the phases of every step
+(printed at the end of each run), `--profile` records a few steps with
+torch.profiler (`make_profiler`), `draw_run_plots` draws the logged scalars
+at the end, and `write_manifest` writes `run.json`.
+"""
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+# The phases of a training step, in order, then what happens between steps.
+STEP_PHASES = ("data", "forward", "backward", "optimizer", "ema")
+PAUSES = ("sampling", "evaluation", "checkpointing")
+
+
+class Breakdown:
+    """Seconds spent in each phase of the step, and in sampling and checkpointing.
+
+    On a GPU each phase boundary is a CUDA event recorded in the stream: no
+    host sync per step; the events are read when `collect()` is called (once
+    per log interval). On a CPU, where the work is synchronous, boundaries are
+    clock readings. Sampling and checkpointing synchronize anyway, so they are
+    timed with the host clock (`pause`). `wall_s()` is the host clock since
+    `start()`, after a final sync.
+    """
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.seconds = dict.fromkeys(STEP_PHASES + PAUSES, 0.0)
+        self.pending = []  # (phase, start mark, end mark) not yet read
+        self.last = None
+        self.started = None
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self):
+        self.started = time.perf_counter()
+
+    def begin_step(self):
+        self.last = self._mark()
+
+    def phase_done(self, phase):
+        now = self._mark()
+        self.pending.append((phase, self.last, now))
+        self.last = now
+
+    def pause(self, name):
+        """Time a block (sampling, checkpointing) with the host clock, synchronized at both ends."""
+        breakdown = self
+
+        class _Pause:
+            def __enter__(self):
+                breakdown._sync()
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                breakdown._sync()
+                breakdown.seconds[name] += time.perf_counter() - self.t0
+                return False
+
+        return _Pause()
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def collect(self):
+        if self.cuda and self.pending:
+            self.pending[-1][2].synchronize()
+        for phase, start, end in self.pending:
+            self.seconds[phase] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+        self.pending = []
+
+    def wall_s(self):
+        self._sync()
+        return time.perf_counter() - self.started
+
+    def summary(self):
+        """{part: seconds} with 'unaccounted' (logging, Python between steps) and the wall time."""
+        self.collect()
+        wall = self.wall_s()
+        parts = dict(self.seconds)
+        parts["unaccounted"] = max(0.0, wall - sum(parts.values()))
+        return parts, wall
+
+    def format(self):
+        parts, wall = self.summary()
+        shares = ", ".join(f"{name} {100 * s / wall:.1f}%" for name, s in parts.items())
+        return f"where the time went ({wall:.1f} s of training): {shares}"
+
+
+# --- torch.profiler ---------------------------------------------------------------------
+
+
+def make_profiler(out_dir, skip_steps, warmup_steps, active_steps, top, with_stack=False, on_done=None):
+    """A torch.profiler that skips, warms up, then records `active_steps` steps once.
+
+    When the recording is done it writes `out_dir/trace.json` (open it in
+    Perfetto or chrome://tracing), prints the `top` operators by self time on
+    the device (CPU time on a CPU), draws them as `out_dir/top_ops.png`, and
+    calls `on_done(table rows)`.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    out_dir = Path(out_dir)
+
+    def ready(prof):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out_dir / "trace.json"))
+        rows = top_operators(prof, top)
+        print(format_top_operators(rows), flush=True)
+        draw_top_operators(rows, out_dir / "top_ops.png")
+        (out_dir / "top_ops.json").write_text(json.dumps(rows, indent=1) + "\n")
+        if on_done is not None:
+            on_done(rows)
+
+    return profile(
+        activities=activities,
+        schedule=schedule(skip_first=skip_steps, wait=0, warmup=warmup_steps, active=active_steps, repeat=1),
+        on_trace_ready=ready,
+        record_shapes=False,
+        with_stack=with_stack,
+    )
+
+
+def top_operators(prof, top):
+    """[{name, self_ms, share, calls}] of the `top` operators by self time on the device (CPU if none)."""
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    device = any(getattr(e, "self_device_time_total", 0) > 0 for e in events)
+
+    def self_us(e):
+        return e.self_device_time_total if device else e.self_cpu_time_total
+
+    total = sum(self_us(e) for e in events) or 1.0
+    ranked = sorted(events, key=self_us, reverse=True)[:top]
+    where = "device" if device else "cpu"
+    return [
+        dict(name=e.key, self_ms=self_us(e) / 1e3, share=self_us(e) / total, calls=e.count, where=where) for e in ranked
+    ]
+
+
+def format_top_operators(rows):
+    where = rows[0]["where"] if rows else "cpu"
+    lines = [f"top {len(rows)} operators by self {where} time while profiling:"]
+    lines.append(f"{'operator':44s} {'self ms':>10s} {'share':>7s} {'calls':>7s}")
+    for r in rows:
+        lines.append(f"{r['name'][:44]:44s} {r['self_ms']:10.2f} {100 * r['share']:6.1f}% {r['calls']:7d}")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_top_operators(rows, path):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
+    names = [r["name"] for r in rows][::-1]
+    ax.barh(names, [r["self_ms"] for r in rows][::-1], color="tab:blue")
+    where = rows[0]["where"] if rows else "cpu"
+    ax.set_xlabel(f"self {where} time (ms) over the profiled steps")
+    ax.set_title("most expensive operators")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- plots of a run ---------------------------------------------------------------------
+
+PLOTS = {
+    # tag: (file name, y label)
+    "loss": ("loss.png", "loss (mean over the log interval)"),
+    "lr": ("lr.png", "learning rate"),
+    "images_per_s": ("images_per_s.png", "images/s"),
+    "mfu": ("mfu.png", "MFU (fraction of peak)"),
+}
+
+
+def read_scalars(run_dir):
+    """{tag: ([steps], [values])} from the run's tensorboard logs, sorted by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found = {}
+    for events in sorted((Path(run_dir) / "logs").rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            found.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})  # a resume re-logs steps
+    return {tag: (sorted(values), [values[s] for s in sorted(values)]) for tag, values in found.items()}
+
+
+def smooth(values, weight=0.9):
+    """Tensorboard-style exponential smoothing, debiased so the first points are not pulled to 0."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**i))
+    return out
+
+
+def draw_run_plots(run_dir):
+    """Draw run_dir/plots/*.png from the logged scalars; returns {tag: (steps, values)} as drawn."""
+    plt = _pyplot()
+    scalars = read_scalars(run_dir)
+    out = Path(run_dir) / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = {}
+    for tag, (filename, label) in PLOTS.items():
+        if tag not in scalars:
+            continue
+        steps, values = scalars[tag]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, values, color="tab:blue", alpha=0.4 if tag == "loss" else 1.0, label="raw")
+        if tag == "loss" and len(values) > 2:
+            ax.plot(steps, smooth(values), color="tab:blue", label="smoothed")
+            ax.set_yscale("log")
+            ax.legend()
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / filename, dpi=100)
+        plt.close(fig)
+        drawn[tag] = (steps, values)
+    return drawn
+
+
+# --- run manifest -----------------------------------------------------------------------
+
+
+def git_commit():
+    """The commit of the code that ran (with '-dirty' for local changes), or None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
+def library_versions():
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for name in ("torch", "torchvision", "diffusers", "accelerate", "datasets", "numpy"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def device_facts(device, num_processes):
+    facts = dict(type=device.type, name=device.type, count=num_processes, cuda=None, driver=None)
+    if device.type == "cuda":
+        facts.update(name=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+        try:
+            facts["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.split("\n")[0].strip() or None  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return facts
+
+
+def peak_memory_gib(device):
+    """Peak memory of this process: allocated on the GPU, or resident on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def now_iso():
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_manifest(path, **fields):
+    """run.json: everything about a run that one would need to compare or reproduce it."""
+    fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
+    Path(path).write_text(json.dumps(fields, indent=2, default=str) + "\n")
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="profiling.py", description="Plots of a finished or running run.")
+    sub = p.add_subparsers(dest="command", required=True)
+    plots = sub.add_parser("plots", help="draw RUN_DIR/plots/*.png from the run's tensorboard logs")
+    plots.add_argument("run_dir", help="a train.py --output_dir")
+    return p.parse_args(argv)
+
+
+def main(args):
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "logs").is_dir():
+        print(f"profiling.py: error: {run_dir} has no logs/ folder: point at a train.py --output_dir", file=sys.stderr)
+        return 2
+    drawn = draw_run_plots(run_dir)
+    if not drawn:
+        print(f"profiling.py: error: no scalars logged in {run_dir / 'logs'} yet", file=sys.stderr)
+        return 2
+    for tag in drawn:
+        print(run_dir / "plots" / PLOTS[tag][0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

@@ -1,0 +1,220 @@
+import json
+import math
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+import torch.nn.functional as F
+
+import data
+import metrics
+import train
+from model import ConfigError
+
+
+class TinyFeatures(torch.nn.Module):
+    """A stand-in for Inception: a fixed random projection of 4x4-pooled colours (16 features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("projection", torch.randn(48, 16, generator=torch.Generator().manual_seed(0)) / 4)
+
+    def forward(self, images):
+        assert images.dtype == torch.uint8  # what the real network takes
+        return torch.tanh(F.adaptive_avg_pool2d(images.float() / 255, 4).flatten(1) @ self.projection)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return data.make_shapes(192, 16, seed=1)
+
+
+def features_of(images, batch_size):
+    return metrics.embed(TinyFeatures(), metrics.uint8_batches(images, batch_size), "cpu")
+
+
+def textbook_fid(a, b):
+    """||mu_a - mu_b||^2 + Tr(S_a + S_b - 2 (S_a S_b)^1/2), with scipy's matrix square root."""
+    a, b = a.numpy(), b.numpy()
+    mu, cov = (a.mean(0), b.mean(0)), (np.cov(a, rowvar=False), np.cov(b, rowvar=False))
+    root = scipy.linalg.sqrtm(cov[0] @ cov[1]).real
+    return float(((mu[0] - mu[1]) ** 2).sum() + np.trace(cov[0] + cov[1] - 2 * root))
+
+
+def test_fid_and_kid_are_zero_for_a_set_against_itself_and_clearly_positive_for_a_shifted_set(images):
+    reference = metrics.Reference.from_features(features_of(images, 32), key={})
+    same = reference.scores(features_of(images, 32))
+    shifted_images = (images.int() + 40).clamp(0, 255).to(torch.uint8)
+    shifted = reference.scores(features_of(shifted_images, 32))
+
+    assert abs(same["fid"]) < 1e-6 and shifted["fid"] > 0.1
+    # KID's unbiased estimate is off by O(1/n) when both sides share the very same images
+    assert abs(same["kid_mean"]) < 0.05 * shifted["kid_mean"]
+    assert shifted["kid_mean"] > 5 * shifted["kid_std"]
+    # the cached statistics give the textbook formula on the features
+    assert shifted["fid"] == pytest.approx(textbook_fid(features_of(images, 32), features_of(shifted_images, 32)), rel=1e-6)
+
+
+def test_scores_do_not_depend_on_the_batch_size(images, monkeypatch):
+    monkeypatch.setattr(metrics, "KID_SUBSET_SIZE", 50)  # subsets smaller than the sets: a KID spread to compare
+    half = len(images) // 2
+    reference_a = metrics.Reference.from_features(features_of(images[:half], 5), key={})
+    reference_b = metrics.Reference.from_features(features_of(images[:half], 96), key={})
+    a = reference_a.scores(features_of(images[half:], 7))
+    b = reference_b.scores(features_of(images[half:], 64))
+    assert a["kid_std"] > 0.1 * a["kid_mean"] > 0
+    for name in ("fid", "kid_mean", "kid_std"):
+        assert a[name] == pytest.approx(b[name], rel=1e-4), name
+
+
+def test_reference_statistics_are_computed_once_and_recomputed_for_other_data(images, tmp_path):
+    calls = []
+
+    def get_images():
+        calls.append(1)
+        return images
+
+    args = (TinyFeatures(), "cpu", 64)
+    first = metrics.cached_reference(tmp_path, {"dataset": "a"}, get_images, *args, log=lambda _: None)
+    again = metrics.cached_reference(tmp_path, {"dataset": "a"}, get_images, *args, log=lambda _: None)
+    assert len(calls) == 1 and (tmp_path / metrics.REFERENCE_FILE).is_file()
+    fake = features_of(images[:50], 50)
+    assert again.scores(fake) == first.scores(fake)
+    metrics.cached_reference(tmp_path, {"dataset": "b"}, get_images, *args, log=lambda _: None)
+    assert len(calls) == 2
+
+
+def test_best_checkpoint_keeps_the_lowest_fid_and_remembers_it(tmp_path):
+    def save_marker(fid):
+        return lambda folder: (folder / "marker.txt").write_text(str(fid))
+
+    best = metrics.BestCheckpoint(tmp_path / "best")
+    kept = [best.offer({"fid": fid, "step": i}, save_marker(fid)) for i, fid in enumerate([3.0, 2.0, 2.5, math.nan, 1.5, 1.7])]
+    assert kept == [True, True, False, False, True, False]
+    assert (tmp_path / "best" / "marker.txt").read_text() == "1.5"
+    assert json.loads((tmp_path / "best" / "eval.json").read_text()) == {"fid": 1.5, "step": 4}
+    assert not list(tmp_path.glob(".tmp-*"))
+
+    resumed = metrics.BestCheckpoint(tmp_path / "best")  # a restarted run
+    assert not resumed.offer({"fid": 1.6}, save_marker(1.6)) and resumed.offer({"fid": 1.4}, save_marker(1.4))
+    assert (tmp_path / "best" / "marker.txt").read_text() == "1.4"
+
+
+# --- the Inception weights -----------------------------------------------------------
+
+
+@pytest.fixture
+def no_weights_anywhere(tmp_path, monkeypatch):
+    """An empty torch hub cache and a download URL that refuses at once (port 9 on this machine)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    monkeypatch.setattr(metrics, "INCEPTION_URL", "http://127.0.0.1:9/weights-inception.pth")
+
+
+def test_missing_inception_weights_are_one_line_naming_fid_weights(no_weights_anywhere):
+    with pytest.raises(ConfigError, match=r"could not be downloaded .* pass --fid_weights PATH"):
+        metrics.inception_weights()
+    with pytest.raises(ConfigError, match="--fid_weights /no/such/file: no such file"):
+        metrics.inception_weights("/no/such/file")
+
+
+def test_inception_url_is_the_one_torch_fidelity_uses():
+    from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3
+
+    assert metrics.INCEPTION_URL == URL_INCEPTION_V3
+
+
+def test_a_weights_file_loads_the_inception_network_offline(tmp_path, no_weights_anywhere, monkeypatch):
+    from torchmetrics.image.fid import NoTrainInceptionV3
+
+    # A weights file with the real architecture's keys (random values): build the
+    # network once without loading anything, then save its state.
+    torch.save({}, tmp_path / "empty.pth")
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.Module, "load_state_dict", lambda self, state, *a, **k: None)
+        network = NoTrainInceptionV3(name="inception-v3-compat", features_list=["2048"], feature_extractor_weights_path=str(tmp_path / "empty.pth"))
+    torch.save(network.state_dict(), tmp_path / "weights.pth")
+
+    extractor, name = metrics.feature_extractor(str(tmp_path / "weights.pth"))
+    features = metrics.embed(extractor, [data.make_shapes(2, 16)], "cpu")
+    assert features.shape == (2, 2048) and name.startswith("inception-v3-compat:2048")
+
+    (tmp_path / "broken.pth").write_bytes(b"not a weights file")
+    with pytest.raises(ConfigError, match="cannot load Inception weights"):
+        metrics.feature_extractor(str(tmp_path / "broken.pth"))
+
+
+# --- during training -----------------------------------------------------------------
+
+TINY = [
+    "--model", "tiny", "--image_size", "16", "--shapes_num_images", "16", "--train_batch_size", "8",
+    "--num_inference_steps", "2", "--eval_batch_size", "4", "--lr_warmup_steps", "1", "--dataloader_num_workers", "0",
+    "--timing_warmup_steps", "1", "--save_images_epochs", "100", "--logging_steps", "2", "--checkpointing_steps", "100",
+]  # fmt: skip
+
+
+def run(output_dir, *flags):
+    return train.main(train.parse_args([*TINY, "--output_dir", str(output_dir), *map(str, flags)]))
+
+
+def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monkeypatch, capsys):
+    from diffusers import DDPMPipeline
+    from test_train import scalars
+
+    embedded = []
+
+    class CountingFeatures(TinyFeatures):
+        def forward(self, images):
+            embedded.append(len(images))
+            return super().forward(images)
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (CountingFeatures(), "tiny-features"))
+    out = tmp_path / "run"
+    # 2 steps per epoch, 3 epochs, FID every 2 epochs and at the end: after epochs 1 and 2
+    run(out, "--max_train_steps", 6, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_batch_size", 4)
+    stdout = capsys.readouterr().out
+
+    results = json.loads((out / "eval_results.json").read_text())
+    assert [(r["epoch"], r["step"]) for r in results] == [(1, 4), (2, 6)]
+    assert all(r["fid"] > 0 and r["num_images"] == 6 and r["reference_images"] == 16 for r in results)
+    lines = [line for line in stdout.splitlines() if line.startswith("eval epoch")]
+    assert [line.split(" | ")[1] for line in lines] == [f"FID {r['fid']:.3f}" for r in results]
+    logged = scalars(out)
+    assert [step for step, _ in logged["fid"]] == [4, 6] and [step for step, _ in logged["kid_mean"]] == [4, 6]
+    assert logged["fid"][1][1] == pytest.approx(results[1]["fid"], rel=1e-5)
+
+    best = json.loads((out / "best" / "eval.json").read_text())
+    assert best["fid"] == min(r["fid"] for r in results)
+    DDPMPipeline.from_pretrained(str(out / "best"))
+    assert sum(embedded) == 16 + 2 * 6  # the training set once, then the generated images
+
+    # a second run in the same folder reads the cached reference statistics
+    embedded.clear()
+    run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6)
+    assert sum(embedded) == 6
+
+
+def test_missing_weights_stop_training_at_start_up(tmp_path, no_weights_anywhere, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(out, "--max_train_steps", 4, "--eval_every_epochs", 1)
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "--fid_weights PATH" in err[0], err
+    assert not (out / "train_config.json").exists()  # nothing was trained
+
+
+EVAL_ERRORS = [
+    (["--eval_every_epochs", "0"], "--eval_every_epochs must be at least 1"),
+    (["--eval_num_samples", "1"], "--eval_num_samples must be at least 2"),
+    (["--fid_weights", "/no/such/weights.pth", "--eval_every_epochs", "1"], "--fid_weights /no/such/weights.pth: no such file"),
+]
+
+
+@pytest.mark.parametrize("flags, message", EVAL_ERRORS, ids=[m for _, m in EVAL_ERRORS])
+def test_bad_eval_flags_are_one_line_and_exit_code_2(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path, *flags)
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and message in err[0], err

@@ -1,0 +1,145 @@
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import model as models
+import sample
+import train
+
+
+@pytest.fixture(scope="module")
+def tiny_unet():
+    torch.manual_seed(0)
+    return models.build_unet("tiny", 16).eval()
+
+
+@pytest.fixture(scope="module")
+def training_config():
+    return models.make_noise_scheduler().config
+
+
+@pytest.mark.parametrize("name", sample.SAMPLERS)
+def test_each_sampler_gives_images_of_the_right_shape_and_range_deterministic_by_seed(name, tiny_unet, training_config):
+    scheduler = sample.make_scheduler(name, training_config)
+    seeds = sample.image_seeds(0, 3)
+    images = sample.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
+    assert images.shape == (3, 3, 16, 16) and images.dtype == torch.uint8
+    assert images.float().std() > 5  # images, not a constant
+
+    again = sample.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
+    assert torch.equal(images, again)
+    other = sample.generate(tiny_unet, scheduler, sample.image_seeds(1, 3), num_inference_steps=4)
+    assert not torch.equal(images, other)
+    # image i depends on its own seed only, not on what else is in the batch
+    split = torch.cat([sample.generate(tiny_unet, scheduler, seeds[:1], 4), sample.generate(tiny_unet, scheduler, seeds[1:], 4)])
+    assert (split.int() - images.int()).abs().max() <= 1
+
+
+def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(training_config):
+    """The configuration that keeps fast samplers from saturating on an under-trained model."""
+    for name in sample.SAMPLERS:
+        scheduler = sample.make_scheduler(name, training_config)
+        clips = scheduler.config.get("clip_sample") or (
+            scheduler.config.get("thresholding") and scheduler.config.sample_max_value == 1.0
+        )
+        assert clips, name
+        scheduler.set_timesteps(25)
+        if name != "ddpm":
+            assert scheduler.timesteps[0] == training_config.num_train_timesteps - 1, name
+    assert sample.make_scheduler("dpmsolver", training_config).config.algorithm_type == "dpmsolver++"
+
+
+def test_sampling_scheduler_in_train_is_the_same(training_config):
+    from diffusers import DDPMScheduler
+
+    ddpm = DDPMScheduler.from_config(training_config)
+    for name in sample.SAMPLERS:
+        assert dict(train.make_sampling_scheduler(name, ddpm).config) == dict(sample.make_scheduler(name, training_config).config)
+
+
+# --- sample.py on a tiny trained run ------------------------------------------------
+
+TINY = [
+    "--model", "tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "8",
+    "--num_inference_steps", "2", "--eval_batch_size", "4", "--lr_warmup_steps", "1", "--dataloader_num_workers", "0",
+    "--timing_warmup_steps", "1", "--max_train_steps", "4", "--checkpointing_steps", "4", "--save_images_epochs", "100",
+    "--logging_steps", "4", "--learning_rate", "1e-3",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    train.main(train.parse_args([*TINY, "--output_dir", str(out)]))
+    return out
+
+
+def sample_main(*flags):
+    return sample.main(sample.parse_args([*map(str, flags)]))
+
+
+def pngs(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.png"))}
+
+
+def test_sample_writes_n_images_and_a_grid_and_the_same_seed_gives_the_same_files(tiny_run, tmp_path):
+    flags = [tiny_run, "--num_images", 5, "--batch_size", 2, "--num_inference_steps", 3]
+    sample_main(*flags, "--output", tmp_path / "a")
+    written = pngs(tmp_path / "a")
+    assert sorted(written) == [f"{i:06d}.png" for i in range(5)] + ["grid.png"]
+    with Image.open(tmp_path / "a" / "000004.png") as image:
+        assert image.size == (16, 16) and image.mode == "RGB"
+    with Image.open(tmp_path / "a" / "grid.png") as grid:
+        assert grid.size == (3 * 16 + 4 * 2, 2 * 16 + 3 * 2)  # 5 images, 3 per row, 2-pixel padding
+
+    sample_main(*flags, "--output", tmp_path / "b")
+    assert pngs(tmp_path / "b") == written
+    sample_main(*flags, "--output", tmp_path / "c", "--seed", 1)
+    assert pngs(tmp_path / "c")["000000.png"] != written["000000.png"]
+
+
+def test_a_checkpoint_gives_its_ema_weights_by_default_and_raw_ones_with_no_ema(tiny_run, tmp_path):
+    checkpoint = tiny_run / "checkpoints" / "checkpoint-4"
+    flags = ["--num_images", 2, "--num_inference_steps", 2]
+    sample_main(tiny_run, *flags, "--output", tmp_path / "pipeline")  # the final pipeline: the EMA at step 4
+    sample_main(checkpoint, *flags, "--output", tmp_path / "ema")
+    sample_main(checkpoint, *flags, "--output", tmp_path / "raw", "--no-ema")
+    assert pngs(tmp_path / "ema") == pngs(tmp_path / "pipeline")
+    assert pngs(tmp_path / "raw") != pngs(tmp_path / "ema")
+
+    unet, _ = sample.load_model(checkpoint, ema=False)
+    raw = load_file(str(checkpoint / "model.safetensors"))
+    assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw)
+
+
+def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, capsys):
+    import metrics
+    from test_metrics import TinyFeatures
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    result = sample_main(tiny_run, "--fid", "--num_images", 6, "--num_inference_steps", 2, "--output", tmp_path)
+    assert result["fid"] > 0 and result["reference_images"] == 32  # the run's training set
+    assert (tiny_run / metrics.REFERENCE_FILE).is_file() and (tmp_path / "fid.json").is_file()
+    assert f"FID {result['fid']:.3f} | KID" in capsys.readouterr().out
+
+
+SAMPLE_ERRORS = [
+    (["{run}", "--num_images", "2"], "--output DIR"),
+    (["{run}", "--num_images", "0", "--output", "x"], "--num_images must be at least 1"),
+    (["{run}/nothing", "--output", "x"], "no such folder"),
+    (["{run}", "--no-ema", "--output", "x"], "holds the EMA weights only"),
+    (["{run}", "--num_inference_steps", "2000", "--output", "x"], "cannot exceed"),
+    (["{run}", "--sampler", "euler", "--output", "x"], "invalid choice: 'euler'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", SAMPLE_ERRORS, ids=[m for _, m in SAMPLE_ERRORS])
+def test_bad_sample_input_is_one_line_and_exit_code_2(tiny_run, tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        sample_main(*[f.format(run=tiny_run) for f in flags])
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and message in err[0], err
+    assert not list(tmp_path.rglob("*.png"))
