@@ -30,7 +30,6 @@ named by the device, workload and batch sizes.
 """
 
 import argparse
-import datetime
 import gc
 import json
 import math
@@ -47,6 +46,7 @@ import torch
 import data
 import flops
 import model as models
+import profiling
 import train
 from model import ConfigError
 
@@ -67,6 +67,7 @@ TRAIN_DEFAULTS = train.parse_args([])
 def train_defaults(workload):
     """train.py's resolved defaults for a workload's model (its learning rate is the preset's)."""
     return train.validate(train.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
+
 
 # Relative error of the loss and of the whole gradient vector against the
 # fp32 eager step, by the precision convolutions and matmuls run in. TF32 and
@@ -477,23 +478,19 @@ def _first_line(exception):
 
 
 def environment(device, argv):
-    """What the numbers were measured on and with."""
-    import diffusers
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = _cpu_name()
+    """What the numbers were measured on and with (the versions, as train.py's run.json has them)."""
+    facts = profiling.device_facts(device, 1)
     env = dict(
-        device=name,
+        device=facts["name"] if device.type == "cuda" else _cpu_name(),
         device_type=device.type,
-        torch=torch.__version__,
-        diffusers=diffusers.__version__,
+        # torch's own version keeps its build tag (+cu130), which the package metadata drops
+        **profiling.library_versions() | dict(torch=torch.__version__),
         cuda=torch.version.cuda,
         cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None,
-        python=platform.python_version(),
+        driver=facts["driver"],
         cpu_threads=torch.get_num_threads(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        git_commit=profiling.git_commit(),
+        date=profiling.now_iso(),
         command=" ".join(["python bench.py", *argv]),
     )
     if device.type == "cpu" and hasattr(os, "getloadavg"):
@@ -697,8 +694,9 @@ def main(args):
         if not progress:
             lines.append(text)
 
-    for key in ("device", "torch", "diffusers", "cuda", "cudnn", "python", "cpu_threads", "load_average_1min_at_start", "date", "command"):
-        if key in env:
+    for key in ("device", "torch", "diffusers", "cuda", "cudnn", "driver", "python", "cpu_threads",
+                "load_average_1min_at_start", "git_commit", "date", "command"):  # fmt: skip
+        if env.get(key) is not None:
             print_line(f"{key:12s} {env[key]}")
 
     # An unknown GPU, or a CPU, has no known peak: MFU is then n/a, never a guess.
