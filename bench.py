@@ -54,13 +54,15 @@ from model import ConfigError
 WORKLOADS = {
     "ref128": dict(model="ref128", image_size=128, batch_size=64),
     "adm64": dict(model="adm64", image_size=64, batch_size=32),
-    "small": dict(model="small", image_size=32, batch_size=32),  # the bare `python train.py`
+    "small": dict(model="small", image_size=32, batch_size=32),  # the preset of a bare `python train.py`
     "tiny": dict(model="tiny", image_size=16, batch_size=8),  # for tests
 }
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 
-# Everything the ladder does not vary comes from train.py's defaults
-# (AdamW betas, EMA decay, clipping, noise schedule, flips, non-finite steps).
+# Everything the ladder does not vary comes from train.py's defaults: each
+# step takes them resolved for its model (train_defaults: the learning rate is
+# the preset's); these unresolved ones give the loss-reading interval and the
+# number of timesteps, and are recorded in the JSON.
 TRAIN_DEFAULTS = train.parse_args([])
 
 
