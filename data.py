@@ -342,8 +342,11 @@ class Batches:
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
         batches = batches[start:]
         if self.preloaded:
-            for index in batches:
-                yield self.source[index.to(self.source.device)].to(self.device, non_blocking=True)
+            # The epoch's order goes to the images' device in one copy: a blocking
+            # copy per batch would make the host wait for the GPU at every step.
+            order = torch.stack(batches).to(self.source.device) if batches else []
+            for index in order:
+                yield self.source[index].to(self.device, non_blocking=True)
             return
         loader = torch.utils.data.DataLoader(
             self.source,

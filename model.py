@@ -146,3 +146,45 @@ def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_
     else:
         raise ConfigError(f"unknown --prediction_type '{prediction_type}': choose epsilon, v_prediction or sample")
     return F.mse_loss(prediction.float(), target)
+
+
+# --- the training step's fast path (shared by train.py and bench.py) ---------------
+
+
+def fused_adamw_available(parameters):
+    """Whether torch has a fused AdamW kernel for every parameter's device and dtype."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = _get_fused_kernels_supported_devices()
+    return all(p.device.type in devices and p.is_floating_point() for p in parameters)
+
+
+def prepare_for_training(unet, channels_last=False, fused_adam=False, **adamw):
+    """Put `unet` in the memory format it trains in and build its AdamW; returns the optimizer.
+
+    channels_last (NHWC) converts the parameters in place, so checkpoints and
+    the saved pipeline see the same module. AdamW is fused (one kernel reads
+    each parameter, gradient and moment once per step) when `fused_adam` and
+    torch has the kernel for the device, else foreach (a few multi-tensor
+    kernels); never the per-parameter loop. `adamw`: lr, betas, weight_decay, eps.
+    """
+    if channels_last:
+        unet.to(memory_format=torch.channels_last)
+    parameters = list(unet.parameters())
+    if fused_adam and fused_adamw_available(parameters):
+        return torch.optim.AdamW(parameters, fused=True, **adamw)
+    return torch.optim.AdamW(parameters, foreach=True, **adamw)
+
+
+def compile_for_training(model, compile_mode=None):
+    """What the training step calls: `model` itself, or torch.compile of it (`compile_mode`).
+
+    Call it after accelerate's `prepare`, so that the compiled graph holds the
+    autocast and any DDP wrapper; keep using `model` itself for checkpoints,
+    EMA and saving (never the compiled wrapper). Shapes are static: the batch
+    never changes within a run, and dynamic shapes would give up kernels
+    specialised to it.
+    """
+    if compile_mode is None:
+        return model
+    return torch.compile(model, mode=compile_mode, dynamic=False)

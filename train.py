@@ -155,6 +155,39 @@ def parse_args(argv=None):
         help="train on the CPU even if a GPU is there (needed for several CPU processes: gloo)",
     )
 
+    s = p.add_argument_group("speed (bench.py measures each; unset, the switches are on with a CUDA GPU, off with --cpu or none)")
+    s.add_argument(
+        "--channels_last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep weights and activations channels_last (NHWC), the layout tensor-core convolutions read",
+    )
+    s.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the UNet (the first steps compile; the saved model is the uncompiled one)",
+    )
+    s.add_argument(
+        "--compile_mode",
+        default="default",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        help="torch.compile mode; reduce-overhead adds CUDA graphs",
+    )
+    s.add_argument(
+        "--fused_adam",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fused AdamW where torch has it for the device (CUDA and CPU do), else foreach; fused skips a "
+        "non-finite step on the device, without a host sync",
+    )
+    s.add_argument(
+        "--cudnn_benchmark",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let cuDNN time its convolution algorithms on the first steps and keep the fastest",
+    )
+
     o = p.add_argument_group("outputs")
     o.add_argument("--output_dir", default="ddpm-output", help="where samples, checkpoints and the model go")
     o.add_argument("--save_images_epochs", type=int, default=2, help="write a sample grid every N epochs")
@@ -281,6 +314,11 @@ def validate(args):
     if args.mixed_precision is None:
         gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         args.mixed_precision = "bf16" if gpu_bf16 else "no"
+    # The fast path is the default with a CUDA GPU (bench.py measures each part).
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    for name in ("channels_last", "compile", "cudnn_benchmark"):
+        if getattr(args, name) is None:
+            setattr(args, name, on_gpu)
     return validate_sample_quality(args)
 
 
@@ -398,6 +436,7 @@ def train(args):
     )
     device, world = accelerator.device, accelerator.num_processes
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     evaluator = None
     if args.eval_every_epochs and accelerator.is_main_process and not args.dry_run:
         # Loads the Inception network now: missing weights stop the run before any training.
@@ -474,20 +513,23 @@ def train(args):
     sampling_scheduler = make_sampling_scheduler(args.sampler, noise_scheduler)
     alphas_cumprod = noise_scheduler.alphas_cumprod.to(device)
 
-    # Fused AdamW: one kernel for all parameters, and it can skip a step on the
-    # device (see NonFiniteGuard), so a NaN costs no host sync per step.
-    optimizer = torch.optim.AdamW(
-        unet.parameters(),
+    # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and
+    # it can skip a step on the device (see NonFiniteGuard), so a NaN costs no
+    # host sync per step. channels_last converts the UNet in place first.
+    optimizer = models.prepare_for_training(
+        unet,
+        args.channels_last,
+        args.fused_adam,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
-        fused=True,
     )
     lr_scheduler = get_scheduler(
         args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_train_steps
     )
     model, optimizer = accelerator.prepare(unet, optimizer)
+    step_model = models.compile_for_training(model, args.compile_mode if args.compile else None)
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = None
     if args.use_ema and args.ema == "power":
@@ -663,7 +705,7 @@ def train(args):
                     timesteps = torch.randint(0, args.num_train_timesteps, (clean.shape[0],), device=device)
                     breakdown.phase_done("data")
                     with accelerator.accumulate(model):
-                        loss = models.ddpm_loss(model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
+                        loss = models.ddpm_loss(step_model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
                         breakdown.phase_done("forward")
                         accelerator.backward(loss)
                         breakdown.phase_done("backward")

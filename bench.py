@@ -1,0 +1,758 @@
+"""The speed ladder: one training step, timed with one more speed-up per row.
+
+    python bench.py                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
+    python bench.py --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
+    python bench.py --workload tiny --steps 3 --warmup 1   # seconds on a CPU
+
+Every row runs the same training step as train.py (uint8 images to [-1, 1]
+with random flips, noise and timesteps drawn on the device, the DDPM loss,
+backward, gradient clipping, AdamW, EMA update), with every setting outside
+the ladder taken from train.py's defaults. The first row is the project this
+grows from as it shipped; each row below switches one more thing on; the last
+is what `python train.py` runs by default on this device. Rows that need CUDA
+are skipped on a CPU, with the reason in the table.
+
+Before a row is timed, its loss and gradients are checked against the plain
+fp32 eager step (no TF32 anywhere) on the same inputs and weights, within its
+precision's tolerance. Compilation happens in that check, so it is reported
+separately ("1st call s") and never timed. Then --warmup steps run untimed and
+--steps are timed, each step's end a CUDA event (no host sync for timing);
+the table gives the median and the 10th to 90th percentile. FLOPs are counted
+once on the eager model on the meta device (flops.step_flops). MFU is quoted
+against the GPU's dense bf16 peak in every row, the denominator of the
+project's target, so it stays proportional to speed down the table.
+
+It prints the device and library versions, then one table per workload and
+batch size, and writes every number (.json, rewritten after every row, so a
+run cut short keeps what it measured), the printed tables (.txt) and a bar
+chart (.png, at the end; `--redraw FILE.json` draws it again) into --output,
+named by the device, workload and batch sizes.
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import data
+import flops
+import model as models
+import profiling
+import train
+from model import ConfigError
+
+# name -> preset, image side and the batch the issue's targets are stated for.
+WORKLOADS = {
+    "ref128": dict(model="ref128", image_size=128, batch_size=64),
+    "adm64": dict(model="adm64", image_size=64, batch_size=32),
+    "small": dict(model="small", image_size=32, batch_size=32),  # the bare `python train.py`
+    "tiny": dict(model="tiny", image_size=16, batch_size=8),  # for tests
+}
+WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
+
+# Everything the ladder does not vary comes from train.py's defaults
+# (AdamW betas, EMA decay, clipping, noise schedule, flips, non-finite steps).
+TRAIN_DEFAULTS = train.parse_args([])
+
+
+def train_defaults(workload):
+    """train.py's resolved defaults for a workload's model (its learning rate is the preset's)."""
+    return train.validate(train.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
+
+
+# Relative error of the loss and of the whole gradient vector against the
+# fp32 eager step, by the precision convolutions and matmuls run in. TF32 and
+# bf16 keep 10 and 7 mantissa bits (relative rounding 5e-4 and 4e-3 per
+# operation), which compound through the network; fp32 only reorders sums.
+TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2}
+
+# The plain step the check compares against: fp32 everywhere, eager.
+STRICT_FP32 = dict(
+    precision="fp32",
+    matmul_tf32=False,
+    conv_tf32=False,
+    cudnn_benchmark=False,
+    channels_last=False,
+    fused_adam=False,
+    nonfinite_guard=False,
+    ema_foreach=False,
+    compile_mode=None,
+    sync_every=0,
+)
+
+
+def _ladder():
+    """The rows, each the row above plus one change.
+
+    predicted_ms: what an H100 SXM should take at the workload's batch size,
+    written down before measuring (the reasoning is in BENCHMARKS.md).
+    """
+    settings = dict(
+        STRICT_FP32,
+        conv_tf32=True,  # PyTorch's default: cuDNN convolutions in TF32, matmuls in fp32
+        sync_every=1,  # loss.item() every step, as the reference logged it
+    )
+    rows = []
+
+    def add(name, changed, predicted_ms, cuda_only=None, **change):
+        settings.update(change)
+        rows.append(dict(name=name, changed=changed, settings=dict(settings), predicted_ms=predicted_ms, cuda_only=cuda_only))
+
+    add(
+        "reference",
+        "the reference as shipped: fp32, eager, NCHW, foreach AdamW, EMA one parameter at a time, "
+        "loss.item() every step; PyTorch's default TF32 (convolutions yes, matmuls no)",
+        dict(ref128=115, adm64=28),
+    )
+    add(
+        "tf32",
+        "TF32 for matmuls too (attention, linear layers)",
+        dict(ref128=114, adm64=28),
+        cuda_only="TF32 is a CUDA tensor-core format",
+        matmul_tf32=True,
+    )
+    add(
+        "bf16",
+        "bf16 autocast: convolutions and matmuls in bf16, norms and the loss in fp32",
+        dict(ref128=90, adm64=31),
+        precision="bf16",
+    )
+    add(
+        "channels_last",
+        "channels_last (NHWC) weights and activations",
+        dict(ref128=88, adm64=33),
+        channels_last=True,
+    )
+    add(
+        "cudnn_benchmark",
+        "cudnn.benchmark: cuDNN times its algorithms once per shape and keeps the fastest",
+        dict(ref128=86, adm64=33),
+        cuda_only="cuDNN is CUDA's convolution library",
+        cudnn_benchmark=True,
+    )
+    add(
+        "fused_adamw",
+        "fused AdamW (one kernel per step; train.py's non-finite guard skips a bad step inside it, "
+        "without a host sync) and the EMA as foreach ops",
+        dict(ref128=81, adm64=24),
+        fused_adam=True,
+        nonfinite_guard=True,
+        ema_foreach=True,
+    )
+    add(
+        "compile",
+        "torch.compile, mode 'default' (Inductor fuses norms, activations and casts)",
+        dict(ref128=60, adm64=6),
+        compile_mode="default",
+    )
+    add(
+        "no_syncs",
+        "no host syncs in the step: the loss is read every 50 steps, as train.py logs it",
+        dict(ref128=59.5, adm64=5.8),
+        sync_every=TRAIN_DEFAULTS.logging_steps,
+    )
+    add(
+        "cuda_graphs",
+        "CUDA graphs: torch.compile mode 'reduce-overhead'",
+        dict(ref128=59.5, adm64=5.3),
+        cuda_only="CUDA graphs need a CUDA device",
+        compile_mode="reduce-overhead",
+    )
+    return rows
+
+
+LADDER = _ladder()
+
+
+def train_default_variant():
+    """The row for what `python train.py` runs by default on this machine's device."""
+    args = train.validate(train.parse_args([]))
+    settings = dict(
+        precision="bf16" if args.mixed_precision == "bf16" else "fp32",
+        matmul_tf32=args.allow_tf32,
+        conv_tf32=args.allow_tf32,
+        cudnn_benchmark=args.cudnn_benchmark,
+        channels_last=args.channels_last,
+        fused_adam=args.fused_adam,
+        nonfinite_guard=True,  # train.py always checks each step for NaN/inf
+        ema_foreach=True,  # train.py builds its EMAModel with foreach=True
+        compile_mode=args.compile_mode if args.compile else None,
+        sync_every=args.logging_steps,
+    )
+    same = [row["name"] for row in LADDER if row["settings"] == settings]
+    changed = "what `python train.py` runs by default here" + (f" (the settings of {same[0]})" if same else "")
+    return dict(name="train_default", changed=changed, settings=settings, predicted_ms=dict(ref128=59.5, adm64=5.8), cuda_only=None)
+
+
+def all_variants():
+    return LADDER + [train_default_variant()]
+
+
+def matmul_precision(settings, device):
+    """The precision convolutions and matmuls run in: picks the tolerance and the row's own peak."""
+    if settings["precision"] == "bf16":
+        return "bf16"
+    if device.type == "cuda" and (settings["matmul_tf32"] or settings["conv_tf32"]):
+        return "tf32"
+    return "fp32"
+
+
+def set_backend_flags(settings):
+    """TF32 and cuDNN autotuning are process-wide switches: each row sets all of them."""
+    torch.backends.cuda.matmul.allow_tf32 = settings["matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = settings["conv_tf32"]
+    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- one variant's training step ---------------------------------------------------
+
+
+class TrainingStep:
+    """A variant's training step on fixed starting weights, built as train.py builds it.
+
+    Calling it runs one step; `loss_and_backward` runs the part the
+    correctness check compares (the loss and the gradients it leaves).
+    """
+
+    def __init__(self, settings, workload, init_state, images, device):
+        from diffusers.training_utils import EMAModel
+
+        t = self.train_args = train_defaults(workload)
+        set_backend_flags(settings)
+        self.device, self.images = device, images
+        self.unet = models.build_unet(workload["model"], workload["image_size"], device=device)
+        self.unet.load_state_dict(init_state)
+        self.unet.train()
+        self.optimizer = models.prepare_for_training(
+            self.unet,
+            settings["channels_last"],
+            settings["fused_adam"],
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            weight_decay=t.weight_decay,
+            eps=t.adam_epsilon,
+        )
+        self.model = models.compile_for_training(self.unet, settings["compile_mode"])
+        # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
+        self.guard = train.NonFiniteGuard(self.optimizer, t.on_nonfinite, device) if settings["nonfinite_guard"] else None
+        self.ema = EMAModel(
+            self.unet.parameters(),
+            decay=t.ema_max_decay,
+            use_ema_warmup=True,
+            inv_gamma=t.ema_inv_gamma,
+            power=t.ema_power,
+            foreach=settings["ema_foreach"],
+        )
+        scheduler = models.make_noise_scheduler(t.num_train_timesteps, t.beta_schedule, t.prediction_type)
+        self.alphas_cumprod = scheduler.alphas_cumprod.to(device)
+        # train.py's accelerator autocasts the model's forward; the loss is fp32 either way.
+        self.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=settings["precision"] == "bf16")
+
+    def loss_and_backward(self, clean, noise, timesteps):
+        with torch.autocast(**self.autocast):
+            loss = models.ddpm_loss(self.model, clean, noise, timesteps, self.alphas_cumprod, self.train_args.prediction_type)
+        loss.backward()
+        return loss.detach()
+
+    def __call__(self):
+        t = self.train_args
+        clean = data.to_model_input(self.images, t.random_flip)
+        noise = torch.randn_like(clean)
+        timesteps = torch.randint(0, t.num_train_timesteps, (clean.shape[0],), device=self.device)
+        loss = self.loss_and_backward(clean, noise, timesteps)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), t.max_grad_norm or math.inf)
+        if self.guard is not None:
+            self.guard.check(loss, grad_norm, step=0)  # `step` only names the step in a 'stop' error
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ema.step(self.unet.parameters())
+        return loss
+
+
+def flat_gradients(unet):
+    """Every parameter's gradient as one fp32 vector on the CPU (whatever the memory format)."""
+    return torch.cat([p.grad.float().reshape(-1) for p in unet.parameters()]).cpu()
+
+
+def check_inputs(images, seed, device):
+    """Fixed model inputs for the check: clean images (no flip), noise and timesteps."""
+    g = torch.Generator().manual_seed(seed + 1)
+    clean = data.to_model_input(images, random_flip=False)
+    noise = torch.randn(clean.shape, generator=g).to(device)
+    timesteps = torch.randint(0, TRAIN_DEFAULTS.num_train_timesteps, (clean.shape[0],), generator=g).to(device)
+    return clean, noise, timesteps
+
+
+def reference_step(workload, init_state, images, inputs, device):
+    """(loss, gradients) of the plain fp32 eager step: what every variant must reproduce."""
+    step = TrainingStep(STRICT_FP32, workload, init_state, images, device)
+    loss = step.loss_and_backward(*inputs).item()
+    gradients = flat_gradients(step.unet)
+    del step
+    return loss, gradients
+
+
+def check_variant(step, settings, inputs, reference, device):
+    """The variant's loss and gradients on `inputs` against the fp32 eager step's.
+
+    Returns the relative errors, the tolerance and, as first_call_s, the wall
+    time of the first forward+backward (which compiles a compiled model).
+    Under CUDA graphs the first calls warm up and record, so it compares the
+    third call, a graph replay.
+    """
+    calls = 3 if uses_cuda_graphs(settings) else 1
+    start = time.perf_counter()
+    for call in range(calls):
+        step.optimizer.zero_grad(set_to_none=True)
+        loss = step.loss_and_backward(*inputs)
+        if call == 0:
+            synchronize(device)
+            first_call_s = time.perf_counter() - start
+    loss = loss.item()
+    gradients = flat_gradients(step.unet)
+    step.optimizer.zero_grad(set_to_none=True)
+    precision = matmul_precision(settings, device)
+    result = dict(precision=precision, tolerance=TOLERANCE[precision], first_call_s=first_call_s)
+    if reference is None:
+        return result | dict(passed=None, loss_rel_err=None, grad_rel_err=None)
+    ref_loss, ref_gradients = reference
+    loss_err = abs(loss - ref_loss) / abs(ref_loss)
+    grad_err = ((gradients - ref_gradients).norm() / ref_gradients.norm()).item()
+    # NaN compares False, so a step that produced NaN fails.
+    passed = loss_err <= TOLERANCE[precision] and grad_err <= TOLERANCE[precision]
+    return result | dict(passed=passed, loss_rel_err=loss_err, grad_rel_err=grad_err)
+
+
+def time_steps(step, steps, warmup, sync_every, device):
+    """Seconds per step of `steps` steps after `warmup` untimed ones, and the mean loss."""
+    timer = flops.StepTimer(device, warmup)
+    loss_sum = torch.zeros((), device=device)
+    timer.restart()
+    for i in range(1, warmup + steps + 1):
+        loss_sum += step()
+        if sync_every and i % sync_every == 0:
+            loss_sum.item()  # what reading the loss costs: the host waits for the device
+        timer.step_done()
+    return timer.collect(), loss_sum.item() / (warmup + steps)
+
+
+def run_variant(variant, workload, batch_size, init_state, images, reference, args, device):
+    """Build, check and time one variant; returns its row of results (status ok)."""
+    settings = variant["settings"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step = TrainingStep(settings, workload, init_state, images, device)
+    check = check_variant(step, settings, check_inputs(images, args.seed, device), reference, device)
+    times, mean_loss = time_steps(step, args.steps, args.warmup, settings["sync_every"], device)
+    deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
+    return dict(
+        status="ok",
+        optimizer="fused" if step.optimizer.defaults.get("fused") else "foreach",
+        check=check,
+        first_call_s=check.pop("first_call_s"),
+        step_times_s=times,
+        step_time_s_median=statistics.median(times),
+        step_time_s_p10=deciles[0],
+        step_time_s_p90=deciles[-1],
+        mean_loss=mean_loss,
+        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    )
+
+
+def uses_cuda_graphs(settings):
+    return settings["compile_mode"] in ("reduce-overhead", "max-autotune")
+
+
+def release_memory(device, forget_compiled=False):
+    """Free what a finished row held; `forget_compiled` also drops compiled graphs and CUDA-graph pools.
+
+    Compiled graphs are otherwise kept, so that the next row with the same
+    compile settings reuses them rather than compiling again.
+    """
+    gc.collect()
+    if forget_compiled:
+        torch.compiler.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def add_rates(row, flops_per_step, batch_size, peak_bf16, peak_row):
+    """img/s, achieved TFLOP/s and MFU from the median step time."""
+    step_time_s = row["step_time_s_median"]
+    row["images_per_s"] = batch_size / step_time_s
+    perf = flops.utilization(flops_per_step, flops_per_step, step_time_s, peak_bf16)
+    row["achieved_tflops"] = perf["achieved_flops"] / 1e12
+    row["mfu"] = perf["mfu"]
+    row["mfu_row_precision"] = flops_per_step / step_time_s / peak_row if peak_row else None
+
+
+def run_workload(name, args, device, peaks, print_line, save):
+    """Every variant at every batch size for one workload, smallest batch first; yields each batch's rows.
+
+    `save(rows)` is called with the batch's rows so far after every row.
+    """
+    workload = WORKLOADS[name]
+    torch.manual_seed(args.seed)
+    init_state = models.build_unet(workload["model"], workload["image_size"]).state_dict()
+    variants = [v for v in all_variants() if v["name"] in args.variants]
+    # FLOPs are linear in the batch (tests/test_flops.py checks it): count one image, scale.
+    per_image = flops.step_flops(workload["model"], workload["image_size"], 1)
+    out_of_memory_at = {}  # variant -> the batch size it first ran out of memory at
+    for batch_size in args.batch_sizes or [workload["batch_size"]]:
+        release_memory(device, forget_compiled=True)  # a new shape compiles anew: drop the last one's graphs
+        flops_per_step = per_image["model_flops"] * batch_size
+        g = torch.Generator().manual_seed(args.seed)
+        side = workload["image_size"]
+        images = torch.randint(0, 256, (batch_size, 3, side, side), generator=g, dtype=torch.uint8).to(device)
+        set_backend_flags(STRICT_FP32)
+        reference, reference_note = None, None
+        try:
+            reference = reference_step(workload, init_state, images, check_inputs(images, args.seed, device), device)
+        except torch.OutOfMemoryError:
+            reference_note = f"not checked: the fp32 reference step does not fit at batch {batch_size}"
+        release_memory(device)
+
+        group = []
+        for variant in variants:
+            row = dict(
+                workload=name,
+                model=workload["model"],
+                image_size=workload["image_size"],
+                batch_size=batch_size,
+                params=per_image["params"],
+                flops_per_step=flops_per_step,
+                variant=variant["name"],
+                changed=variant["changed"],
+                settings=variant["settings"],
+                predicted_ms_h100=variant["predicted_ms"].get(name) if batch_size == workload["batch_size"] else None,
+            )
+            if variant["cuda_only"] and device.type != "cuda":
+                row |= dict(status="skipped", reason=f"{variant['cuda_only']}: not on {device.type}")
+            elif variant["name"] in out_of_memory_at:
+                row |= dict(status="skipped", reason=f"out of memory at batch {out_of_memory_at[variant['name']]}")
+            else:
+                print_line(f"  {name} batch {batch_size}: {variant['name']} ...", progress=True)
+                try:
+                    row |= run_variant(variant, workload, batch_size, init_state, images, reference, args, device)
+                    if reference_note:
+                        row["check"]["note"] = reference_note
+                except torch.OutOfMemoryError as e:
+                    out_of_memory_at[variant["name"]] = batch_size
+                    row |= dict(status="oom", reason=f"out of memory at batch {batch_size}: {_first_line(e)}")
+                except Exception as e:  # one broken row must not lose the others' numbers
+                    row |= dict(status="error", reason=f"{type(e).__name__}: {_first_line(e)}")
+                # A failed row may leave half-built graphs and CUDA-graph pools behind: drop them too.
+                release_memory(device, forget_compiled=row["status"] != "ok" or uses_cuda_graphs(variant["settings"]))
+                if row["status"] == "ok":
+                    precision = matmul_precision(variant["settings"], device)
+                    add_rates(row, flops_per_step, batch_size, peaks["bf16"], peaks[precision])
+            group.append(row)
+            save(group)
+        timed = [r for r in group if r["status"] == "ok"]
+        for r in timed:
+            r["speedup_over"] = timed[0]["variant"]
+            r["speedup"] = timed[0]["step_time_s_median"] / r["step_time_s_median"]
+        yield group
+
+
+def _first_line(exception):
+    text = str(exception).strip().splitlines()
+    return text[0] if text else ""
+
+
+# --- output --------------------------------------------------------------------------
+
+
+def environment(device, argv):
+    """What the numbers were measured on and with (the versions, as train.py's run.json has them)."""
+    facts = profiling.device_facts(device, 1)
+    env = dict(
+        device=facts["name"] if device.type == "cuda" else _cpu_name(),
+        device_type=device.type,
+        # torch's own version keeps its build tag (+cu130), which the package metadata drops
+        **profiling.library_versions() | dict(torch=torch.__version__),
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None,
+        driver=facts["driver"],
+        cpu_threads=torch.get_num_threads(),
+        git_commit=profiling.git_commit(),
+        date=profiling.now_iso(),
+        command=" ".join(["python bench.py", *argv]),
+    )
+    if device.type == "cpu" and hasattr(os, "getloadavg"):
+        # A shared machine's other work slows every row: say how busy it was.
+        env["load_average_1min_at_start"] = os.getloadavg()[0]
+    return env
+
+
+def _cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} CPU ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"
+
+
+def _fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def _check_words(check):
+    if check.get("passed") is None:
+        return check.get("note", "not checked")
+    err = max(check["loss_rel_err"], check["grad_rel_err"])
+    return f"{'ok' if check['passed'] else 'FAIL'} {err:.1e} {'<=' if check['passed'] else '>'} {check['tolerance']:.0e}"
+
+
+def format_group(rows, peak_words):
+    """One workload at one batch size as a text table; a row that did not run says why."""
+    first = rows[0]
+    lines = [
+        f"{first['workload']}: {first['model']} ({first['params']:,} parameters) at {first['image_size']}px, "
+        f"batch {first['batch_size']}: {first['flops_per_step'] / 1e12:.4g} TFLOP/step; MFU against {peak_words}",
+    ]
+    show_prediction = any(r["predicted_ms_h100"] for r in rows)
+    header = ["#", "variant", "ms/step", "p10-p90 ms", "img/s", "TFLOP/s", "MFU %", "peak GiB", "speedup",
+              "1st call s", "check (max rel err)"] + ["H100 predicted ms"] * show_prediction  # fmt: skip
+    table = [header + ["what changed"]]
+    for i, r in enumerate(rows, 1):
+        if r["status"] != "ok":
+            table.append([str(i), r["variant"], f"{r['status']}: {r['reason']}", r["changed"]])
+            continue
+        cells = [
+            str(i),
+            r["variant"],
+            f"{1e3 * r['step_time_s_median']:.4g}",
+            f"{1e3 * r['step_time_s_p10']:.4g}-{1e3 * r['step_time_s_p90']:.4g}",
+            f"{r['images_per_s']:.1f}",
+            f"{r['achieved_tflops']:.4g}",
+            _fmt(r["mfu"] and 100 * r["mfu"], ".1f", "n/a"),
+            _fmt(r["peak_memory_gib"], ".2f", "n/a"),
+            f"{r['speedup']:.2f}x",
+            f"{r['first_call_s']:.2f}",
+            _check_words(r["check"]),
+        ]
+        table.append(cells + [_fmt(r["predicted_ms_h100"], "g")] * show_prediction + [r["changed"]])
+    full = [row for row in table if len(row) == len(header) + 1]
+    widths = [max(len(row[c]) for row in full) for c in range(len(header))]
+    for row in table:
+        if len(row) == len(header) + 1:
+            lines.append("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + "  " + row[-1])
+        else:  # the reason spans the number columns
+            lines.append(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}  ({row[3]})")
+    return lines
+
+
+def draw_chart(rows, env, path):
+    """Bars of img/s per variant, one panel per workload, one bar per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(len(workloads), 1, figsize=(10, 0.45 * len(all_variants()) * len(workloads) + 1.5), squeeze=False)
+    for ax, name in zip(axes[:, 0], workloads):
+        mine = [r for r in rows if r["workload"] == name]
+        variants = list(dict.fromkeys(r["variant"] for r in mine))
+        batches = list(dict.fromkeys(r["batch_size"] for r in mine))
+        height = 0.8 / len(batches)
+        for j, batch in enumerate(batches):
+            for i, variant in enumerate(variants):
+                r = next(r for r in mine if r["variant"] == variant and r["batch_size"] == batch)
+                y = i + (j - (len(batches) - 1) / 2) * height
+                if r["status"] != "ok":
+                    ax.text(0, y, f" {r['status']}", va="center", fontsize=7, color="grey")
+                    continue
+                ax.barh(y, r["images_per_s"], height=height, color=f"C{j}", label=f"batch {batch}" if i == 0 else None)
+                ax.text(r["images_per_s"], y, f" {r['speedup']:.2f}x", va="center", fontsize=7)
+                if env["device_type"] == "cuda" and r["predicted_ms_h100"]:
+                    ax.plot(batch / (r["predicted_ms_h100"] / 1e3), y, "k|", markersize=10)
+        ax.set_yticks(range(len(variants)), variants)
+        ax.invert_yaxis()
+        ax.set_xlabel("images/s (| = H100 prediction)" if env["device_type"] == "cuda" else "images/s")
+        ax.set_title(f"{name}: {mine[0]['model']} at {mine[0]['image_size']}px", fontsize=10)
+        if any(r["status"] == "ok" for r in mine):
+            ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{env['device']}, torch {env['torch']}, {env['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- CLI -----------------------------------------------------------------------------
+
+
+def _batch_sizes(text):
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch_sizes takes integers separated by commas (got '{text}')") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--batch_sizes must be integers of at least 1 (got '{text}')")
+    return sorted(set(sizes))
+
+
+def parse_args(argv=None):
+    p = train._Parser(prog="bench.py", description="Time the training step's speed-ups, one row at a time.")
+    p.add_argument(
+        "--workload",
+        default=None,
+        choices=(*WORKLOADS, *WORKLOAD_GROUPS),
+        help="model and image size: ref128 (128px, batch 64), adm64 (64px, batch 32), small, tiny, or all "
+        "(ref128 and adm64); default: all on a GPU, tiny on a CPU (bf16 on a CPU without bf16 "
+        "instructions is emulated: small's bf16 rows take ~20 s a step on 2 AVX2 cores)",
+    )
+    p.add_argument(
+        "--batch_sizes",
+        type=_batch_sizes,
+        default=None,
+        help="comma-separated batch sizes to sweep, smallest first; a variant that runs out of memory "
+        "is not tried at larger ones (default: the workload's batch)",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated rows to run (default: all): {', '.join(v['name'] for v in LADDER)}, train_default",
+    )
+    p.add_argument("--steps", type=int, default=20, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per row before timing")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the inputs")
+    p.add_argument("--output", default="bench/results", help="folder for the .json, .txt and .png")
+    p.add_argument("--tag", default=None, help="file name for the outputs (default: from the device, workload and batches)")
+    p.add_argument(
+        "--redraw", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON, next to it, and exit"
+    )
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def validate(args):
+    if args.redraw:
+        try:
+            result = json.loads(Path(args.redraw).read_text())
+        except (OSError, ValueError):
+            result = None
+        if not isinstance(result, dict) or not {"environment", "results"} <= set(result):
+            raise ConfigError(f"--redraw {args.redraw}: not the JSON of a bench.py run")
+        args.redraw_result = result
+        return args
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be at least 0 (got {args.warmup})")
+    names = [v["name"] for v in all_variants()]
+    if args.variants is None:
+        args.variants = names
+    else:
+        args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in args.variants if v not in names]
+        if unknown or not args.variants:
+            raise ConfigError(f"unknown --variants '{','.join(unknown)}': choose from {', '.join(names)}")
+    if args.workload is None:
+        args.workload = "all" if torch.cuda.is_available() else "tiny"
+    try:
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write to --output {args.output} ({e.strerror})") from None
+    return args
+
+
+def main(args):
+    """Run the ladder; 0 when every row that ran passed its check, 1 otherwise, 2 on a bad flag."""
+    try:
+        args = validate(args)
+    except ConfigError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+    if args.redraw:
+        print(draw_chart_if_possible(args.redraw_result, Path(args.redraw).with_suffix(".png")))
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(device, args.argv)
+    lines = []
+
+    def print_line(text="", progress=False):
+        print(text, flush=True)
+        if not progress:
+            lines.append(text)
+
+    for key in ("device", "torch", "diffusers", "cuda", "cudnn", "driver", "python", "cpu_threads",
+                "load_average_1min_at_start", "git_commit", "date", "command"):  # fmt: skip
+        if env.get(key) is not None:
+            print_line(f"{key:12s} {env[key]}")
+
+    # An unknown GPU, or a CPU, has no known peak: MFU is then n/a, never a guess.
+    gpu_name = env["device"] if device.type == "cuda" else None
+    peaks = {precision: flops.lookup_peak(gpu_name, precision)[1] for precision in ("fp32", "tf32", "bf16")}
+    gpu = flops.lookup_peak(gpu_name, "bf16")[0]
+    peak_words = f"the {gpu} dense bf16 peak, {peaks['bf16'] / 1e12:g} TFLOP/s" if gpu else f"no known peak ({env['device']})"
+
+    tag = args.tag or _default_tag(env, args)
+    rows = []
+
+    def save(unfinished=()):
+        """Written after every row, so that a run cut short keeps what it measured."""
+        return write_outputs(rows + list(unfinished), env, args, lines, tag)
+
+    for name in WORKLOAD_GROUPS.get(args.workload, (args.workload,)):
+        for group in run_workload(name, args, device, peaks, print_line, save):
+            print_line()
+            for line in format_group(group, peak_words):
+                print_line(line)
+            rows.extend(group)
+            result = save()
+    chart = draw_chart_if_possible(result, Path(args.output) / f"{tag}.png")
+    print(f"\nwrote {Path(args.output) / tag}.json and .txt; {chart}")
+
+    failed = [f"{r['workload']} batch {r['batch_size']} {r['variant']}" for r in rows if r["status"] == "error" or (r["status"] == "ok" and r["check"]["passed"] is False)]
+    if failed:
+        print(f"bench.py: {len(failed)} row(s) failed or did not match the fp32 step: {'; '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_outputs(rows, env, args, lines, tag):
+    """The results as JSON and the printed tables as text; returns the JSON's content."""
+    out = Path(args.output)
+    settings = dict(steps=args.steps, warmup=args.warmup, seed=args.seed, tolerance=TOLERANCE, train_defaults=vars(TRAIN_DEFAULTS))
+    result = dict(environment=env, settings=settings, results=rows)
+    (out / f"{tag}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / f"{tag}.txt").write_text("\n".join(lines) + "\n")
+    return result
+
+
+def draw_chart_if_possible(result, path):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # the GPU machine's image may lack it: draw later with --redraw
+        return f"no chart: matplotlib is not installed (python bench.py --redraw {path.with_suffix('.json')})"
+    draw_chart(result["results"], result["environment"], path)
+    return f"chart {path}"
+
+
+def _default_tag(env, args):
+    device = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+    batches = "-".join(map(str, args.batch_sizes)) if args.batch_sizes else "default"
+    return f"{device}_{args.workload}_b{batches}"
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

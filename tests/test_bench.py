@@ -1,0 +1,258 @@
+import json
+import re
+import statistics
+
+import pytest
+import torch
+from PIL import Image
+
+import bench
+import model as models
+import train
+from test_train import run as run_train
+from test_train import scalars, visible
+
+TINY = bench.WORKLOADS["tiny"]
+CPU = torch.device("cpu")
+VARIANTS = bench.all_variants()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One CPU thread: tiny tensors gain nothing from two, and lose much (compiled code most)
+    when other processes share the cores, as they do on a 2-core machine running tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fixed_step():
+    """Weights, a uint8 batch, fixed model inputs and the fp32 eager step's loss and gradients on them."""
+    torch.manual_seed(0)
+    init_state = models.build_unet(TINY["model"], TINY["image_size"]).state_dict()
+    images = torch.randint(0, 256, (TINY["batch_size"], 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    inputs = bench.check_inputs(images, 0, CPU)
+    reference = bench.reference_step(TINY, init_state, images, inputs, CPU)
+    return init_state, images, inputs, reference
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v["name"] for v in VARIANTS])
+def test_each_variant_matches_the_fp32_eager_step(fixed_step, variant):
+    if variant["cuda_only"]:
+        pytest.skip(f"{variant['cuda_only']}: runs only on a CUDA GPU")
+    init_state, images, inputs, reference = fixed_step
+    settings = variant["settings"]
+    torch.compiler.reset()  # so that a compiled variant compiles here rather than reusing another row's graph
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    step = bench.TrainingStep(settings, TINY, init_state, images, CPU)
+
+    # the variant is what its settings say
+    assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last) == settings["channels_last"]
+    assert bool(step.optimizer.defaults["fused"]) == settings["fused_adam"]
+    assert (step.guard is not None) == settings["nonfinite_guard"]
+    assert step.ema.foreach == settings["ema_foreach"]
+    assert (step.model is step.unet) == (settings["compile_mode"] is None)
+
+    check = bench.check_variant(step, settings, inputs, reference, CPU)
+    assert check["passed"], check
+    if settings["compile_mode"]:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before  # it really compiled
+    if settings["precision"] == "bf16":
+        # autocast really ran in bf16: far from fp32's rounding, within bf16's tolerance
+        assert check["tolerance"] == bench.TOLERANCE["bf16"]
+        assert check["grad_rel_err"] > 100 * bench.TOLERANCE["fp32"]
+    else:
+        assert check["tolerance"] == bench.TOLERANCE["fp32"]
+    del step
+    bench.release_memory(CPU)
+
+
+def test_the_check_fails_when_the_step_differs(fixed_step):
+    init_state, images, (clean, noise, timesteps), reference = fixed_step
+    settings = VARIANTS[0]["settings"]
+    step = bench.TrainingStep(settings, TINY, init_state, images, CPU)
+    check = bench.check_variant(step, settings, (clean, noise, (timesteps + 7) % 1000), reference, CPU)
+    assert not check["passed"] and check["grad_rel_err"] > 1e-3, check
+
+
+def test_fused_and_foreach_adamw_take_the_same_steps():
+    def three_steps(fused):
+        torch.manual_seed(0)
+        unet = models.build_unet("tiny", 16)
+        start = torch.cat([p.detach().reshape(-1).clone() for p in unet.parameters()])
+        optimizer = models.prepare_for_training(unet, False, fused, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, eps=1e-8)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in unet.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            optimizer.step()
+        return optimizer, start, torch.cat([p.detach().reshape(-1) for p in unet.parameters()])
+
+    fused_optimizer, start, fused = three_steps(True)
+    foreach_optimizer, _, foreach = three_steps(False)
+    assert fused_optimizer.defaults["fused"] and foreach_optimizer.defaults["foreach"]
+    assert (fused - start).abs().max() > 1e-3  # the steps moved the weights
+    torch.testing.assert_close(fused, foreach, rtol=0, atol=1e-6)
+
+
+def test_train_default_row_follows_train_py(monkeypatch):
+    cpu = bench.train_default_variant()["settings"]
+    assert cpu["precision"] == "fp32" and cpu["compile_mode"] is None and not cpu["channels_last"]
+    assert cpu["sync_every"] == train.parse_args([]).logging_steps
+    # With a GPU, train.py's defaults are the whole ladder but CUDA graphs.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = bench.train_default_variant()
+    assert gpu["settings"] == next(v for v in bench.LADDER if v["name"] == "no_syncs")["settings"]
+    assert "(the settings of no_syncs)" in gpu["changed"]
+
+
+def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
+    argv = ["--workload", "tiny", "--batch_sizes", "2,1", "--steps", "2", "--warmup", "1", "--output", str(tmp_path),
+            "--variants", "reference,tf32,train_default", "--tag", "run"]  # fmt: skip
+    assert bench.main(bench.parse_args(argv)) == 0
+    stdout = capsys.readouterr().out
+
+    # versions first, then the tables
+    import diffusers
+
+    head = stdout.splitlines()[:5]
+    assert head[0].startswith("device") and "CPU" in head[0]
+    assert f"torch        {torch.__version__}" in head and f"diffusers    {diffusers.__version__}" in head
+    assert re.search(r"^2\s+tf32\s+skipped: TF32 is a CUDA tensor-core format: not on cpu", stdout, re.M)
+
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert {"device", "torch", "diffusers", "cuda", "date", "command"} <= set(result["environment"])
+    assert result["environment"]["command"] == "python bench.py " + " ".join(argv)
+    rows = result["results"]
+    names = ["reference", "tf32", "train_default"]
+    assert [(r["batch_size"], r["variant"]) for r in rows] == [(b, n) for b in (1, 2) for n in names]
+    for r in rows:
+        if r["variant"] == "tf32":
+            assert r["status"] == "skipped" and "CUDA" in r["reason"]
+            continue
+        assert r["status"] == "ok" and r["check"]["passed"], r
+        assert len(r["step_times_s"]) == 2 and r["step_time_s_median"] == statistics.median(r["step_times_s"])
+        assert r["step_time_s_p10"] <= r["step_time_s_median"] <= r["step_time_s_p90"]
+        assert r["images_per_s"] == pytest.approx(r["batch_size"] / r["step_time_s_median"])
+        assert r["achieved_tflops"] == pytest.approx(r["flops_per_step"] / r["step_time_s_median"] / 1e12)
+        assert r["mfu"] is None and r["peak_memory_gib"] is None  # a CPU has no known peak
+        reference = next(x for x in rows if x["variant"] == "reference" and x["batch_size"] == r["batch_size"])
+        assert r["speedup_over"] == "reference"
+        assert r["speedup"] == pytest.approx(reference["step_time_s_median"] / r["step_time_s_median"])
+        assert r["first_call_s"] > 0 and r["optimizer"] == ("fused" if r["settings"]["fused_adam"] else "foreach")
+    flops_at = {r["batch_size"]: r["flops_per_step"] for r in rows}
+    assert flops_at[2] == 2 * flops_at[1] > 0
+
+    # the printed tables are also in the .txt, and the chart is a real PNG
+    text = (tmp_path / "run.txt").read_text()
+    assert "tiny: tiny (177,427 parameters) at 16px, batch 2" in text
+    progress = re.compile(r"^  tiny batch \d+: \w+ \.\.\.$")
+    assert text.splitlines() == [line for line in stdout.splitlines() if not progress.match(line)][: len(text.splitlines())]
+    with Image.open(tmp_path / "run.png") as chart:
+        assert chart.format == "PNG" and chart.width > 300 and chart.height > 200
+
+    # --redraw draws the chart again from the JSON alone (for a GPU machine without matplotlib)
+    (tmp_path / "run.png").unlink()
+    assert bench.main(bench.parse_args(["--redraw", str(tmp_path / "run.json")])) == 0
+    with Image.open(tmp_path / "run.png") as chart:
+        assert chart.format == "PNG"
+
+
+def fake_run_variant(out_of_memory_above, variant_name):
+    """Stands in for run_variant: a quick row, or out of memory for `variant_name` above a batch size."""
+
+    def run(variant, workload, batch_size, *args):
+        if variant["name"] == variant_name and batch_size > out_of_memory_above:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        check = dict(precision="fp32", tolerance=1e-5, passed=True, loss_rel_err=0.0, grad_rel_err=0.0)
+        return dict(status="ok", optimizer="foreach", check=check, first_call_s=0.1, step_times_s=[0.01],
+                    step_time_s_median=0.01, step_time_s_p10=0.01, step_time_s_p90=0.01, mean_loss=1.0,
+                    peak_memory_gib=None)  # fmt: skip
+
+    return run
+
+
+def test_the_batch_sweep_stops_a_variant_at_out_of_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run_variant", fake_run_variant(1, "fused_adamw"))
+    monkeypatch.setattr(bench, "reference_step", lambda *args: None)
+    argv = ["--workload", "tiny", "--batch_sizes", "1,2,4", "--variants", "reference,fused_adamw",
+            "--output", str(tmp_path), "--tag", "sweep"]  # fmt: skip
+    assert bench.main(bench.parse_args(argv)) == 0
+    rows = json.loads((tmp_path / "sweep.json").read_text())["results"]
+    status = {(r["variant"], r["batch_size"]): (r["status"], r.get("reason", "")) for r in rows}
+    assert [status[("reference", b)][0] for b in (1, 2, 4)] == ["ok", "ok", "ok"]
+    assert status[("fused_adamw", 1)][0] == "ok"
+    assert status[("fused_adamw", 2)][0] == "oom" and "out of memory at batch 2" in status[("fused_adamw", 2)][1]
+    assert status[("fused_adamw", 4)] == ("skipped", "out of memory at batch 2")
+
+
+def test_a_row_that_breaks_is_recorded_and_fails_the_run(tmp_path, monkeypatch, capsys):
+    def broken(*args):
+        raise RuntimeError("no kernel image is available\nsecond line")
+
+    monkeypatch.setattr(bench, "run_variant", broken)
+    monkeypatch.setattr(bench, "reference_step", lambda *args: None)
+    argv = ["--workload", "tiny", "--variants", "reference", "--output", str(tmp_path), "--tag", "broken"]
+    assert bench.main(bench.parse_args(argv)) == 1
+    row = json.loads((tmp_path / "broken.json").read_text())["results"][0]
+    assert row["status"] == "error" and row["reason"] == "RuntimeError: no kernel image is available"
+    assert "tiny batch 8 reference" in capsys.readouterr().err
+
+
+BAD_INPUTS = [
+    (["--workload", "huge"], "invalid choice: 'huge'"),
+    (["--batch_sizes", "0,8"], "--batch_sizes must be integers of at least 1"),
+    (["--batch_sizes", "8,many"], "--batch_sizes takes integers separated by commas"),
+    (["--variants", "reference,warp"], "unknown --variants 'warp'"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--output", "{file}"], "cannot write to --output"),
+    (["--redraw", "{file}"], "not the JSON of a bench.py run"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("not a folder")
+    argv = ["--workload", "tiny"] + [a.format(file=tmp_path / "file") for a in argv]
+    try:
+        code = bench.main(bench.parse_args(argv))
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = visible(capsys.readouterr().err)
+    assert len(err) == 1 and message in err[0] and err[0].startswith("bench.py: error:"), err
+
+
+def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = run_train(out, "--max_train_steps", 2, "--compile", "--channels_last", "--fused_adam",
+                       "--logging_steps", 1, "--checkpointing_steps", 2, "--save_images_epochs", 100)  # fmt: skip
+    assert config["compile"] and config["channels_last"] and config["fused_adam"]
+    assert [step for step, _ in scalars(out)["loss"]] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars(out)["loss"])
+    assert re.search(r"^final: step 2/2 \| loss [\d.]+ \|", capsys.readouterr().out, re.M)
+
+    # what is saved is the plain UNet, not the compiled wrapper: the same keys as a fresh model
+    from diffusers import UNet2DModel
+
+    saved = UNet2DModel.from_pretrained(str(out / "unet"))
+    assert saved.state_dict().keys() == models.build_unet("tiny", 16).state_dict().keys()
+    assert (out / "checkpoints" / "checkpoint-2").is_dir()
+
+
+def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
+    flags = ("compile", "channels_last", "cudnn_benchmark")
+    cpu = train.validate(train.parse_args([]))
+    assert not any(getattr(cpu, f) for f in flags)
+    assert cpu.fused_adam  # fused AdamW runs on a CPU too, and is what the non-finite guard skips steps in
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = train.validate(train.parse_args(["--mixed_precision", "no"]))
+    assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "default" and gpu.fused_adam
+    chosen = train.validate(train.parse_args(["--mixed_precision", "no", "--no-compile", "--no-fused_adam"]))
+    assert not chosen.compile and not chosen.fused_adam and chosen.channels_last
+    forced_cpu = train.validate(train.parse_args(["--mixed_precision", "no", "--cpu"]))
+    assert not any(getattr(forced_cpu, f) for f in flags)
