@@ -125,6 +125,23 @@ def median(values):
     return statistics.median(values)
 
 
+def time_mark(cuda):
+    """A point in time: on a GPU a CUDA event recorded in the stream (the host does
+    not wait for it), on a CPU a clock reading (there the work is synchronous)."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(start, end):
+    """Seconds between two `time_mark`s (for events, once `end` has completed)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
+
+
 class StepTimer:
     """Wall time of each training step, without a device sync per step.
 
@@ -145,11 +162,7 @@ class StepTimer:
         self.all_times = []  # every timed step of the run, in seconds
 
     def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return time_mark(self.cuda)
 
     def restart(self):
         """The next step starts now: time spent since the last step is not a step's."""
@@ -166,10 +179,7 @@ class StepTimer:
         """Seconds per step for the steps since the last collect (syncs the device once)."""
         if self.cuda and self.pending:
             self.pending[-1][1].synchronize()
-        if self.cuda:
-            times = [start.elapsed_time(end) / 1e3 for start, end in self.pending]
-        else:
-            times = [end - start for start, end in self.pending]
+        times = [seconds_between(start, end) for start, end in self.pending]
         self.pending = []
         self.all_times.extend(times)
         return times

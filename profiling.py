@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from flops import seconds_between, time_mark
+
 # The phases of a training step, in order, then what happens between steps.
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "ema")
 PAUSES = ("sampling", "evaluation", "checkpointing")
@@ -43,21 +45,14 @@ class Breakdown:
         self.last = None
         self.started = None
 
-    def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def start(self):
         self.started = time.perf_counter()
 
     def begin_step(self):
-        self.last = self._mark()
+        self.last = time_mark(self.cuda)
 
     def phase_done(self, phase):
-        now = self._mark()
+        now = time_mark(self.cuda)
         self.pending.append((phase, self.last, now))
         self.last = now
 
@@ -85,7 +80,7 @@ class Breakdown:
         if self.cuda and self.pending:
             self.pending[-1][2].synchronize()
         for phase, start, end in self.pending:
-            self.seconds[phase] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            self.seconds[phase] += seconds_between(start, end)
         self.pending = []
 
     def wall_s(self):
