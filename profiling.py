@@ -299,7 +299,7 @@ def peak_memory_gib(device):
 
 
 def now_iso():
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def write_manifest(path, **fields):

@@ -192,8 +192,10 @@ def parse_args(argv=None):
     o.add_argument("--output_dir", default="ddpm-output", help="where samples, checkpoints and the model go")
     o.add_argument("--save_images_epochs", type=int, default=2, help="write a sample grid every N epochs")
     o.add_argument("--eval_batch_size", type=int, default=16, help="images in a sample grid")
-    o.add_argument("--sampler", default="ddim", choices=SAMPLERS, help="sampler for the grids")
-    o.add_argument("--num_inference_steps", type=int, default=50, help="sampling steps for the grids")
+    o.add_argument("--sampler", default=sample.DEFAULT_SAMPLER, choices=SAMPLERS, help="sampler for the grids and FID")
+    o.add_argument(
+        "--num_inference_steps", type=int, default=sample.DEFAULT_STEPS, help="sampling steps for the grids and FID"
+    )
     o.add_argument("--checkpointing_steps", type=int, default=500, help="save a checkpoint every N steps")
     o.add_argument("--checkpoints_total_limit", type=int, default=None, help="keep at most this many checkpoints")
     o.add_argument(

@@ -188,9 +188,9 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     DDPMPipeline.from_pretrained(str(out / "best"))
     assert sum(embedded) == 16 + 2 * 6  # the training set once, then the generated images
 
-    # a second run in the same folder reads the cached reference statistics
+    # a second run started afresh in the same folder reads the cached reference statistics
     embedded.clear()
-    run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6)
+    run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6, "--overwrite_output_dir")
     assert sum(embedded) == 6
 
 
