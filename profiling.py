@@ -9,6 +9,7 @@ at the end, and `write_manifest` writes `run.json`.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -56,21 +57,16 @@ class Breakdown:
         self.pending.append((phase, self.last, now))
         self.last = now
 
+    @contextlib.contextmanager
     def pause(self, name):
         """Time a block (sampling, checkpointing) with the host clock, synchronized at both ends."""
-        breakdown = self
-
-        class _Pause:
-            def __enter__(self):
-                breakdown._sync()
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                breakdown._sync()
-                breakdown.seconds[name] += time.perf_counter() - self.t0
-                return False
-
-        return _Pause()
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] += time.perf_counter() - t0
 
     def _sync(self):
         if self.cuda:

@@ -586,10 +586,6 @@ def train(args):
     )
 
     def write_samples(epoch):
-        with breakdown.pause("sampling"):
-            _write_samples(epoch)
-
-    def _write_samples(epoch):
         if accelerator.is_main_process:
             path = output_dir / "samples" / f"{epoch:04d}.png"
             try:
@@ -600,12 +596,15 @@ def train(args):
 
     guard = NonFiniteGuard(optimizer, args.on_nonfinite, device)
 
+    last_saved = [None, None]  # (step, path) of this run's newest checkpoint
+
     def save_checkpoint():
         if not weights_finite(model):  # never replace a good checkpoint with a broken state
             raise RunError(f"the weights are not finite at step {global_step}: not saving a checkpoint; resume from the last one")
         state = dict(skipped_nonfinite=skipped_before + guard.count(), run=checkpoint.run_identity(config))
         with breakdown.pause("checkpointing"):
             path = checkpoint.save(accelerator, output_dir, global_step, state, args.checkpoints_total_limit)
+        last_saved[:] = [global_step, path]
         if accelerator.is_local_main_process:
             progress.write(f"saved {path}")
         timer.restart()
@@ -613,10 +612,6 @@ def train(args):
 
     def evaluate(epoch):
         """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
-        with breakdown.pause("evaluation"):
-            _evaluate(epoch)
-
-    def _evaluate(epoch):
         if evaluator is not None:
             unet = ema_unet(accelerator, model, ema)
             save = DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained
@@ -671,8 +666,7 @@ def train(args):
     def stop_for_signal(signals):
         """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""
         progress.close()
-        saved = checkpoint.checkpoint_dirs(output_dir)
-        path = saved[-1] if saved and checkpoint.read_state(saved[-1])["step"] == global_step else save_checkpoint()
+        path = last_saved[1] if last_saved[0] == global_step else save_checkpoint()
         accelerator.print(
             f"stopped by {signals.received.name} at step {global_step}: saved {path}; "
             "run the same command again to continue"
@@ -748,10 +742,12 @@ def train(args):
 
             last_epoch = global_step >= max_train_steps
             if epoch % args.save_images_epochs == 0 or last_epoch:
-                write_samples(epoch)
+                with breakdown.pause("sampling"):
+                    write_samples(epoch)
                 timer.restart()
             if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last_epoch):
-                evaluate(epoch)
+                with breakdown.pause("evaluation"):
+                    evaluate(epoch)
                 timer.restart()
             if last_epoch:
                 break
