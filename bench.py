@@ -33,8 +33,6 @@ import argparse
 import gc
 import json
 import math
-import os
-import platform
 import re
 import statistics
 import sys
@@ -479,38 +477,6 @@ def _first_line(exception):
 # --- output --------------------------------------------------------------------------
 
 
-def environment(device, argv):
-    """What the numbers were measured on and with (the versions, as train.py's run.json has them)."""
-    facts = profiling.device_facts(device, 1)
-    env = dict(
-        device=facts["name"] if device.type == "cuda" else _cpu_name(),
-        device_type=device.type,
-        # torch's own version keeps its build tag (+cu130), which the package metadata drops
-        **profiling.library_versions() | dict(torch=torch.__version__),
-        cuda=torch.version.cuda,
-        cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None,
-        driver=facts["driver"],
-        cpu_threads=torch.get_num_threads(),
-        git_commit=profiling.git_commit(),
-        date=profiling.now_iso(),
-        command=" ".join(["python bench.py", *argv]),
-    )
-    if device.type == "cpu" and hasattr(os, "getloadavg"):
-        # A shared machine's other work slows every row: say how busy it was.
-        env["load_average_1min_at_start"] = os.getloadavg()[0]
-    return env
-
-
-def _cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} CPU ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"
-
-
 def _fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
@@ -688,7 +654,7 @@ def main(args):
         print(draw_chart_if_possible(args.redraw_result, Path(args.redraw).with_suffix(".png")))
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = environment(device, args.argv)
+    env = profiling.environment(device, ["python bench.py", *args.argv])
     lines = []
 
     def print_line(text="", progress=False):

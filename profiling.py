@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -45,6 +46,10 @@ class Breakdown:
         self.pending = []  # (phase, start mark, end mark) not yet read
         self.last = None
         self.started = None
+        self.epoch_mark = None  # (host clock, paused seconds) at the start of an epoch
+
+    def paused_s(self):
+        return sum(self.seconds[name] for name in PAUSES)
 
     def start(self):
         self.started = time.perf_counter()
@@ -67,6 +72,16 @@ class Breakdown:
         finally:
             self._sync()
             self.seconds[name] += time.perf_counter() - t0
+
+    def begin_epoch(self):
+        self._sync()
+        self.epoch_mark = (time.perf_counter(), self.paused_s())
+
+    def epoch_s(self):
+        """Wall seconds since `begin_epoch()`, less the pauses inside it: one device sync per epoch."""
+        self._sync()
+        started, paused = self.epoch_mark
+        return time.perf_counter() - started - (self.paused_s() - paused)
 
     def _sync(self):
         if self.cuda:
@@ -296,6 +311,41 @@ def peak_memory_gib(device):
 
 def now_iso():
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def environment(device, command):
+    """What a benchmark's numbers were measured on and with (the versions, as in run.json).
+
+    `command`: the command line that measured them, as a list of words.
+    """
+    facts = device_facts(device, 1)
+    env = dict(
+        device=facts["name"] if device.type == "cuda" else cpu_name(),
+        device_type=device.type,
+        # torch's own version keeps its build tag (+cu130), which the package metadata drops
+        **library_versions() | dict(torch=torch.__version__),
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None,
+        driver=facts["driver"],
+        cpu_threads=torch.get_num_threads(),
+        git_commit=git_commit(),
+        date=now_iso(),
+        command=" ".join(command),
+    )
+    if device.type == "cpu" and hasattr(os, "getloadavg"):
+        # A shared machine's other work slows every row: say how busy it was.
+        env["load_average_1min_at_start"] = os.getloadavg()[0]
+    return env
+
+
+def cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} CPU ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"
 
 
 def write_manifest(path, **fields):

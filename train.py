@@ -625,6 +625,7 @@ def train(args):
     breakdown = profiling.Breakdown(device)
     loss_sum, loss_count = torch.zeros((), device=device), torch.zeros((), device=device)
     started_at = profiling.now_iso()
+    epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
 
     last_loss = float("nan")
 
@@ -692,6 +693,7 @@ def train(args):
         for epoch in range(first_epoch, num_epochs):
             start = (global_step - epoch * steps_per_epoch) * args.gradient_accumulation_steps
             micro_batches = batches.epoch(epoch, start=start)
+            breakdown.begin_epoch()
             timer.restart()
             while global_step < min(max_train_steps, (epoch + 1) * steps_per_epoch):
                 breakdown.begin_step()
@@ -740,6 +742,10 @@ def train(args):
                 if stop_requested(signals):
                     stop_for_signal(signals)
 
+            if start == 0 and global_step == (epoch + 1) * steps_per_epoch:  # a whole epoch in this run
+                epoch_s = breakdown.epoch_s()
+                epoch_times.append(dict(epoch=epoch, seconds=epoch_s, images_per_s=steps_per_epoch * images_per_step / epoch_s))
+                accelerator.log(dict(epoch_time_s=epoch_s), step=global_step)
             last_epoch = global_step >= max_train_steps
             if epoch % args.save_images_epochs == 0 or last_epoch:
                 with breakdown.pause("sampling"):
@@ -791,6 +797,7 @@ def train(args):
             peak=peak_words,
             peak_memory_gib=profiling.peak_memory_gib(device),
             train_wall_s=wall_s,
+            epoch_times_s=epoch_times,
             time_breakdown_s=parts,
             samples_dir=str(output_dir / "samples"),
             checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(output_dir)],

@@ -120,6 +120,16 @@ def test_run_manifest_has_every_field(plain_run):
     assert m["samples_dir"].endswith("samples") and m["checkpoints"][-1].endswith("checkpoint-10")
 
 
+def test_run_manifest_times_each_whole_epoch_without_the_pauses(plain_run):
+    m = json.loads((plain_run / "run.json").read_text())
+    # 32 images in batches of 4: epoch 0 is 8 steps; epoch 1 stops at step 10, so is not whole
+    [epoch] = m["epoch_times_s"]
+    parts = m["time_breakdown_s"]
+    training = sum(parts[p] for p in profiling.STEP_PHASES)
+    assert epoch["epoch"] == 0 and 0 < epoch["seconds"] < training  # the checkpoint at step 5 is left out
+    assert epoch["images_per_s"] == pytest.approx(32 / epoch["seconds"])
+
+
 def test_the_periodic_line_has_peak_memory(plain_run, capsys, tmp_path):
     run(tmp_path / "again", "--max_train_steps", 4)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 4/4")]
