@@ -45,6 +45,7 @@ import data
 import flops
 import model as models
 import profiling
+import sweep
 import train
 from model import ConfigError
 
@@ -607,6 +608,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--redraw", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON, next to it, and exit"
     )
+    sweep.add_arguments(p)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
@@ -618,7 +620,8 @@ def validate(args):
             result = json.loads(Path(args.redraw).read_text())
         except (OSError, ValueError):
             result = None
-        if not isinstance(result, dict) or not {"environment", "results"} <= set(result):
+        kinds = ({"environment", "results"}, {"environment", "sweep", "points"})  # the ladder's, a sweep's
+        if not isinstance(result, dict) or not any(kind <= set(result) for kind in kinds):
             raise ConfigError(f"--redraw {args.redraw}: not the JSON of a bench.py run")
         args.redraw_result = result
         return args
@@ -645,6 +648,8 @@ def validate(args):
 
 def main(args):
     """Run the ladder; 0 when every row that ran passed its check, 1 otherwise, 2 on a bad flag."""
+    if args.sweep:
+        return sweep.main(args, WORKLOADS)
     try:
         args = validate(args)
     except ConfigError as e:
@@ -662,10 +667,8 @@ def main(args):
         if not progress:
             lines.append(text)
 
-    for key in ("device", "torch", "diffusers", "cuda", "cudnn", "driver", "python", "cpu_threads",
-                "load_average_1min_at_start", "git_commit", "date", "command"):  # fmt: skip
-        if env.get(key) is not None:
-            print_line(f"{key:12s} {env[key]}")
+    for line in profiling.environment_lines(env):
+        print_line(line)
 
     # An unknown GPU, or a CPU, has no known peak: MFU is then n/a, never a guess.
     gpu_name = env["device"] if device.type == "cuda" else None
@@ -712,7 +715,10 @@ def draw_chart_if_possible(result, path):
         import matplotlib  # noqa: F401
     except ImportError:  # the GPU machine's image may lack it: draw later with --redraw
         return f"no chart: matplotlib is not installed (python bench.py --redraw {path.with_suffix('.json')})"
-    draw_chart(result["results"], result["environment"], path)
+    if "sweep" in result:
+        sweep.draw(result, path)
+    else:
+        draw_chart(result["results"], result["environment"], path)
     return f"chart {path}"
 
 

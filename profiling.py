@@ -338,6 +338,13 @@ def environment(device, command):
     return env
 
 
+def environment_lines(env):
+    """The environment as the first lines of a benchmark's printout."""
+    keys = ("device", "torch", "diffusers", "cuda", "cudnn", "driver", "python", "cpu_threads",
+            "load_average_1min_at_start", "git_commit", "date", "command")  # fmt: skip
+    return [f"{key:12s} {env[key]}" for key in keys if env.get(key) is not None]
+
+
 def cpu_name():
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
