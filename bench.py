@@ -3,6 +3,7 @@
     python bench.py                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
     python bench.py --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
     python bench.py --workload tiny --steps 3 --warmup 1   # seconds on a CPU
+    python bench.py --sweep batch_size                 # whole train.py runs, one setting varied: see sweep.py
 
 Every row runs the same training step as train.py (uint8 images to [-1, 1]
 with random flips, noise and timesteps drawn on the device, the DDPM loss,

@@ -128,7 +128,7 @@ SWEPT_FLAGS = {
     "compile": ("--compile", "--no-compile"),
     "num_processes": (),
 }
-OWN_FLAGS = ("--output_dir", "--num_epochs", "--max_train_steps", "--resume_from_checkpoint")
+OWN_FLAGS = ("--model", "--image_size", "--output_dir", "--num_epochs", "--max_train_steps", "--resume_from_checkpoint")
 
 
 def add_arguments(p):
@@ -162,7 +162,8 @@ def validate(args, workloads):
         raise ConfigError(f"--train_args is not a valid command line ({e})") from None
     taken = [f for f in args.extra if f.split("=")[0] in SWEPT_FLAGS[args.sweep] + OWN_FLAGS]
     if taken:
-        raise ConfigError(f"--train_args must not set {taken[0]}: the sweep sets it")
+        instead = "pick --workload" if taken[0] in ("--model", "--image_size") else "the sweep sets it"
+        raise ConfigError(f"--train_args must not set {taken[0]}: {instead}")
     spec = SWEEPS[args.sweep]
     workload = workloads[args.workload]
     if args.values is None:
@@ -335,13 +336,16 @@ def draw(result, path):
     swept = [p for p in result["points"] if not p["reference"]]
     preloaded = [p for p in result["points"] if p["reference"] and p["status"] == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    xs = list(range(len(swept)))
+    xs = list(range(len(swept)))  # evenly spaced, labelled with the values
+    categorical = not all(isinstance(p["value"], int) for p in swept)  # precisions, off/on: bars
     for ax, key, ylabel in zip(axes, ("time_per_epoch_s", "images_per_s"), ("time per epoch (s)", "images/s")):
         ok = [(x, p[key]) for x, p in zip(xs, swept) if p["status"] == "ok"]
-        if ok:
+        if ok and categorical:
+            ax.bar(*zip(*ok), width=0.5, color="C0")
+        elif ok:
             ax.plot(*zip(*ok), "o-", color="C0", label="DataLoader (streamed)" if preloaded else None)
-            for x, y in ok:
-                ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        for x, y in ok:
+            ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
         for x, p in zip(xs, swept):
             if p["status"] != "ok":
                 ax.annotate(p["status"], (x, 0), ha="center", va="bottom", fontsize=8, color="grey")
@@ -354,7 +358,7 @@ def draw(result, path):
         ax.set_xticks(xs, [_label(p) for p in swept])
         ax.set_xlabel(s["what"], fontsize=8)
         ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.12 * ax.get_ylim()[1])  # from zero, with room for the labels above the points
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -4,6 +4,7 @@
 #   bash ../shared/device/fetch-wheels.sh          # here first: puts the diffusers wheel in .whl/
 #   run(command="bash bench/run_gpu.sh", carry=[".whl"], kind="nvidia-h100-x1")
 #   bash bench/run_gpu.sh ladder | sweep            # one half only, if a call is cut short
+#   run(command="bash bench/run_gpu.sh train_sweeps", carry=[".whl"])   # a second call: issue 5's sweeps
 #
 # Everything lands in $OUT (bench/results/gpu without one): per bench.py run a .json (rewritten
 # after every row), a .txt (after every table) and a .png (at the end, where matplotlib is
@@ -46,5 +47,12 @@ fi
 if [[ $part == all || $part == sweep ]]; then
   section 100 --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
   section 70 --workload adm64 --batch_sizes 32,64,128,256,512 --variants train_default
+fi
+if [[ $part == train_sweeps ]]; then  # whole train.py runs (bench.py --sweep); not part of "all"
+  section 150 --sweep batch_size --workload ref128 --values 32,64,128
+  section 130 --sweep dataloader_num_workers --workload ref128 --values 0,4,8 --num_images 1024
+  section 100 --sweep mixed_precision --workload ref128 --values no,bf16
+  section 100 --sweep compile --workload ref128
+  if (( $(nvidia-smi -L | wc -l) > 1 )); then section 120 --sweep num_processes --workload ref128; fi
 fi
 ls -la "$OUT"

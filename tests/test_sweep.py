@@ -144,6 +144,7 @@ def test_a_failed_point_is_recorded_and_the_sweep_exits_1(tmp_path, capsys):
         (["--sweep", "compile", "--workload", "all"], "--sweep runs one workload"),
         (["--sweep", "batch_size", "--train_args", "--train_batch_size 4"], "--train_args must not set --train_batch_size"),
         (["--sweep", "compile", "--train_args", "--output_dir x"], "--train_args must not set --output_dir"),
+        (["--sweep", "compile", "--train_args", "--model small"], "--train_args must not set --model: pick --workload"),
         (["--sweep", "compile", "--train_args", "'unclosed"], "--train_args is not a valid command line"),
         (["--sweep", "compile", "--train_args=--frobnicate"], "--train_args: unrecognized arguments: --frobnicate"),
         (["--sweep", "mixed_precision", "--values", "fp16"], "--mixed_precision fp16 needs a CUDA GPU"),
