@@ -558,6 +558,36 @@ def train(args):
         ema.to(device)
         accelerator.register_for_checkpointing(ema)
 
+    output_dir = Path(args.output_dir)
+
+    def on_main_process(work):
+        """`work()` on the main process while the others wait. If it fails, every process
+        stops (the main one with its error), rather than the others waiting forever."""
+        error = None
+        if accelerator.is_main_process:
+            try:
+                work()
+            except RunError as e:
+                error = e
+        failed = torch.tensor(float(error is not None), device=device)
+        if world > 1:
+            failed = accelerator.reduce(failed, reduction="sum")  # also the barrier
+        if error is not None:
+            raise error
+        if failed.item():
+            raise SystemExit(1)  # the main process prints why
+
+    def save_pipeline():
+        """The EMA weights (or the raw ones) as a DDPMPipeline in output_dir."""
+        try:
+            DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler).save_pretrained(str(output_dir))
+        except OSError as e:
+            raise RunError(
+                f"could not save the pipeline to {output_dir} ({e.strerror or e}): free space and run the same "
+                f"command again (it saves the pipeline from the checkpoint of step {global_step})"
+            ) from None
+        accelerator.print(f"saved the pipeline to {output_dir}; sample grids in {output_dir / 'samples'}")
+
     global_step, skipped_before = 0, 0
     if start_from is not None:
         accelerator.load_state(str(start_from))
@@ -567,13 +597,15 @@ def train(args):
         global_step, skipped_before = state["step"], state.get("skipped_nonfinite", 0)
         accelerator.print(f"resumed from {start_from} at step {global_step}")
     if global_step >= max_train_steps:
+        if not (output_dir / "model_index.json").is_file():  # the end of the run was cut short
+            on_main_process(save_pipeline)
+            return config
         accelerator.print(
             f"{args.output_dir} is already trained to step {global_step} of {max_train_steps}: "
             "raise --max_train_steps or --num_epochs to train longer"
         )
         return config
 
-    output_dir = Path(args.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
@@ -586,13 +618,11 @@ def train(args):
     )
 
     def write_samples(epoch):
-        if accelerator.is_main_process:
-            path = output_dir / "samples" / f"{epoch:04d}.png"
-            try:
-                save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
-            except OSError as e:
-                raise RunError(f"could not write {path} ({e.strerror or e}): free space and run the same command again") from None
-        accelerator.wait_for_everyone()
+        path = output_dir / "samples" / f"{epoch:04d}.png"
+        try:
+            save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
+        except OSError as e:
+            raise RunError(f"could not write {path} ({e.strerror or e}): free space and run the same command again") from None
 
     guard = NonFiniteGuard(optimizer, args.on_nonfinite, device)
 
@@ -612,14 +642,12 @@ def train(args):
 
     def evaluate(epoch):
         """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
-        if evaluator is not None:
-            unet = ema_unet(accelerator, model, ema)
-            save = DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained
-            result = evaluator.evaluate(unet, sampling_scheduler, epoch, global_step, save, accelerator.autocast)
-            accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=global_step)
-            best = " (best so far: saved to best/)" if result["best"] else ""
-            progress.write(f"eval epoch {epoch} step {global_step} | {metrics.format_scores(result)}{best}")
-        accelerator.wait_for_everyone()
+        unet = ema_unet(accelerator, model, ema)
+        save = DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained
+        result = evaluator.evaluate(unet, sampling_scheduler, epoch, global_step, save, accelerator.autocast)
+        accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=global_step)
+        best = " (best so far: saved to best/)" if result["best"] else ""
+        progress.write(f"eval epoch {epoch} step {global_step} | {metrics.format_scores(result)}{best}")
 
     timer = flops.StepTimer(device, args.timing_warmup_steps)
     breakdown = profiling.Breakdown(device)
@@ -749,11 +777,11 @@ def train(args):
             last_epoch = global_step >= max_train_steps
             if epoch % args.save_images_epochs == 0 or last_epoch:
                 with breakdown.pause("sampling"):
-                    write_samples(epoch)
+                    on_main_process(lambda: write_samples(epoch))
                 timer.restart()
             if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last_epoch):
                 with breakdown.pause("evaluation"):
-                    evaluate(epoch)
+                    on_main_process(lambda: evaluate(epoch))
                 timer.restart()
             if last_epoch:
                 break
@@ -771,10 +799,10 @@ def train(args):
     accelerator.print(breakdown.format())
     if args.use_ema and args.ema == "power":
         ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
-    if accelerator.is_main_process:
-        pipeline = DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler)
-        pipeline.save_pretrained(str(output_dir))
-        accelerator.print(f"saved the pipeline to {output_dir}; sample grids in {output_dir / 'samples'}")
+
+    def finish():
+        """The pipeline, then run.json (the main process)."""
+        save_pipeline()
         step_time_s = flops.median(timer.all_times) if timer.all_times else None
         perf = flops.utilization(model_flops, hardware_flops, step_time_s, peak_flops and peak_flops * world) if step_time_s else {}
         profiling.write_manifest(
@@ -803,7 +831,8 @@ def train(args):
             checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(output_dir)],
             pipeline_dir=str(output_dir),
         )
-    accelerator.wait_for_everyone()
+
+    on_main_process(finish)
     accelerator.end_training()  # flushes the tensorboard logs that the plots read
     if accelerator.is_main_process:
         profiling.draw_run_plots(output_dir)

@@ -252,18 +252,23 @@ def test_another_runs_output_dir_is_not_overwritten_without_the_flag(tmp_path, c
     assert checkpoints(out) == ["checkpoint-1"]
 
 
+# accelerate's --cpu launcher starts one process; --multi_gpu starts torchrun, and
+# train.py --cpu makes the processes use gloo on the CPU.
+TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--cpu"]  # fmt: skip
+
+
+def run_two_processes(*flags, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([*TWO_PROCESSES, *map(str, flags)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     out = tmp_path / "run"
-    # accelerate's --cpu launcher starts one process; --multi_gpu starts torchrun, and
-    # train.py --cpu makes the processes use gloo on the CPU.
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--cpu"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     common = [*flags(out), "--save_images_epochs", 1, "--logging_steps", 2]
-    first = subprocess.run([*launch, *map(str, common), "--max_train_steps", "2"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    first = run_two_processes(*common, "--max_train_steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]
-    second = subprocess.run([*launch, *map(str, common)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    second = run_two_processes(*common)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and second.stdout.count("resumed from") == 1  # printed by rank 0 only
     # global batch: 4 per process x 2 processes -> 32 images make 4 steps an epoch
@@ -275,3 +280,37 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     writers = {f.name.split(".")[-2] for f in (out / "logs").rglob("events.out.tfevents.*")}  # the writing pids
     assert len(writers) == 2  # one per run: rank 0 only
     assert "per device x 2" in second.stdout
+
+
+def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_path):
+    out = tmp_path / "run"
+    (out / "samples" / "0000.png").mkdir(parents=True)  # a folder where the first grid goes: rank 0 cannot write it
+    done = run_two_processes(*flags(out), "--save_images_epochs", 1, timeout=300)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "could not write" in errors[0] and "0000.png" in errors[0]
+    # rank 1 was told and exited by itself: it did not die in a barrier when rank 0's
+    # connection closed (a "[rank1]:" traceback), nor wait to be killed by the launcher
+    assert "[rank1]" not in done.stderr and "SIGTERM" not in done.stderr
+
+
+def test_a_pipeline_that_could_not_be_saved_is_saved_by_running_again(tmp_path, monkeypatch, capsys, straight):
+    from diffusers import DDPMPipeline
+
+    real = DDPMPipeline.save_pretrained
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DDPMPipeline, "save_pretrained", disk_full)
+    out = tmp_path / "run"
+    assert exit_code(out) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "could not save the pipeline" in last and "run the same command again" in last and "Traceback" not in err
+    assert checkpoints(out)[-1] == "checkpoint-6" and not (out / "model_index.json").exists()
+
+    monkeypatch.setattr(DDPMPipeline, "save_pretrained", real)
+    run(out)  # the same command: the pipeline from the last checkpoint, no more training
+    assert "saved the pipeline to" in capsys.readouterr().out
+    assert_same_weights(out, straight)
