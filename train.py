@@ -404,6 +404,37 @@ def save_sample_grid(unet, scheduler, args, path, accelerator):
     save_image(make_grid(images.float(), nrow=math.ceil(math.sqrt(len(images)))), path)
 
 
+def make_ema(args, unet, write):
+    """The EMA of the weights that the samples and the saved pipeline use, or None (--no-use_ema).
+
+    --ema power keeps one power-function EMA per --ema_stds and writes snapshots
+    to ema_snapshots/ every --ema_snapshot_every steps (when `write`, the main
+    process), for `ema.py reconstruct`; --ema standard is diffusers' EMAModel
+    with warm-up, updated by foreach ops.
+    """
+    from diffusers.training_utils import EMAModel
+
+    if not args.use_ema:
+        return None
+    if args.ema == "power":
+        return posthoc_ema.PowerEMA(
+            unet.parameters(),
+            args.ema_stds,
+            names=[name for name, _ in unet.named_parameters()],
+            snapshot_dir=Path(args.output_dir) / posthoc_ema.SNAPSHOT_DIR,
+            snapshot_every=args.ema_snapshot_every,
+            write=write,
+        )
+    return EMAModel(
+        unet.parameters(),
+        decay=args.ema_max_decay,
+        use_ema_warmup=True,
+        inv_gamma=args.ema_inv_gamma,
+        power=args.ema_power,
+        foreach=True,
+    )
+
+
 def peak_description(args, device):
     """(peak FLOP/s per device or None, words saying what it is)."""
     precision = flops.matmul_precision(args.mixed_precision, args.allow_tf32 and device.type == "cuda")
@@ -426,7 +457,6 @@ def train(args):
     from accelerate.utils import ProjectConfiguration, set_seed
     from diffusers import DDPMPipeline
     from diffusers.optimization import get_scheduler
-    from diffusers.training_utils import EMAModel
     from tqdm.auto import tqdm
 
     accelerator = Accelerator(
@@ -533,28 +563,8 @@ def train(args):
     model, optimizer = accelerator.prepare(unet, optimizer)
     step_model = models.compile_for_training(model, args.compile_mode if args.compile else None)
     accelerator.register_for_checkpointing(lr_scheduler)
-    ema = None
-    if args.use_ema and args.ema == "power":
-        # step() also writes snapshots to ema_snapshots/ every --ema_snapshot_every steps.
-        ema = posthoc_ema.PowerEMA(
-            accelerator.unwrap_model(model).parameters(),
-            args.ema_stds,
-            names=[name for name, _ in accelerator.unwrap_model(model).named_parameters()],
-            snapshot_dir=Path(args.output_dir) / posthoc_ema.SNAPSHOT_DIR,
-            snapshot_every=args.ema_snapshot_every,
-            write=accelerator.is_main_process,
-        )
-        ema.to(device)
-        accelerator.register_for_checkpointing(ema)
-    elif args.use_ema:
-        ema = EMAModel(
-            accelerator.unwrap_model(model).parameters(),
-            decay=args.ema_max_decay,
-            use_ema_warmup=True,
-            inv_gamma=args.ema_inv_gamma,
-            power=args.ema_power,
-            foreach=True,
-        )
+    ema = make_ema(args, accelerator.unwrap_model(model), write=accelerator.is_main_process)
+    if ema is not None:
         ema.to(device)
         accelerator.register_for_checkpointing(ema)
 
