@@ -730,4 +730,8 @@ def _default_tag(env, args):
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    try:
+        sys.exit(main(parse_args()))
+    except KeyboardInterrupt:  # the JSON holds every row measured before it
+        print("bench.py: interrupted: the rows measured so far are in the .json in --output", file=sys.stderr)
+        sys.exit(130)

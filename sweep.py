@@ -373,7 +373,7 @@ def draw(result, path):
 
 
 def main(args, workloads):
-    """Run the sweep: 0 when every point trained, 1 when one failed, 2 on a bad flag."""
+    """Run the sweep: 0 when every point trained, 1 when one failed, 2 on a bad flag, 130 on Ctrl-C."""
     try:
         points = validate(args, workloads)
     except ConfigError as e:
@@ -399,10 +399,14 @@ def main(args, workloads):
             print(f"writing {args.num_images} shapes as {side}px JPEG files for the DataLoader to decode", flush=True)
             dataset = sweep["dataset"] = write_shapes_folder(Path(work) / "images", args.num_images, side, args.seed)
             sweep["dataset_note"] = f"the built-in shapes written as {side}px JPEG files (quality 95), decoded every epoch"
-        for i, point in enumerate(points):
-            print(f"  {args.sweep} = {_label(point)} ...", flush=True)
-            result["points"].append(run_point(args, workload, point, dataset, Path(work) / f"point-{i}"))
-            (out / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")  # after every point
+        interrupted = False
+        try:
+            for i, point in enumerate(points):
+                print(f"  {args.sweep} = {_label(point)} ...", flush=True)
+                result["points"].append(run_point(args, workload, point, dataset, Path(work) / f"point-{i}"))
+                (out / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")  # after every point
+        except KeyboardInterrupt:  # Ctrl-C: keep, print and draw the points measured so far
+            interrupted = True
     lines += ["", *format_table(result)]
     print("\n".join(format_table(result)))
     (out / f"{tag}.txt").write_text("\n".join(lines) + "\n")
@@ -411,6 +415,9 @@ def main(args, workloads):
         print(f"\nwrote {out / tag}.json, .txt and .png")
     except ImportError:  # the GPU machine's image may lack matplotlib
         print(f"\nwrote {out / tag}.json and .txt; no plot: matplotlib is not installed (python bench.py --redraw {out / tag}.json)")
+    if interrupted:
+        print(f"bench.py: interrupted after {len(result['points'])} of {len(points)} points", file=sys.stderr)
+        return 130
     failed = [_label(p) for p in result["points"] if p["status"] != "ok"]
     if failed:
         print(f"bench.py: {len(failed)} point(s) of the sweep failed: {', '.join(failed)} (reasons in the table)", file=sys.stderr)

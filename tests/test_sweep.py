@@ -162,3 +162,17 @@ def test_a_process_sweep_needs_more_than_one_gpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sweep, "_gpu_count", lambda: 1)
     assert run_sweep(tmp_path, "--sweep", "num_processes") == 2
     assert "needs more than one GPU (this machine has 1)" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_the_points_measured_so_far(tmp_path, monkeypatch, capsys):
+    def run_point(args, workload, point, dataset, output_dir):
+        if point["value"] == 8:
+            raise KeyboardInterrupt
+        return dict(point, status="ok", data_path="preloaded", time_per_epoch_s=2.0, images_per_s=16.0,
+                    step_time_s_median=0.1, step_images_per_s=40.0, mfu=None, data_share=0.01, peak_memory_gib=1.0)  # fmt: skip
+
+    monkeypatch.setattr(sweep, "run_point", run_point)
+    assert run_sweep(tmp_path, "--sweep", "batch_size", "--values", "4,8") == 130
+    assert [p["value"] for p in json.loads((tmp_path / "sweep.json").read_text())["points"]] == [4]
+    assert is_png(tmp_path / "sweep.png") and "4      preloaded" in (tmp_path / "sweep.txt").read_text()
+    assert "interrupted after 1 of 2 points" in capsys.readouterr().err
