@@ -661,21 +661,15 @@ def train(args):
 
     timer = flops.StepTimer(device, args.timing_warmup_steps)
     breakdown = profiling.Breakdown(device)
-    loss_sum, loss_count = torch.zeros((), device=device), torch.zeros((), device=device)
+    losses = LossMeter(device)
     started_at = profiling.now_iso()
     epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
 
-    last_loss = float("nan")
-
     def report(step_times, final=False):
         """Log the loss since the last report and print the throughput line."""
-        nonlocal last_loss
-        count = loss_count.item()  # the one host sync per log interval
-        if count:
-            last_loss = (loss_sum / count).item()
-            loss_sum.zero_()
-            loss_count.zero_()
-            accelerator.log(dict(loss=last_loss, lr=lr_scheduler.get_last_lr()[0]), step=global_step)
+        if losses.read():  # the one host sync per log interval
+            accelerator.log(dict(loss=losses.last, lr=lr_scheduler.get_last_lr()[0]), step=global_step)
+        last_loss = losses.last
         if not step_times:
             line = f"step {global_step}/{max_train_steps} | loss {last_loss:.4f} | timing: still warming up"
         else:
@@ -750,9 +744,7 @@ def train(args):
                             guard.check(loss, grad_norm, global_step + 1)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
-                    finite = torch.isfinite(loss.detach())  # a skipped NaN is counted by the guard, not averaged
-                    loss_sum += torch.where(finite, loss.detach(), 0.0)
-                    loss_count += finite
+                    losses.add(loss)
                     breakdown.phase_done("optimizer")
                 lr_scheduler.step()
                 if ema is not None:
@@ -826,7 +818,7 @@ def train(args):
             steps=global_step,
             skipped_nonfinite_steps=skipped,
             unreadable_images=len(unreadable),
-            final_loss=last_loss,
+            final_loss=losses.last,
             median_step_time_s=step_time_s,
             images_per_s=images_per_step / step_time_s if step_time_s else None,
             achieved_flops=perf.get("achieved_flops"),
@@ -851,6 +843,31 @@ def train(args):
 
 # With several processes, how often they agree on whether a signal asked them to stop.
 STOP_CHECK_STEPS = 10
+
+
+class LossMeter:
+    """The mean loss over a log interval, kept on the device so that adding costs no host sync.
+
+    A non-finite loss (a step NonFiniteGuard skips) is left out of the mean.
+    """
+
+    def __init__(self, device):
+        self.sum, self.count = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.last = float("nan")  # the mean of the last interval that had a finite loss
+
+    def add(self, loss):
+        finite = torch.isfinite(loss.detach())
+        self.sum += torch.where(finite, loss.detach(), 0.0)
+        self.count += finite
+
+    def read(self):
+        """Sets `last` to the interval's mean and starts a new interval; False if it had no finite loss."""
+        count = self.count.item()
+        if count:
+            self.last = (self.sum / count).item()
+            self.sum.zero_()
+            self.count.zero_()
+        return bool(count)
 
 
 class NonFiniteGuard:

@@ -213,3 +213,15 @@ def test_bad_input_from_the_command_line(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip() == "train.py: error: --train_batch_size must be at least 1 (got 0)"
+
+
+def test_the_logged_loss_is_the_mean_of_the_finite_losses_since_the_last_log():
+    meter = train.LossMeter(torch.device("cpu"))
+    for loss in (1.0, float("nan"), 3.0, float("inf")):
+        meter.add(torch.tensor(loss))
+    assert meter.read() and meter.last == 2.0
+    assert not meter.read() and meter.last == 2.0  # a new interval: nothing added yet
+    meter.add(torch.tensor(float("nan")))
+    assert not meter.read() and meter.last == 2.0  # only a skipped step: the last mean stands
+    meter.add(torch.tensor(5.0))
+    assert meter.read() and meter.last == 5.0
