@@ -109,10 +109,17 @@ def save(accelerator, output_dir, step, state, total_limit=None):
             shutil.rmtree(tmp, ignore_errors=True)
         previous = [p for p in checkpoint_dirs(output_dir) if p != final]
         kept = f"the last complete checkpoint, {previous[-1]}, is intact" if previous else "no earlier checkpoint exists"
-        what = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise RunError(f"could not write checkpoint {final} ({what}); {kept}: free space and run the same command again") from None
+        raise RunError(cannot_write(f"checkpoint {final}", e, kept)) from None
     accelerator.wait_for_everyone()
     return final
+
+
+def cannot_write(what, error, note=""):
+    """The one-line message for an OSError while writing `what`: why, and what to do before running again."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "the disk is full" if full else (error.strerror or str(error))
+    fix = "free space" if full else "make it writable"
+    return f"could not write {what} ({why}){'; ' + note if note else ''}: {fix} and run the same command again"
 
 
 # --- starting or resuming ------------------------------------------------------------

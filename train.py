@@ -592,10 +592,8 @@ def train(args):
         try:
             DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler).save_pretrained(str(output_dir))
         except OSError as e:
-            raise RunError(
-                f"could not save the pipeline to {output_dir} ({e.strerror or e}): free space and run the same "
-                f"command again (it saves the pipeline from the checkpoint of step {global_step})"
-            ) from None
+            note = f"running again saves it from the checkpoint of step {global_step}"
+            raise RunError(checkpoint.cannot_write(f"the pipeline to {output_dir}", e, note)) from None
         accelerator.print(f"saved the pipeline to {output_dir}; sample grids in {output_dir / 'samples'}")
 
     global_step, skipped_before = 0, 0
@@ -632,7 +630,7 @@ def train(args):
         try:
             save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
         except OSError as e:
-            raise RunError(f"could not write {path} ({e.strerror or e}): free space and run the same command again") from None
+            raise RunError(checkpoint.cannot_write(path, e)) from None
 
     guard = NonFiniteGuard(optimizer, args.on_nonfinite, device)
 
