@@ -34,7 +34,6 @@ import argparse
 import gc
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -650,7 +649,7 @@ def validate(args):
 def main(args):
     """Run the ladder; 0 when every row that ran passed its check, 1 otherwise, 2 on a bad flag."""
     if args.sweep:
-        return sweep.main(args, WORKLOADS)
+        return sweep.main(args, WORKLOADS, draw_chart_if_possible)
     try:
         args = validate(args)
     except ConfigError as e:
@@ -724,9 +723,8 @@ def draw_chart_if_possible(result, path):
 
 
 def _default_tag(env, args):
-    device = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
     batches = "-".join(map(str, args.batch_sizes)) if args.batch_sizes else "default"
-    return f"{device}_{args.workload}_b{batches}"
+    return f"{profiling.device_tag(env)}_{args.workload}_b{batches}"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -336,6 +337,11 @@ def environment(device, command):
         # A shared machine's other work slows every row: say how busy it was.
         env["load_average_1min_at_start"] = os.getloadavg()[0]
     return env
+
+
+def device_tag(env):
+    """The device's name as a file-name part: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
 
 
 def environment_lines(env):

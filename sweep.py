@@ -34,7 +34,6 @@ import io
 import json
 import math
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -372,8 +371,11 @@ def draw(result, path):
     plt.close(fig)
 
 
-def main(args, workloads):
-    """Run the sweep: 0 when every point trained, 1 when one failed, 2 on a bad flag, 130 on Ctrl-C."""
+def main(args, workloads, draw_if_possible):
+    """Run the sweep: 0 when every point trained, 1 when one failed, 2 on a bad flag, 130 on Ctrl-C.
+
+    `draw_if_possible(result, path)`: bench.py's, which says how to draw later without matplotlib.
+    """
     try:
         points = validate(args, workloads)
     except ConfigError as e:
@@ -391,7 +393,7 @@ def main(args, workloads):
     )  # fmt: skip
     result = dict(environment=env, sweep=sweep, points=[])
     out = Path(args.output)
-    tag = args.tag or f"{re.sub(r'[^a-z0-9]+', '-', env['device'].lower()).strip('-')}_sweep-{args.sweep}_{args.workload}"
+    tag = args.tag or f"{profiling.device_tag(env)}_sweep-{args.sweep}_{args.workload}"
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as work:
         dataset = args.dataset
         if args.sweep == "dataloader_num_workers" and dataset == data.BUILTIN:
@@ -407,14 +409,10 @@ def main(args, workloads):
                 (out / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")  # after every point
         except KeyboardInterrupt:  # Ctrl-C: keep, print and draw the points measured so far
             interrupted = True
-    lines += ["", *format_table(result)]
-    print("\n".join(format_table(result)))
-    (out / f"{tag}.txt").write_text("\n".join(lines) + "\n")
-    try:
-        draw(result, out / f"{tag}.png")
-        print(f"\nwrote {out / tag}.json, .txt and .png")
-    except ImportError:  # the GPU machine's image may lack matplotlib
-        print(f"\nwrote {out / tag}.json and .txt; no plot: matplotlib is not installed (python bench.py --redraw {out / tag}.json)")
+    table = format_table(result)
+    print("\n".join(table))
+    (out / f"{tag}.txt").write_text("\n".join([*lines, "", *table]) + "\n")
+    print(f"\nwrote {out / tag}.json and .txt; {draw_if_possible(result, out / f'{tag}.png')}")
     if interrupted:
         print(f"bench.py: interrupted after {len(result['points'])} of {len(points)} points", file=sys.stderr)
         return 130
