@@ -45,6 +45,7 @@ import data
 import flops
 import model as models
 import profiling
+import step as steps
 import sweep
 import train
 from model import ConfigError
@@ -168,6 +169,13 @@ def _ladder():
         cuda_only="CUDA graphs need a CUDA device",
         compile_mode="reduce-overhead",
     )
+    add(
+        "step_graph",
+        "the whole step (forward, backward, clipping, AdamW, EMA) in one CUDA graph around the compiled network",
+        dict(ref128=None, adm64=None),
+        cuda_only="CUDA graphs need a CUDA device",
+        compile_mode="step-graph",
+    )
     return rows
 
 
@@ -186,7 +194,7 @@ def train_default_variant():
         fused_adam=args.fused_adam,
         nonfinite_guard=True,  # train.py always checks each step for NaN/inf
         ema_foreach=True,  # train.py builds its EMAModel with foreach=True
-        compile_mode=args.compile_mode if args.compile else None,
+        compile_mode=args.compile_mode if args.compile else None,  # auto: resolved per workload (resolve_settings)
         sync_every=args.logging_steps,
     )
     same = [row["name"] for row in LADDER if row["settings"] == settings]
@@ -223,13 +231,14 @@ def synchronize(device):
 
 
 class TrainingStep:
-    """A variant's training step on fixed starting weights, built as train.py builds it.
+    """A variant's training step on fixed starting weights: train.py's step.TrainStep, built as train.py builds it.
 
     Calling it runs one step; `loss_and_backward` runs the part the
     correctness check compares (the loss and the gradients it leaves).
     """
 
     def __init__(self, settings, workload, init_state, images, device):
+        from diffusers.optimization import get_scheduler
         from diffusers.training_utils import EMAModel
 
         t = self.train_args = train_defaults(workload)
@@ -247,10 +256,10 @@ class TrainingStep:
             weight_decay=t.weight_decay,
             eps=t.adam_epsilon,
         )
-        self.model = models.compile_for_training(self.unet, settings["compile_mode"])
+        self.model = steps.compile_network(self.unet, settings["compile_mode"])
         # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
-        self.guard = train.NonFiniteGuard(self.optimizer, t.on_nonfinite, device) if settings["nonfinite_guard"] else None
-        self.ema = EMAModel(
+        self.guard = steps.NonFiniteGuard(self.optimizer, t.on_nonfinite, device) if settings["nonfinite_guard"] else None
+        self.ema = ema = EMAModel(
             self.unet.parameters(),
             decay=t.ema_max_decay,
             use_ema_warmup=True,
@@ -259,29 +268,25 @@ class TrainingStep:
             foreach=settings["ema_foreach"],
         )
         scheduler = models.make_noise_scheduler(t.num_train_timesteps, t.beta_schedule, t.prediction_type)
-        self.alphas_cumprod = scheduler.alphas_cumprod.to(device)
+        self.objective = models.DDPMObjective(scheduler).to(device)
+        lr_scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=t.lr_warmup_steps, num_training_steps=10**6)
         # train.py's accelerator autocasts the model's forward; the loss is fp32 either way.
         self.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=settings["precision"] == "bf16")
+        self.step = steps.build_step(
+            steps.TrainStep(self.model, self.unet, self.objective, self.optimizer, lr_scheduler, ema, self.guard,
+                            t.max_grad_norm, t.random_flip, autocast=lambda: torch.autocast(**self.autocast)),
+            settings["compile_mode"],
+            device,
+        )  # fmt: skip
 
     def loss_and_backward(self, clean, noise, timesteps):
         with torch.autocast(**self.autocast):
-            loss = models.ddpm_loss(self.model, clean, noise, timesteps, self.alphas_cumprod, self.train_args.prediction_type)
+            loss = models.ddpm_loss(self.model, clean, noise, timesteps, self.objective.alphas_cumprod, self.objective.prediction_type)
         loss.backward()
         return loss.detach()
 
     def __call__(self):
-        t = self.train_args
-        clean = data.to_model_input(self.images, t.random_flip)
-        noise = torch.randn_like(clean)
-        timesteps = torch.randint(0, t.num_train_timesteps, (clean.shape[0],), device=self.device)
-        loss = self.loss_and_backward(clean, noise, timesteps)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), t.max_grad_norm or math.inf)
-        if self.guard is not None:
-            self.guard.check(loss, grad_norm, step=0)  # `step` only names the step in a 'stop' error
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.ema.step(self.unet.parameters())
-        return loss
+        return self.step([self.images])[0]
 
 
 def flat_gradients(unet):
@@ -315,7 +320,7 @@ def check_variant(step, settings, inputs, reference, device):
     Under CUDA graphs the first calls warm up and record, so it compares the
     third call, a graph replay.
     """
-    calls = 3 if uses_cuda_graphs(settings) else 1
+    calls = 3 if settings["compile_mode"] in ("reduce-overhead", "max-autotune") else 1
     start = time.perf_counter()
     for call in range(calls):
         step.optimizer.zero_grad(set_to_none=True)
@@ -353,7 +358,7 @@ def time_steps(step, steps, warmup, sync_every, device):
 
 def run_variant(variant, workload, batch_size, init_state, images, reference, args, device):
     """Build, check and time one variant; returns its row of results (status ok)."""
-    settings = variant["settings"]
+    settings = resolve_settings(variant["settings"], workload, batch_size, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step = TrainingStep(settings, workload, init_state, images, device)
@@ -362,6 +367,7 @@ def run_variant(variant, workload, batch_size, init_state, images, reference, ar
     deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     return dict(
         status="ok",
+        compile_mode=settings["compile_mode"],
         optimizer="fused" if step.optimizer.defaults.get("fused") else "foreach",
         check=check,
         first_call_s=check.pop("first_call_s"),
@@ -375,7 +381,17 @@ def run_variant(variant, workload, batch_size, init_state, images, reference, ar
 
 
 def uses_cuda_graphs(settings):
-    return settings["compile_mode"] in ("reduce-overhead", "max-autotune")
+    return settings["compile_mode"] in steps.CUDA_GRAPH_MODES
+
+
+def resolve_settings(settings, workload, batch_size, device):
+    """The row's settings with --compile_mode auto replaced by what train.py would pick here."""
+    if settings["compile_mode"] != "auto":
+        return settings
+    args = train_defaults(workload)
+    per_image = flops.step_flops(workload["model"], workload["image_size"], 1)["model_flops"]
+    mode, _ = steps.choose_compile_mode(args, device, 1, per_image * batch_size)
+    return dict(settings, compile_mode=mode)
 
 
 def release_memory(device, forget_compiled=False):
@@ -457,7 +473,7 @@ def run_workload(name, args, device, peaks, print_line, save):
                 except Exception as e:  # one broken row must not lose the others' numbers
                     row |= dict(status="error", reason=f"{type(e).__name__}: {_first_line(e)}")
                 # A failed row may leave half-built graphs and CUDA-graph pools behind: drop them too.
-                release_memory(device, forget_compiled=row["status"] != "ok" or uses_cuda_graphs(variant["settings"]))
+                release_memory(device, forget_compiled=row["status"] != "ok" or uses_cuda_graphs(row))
                 if row["status"] == "ok":
                     precision = matmul_precision(variant["settings"], device)
                     add_rates(row, flops_per_step, batch_size, peaks["bf16"], peaks[precision])

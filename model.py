@@ -148,6 +148,26 @@ def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_
     return F.mse_loss(prediction.float(), target)
 
 
+class DDPMObjective(torch.nn.Module):
+    """The DDPM objective as the training step calls it: `loss(net, x0)` draws the noise and
+    the timesteps on x0's device (no host sync) and returns `ddpm_loss`.
+
+    A module so that objectives with trained parts (EDM's learned loss
+    weighting) go through the step alike; this one has none.
+    """
+
+    def __init__(self, noise_scheduler):
+        super().__init__()
+        self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
+        self.prediction_type = noise_scheduler.config.prediction_type
+        self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone(), persistent=False)
+
+    def loss(self, net, clean_images):
+        noise = torch.randn_like(clean_images)
+        timesteps = torch.randint(0, self.num_train_timesteps, (clean_images.shape[0],), device=clean_images.device)
+        return ddpm_loss(net, clean_images, noise, timesteps, self.alphas_cumprod, self.prediction_type)
+
+
 # --- the training step's fast path (shared by train.py and bench.py) ---------------
 
 
@@ -174,17 +194,3 @@ def prepare_for_training(unet, channels_last=False, fused_adam=False, **adamw):
     if fused_adam and fused_adamw_available(parameters):
         return torch.optim.AdamW(parameters, fused=True, **adamw)
     return torch.optim.AdamW(parameters, foreach=True, **adamw)
-
-
-def compile_for_training(model, compile_mode=None):
-    """What the training step calls: `model` itself, or torch.compile of it (`compile_mode`).
-
-    Call it after accelerate's `prepare`, so that the compiled graph holds the
-    autocast and any DDP wrapper; keep using `model` itself for checkpoints,
-    EMA and saving (never the compiled wrapper). Shapes are static: the batch
-    never changes within a run, and dynamic shapes would give up kernels
-    specialised to it.
-    """
-    if compile_mode is None:
-        return model
-    return torch.compile(model, mode=compile_mode, dynamic=False)

@@ -25,9 +25,11 @@ import torch
 
 from flops import seconds_between, time_mark
 
-# The phases of a training step, in order, then what happens between steps.
-STEP_PHASES = ("data", "forward", "backward", "optimizer", "ema")
-PAUSES = ("sampling", "evaluation", "checkpointing")
+# The phases of a training step, in order ("step": all but the data, when the
+# step is one CUDA graph), then what happens outside the steps ("compile": the
+# first step, which compiles).
+STEP_PHASES = ("data", "forward", "backward", "optimizer", "ema", "step")
+PAUSES = ("compile", "sampling", "evaluation", "checkpointing")
 
 
 class Breakdown:
@@ -48,6 +50,7 @@ class Breakdown:
         self.last = None
         self.started = None
         self.epoch_mark = None  # (host clock, paused seconds) at the start of an epoch
+        self.paused = False
 
     def paused_s(self):
         return sum(self.seconds[name] for name in PAUSES)
@@ -59,6 +62,8 @@ class Breakdown:
         self.last = time_mark(self.cuda)
 
     def phase_done(self, phase):
+        if self.paused:  # inside a pause, the pause's clock counts everything
+            return
         now = time_mark(self.cuda)
         self.pending.append((phase, self.last, now))
         self.last = now
@@ -68,9 +73,11 @@ class Breakdown:
         """Time a block (sampling, checkpointing) with the host clock, synchronized at both ends."""
         self._sync()
         t0 = time.perf_counter()
+        self.paused = True
         try:
             yield
         finally:
+            self.paused = False
             self._sync()
             self.seconds[name] += time.perf_counter() - t0
 

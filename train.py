@@ -36,6 +36,7 @@ import metrics
 import model as models
 import profiling
 import sample
+import step as steps
 from checkpoint import RunError
 from model import ConfigError
 
@@ -170,9 +171,11 @@ def parse_args(argv=None):
     )
     s.add_argument(
         "--compile_mode",
-        default="default",
-        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-        help="torch.compile mode; reduce-overhead adds CUDA graphs",
+        default="auto",
+        choices=steps.COMPILE_MODES,
+        help="auto: reduce-overhead (CUDA graphs) when a step is too small to keep the GPU busy, else default "
+        "(the rule and its measurements: step.py); torch.compile's modes; step-graph: the whole step "
+        "(forward, backward, optimizer, EMA) in one CUDA graph",
     )
     s.add_argument(
         "--fused_adam",
@@ -453,9 +456,9 @@ def peak_description(args, device):
 
 
 def train(args):
+    """Build the run, then loop: data, step, log, sample, evaluate, checkpoint, stop."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration, set_seed
-    from diffusers import DDPMPipeline
     from diffusers.optimization import get_scheduler
     from tqdm.auto import tqdm
 
@@ -494,6 +497,7 @@ def train(args):
     model_flops = cost["model_flops"] * args.gradient_accumulation_steps * world  # all processes
     hardware_flops = cost["hardware_flops"] * args.gradient_accumulation_steps * world
     peak_flops, peak_words = peak_description(args, device)
+    compile_mode, compile_why = steps.choose_compile_mode(args, device, world, cost["model_flops"])
 
     config = dict(
         vars(args),
@@ -507,6 +511,7 @@ def train(args):
         params=cost["params"],
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hardware_flops,
+        step_compile_mode=compile_mode or "eager",
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
     )
     if args.dry_run:
@@ -514,7 +519,8 @@ def train(args):
             accelerator.print(f"{key:28s} {value}")
         accelerator.print(
             f"model {args.model}: {cost['params']:,} parameters, {model_flops / 1e12:.4g} TFLOP per step "
-            f"({model_flops / images_per_step / 1e9:.2f} GFLOP per image, forward+backward); {peak_words}"
+            f"({model_flops / images_per_step / 1e9:.2f} GFLOP per image, forward+backward); {peak_words}; "
+            f"step {compile_why}"
         )
         return config
 
@@ -542,8 +548,7 @@ def train(args):
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type)
-    sampling_scheduler = make_sampling_scheduler(args.sampler, noise_scheduler)
-    alphas_cumprod = noise_scheduler.alphas_cumprod.to(device)
+    objective = models.DDPMObjective(noise_scheduler).to(device)
 
     # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and
     # it can skip a step on the device (see NonFiniteGuard), so a NaN costs no
@@ -561,236 +566,145 @@ def train(args):
         args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_train_steps
     )
     model, optimizer = accelerator.prepare(unet, optimizer)
-    step_model = models.compile_for_training(model, args.compile_mode if args.compile else None)
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = make_ema(args, accelerator.unwrap_model(model), write=accelerator.is_main_process)
     if ema is not None:
         ema.to(device)
         accelerator.register_for_checkpointing(ema)
+    run = Run(args, accelerator, model, ema, noise_scheduler, evaluator, config)
 
-    output_dir = Path(args.output_dir)
-
-    def on_main_process(work):
-        """`work()` on the main process while the others wait. If it fails, every process
-        stops (the main one with its error), rather than the others waiting forever."""
-        error = None
-        if accelerator.is_main_process:
-            try:
-                work()
-            except RunError as e:
-                error = e
-        failed = torch.tensor(float(error is not None), device=device)
-        if world > 1:
-            failed = accelerator.reduce(failed, reduction="sum")  # also the barrier
-        if error is not None:
-            raise error
-        if failed.item():
-            raise SystemExit(1)  # the main process prints why
-
-    def save_pipeline():
-        """The EMA weights (or the raw ones) as a DDPMPipeline in output_dir."""
-        try:
-            DDPMPipeline(unet=ema_unet(accelerator, model, ema), scheduler=noise_scheduler).save_pretrained(str(output_dir))
-        except OSError as e:
-            note = f"running again saves it from the checkpoint of step {global_step}"
-            raise RunError(checkpoint.cannot_write(f"the pipeline to {output_dir}", e, note)) from None
-        accelerator.print(f"saved the pipeline to {output_dir}; sample grids in {output_dir / 'samples'}")
-
-    global_step, skipped_before = 0, 0
     if start_from is not None:
         accelerator.load_state(str(start_from))
         if ema is not None:
             ema.to(device)
         state = checkpoint.read_state(start_from)
-        global_step, skipped_before = state["step"], state.get("skipped_nonfinite", 0)
-        accelerator.print(f"resumed from {start_from} at step {global_step}")
-    if global_step >= max_train_steps:
-        if not (output_dir / "model_index.json").is_file():  # the end of the run was cut short
-            on_main_process(save_pipeline)
+        run.step, run.skipped_before = state["step"], state.get("skipped_nonfinite", 0)
+        accelerator.print(f"resumed from {start_from} at step {run.step}")
+    if run.step >= max_train_steps:
+        if not (run.output_dir / "model_index.json").is_file():  # the end of the run was cut short
+            run.on_main_process(run.save_pipeline)
             return config
         accelerator.print(
-            f"{args.output_dir} is already trained to step {global_step} of {max_train_steps}: "
+            f"{args.output_dir} is already trained to step {run.step} of {max_train_steps}: "
             "raise --max_train_steps or --num_epochs to train longer"
         )
         return config
 
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        (run.output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         accelerator.init_trackers("train", config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))})
 
     accelerator.print(
         f"training {args.model} ({cost['params']:,} parameters) on {len(images)} images at {args.image_size}px: "
         f"{max_train_steps} steps of {images_per_step} images, mixed precision {args.mixed_precision}, "
-        f"{world} process(es) on {config['device']}; {model_flops / 1e12:.4g} TFLOP per step; {peak_words}"
+        f"{world} process(es) on {config['device']}; {model_flops / 1e12:.4g} TFLOP per step; {peak_words}; "
+        f"step {compile_why}"
     )
 
-    def write_samples(epoch):
-        path = output_dir / "samples" / f"{epoch:04d}.png"
-        try:
-            save_sample_grid(ema_unet(accelerator, model, ema), sampling_scheduler, args, path, accelerator)
-        except OSError as e:
-            raise RunError(checkpoint.cannot_write(path, e)) from None
-
-    guard = NonFiniteGuard(optimizer, args.on_nonfinite, device)
-
-    last_saved = [None, None]  # (step, path) of this run's newest checkpoint
-
-    def save_checkpoint():
-        if not weights_finite(model):  # never replace a good checkpoint with a broken state
-            raise RunError(f"the weights are not finite at step {global_step}: not saving a checkpoint; resume from the last one")
-        state = dict(skipped_nonfinite=skipped_before + guard.count(), run=checkpoint.run_identity(config))
-        with breakdown.pause("checkpointing"):
-            path = checkpoint.save(accelerator, output_dir, global_step, state, args.checkpoints_total_limit)
-        last_saved[:] = [global_step, path]
-        if accelerator.is_local_main_process:
-            progress.write(f"saved {path}")
-        timer.restart()
-        return path
-
-    def evaluate(epoch):
-        """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
-        unet = ema_unet(accelerator, model, ema)
-        save = DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained
-        result = evaluator.evaluate(unet, sampling_scheduler, epoch, global_step, save, accelerator.autocast)
-        accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=global_step)
-        best = " (best so far: saved to best/)" if result["best"] else ""
-        progress.write(f"eval epoch {epoch} step {global_step} | {metrics.format_scores(result)}{best}")
+    # The step: everything from the uint8 batch to the EMA, in one object (step.py).
+    breakdown = profiling.Breakdown(device)
+    run.guard = steps.NonFiniteGuard(optimizer, args.on_nonfinite, device)
+    train_step = steps.build_step(
+        steps.TrainStep(
+            steps.compile_network(model, compile_mode),
+            model,
+            objective,
+            optimizer,
+            lr_scheduler,
+            ema,
+            run.guard,
+            args.max_grad_norm,
+            args.random_flip,
+            accelerator=accelerator,
+            mark=breakdown.phase_done,
+        ),
+        compile_mode,
+        device,
+    )
+    compile_cache = run.output_dir / COMPILE_CACHE_FILE
+    if compile_mode is not None and steps.load_compile_artifacts(compile_cache):
+        accelerator.print(f"loaded compile artifacts from {compile_cache}")
 
     timer = flops.StepTimer(device, args.timing_warmup_steps)
-    breakdown = profiling.Breakdown(device)
-    losses = LossMeter(device)
+    losses = steps.LossMeter(device)
+    report = Reporter(run, lr_scheduler, losses, max_train_steps, images_per_step, model_flops, hardware_flops,
+                      peak_flops, peak_words)  # fmt: skip
     started_at = profiling.now_iso()
     epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
 
-    def report(step_times, final=False):
-        """Log the loss since the last report and print the throughput line."""
-        if losses.read():  # the one host sync per log interval
-            accelerator.log(dict(loss=losses.last, lr=lr_scheduler.get_last_lr()[0]), step=global_step)
-        last_loss = losses.last
-        if not step_times:
-            line = f"step {global_step}/{max_train_steps} | loss {last_loss:.4f} | timing: still warming up"
-        else:
-            step_time_s = flops.median(step_times)
-            perf = flops.utilization(model_flops, hardware_flops, step_time_s, peak_flops and peak_flops * world)
-            line = flops.format_perf_line(
-                global_step, max_train_steps, last_loss, step_time_s, images_per_step, model_flops, perf, peak_words,
-                world, profiling.peak_memory_gib(device),
-            )  # fmt: skip
-            if not final:
-                progress.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{images_per_step / step_time_s:.1f}")
-                logs = dict(step_time_s=step_time_s, images_per_s=images_per_step / step_time_s)
-                accelerator.log(logs | {k: v for k, v in perf.items() if v is not None}, step=global_step)
-        if accelerator.is_local_main_process:
-            progress.write(("final: " if final else "") + line)
-
-    def stop_requested(signals):
-        """Whether to stop now. Processes must agree, or one would wait in save_state for
-        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps."""
-        if world == 1:
-            return signals.requested
-        if global_step % STOP_CHECK_STEPS:
-            return False
-        flag = torch.tensor(float(signals.requested), device=device)
-        return accelerator.reduce(flag, reduction="sum").item() > 0
-
-    def stop_for_signal(signals):
-        """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""
-        progress.close()
-        path = last_saved[1] if last_saved[0] == global_step else save_checkpoint()
-        accelerator.print(
-            f"stopped by {signals.received.name} at step {global_step}: saved {path}; "
-            "run the same command again to continue"
-        )
-        accelerator.end_training()
-        raise SystemExit(signals.exit_code)
-
     # --profile: torch.profiler on rank 0 over a few steps (1 skipped, 1 warm-up, then recorded).
-    profiler, profile_until = None, global_step + 2 + args.profile_steps
+    profiler, profile_until = None, run.step + 2 + args.profile_steps
     if args.profile and accelerator.is_main_process:
         profiler = profiling.make_profiler(
-            output_dir / "profile", 1, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack
+            run.output_dir / "profile", 1, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack
         )
         profiler.start()
 
-    first_epoch = global_step // steps_per_epoch
+    first_epoch = run.step // steps_per_epoch
     model.train()
-    progress = tqdm(
-        total=max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="steps"
-    )
+    run.progress = tqdm(total=max_train_steps, initial=run.step, disable=not accelerator.is_local_main_process, desc="steps")
     breakdown.start()
-    with checkpoint.StopSignals() as signals, progress:  # the bar is closed before any error is printed
+    with checkpoint.StopSignals() as signals, run.progress:  # the bar is closed before any error is printed
         for epoch in range(first_epoch, num_epochs):
-            start = (global_step - epoch * steps_per_epoch) * args.gradient_accumulation_steps
+            start = (run.step - epoch * steps_per_epoch) * args.gradient_accumulation_steps
             micro_batches = batches.epoch(epoch, start=start)
             breakdown.begin_epoch()
             timer.restart()
-            while global_step < min(max_train_steps, (epoch + 1) * steps_per_epoch):
+            while run.step < min(max_train_steps, (epoch + 1) * steps_per_epoch):
                 breakdown.begin_step()
-                for _ in range(args.gradient_accumulation_steps):
-                    clean = data.to_model_input(next(micro_batches), args.random_flip)
-                    noise = torch.randn_like(clean)
-                    timesteps = torch.randint(0, args.num_train_timesteps, (clean.shape[0],), device=device)
-                    breakdown.phase_done("data")
-                    with accelerator.accumulate(model):
-                        loss = models.ddpm_loss(step_model, clean, noise, timesteps, alphas_cumprod, args.prediction_type)
-                        breakdown.phase_done("forward")
-                        accelerator.backward(loss)
-                        breakdown.phase_done("backward")
-                        if accelerator.sync_gradients:
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                            guard.check(loss, grad_norm, global_step + 1)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
+                batch = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
+                breakdown.phase_done("data")
+                if compile_mode is not None and run.compiled_at is None:
+                    step_losses = run.compile_step(train_step, batch, breakdown, compile_cache)
+                else:
+                    step_losses = train_step(batch, run.step + 1)
+                for loss in step_losses:
                     losses.add(loss)
-                    breakdown.phase_done("optimizer")
-                lr_scheduler.step()
-                if ema is not None:
-                    ema.step(model.parameters())
-                breakdown.phase_done("ema")
-                global_step += 1
+                run.step += 1
                 timer.step_done()
-                progress.update(1)
+                run.progress.update(1)
 
                 if profiler is not None:
                     profiler.step()
-                    if global_step == profile_until:  # the trace and table are written
+                    if run.step == profile_until:  # the trace and table are written
                         profiler.stop()
                         profiler = None
-                if args.profile_only and global_step == profile_until:
-                    progress.close()
-                    accelerator.print(f"stopped after profiling at step {global_step}: see {output_dir / 'profile'}")
+                if args.profile_only and run.step == profile_until:
+                    run.progress.close()
+                    accelerator.print(f"stopped after profiling at step {run.step}: see {run.output_dir / 'profile'}")
                     accelerator.end_training()
                     return config
-                if global_step % args.logging_steps == 0:
+                if run.step % args.logging_steps == 0:
                     report(timer.collect())
                     breakdown.collect()
-                if global_step % args.checkpointing_steps == 0 or global_step == max_train_steps:
-                    save_checkpoint()
-                if stop_requested(signals):
-                    stop_for_signal(signals)
+                if run.step % args.checkpointing_steps == 0 or run.step == max_train_steps:
+                    run.save_checkpoint(breakdown)
+                    timer.restart()
+                if run.stop_requested(signals):
+                    run.stop_for_signal(signals, breakdown)
 
-            if start == 0 and global_step == (epoch + 1) * steps_per_epoch:  # a whole epoch in this run
+            if start == 0 and run.step == (epoch + 1) * steps_per_epoch:  # a whole epoch in this run
                 epoch_s = breakdown.epoch_s()
                 epoch_times.append(dict(epoch=epoch, seconds=epoch_s, images_per_s=steps_per_epoch * images_per_step / epoch_s))
-                accelerator.log(dict(epoch_time_s=epoch_s), step=global_step)
-            last_epoch = global_step >= max_train_steps
+                accelerator.log(dict(epoch_time_s=epoch_s), step=run.step)
+            last_epoch = run.step >= max_train_steps
             if epoch % args.save_images_epochs == 0 or last_epoch:
                 with breakdown.pause("sampling"):
-                    on_main_process(lambda: write_samples(epoch))
+                    run.on_main_process(lambda: run.write_samples(epoch))
                 timer.restart()
             if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last_epoch):
                 with breakdown.pause("evaluation"):
-                    on_main_process(lambda: evaluate(epoch))
+                    run.on_main_process(lambda: run.evaluate(epoch))
                 timer.restart()
             if last_epoch:
                 break
 
-    if global_step % args.logging_steps:
+    if run.step % args.logging_steps:
         report(timer.collect())
     timer.collect()
     report(timer.all_times, final=True)
-    skipped = skipped_before + guard.count()
+    skipped = run.skipped_before + run.guard.count()
     if skipped or len(unreadable):
         accelerator.print(
             f"skipped {skipped} step(s) with a non-finite loss or gradient and {len(unreadable)} unreadable image(s)"
@@ -802,18 +716,18 @@ def train(args):
 
     def finish():
         """The pipeline, then run.json (the main process)."""
-        save_pipeline()
+        run.save_pipeline()
         step_time_s = flops.median(timer.all_times) if timer.all_times else None
-        perf = flops.utilization(model_flops, hardware_flops, step_time_s, peak_flops and peak_flops * world) if step_time_s else {}
+        perf = report.perf(step_time_s) if step_time_s else {}
         profiling.write_manifest(
-            output_dir / "run.json",
+            run.output_dir / "run.json",
             config=config,
             git_commit=profiling.git_commit(),
             versions=profiling.library_versions(),
             device=profiling.device_facts(device, world),
             start_time=started_at,
             end_time=profiling.now_iso(),
-            steps=global_step,
+            steps=run.step,
             skipped_nonfinite_steps=skipped,
             unreadable_images=len(unreadable),
             final_loss=losses.last,
@@ -824,83 +738,183 @@ def train(args):
             hfu=perf.get("hfu"),
             peak=peak_words,
             peak_memory_gib=profiling.peak_memory_gib(device),
+            compile_s=run.compile_s,
             train_wall_s=wall_s,
             epoch_times_s=epoch_times,
             time_breakdown_s=parts,
-            samples_dir=str(output_dir / "samples"),
-            checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(output_dir)],
-            pipeline_dir=str(output_dir),
+            samples_dir=str(run.output_dir / "samples"),
+            checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(run.output_dir)],
+            pipeline_dir=str(run.output_dir),
         )
 
-    on_main_process(finish)
+    run.on_main_process(finish)
     accelerator.end_training()  # flushes the tensorboard logs that the plots read
     if accelerator.is_main_process:
-        profiling.draw_run_plots(output_dir)
+        profiling.draw_run_plots(run.output_dir)
     return config
 
 
 # With several processes, how often they agree on whether a signal asked them to stop.
 STOP_CHECK_STEPS = 10
 
+# Compile artifacts (torch.compiler's mega-cache) kept beside the run, so that a
+# run resumed on a fresh machine, whose Inductor cache is empty, need not compile again.
+COMPILE_CACHE_FILE = "compile_cache.bin"
 
-class LossMeter:
-    """The mean loss over a log interval, kept on the device so that adding costs no host sync.
 
-    A non-finite loss (a step NonFiniteGuard skips) is left out of the mean.
+class Run:
+    """What happens between steps: checkpoints, sample grids, evaluation, the pipeline, stopping.
+
+    `step` is the number of optimizer steps taken; `progress` the bar the
+    loop sets. Work that only the main process does goes through
+    `on_main_process`, so that a failure there stops every process.
     """
 
-    def __init__(self, device):
-        self.sum, self.count = torch.zeros((), device=device), torch.zeros((), device=device)
-        self.last = float("nan")  # the mean of the last interval that had a finite loss
+    def __init__(self, args, accelerator, model, ema, noise_scheduler, evaluator, config):
+        self.args, self.accelerator, self.model, self.ema = args, accelerator, model, ema
+        self.noise_scheduler = noise_scheduler
+        self.sampling_scheduler = make_sampling_scheduler(args.sampler, noise_scheduler)
+        self.evaluator, self.config = evaluator, config
+        self.output_dir = Path(args.output_dir)
+        self.device, self.world = accelerator.device, accelerator.num_processes
+        self.step, self.skipped_before = 0, 0
+        self.guard = self.progress = None
+        self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
+        self.compiled_at = self.compile_s = None
 
-    def add(self, loss):
-        finite = torch.isfinite(loss.detach())
-        self.sum += torch.where(finite, loss.detach(), 0.0)
-        self.count += finite
+    def write(self, text):
+        if self.accelerator.is_local_main_process:
+            self.progress.write(text)
 
-    def read(self):
-        """Sets `last` to the interval's mean and starts a new interval; False if it had no finite loss."""
-        count = self.count.item()
-        if count:
-            self.last = (self.sum / count).item()
-            self.sum.zero_()
-            self.count.zero_()
-        return bool(count)
+    def compile_step(self, train_step, batch, breakdown, cache_file):
+        """The first step, which compiles: timed as its own part of the breakdown, and said."""
+        self.accelerator.print(f"compiling the step ({self.config['step_compile_mode']}) ...")
+        clock = steps.FirstStepClock(self.device)
+        with breakdown.pause("compile"), clock.measure():
+            step_losses = train_step(batch, self.step + 1)
+        self.compiled_at, self.compile_s = self.step + 1, clock.seconds
+        self.on_main_process(lambda: steps.save_compile_artifacts(cache_file))
+        self.write(clock.line)
+        return step_losses
+
+    def on_main_process(self, work):
+        """`work()` on the main process while the others wait. If it fails, every process
+        stops (the main one with its error), rather than the others waiting forever."""
+        error = None
+        if self.accelerator.is_main_process:
+            try:
+                work()
+            except RunError as e:
+                error = e
+        failed = torch.tensor(float(error is not None), device=self.device)
+        if self.world > 1:
+            failed = self.accelerator.reduce(failed, reduction="sum")  # also the barrier
+        if error is not None:
+            raise error
+        if failed.item():
+            raise SystemExit(1)  # the main process prints why
+
+    def ema_unet(self):
+        return ema_unet(self.accelerator, self.model, self.ema)
+
+    def save_pipeline(self):
+        """The EMA weights (or the raw ones) as a DDPMPipeline in output_dir."""
+        from diffusers import DDPMPipeline
+
+        try:
+            DDPMPipeline(unet=self.ema_unet(), scheduler=self.noise_scheduler).save_pretrained(str(self.output_dir))
+        except OSError as e:
+            note = f"running again saves it from the checkpoint of step {self.step}"
+            raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
+        self.accelerator.print(f"saved the pipeline to {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
+
+    def write_samples(self, epoch):
+        path = self.output_dir / "samples" / f"{epoch:04d}.png"
+        try:
+            save_sample_grid(self.ema_unet(), self.sampling_scheduler, self.args, path, self.accelerator)
+        except OSError as e:
+            raise RunError(checkpoint.cannot_write(path, e)) from None
+
+    def evaluate(self, epoch):
+        """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
+        from diffusers import DDPMPipeline
+
+        unet = self.ema_unet()
+        save = DDPMPipeline(unet=unet, scheduler=self.noise_scheduler).save_pretrained
+        result = self.evaluator.evaluate(unet, self.sampling_scheduler, epoch, self.step, save, self.accelerator.autocast)
+        self.accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=self.step)
+        best = " (best so far: saved to best/)" if result["best"] else ""
+        self.write(f"eval epoch {epoch} step {self.step} | {metrics.format_scores(result)}{best}")
+
+    def save_checkpoint(self, breakdown):
+        if not weights_finite(self.model):  # never replace a good checkpoint with a broken state
+            raise RunError(f"the weights are not finite at step {self.step}: not saving a checkpoint; resume from the last one")
+        state = dict(skipped_nonfinite=self.skipped_before + self.guard.count(), run=checkpoint.run_identity(self.config))
+        with breakdown.pause("checkpointing"):
+            path = checkpoint.save(self.accelerator, self.output_dir, self.step, state, self.args.checkpoints_total_limit)
+        self.last_saved = (self.step, path)
+        self.write(f"saved {path}")
+        return path
+
+    def stop_requested(self, signals):
+        """Whether to stop now. Processes must agree, or one would wait in save_state for
+        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps."""
+        if self.world == 1:
+            return signals.requested
+        if self.step % STOP_CHECK_STEPS:
+            return False
+        flag = torch.tensor(float(signals.requested), device=self.device)
+        return self.accelerator.reduce(flag, reduction="sum").item() > 0
+
+    def stop_for_signal(self, signals, breakdown):
+        """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""
+        self.progress.close()
+        saved_step, path = self.last_saved
+        if saved_step != self.step:
+            path = self.save_checkpoint(breakdown)
+        self.accelerator.print(
+            f"stopped by {signals.received.name} at step {self.step}: saved {path}; "
+            "run the same command again to continue"
+        )
+        self.accelerator.end_training()
+        raise SystemExit(signals.exit_code)
 
 
-class NonFiniteGuard:
-    """Keeps a step whose loss or gradients are NaN/inf from changing the weights.
+class Reporter:
+    """Every --logging_steps: the loss since the last report and the throughput line."""
 
-    A fused AdamW takes the decision on the device: given `found_inf` (the
-    hook torch's GradScaler uses) it leaves weights, moments and step count
-    as they were, so 'skip' costs no host sync. Otherwise, and for 'stop',
-    the flag is read on the host every step.
-    """
+    def __init__(self, run, lr_scheduler, losses, max_train_steps, images_per_step, model_flops, hardware_flops,
+                 peak_flops, peak_words):  # fmt: skip
+        self.run, self.lr_scheduler, self.losses = run, lr_scheduler, losses
+        self.max_train_steps, self.images_per_step = max_train_steps, images_per_step
+        self.model_flops, self.hardware_flops = model_flops, hardware_flops
+        self.peak_flops, self.peak_words = peak_flops, peak_words
 
-    def __init__(self, optimizer, mode, device):
-        self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
-        self.mode = mode
-        self.on_device = mode == "skip" and bool(self.inner.defaults.get("fused"))
-        self.skipped = torch.zeros((), device=device)
+    def perf(self, step_time_s):
+        peak = self.peak_flops and self.peak_flops * self.run.world
+        return flops.utilization(self.model_flops, self.hardware_flops, step_time_s, peak)
 
-    def check(self, loss, grad_norm, step):
-        bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss.detach()))
-        self.skipped += bad
-        if self.on_device:
-            self.inner.found_inf = bad.float()
-            return
-        if bad.item():
-            if self.mode == "stop":
-                raise RunError(
-                    f"non-finite loss or gradient at step {step} (--on_nonfinite stop): lower --learning_rate "
-                    "or use --on_nonfinite skip; the last checkpoint holds the state before it"
-                )
-            for group in self.inner.param_groups:  # without a fused optimizer, drop the gradients
-                for p in group["params"]:
-                    p.grad = None
-
-    def count(self):
-        return int(self.skipped.item())
+    def __call__(self, step_times, final=False):
+        run, accelerator = self.run, self.run.accelerator
+        if self.losses.read():  # the one host sync per log interval
+            lr = float(self.lr_scheduler.get_last_lr()[0])
+            accelerator.log(dict(loss=self.losses.last, lr=lr), step=run.step)
+        last_loss = self.losses.last
+        if not step_times:
+            line = f"step {run.step}/{self.max_train_steps} | loss {last_loss:.4f} | timing: still warming up"
+        else:
+            step_time_s = flops.median(step_times)
+            perf = self.perf(step_time_s)
+            line = flops.format_perf_line(
+                run.step, self.max_train_steps, last_loss, step_time_s, self.images_per_step, self.model_flops, perf,
+                self.peak_words, run.world, profiling.peak_memory_gib(run.device),
+            )  # fmt: skip
+            if not final:
+                images_per_s = self.images_per_step / step_time_s
+                run.progress.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{images_per_s:.1f}")
+                logs = dict(step_time_s=step_time_s, images_per_s=images_per_s)
+                accelerator.log(logs | {k: v for k, v in perf.items() if v is not None}, step=run.step)
+        run.write(("final: " if final else "") + line)
 
 
 def weights_finite(model):

@@ -251,7 +251,7 @@ def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
     assert cpu.fused_adam  # fused AdamW runs on a CPU too, and is what the non-finite guard skips steps in
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = train.validate(train.parse_args(["--mixed_precision", "no"]))
-    assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "default" and gpu.fused_adam
+    assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "auto" and gpu.fused_adam
     chosen = train.validate(train.parse_args(["--mixed_precision", "no", "--no-compile", "--no-fused_adam"]))
     assert not chosen.compile and not chosen.fused_adam and chosen.channels_last
     forced_cpu = train.validate(train.parse_args(["--mixed_precision", "no", "--cpu"]))

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import step as steps
 import train
 from conftest import ROOT
 
@@ -216,7 +217,7 @@ def test_bad_input_from_the_command_line(tmp_path):
 
 
 def test_the_logged_loss_is_the_mean_of_the_finite_losses_since_the_last_log():
-    meter = train.LossMeter(torch.device("cpu"))
+    meter = steps.LossMeter(torch.device("cpu"))
     for loss in (1.0, float("nan"), 3.0, float("inf")):
         meter.add(torch.tensor(loss))
     assert meter.read() and meter.last == 2.0

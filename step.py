@@ -1,0 +1,453 @@
+"""The training step: one optimizer step as one object, and how it is compiled or captured.
+
+    uint8 batch on the device -> flip, scale -> objective.loss(net, x0) -> backward
+    -> clip -> AdamW (fused: skips a non-finite step on the device) -> LR schedule -> EMA
+
+`TrainStep` does all of it with no host sync (unless --on_nonfinite stop asks
+for one), so train.py's loop and bench.py's rows call the very same code.
+How it runs on a GPU is `--compile_mode`:
+
+- `default`, `max-autotune`...: torch.compile of the network (forward and
+  backward through AOTAutograd); the optimizer and EMA stay eager, a few
+  multi-tensor kernels each.
+- `reduce-overhead`: the same, with the network's forward and backward
+  replayed as CUDA graphs by torch.compile.
+- `step-graph`: the network compiled (`default`), then forward, backward,
+  clipping, the optimizer and the EMA captured together in one CUDA graph
+  (`StepGraph`); what must change between steps (the learning rate, the EMA
+  decay) is written into device tensors before each replay.
+- `auto` (the default): picks one of these by `choose_compile_mode`, a rule
+  taken from measurements, and says why.
+"""
+
+import contextlib
+import math
+import time
+
+import torch
+
+import data
+
+# What --compile_mode accepts; the torch.compile modes pass through unchanged.
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("auto", *TORCH_COMPILE_MODES, "step-graph")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "step-graph")
+
+# Below this many FLOPs per micro-batch and process, a step is bound by kernel
+# launches rather than by the GPU, and CUDA graphs pay. Measured on an H100
+# (bench/results/h100-2026-11-23/): adm64 at batch 32 (1.47 TFLOP) took 57-76 ms
+# compiled and 21.6 ms with CUDA graphs, though its FLOPs need ~9 ms at the
+# 17.5% MFU ref128 reaches; ref128 at batch 64 (23.8 TFLOP, 137 ms) is bound
+# by the GPU. At that rate the launches of one step (~50 ms for these UNets)
+# are hidden once the work passes ~10 TFLOP.
+LAUNCH_BOUND_FLOPS = 10e12
+
+
+def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
+    """(compile mode or None for eager, why) for the flags at hand.
+
+    `args`: compile, compile_mode, gradient_accumulation_steps,
+    mixed_precision, on_nonfinite and fused_adam, as train.py resolves them.
+    """
+    if not args.compile:
+        return None, "eager (--no-compile)"
+    cuda = device.type == "cuda"
+    requested = args.compile_mode
+    blockers = graph_blockers(args, device, num_processes)
+    if requested != "auto":
+        if requested in CUDA_GRAPH_MODES and blockers:
+            raise_config(f"--compile_mode {requested} cannot capture CUDA graphs here: {blockers[0]}; use --compile_mode default")
+        return requested, f"--compile_mode {requested}"
+    if not cuda:
+        return "default", "auto: default (CUDA graphs need a CUDA GPU)"
+    tflop = flops_per_micro_batch / 1e12
+    if tflop >= LAUNCH_BOUND_FLOPS / 1e12:
+        return "default", f"auto: default ({tflop:.3g} TFLOP per micro-batch keeps the GPU busy; CUDA graphs would not pay)"
+    if blockers:
+        return "default", f"auto: default, CUDA graphs off ({blockers[0]})"
+    return "reduce-overhead", f"auto: reduce-overhead, CUDA graphs ({tflop:.3g} TFLOP per micro-batch is bound by kernel launches)"
+
+
+def graph_blockers(args, device, num_processes):
+    """Why this run cannot capture CUDA graphs (empty: it can)."""
+    found = []
+    if device.type != "cuda":
+        found.append("CUDA graphs need a CUDA GPU")
+    if num_processes > 1:
+        found.append(f"{num_processes} processes (gradients are all-reduced between steps)")
+    if args.gradient_accumulation_steps > 1:
+        found.append("--gradient_accumulation_steps above 1")
+    if args.mixed_precision == "fp16":
+        found.append("fp16's loss scaler reads the gradients on the host")
+    if args.on_nonfinite == "stop":
+        found.append("--on_nonfinite stop reads the loss on the host every step")
+    if not args.fused_adam:
+        found.append("--no-fused_adam (the non-finite skip happens inside the fused optimizer)")
+    return found
+
+
+def raise_config(message):
+    from model import ConfigError
+
+    raise ConfigError(message)
+
+
+def compile_network(model, mode):
+    """What the step calls: `model` itself (mode None) or torch.compile of it.
+
+    Call it after accelerate's `prepare`, so that the compiled graph holds the
+    autocast and any DDP wrapper; keep using `model` itself for checkpoints,
+    EMA and saving (never the compiled wrapper). Shapes are static: the batch
+    never changes within a run, and dynamic shapes would give up kernels
+    specialised to it. `step-graph` compiles in the default mode: the
+    capture of the whole step is StepGraph's.
+    """
+    if mode is None:
+        return model
+    return torch.compile(model, mode="default" if mode == "step-graph" else mode, dynamic=False)
+
+
+class TrainStep:
+    """One optimizer step: `step(micro_batches)` -> the micro-batches' losses (device tensors).
+
+    `net` is what computes the network (the compiled one, or `model`);
+    `model` is the module the optimizer holds, its parameters the ones the EMA
+    follows. `objective.loss(net, x0)` draws its own noise on the device.
+    With an `accelerator`, it accumulates gradients, scales fp16 losses and
+    syncs DDP; without one (bench.py), `autocast` gives the precision.
+    `mark(phase)` is called at each phase boundary (train.py's Breakdown).
+    """
+
+    def __init__(self, net, model, objective, optimizer, lr_scheduler, ema, guard, max_grad_norm, random_flip,
+                 accelerator=None, autocast=contextlib.nullcontext, mark=None):  # fmt: skip
+        self.net, self.model, self.objective = net, model, objective
+        self.optimizer, self.lr_scheduler, self.ema, self.guard = optimizer, lr_scheduler, ema, guard
+        self.max_grad_norm = max_grad_norm or math.inf
+        self.random_flip = random_flip
+        self.accelerator, self.autocast = accelerator, autocast
+        self.mark = mark or (lambda phase: None)
+        self.trained = [p for group in optimizer.param_groups for p in group["params"]]  # network and objective
+
+    def __call__(self, micro_batches, step_number=None):
+        losses = self.descend(micro_batches, step_number)
+        self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.step(self.model.parameters())
+        self.mark("ema")
+        return losses
+
+    def descend(self, micro_batches, step_number=None):
+        """Forward, backward, clipping, the non-finite guard and the optimizer, for every micro-batch."""
+        losses = []
+        for images in micro_batches:
+            with self._accumulate():
+                x0 = data.to_model_input(images, self.random_flip)
+                with self.autocast():
+                    loss = self.objective.loss(self.net, x0)
+                self.mark("forward")
+                self._backward(loss)
+                self.mark("backward")
+                if self._sync_gradients():
+                    grad_norm = self._clip()
+                    if self.guard is not None:
+                        self.guard.check(loss, grad_norm, step_number)
+                self.optimizer.step()  # accelerate's wrapper steps only when gradients are synced
+                self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            self.mark("optimizer")
+        return losses
+
+    def _accumulate(self):
+        return self.accelerator.accumulate(self.model) if self.accelerator else contextlib.nullcontext()
+
+    def _backward(self, loss):
+        if self.accelerator:
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+
+    def _sync_gradients(self):
+        return self.accelerator.sync_gradients if self.accelerator else True
+
+    def _clip(self):
+        clip = self.accelerator.clip_grad_norm_ if self.accelerator else torch.nn.utils.clip_grad_norm_
+        return clip(self.trained, self.max_grad_norm)
+
+
+class StepGraph:
+    """A TrainStep whose device work is captured once in a CUDA graph and replayed.
+
+    The first `warmup_steps` calls run `step` as it is (they compile the
+    network and let the optimizer create its state; they are real steps).
+    The next call records `step.descend` and the EMA update into one CUDA
+    graph; it and every later call copy the batch into the graph's input
+    buffers, write the EMA's decay into a device tensor and replay. The
+    learning rate lives in a device tensor that the LR scheduler fills after
+    each step, the random numbers come from the CUDA generator the graph
+    advances on every replay, and the fused optimizer skips a non-finite step
+    on the device, so replays train exactly as the eager step does.
+
+    With `capture=False` it runs the same split (host part, device part)
+    without a graph: what the CPU tests check against TrainStep.
+    """
+
+    def __init__(self, step, warmup_steps=3, capture=True):
+        self.step, self.warmup_steps, self.capture = step, warmup_steps, capture
+        self.calls = 0
+        self.graph = None
+        self.ema = GraphEMA(step.ema) if step.ema is not None else None
+        self.static_batches = self.static_losses = None
+
+    def __call__(self, micro_batches, step_number=None):
+        self.calls += 1
+        if self.calls <= self.warmup_steps:
+            return self._on_side_stream(lambda: self.step(micro_batches, step_number))
+        if self.static_batches is None:
+            self._prepare(micro_batches)
+        for static, batch in zip(self.static_batches, micro_batches, strict=True):
+            static.copy_(batch, non_blocking=True)
+        if self.ema is not None:
+            self.ema.advance()
+        if self.graph is not None:
+            self.graph.replay()
+            losses = self.static_losses
+        else:
+            losses = self._device_work(step_number)
+        self.ema_after()
+        self.step.lr_scheduler.step()  # fills the learning-rate tensor the next replay reads
+        self.step.mark("step")
+        return [loss.clone() for loss in losses]
+
+    def ema_after(self):
+        if self.ema is not None:
+            self.ema.after()
+
+    def _device_work(self, step_number=None):
+        losses = self.step.descend(self.static_batches, step_number)
+        if self.ema is not None:
+            self.ema.apply(self.step.model.parameters())
+        return losses
+
+    def _prepare(self, micro_batches):
+        """Static inputs, tensor learning rates, then (on a GPU) the capture."""
+        self.static_batches = [b.clone() for b in micro_batches]
+        optimizer = getattr(self.step.optimizer, "optimizer", self.step.optimizer)  # accelerate wraps it
+        device = self.static_batches[0].device
+        for group in optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), device=device)
+            group["capturable"] = self.capture
+        if self.ema is not None:
+            self.ema.to(device)
+        if not self.capture:
+            return
+        self.graph = torch.cuda.CUDAGraph()
+        self.step.optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(self.graph):
+            self.static_losses = self._device_work()
+
+    def _on_side_stream(self, work):
+        """Warm-up before a capture runs on a side stream, as torch.cuda.graphs asks."""
+        if not self.capture:
+            return work()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            result = work()
+        torch.cuda.current_stream().wait_stream(stream)
+        return result
+
+
+class GraphEMA:
+    """An EMA update split for a CUDA graph: the host works out the decay, the graph applies it.
+
+    Works with diffusers' EMAModel (one average, decay with warm-up) and
+    ema.PowerEMA (one average per width). `advance()` moves the EMA's step
+    count on and writes each average's weight (1 - decay) into a device
+    tensor; `apply(parameters)` is the update itself, shadow += w (p - shadow),
+    all device work; `after()` does what the EMA does after an update on the
+    host (PowerEMA's snapshots).
+    """
+
+    def __init__(self, ema):
+        self.ema = ema
+        self.power = hasattr(ema, "gammas")
+        self.weights = torch.zeros(len(self._shadows()))
+
+    def _shadows(self):
+        return self.ema.shadows if self.power else [self.ema.shadow_params]
+
+    def to(self, device):
+        self.weights = self.weights.to(device)
+
+    def advance(self):
+        self.ema.optimization_step += 1
+        t = self.ema.optimization_step
+        if self.power:
+            decays = [(1 - 1 / t) ** (gamma + 1) for gamma in self.ema.gammas]
+        else:
+            decays = [self.ema.get_decay(t)]
+            self.ema.cur_decay_value = decays[0]
+        for i, decay in enumerate(decays):
+            self.weights[i].fill_(1 - decay)  # a fill kernel: no host sync
+
+    @torch.no_grad()
+    def apply(self, parameters):
+        parameters = [p.detach() for p in parameters]
+        for i, shadow in enumerate(self._shadows()):
+            difference = torch._foreach_sub([p.to(s.dtype) for p, s in zip(parameters, shadow)], shadow)
+            torch._foreach_mul_(difference, self.weights[i])
+            torch._foreach_add_(shadow, difference)
+
+    def after(self):
+        ema = self.ema
+        if self.power and ema.snapshot_dir is not None and ema.snapshot_every and ema.optimization_step % ema.snapshot_every == 0:
+            ema.save_snapshot()
+
+
+def build_step(step, mode, device):
+    """`step` as the run calls it: wrapped in a StepGraph for --compile_mode step-graph."""
+    if mode == "step-graph":
+        return StepGraph(step, capture=device.type == "cuda")
+    return step
+
+
+# --- the fast start: timing the compile, keeping its artifacts ------------------------
+
+
+def compile_counters():
+    """Inductor's FX-graph and AOTAutograd cache hits and misses so far in this process."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    aot = counters["aot_autograd"]
+    return dict(
+        fx_hits=inductor["fxgraph_cache_hit"],
+        fx_misses=inductor["fxgraph_cache_miss"],
+        aot_hits=aot["autograd_cache_hit"],
+        aot_misses=aot["autograd_cache_miss"],
+    )
+
+
+def load_compile_artifacts(path):
+    """Load compile artifacts a previous run saved (torch.compiler's mega-cache), so that a
+    run resumed on a fresh machine need not compile again. Returns whether it loaded any."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return False
+    try:
+        return torch.compiler.load_cache_artifacts(blob) is not None
+    except Exception:  # from another torch version or machine: compile afresh
+        return False
+
+
+def save_compile_artifacts(path):
+    """Write this process's compile artifacts (FX graphs, AOTAutograd, autotuning) to `path`."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return False
+    blob, _ = saved
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(path)
+    return True
+
+
+def describe_compile(seconds, before, after):
+    """One line on the first compiled step: how long, and whether the caches served it."""
+    hits = (after["fx_hits"] - before["fx_hits"]) + (after["aot_hits"] - before["aot_hits"])
+    misses = (after["fx_misses"] - before["fx_misses"]) + (after["aot_misses"] - before["aot_misses"])
+    if hits and not misses:
+        source = "served from the compile cache"
+    elif hits:
+        source = f"{hits} graph(s) from the compile cache, {misses} compiled; cached for the next run"
+    else:
+        source = "cached for the next run"
+    return f"compiled the step in {seconds:.1f} s; {source}"
+
+
+class FirstStepClock:
+    """Times the first (compiling) step with the host clock, synchronized at both ends."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @contextlib.contextmanager
+    def measure(self):
+        self.counters_before = compile_counters()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - t0
+        self.after = compile_counters()
+        self.line = describe_compile(self.seconds, self.counters_before, self.after)
+
+
+# --- the guard and the loss meter the step feeds --------------------------------------
+
+
+class LossMeter:
+    """The mean loss over a log interval, kept on the device so that adding costs no host sync.
+
+    A non-finite loss (a step NonFiniteGuard skips) is left out of the mean.
+    """
+
+    def __init__(self, device):
+        self.sum, self.count = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.last = float("nan")  # the mean of the last interval that had a finite loss
+
+    def add(self, loss):
+        finite = torch.isfinite(loss.detach())
+        self.sum += torch.where(finite, loss.detach(), 0.0)
+        self.count += finite
+
+    def read(self):
+        """Sets `last` to the interval's mean and starts a new interval; False if it had no finite loss."""
+        count = self.count.item()
+        if count:
+            self.last = (self.sum / count).item()
+            self.sum.zero_()
+            self.count.zero_()
+        return bool(count)
+
+
+class NonFiniteGuard:
+    """Keeps a step whose loss or gradients are NaN/inf from changing the weights.
+
+    A fused AdamW takes the decision on the device: given `found_inf` (the
+    hook torch's GradScaler uses) it leaves weights, moments and step count
+    as they were, so 'skip' costs no host sync. Otherwise, and for 'stop',
+    the flag is read on the host every step.
+    """
+
+    def __init__(self, optimizer, mode, device):
+        from checkpoint import RunError
+
+        self.error = RunError
+        self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+        self.mode = mode
+        self.on_device = mode == "skip" and bool(self.inner.defaults.get("fused"))
+        self.skipped = torch.zeros((), device=device)
+
+    def check(self, loss, grad_norm, step):
+        bad = ~(torch.isfinite(grad_norm) & torch.isfinite(loss.detach()))
+        self.skipped += bad
+        if self.on_device:
+            self.inner.found_inf = bad.float()
+            return
+        if bad.item():
+            if self.mode == "stop":
+                raise self.error(
+                    f"non-finite loss or gradient at step {step} (--on_nonfinite stop): lower --learning_rate "
+                    "or use --on_nonfinite skip; the last checkpoint holds the state before it"
+                )
+            for group in self.inner.param_groups:  # without a fused optimizer, drop the gradients
+                for p in group["params"]:
+                    p.grad = None
+
+    def count(self):
+        return int(self.skipped.item())

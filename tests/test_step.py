@@ -1,0 +1,239 @@
+"""The training step (step.py): the same arithmetic as the loop it replaced, the CUDA-graph
+split, the rule that picks the compile mode, and the compile cache."""
+
+import argparse
+import copy
+import math
+
+import pytest
+import torch
+
+import data
+import ema as posthoc_ema
+import model as models
+import step as steps
+
+CPU = torch.device("cpu")
+
+
+def tiny_parts(seed=0, ema_kind="standard", fused=True):
+    """A tiny UNet, its objective, AdamW, a warm-up schedule and an EMA: what train.py builds."""
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+
+    torch.manual_seed(seed)
+    unet = models.build_unet("tiny", 16)
+    objective = models.DDPMObjective(models.make_noise_scheduler())
+    optimizer = models.prepare_for_training(unet, False, fused, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
+    lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=10)
+    if ema_kind == "power":
+        ema = posthoc_ema.PowerEMA(unet.parameters(), [0.05, 0.1])
+    else:
+        ema = EMAModel(unet.parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=1.0, power=0.75, foreach=True)
+    return unet, objective, optimizer, lr_scheduler, ema
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def shadows(ema):
+    return ema.shadows[0] if hasattr(ema, "shadows") else ema.shadow_params
+
+
+def the_old_loop(images_per_step, seed=0):
+    """The body of train.py's loop before the step function (commit 2a757ba), without accelerate."""
+    unet, objective, optimizer, lr_scheduler, ema = tiny_parts(seed)
+    guard = steps.NonFiniteGuard(optimizer, "skip", CPU)
+    alphas_cumprod = models.make_noise_scheduler().alphas_cumprod
+    torch.manual_seed(123)
+    losses = []
+    for step, images in enumerate(images_per_step, 1):
+        clean = data.to_model_input(images, True)
+        noise = torch.randn_like(clean)
+        timesteps = torch.randint(0, 1000, (clean.shape[0],))
+        loss = models.ddpm_loss(unet, clean, noise, timesteps, alphas_cumprod, "epsilon")
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        guard.check(loss, grad_norm, step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        lr_scheduler.step()
+        ema.step(unet.parameters())
+    return unet, ema, losses
+
+
+def test_the_step_gives_the_loss_weights_and_ema_of_the_loop_it_replaced():
+    images = batches(3)
+    old_unet, old_ema, old_losses = the_old_loop(images)
+
+    unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+    guard = steps.NonFiniteGuard(optimizer, "skip", CPU)
+    step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True)
+    phases = []
+    step.mark = phases.append
+    torch.manual_seed(123)
+    losses = [step([b], i + 1)[0] for i, b in enumerate(images)]
+
+    assert torch.equal(torch.stack(losses), torch.stack(old_losses))
+    for a, b in zip(unet.parameters(), old_unet.parameters()):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(shadows(ema), shadows(old_ema)))
+    assert phases[:4] == ["forward", "backward", "optimizer", "ema"]
+    assert guard.count() == 0
+
+
+def test_a_non_finite_step_is_skipped_inside_the_fused_optimizer():
+    unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+    guard = steps.NonFiniteGuard(optimizer, "skip", CPU)
+    assert guard.on_device
+    step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True)
+    step(batches(1))
+    before = [p.detach().clone() for p in unet.parameters()]
+    objective.alphas_cumprod[:] = float("nan")  # every loss is now NaN
+    loss = step(batches(1, seed=2))[0]
+    assert not torch.isfinite(loss)
+    assert guard.count() == 1
+    assert all(torch.equal(a, b) for a, b in zip(unet.parameters(), before))
+
+
+@pytest.mark.parametrize("ema_kind", ["standard", "power"])
+def test_the_graph_split_trains_as_the_plain_step(ema_kind):
+    """StepGraph without a GPU runs the host part and the device part (tensor learning
+    rate, EMA decay written into a tensor) exactly as it would around a graph replay."""
+    images = batches(5)
+    results = []
+    for graphed in (False, True):
+        unet, objective, optimizer, lr_scheduler, ema = tiny_parts(ema_kind=ema_kind)
+        step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True)
+        if graphed:
+            step = steps.StepGraph(step, warmup_steps=2, capture=False)
+        torch.manual_seed(123)
+        losses = torch.stack([step([b])[0] for b in images])
+        results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)],
+                        lr_scheduler.get_last_lr()[0], ema.optimization_step))  # fmt: skip
+    (l0, p0, s0, lr0, t0), (l1, p1, s1, lr1, t1) = results
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)  # the graph reads it from the device
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(p1 + s1, p0 + s0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # tensor and float learning rates round apart
+    assert float(lr1) == pytest.approx(lr0) and t1 == t0 == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_the_captured_step_trains_as_the_eager_step_on_a_gpu():
+    cuda = torch.device("cuda")
+    images = [b.to(cuda) for b in batches(6)]
+    results = []
+    for capture in (False, True):
+        unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+        unet.to(cuda), objective.to(cuda), ema.to(cuda)
+        optimizer = models.prepare_for_training(unet, False, True, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
+        lr_scheduler = type(lr_scheduler)(optimizer, lr_scheduler.lr_lambdas[0])
+        guard = steps.NonFiniteGuard(optimizer, "skip", cuda)
+        step = steps.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True),
+                               warmup_steps=2, capture=capture)  # fmt: skip
+        torch.manual_seed(123)
+        losses = torch.stack([step([b])[0] for b in images])
+        assert (step.graph is not None) == capture
+        results.append((losses, torch.cat([p.detach().flatten() for p in unet.parameters()]), guard.count()))
+    (l0, p0, g0), (l1, p1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(p1, p0, rtol=1e-4, atol=1e-5)
+    assert g0 == g1 == 0
+
+
+def flags(**changes):
+    base = dict(compile=True, compile_mode="auto", gradient_accumulation_steps=1, mixed_precision="bf16",
+                on_nonfinite="skip", fused_adam=True)  # fmt: skip
+    return argparse.Namespace(**(base | changes))
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    "args, device, processes, tflop, mode, words",
+    [
+        (flags(), CUDA, 1, 1.47 / 32 * 32, "reduce-overhead", "bound by kernel launches"),  # adm64, batch 32
+        (flags(), CUDA, 1, 4.78, "reduce-overhead", "bound by kernel launches"),  # ddpm32, batch 128
+        (flags(), CUDA, 1, 23.83, "default", "keeps the GPU busy"),  # ref128, batch 64
+        (flags(), CUDA, 2, 1.47, "default", "2 processes"),
+        (flags(gradient_accumulation_steps=2), CUDA, 1, 1.47, "default", "accumulation"),
+        (flags(mixed_precision="fp16"), CUDA, 1, 1.47, "default", "fp16"),
+        (flags(on_nonfinite="stop"), CUDA, 1, 1.47, "default", "--on_nonfinite stop"),
+        (flags(), CPU, 1, 0.001, "default", "need a CUDA GPU"),
+        (flags(compile=False), CUDA, 1, 1.47, None, "eager"),
+        (flags(compile_mode="max-autotune-no-cudagraphs"), CUDA, 1, 1.47, "max-autotune-no-cudagraphs", "--compile_mode"),
+        (flags(compile_mode="step-graph"), CUDA, 1, 1.47, "step-graph", "--compile_mode step-graph"),
+    ],
+)
+def test_auto_picks_cuda_graphs_only_for_launch_bound_steps_that_can_be_captured(args, device, processes, tflop, mode, words):
+    chosen, why = steps.choose_compile_mode(args, device, processes, tflop * 1e12)
+    assert chosen == mode and words in why
+
+
+def test_asking_for_cuda_graphs_where_they_cannot_be_captured_is_a_config_error():
+    with pytest.raises(models.ConfigError, match="--compile_mode reduce-overhead cannot capture CUDA graphs here: 2 processes"):
+        steps.choose_compile_mode(flags(compile_mode="reduce-overhead"), CUDA, 2, 1e12)
+    with pytest.raises(models.ConfigError, match="need a CUDA GPU"):
+        steps.choose_compile_mode(flags(compile_mode="step-graph"), CPU, 1, 1e12)
+
+
+class SmallNet(torch.nn.Module):
+    """Conv, GroupNorm, SiLU, conv: a network small enough to compile in seconds, with UNet2DModel's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.GroupNorm(4, 8), torch.nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x, t, return_dict=False):
+        h = torch.nn.functional.silu(self.norm(self.a(x))) * (1 + t.float().view(-1, 1, 1, 1) / 1000)
+        return (self.b(h),)
+
+
+def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.compiler.reset()
+    images = batches(2)
+    runs = []
+    for mode in (None, "default", "default"):
+        torch.manual_seed(0)
+        net = SmallNet()
+        objective = models.DDPMObjective(models.make_noise_scheduler())
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        step = steps.TrainStep(steps.compile_network(net, mode), net, objective, optimizer, lr_scheduler, None, None, 1.0, True)
+        clock = steps.FirstStepClock(CPU)
+        torch.manual_seed(1)
+        with clock.measure():
+            first = step([images[0]])[0]
+        losses = [first, step([images[1]])[0]]
+        runs.append((torch.stack(losses), [p.detach().clone() for p in net.parameters()], clock))
+        torch.compiler.reset()  # forget the compiled code in memory: only the disk cache remains
+
+    (eager_losses, eager_weights, _), (losses, weights, first_compile), (_, _, second_compile) = runs
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-5)
+    for a, b in zip(weights, eager_weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    compiled = lambda clock, kind: clock.after[kind] - clock.counters_before[kind]  # noqa: E731
+    assert compiled(first_compile, "fx_misses") > 0 and compiled(first_compile, "fx_hits") == 0
+    assert compiled(second_compile, "fx_hits") > 0 and compiled(second_compile, "fx_misses") == 0
+    assert "cached for the next run" in first_compile.line
+    assert "served from the compile cache" in second_compile.line
+
+
+def test_compile_artifacts_are_saved_and_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.compiler.reset()
+    net = torch.compile(torch.nn.Linear(4, 4), dynamic=False)
+    net(torch.randn(2, 4)).sum().backward()
+    path = tmp_path / "compile_cache.bin"
+    assert steps.save_compile_artifacts(path) and path.stat().st_size > 0
+    assert steps.load_compile_artifacts(path)
+    assert not steps.load_compile_artifacts(tmp_path / "missing.bin")
+    (tmp_path / "garbage.bin").write_bytes(b"not a cache")
+    assert not steps.load_compile_artifacts(tmp_path / "garbage.bin")
+    torch.compiler.reset()
