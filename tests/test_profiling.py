@@ -244,3 +244,32 @@ def test_the_periodic_line_has_peak_memory(plain_run, capsys, tmp_path):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 4/4")]
     assert lines and re.search(r"\| peak mem [\d.]+ GiB", lines[0])
 
+
+def test_quiet_known_compile_warnings_drops_diffusers_upsampling_lru_cache_warning_only():
+    import warnings
+
+    from diffusers.models.upsampling import Upsample2D
+
+    def compile_upsample(quiet, *other_warnings):
+        """The warnings of Dynamo tracing diffusers' Upsample2D in bf16 (it calls the lru_cache'd
+        is_torch_version), then of `other_warnings`."""
+        torch._dynamo.reset()
+        torch._dynamo.utils.warn_once_cache.clear()  # else Dynamo warns once per process
+        up = Upsample2D(4, use_conv=True).to(torch.bfloat16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if quiet:
+                profiling.quiet_known_compile_warnings()
+            torch.compile(up, backend="eager")(torch.randn(1, 4, 8, 8, dtype=torch.bfloat16))
+            for message in other_warnings:
+                warnings.warn(message)
+        torch._dynamo.reset()
+        return [str(w.message) for w in caught]
+
+    real = compile_upsample(quiet=False)  # the real messages, so the filter is tested on them
+    assert real and all(m.startswith("Dynamo detected a call to a `functools.lru_cache`-wrapped") for m in real)
+    assert all("'upsampling.py:" in m and "/diffusers/models/upsampling.py" in m for m in real)
+    other_site = real[0].replace("upsampling.py", "mine.py")  # the same warning for a call elsewhere
+    assert compile_upsample(True, other_site, "an unrelated warning") == [other_site, "an unrelated warning"]
+    # catch_warnings put the filters back: the filter lasts only where it is installed
+    assert not any(f[1] is not None and f[1].pattern.startswith("Dynamo") for f in warnings.filters)
