@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -123,16 +124,21 @@ class Breakdown:
 # --- torch.profiler ---------------------------------------------------------------------
 
 
-def make_profiler(out_dir, skip_steps, warmup_steps, active_steps, top, with_stack=False, on_done=None):
+def make_profiler(
+    out_dir, skip_steps, warmup_steps, active_steps, top, with_stack=False, on_done=None, level="kernels"
+):
     """A torch.profiler that skips, warms up, then records `active_steps` steps once.
 
     When the recording is done it writes `out_dir/trace.json` (open it in
-    Perfetto or chrome://tracing), prints the `top` operators by self time on
-    the device (CPU time on a CPU), draws them as `out_dir/top_ops.png`, and
-    calls `on_done(table rows)`.
+    Perfetto or chrome://tracing), prints the `top` device kernels by time
+    (`level="operators"`: the operators that launched them; CPU operators by
+    CPU time on a CPU), draws them as `out_dir/top_ops.png`, and calls
+    `on_done(table rows)`.
     """
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
@@ -141,7 +147,7 @@ def make_profiler(out_dir, skip_steps, warmup_steps, active_steps, top, with_sta
     def ready(prof):
         out_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(out_dir / "trace.json"))
-        rows = top_operators(prof, top)
+        rows = top_operators(prof, top, level)
         print(format_top_operators(rows), flush=True)
         draw_top_operators(rows, out_dir / "top_ops.png")
         (out_dir / "top_ops.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -157,26 +163,78 @@ def make_profiler(out_dir, skip_steps, warmup_steps, active_steps, top, with_sta
     )
 
 
-def top_operators(prof, top):
-    """[{name, self_ms, share, calls}] of the `top` operators by self time on the device (CPU if none)."""
-    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    device = any(getattr(e, "self_device_time_total", 0) > 0 for e in events)
+LEVELS = ("kernels", "operators")
 
-    def self_us(e):
-        return e.self_device_time_total if device else e.self_cpu_time_total
 
-    total = sum(self_us(e) for e in events) or 1.0
-    ranked = sorted(events, key=self_us, reverse=True)[:top]
-    where = "device" if device else "cpu"
+def top_operators(prof, top, level="kernels"):
+    """[{name, self_ms, share, calls, where, level}]: the `top` kernels (or operators) by self time.
+
+    A GPU profile holds every kernel twice: as an event of its own on the
+    device, and in the self device time of the CPU operator that launched it
+    (Inductor even names the launch after its Triton kernel). Ranking both
+    listed each kernel twice and halved every share. So the device's own
+    events are taken, once each: by kernel name (`"kernels"`), or by the name
+    of the operator that launched them (`"operators"`, found through the
+    kernel's `linked_correlation_id`, as torch.profiler links them). Ranges
+    that `record_function` draws on the device's timeline are not work and
+    are left out; they are why operators' `self_device_time_total` is not
+    used (it counts them, pytorch/pytorch#130730). A share is of the time the
+    device was busy (all kernel time over the recorded steps), so the shares
+    of all rows add up to 1. Without device events (a CPU) both levels rank
+    CPU operators by self CPU time.
+    """
+    from torch.autograd import DeviceType
+
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
+    events = [e for e in prof.events() if not e.is_async and not getattr(e, "is_python_function", False)]
+    on_cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+    if not kernels:
+        where, level = "cpu", "operators"
+        timed = [(e.name, id(e), e.self_cpu_time_total) for e in on_cpu if not e.name.startswith("ProfilerStep")]
+    elif level == "kernels":
+        where, timed = "device", [(k.name, id(k), k.self_device_time_total) for k in kernels]
+    else:
+        where = "device"
+        timed = [(name, call, k.self_device_time_total) for k, name, call in _launchers(kernels, on_cpu)]
+
+    us, calls = {}, {}
+    for name, call, self_us in timed:
+        us[name] = us.get(name, 0.0) + self_us
+        calls.setdefault(name, set()).add(call)  # an operator that launched two kernels was called once
+    total = sum(us.values()) or 1.0
+    ranked = sorted(us, key=us.get, reverse=True)[:top]
     return [
-        dict(name=e.key, self_ms=self_us(e) / 1e3, share=self_us(e) / total, calls=e.count, where=where) for e in ranked
+        dict(name=n, self_ms=us[n] / 1e3, share=us[n] / total, calls=len(calls[n]), where=where, level=level)
+        for n in ranked
     ]
 
 
-def format_top_operators(rows):
+def _launchers(kernels, on_cpu):
+    """(kernel, name of the CPU operator that launched it, that operator's id) for each kernel."""
+    by_id = {e.id: e for e in on_cpu}
+    # torch.profiler folds an operator into its parent of the same name (EventList._remove_dup_nodes),
+    # handing the parent its kernels: find those by the kernel's name and duration instead.
+    by_kernel = {(k.name, k.duration): e for e in on_cpu for k in e.kernels}
+    for k in kernels:
+        op = by_id.get(k.linked_correlation_id) or by_kernel.get((k.name, k.self_device_time_total))
+        yield (k, op.name, id(op)) if op is not None else (k, "(no operator recorded)", id(k))
+
+
+def _what(rows):
+    """'device kernels', 'operators' (by device time) or 'operators' (by CPU time), and where."""
     where = rows[0]["where"] if rows else "cpu"
-    lines = [f"top {len(rows)} operators by self {where} time while profiling:"]
-    lines.append(f"{'operator':44s} {'self ms':>10s} {'share':>7s} {'calls':>7s}")
+    level = rows[0].get("level", "operators") if rows else "operators"
+    return ("device kernels" if where == "device" and level == "kernels" else "operators"), where
+
+
+def format_top_operators(rows):
+    what, where = _what(rows)
+    title = f"top {len(rows)} {what} by self {where} time while profiling"
+    title += " (shares of the time the device was busy):" if where == "device" else ":"
+    column = "kernel" if what == "device kernels" else "operator"
+    lines = [title, f"{column:44s} {'self ms':>10s} {'share':>7s} {'calls':>7s}"]
     for r in rows:
         lines.append(f"{r['name'][:44]:44s} {r['self_ms']:10.2f} {100 * r['share']:6.1f}% {r['calls']:7d}")
     return "\n".join(lines)
@@ -196,12 +254,36 @@ def draw_top_operators(rows, path):
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
     names = [r["name"] for r in rows][::-1]
     ax.barh(names, [r["self_ms"] for r in rows][::-1], color="tab:blue")
-    where = rows[0]["where"] if rows else "cpu"
+    what, where = _what(rows)
     ax.set_xlabel(f"self {where} time (ms) over the profiled steps")
-    ax.set_title("most expensive operators")
+    ax.set_title(f"most expensive {what}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# --- compile warnings ------------------------------------------------------------------
+
+# torch/_dynamo/variables/functions.py (torch 2.14.1, in the lru_cache wrapper's `call_function`)
+# warns once per call site, through torch._dynamo.utils.warn_once, i.e. warnings.warn(UserWarning):
+#   "Dynamo detected a call to a `functools.lru_cache`-wrapped function at 'upsampling.py:156'.
+#    Dynamo ignores the cache wrapper and directly traces the wrapped function. Silent incorrectness
+#    is only a *potential* risk, not something we have observed. ..."
+# diffusers' Upsample2D.forward (models/upsampling.py, lines 156 and 180 in diffusers 0.42.1) calls
+# `is_torch_version("<", "2.1")`, an lru_cache'd comparison of two version strings: tracing through
+# the cache gives the same constant, so the warning is harmless there. Only that call site is
+# silenced; an lru_cache call anywhere else still warns.
+KNOWN_COMPILE_WARNINGS = (
+    r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function at 'upsampling\.py:\d+'\. "
+    r"Dynamo ignores the cache wrapper and directly traces the wrapped function\."
+    r"(?s:.*)[/\\]diffusers[/\\]models[/\\]upsampling\.py\", line \d+, in forward",
+)
+
+
+def quiet_known_compile_warnings():
+    """Silence the Dynamo warnings known to be harmless for this model (above); nothing else."""
+    for message in KNOWN_COMPILE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 # --- plots of a run ---------------------------------------------------------------------

@@ -263,6 +263,12 @@ def parse_args(argv=None):
     r.add_argument("--profile_steps", type=int, default=3, help="steps recorded by --profile (after 1 skipped and 1 warm-up)")
     r.add_argument("--profile_top", type=int, default=15, help="operators in the --profile table")
     r.add_argument("--profile_stack", action="store_true", help="record Python stacks too (slow)")
+    r.add_argument(
+        "--profile_operators",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rank the operators that launched the kernels in the --profile table, not the device kernels",
+    )
     r.add_argument("--profile_only", action="store_true", help="stop once --profile has recorded its steps")
     return p.parse_args(argv)
 
@@ -637,8 +643,9 @@ def train(args):
     profiler, profile_until = None, run.step + 2 + args.profile_steps
     if args.profile and accelerator.is_main_process:
         profiler = profiling.make_profiler(
-            run.output_dir / "profile", 1, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack
-        )
+            run.output_dir / "profile", 1, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack,
+            level="operators" if args.profile_operators else "kernels",
+        )  # fmt: skip
         profiler.start()
 
     first_epoch = run.step // steps_per_epoch

@@ -53,6 +53,115 @@ def test_profile_writes_a_trace_a_table_and_a_chart(tmp_path, capsys):
     assert not (out / "model_index.json").exists()
 
 
+class FakeGpuProfile:
+    """What torch.profiler hands `on_trace_ready` after one step on a GPU, built from torch's own
+    FunctionEvent objects the way torch/autograd/profiler.py builds them from a kineto trace: each
+    kernel is an event of its own (`device_type` CUDA) whose `linked_correlation_id` is the id of
+    the CPU operator that launched it, and is also appended to that operator's `kernels` (its self
+    device time). So is a range that a `record_function` draws on the GPU's timeline
+    (pytorch/pytorch#130730). Times in microseconds."""
+
+    TRITON = "triton_poi_fused__to_copy_native_group_norm_silu_0"  # Inductor names the launch and the kernel alike
+    CONV = "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc"
+    COPY = "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>"
+
+    def __init__(self):
+        from torch.autograd import DeviceType
+        from torch.autograd.profiler_util import EventList, FunctionEvent
+
+        ids = iter(range(1, 100))
+        events = []
+
+        def cpu(name, start, end):
+            event = FunctionEvent(next(ids), name, thread=1, start_us=start, end_us=end, stack=[], use_device="cuda")
+            events.append(event)
+            return event
+
+        def gpu(name, start, us, launched_by, **kw):
+            events.append(
+                FunctionEvent(
+                    next(ids), name, thread=7, start_us=start, end_us=start + us, stack=[], use_device="cuda",
+                    device_type=DeviceType.CUDA, linked_correlation_id=launched_by.id, **kw,
+                )
+            )  # fmt: skip
+            launched_by.append_kernel(name, 0, us)
+
+        step = cpu("ProfilerStep#3", 0, 1000)
+        gpu("ProfilerStep#3", 0, 900, step, is_user_annotation=True)  # a range on the GPU's timeline, not work
+        cpu("aten::copy_", 5, 55)  # torch folds the inner copy_ into this one, with its kernels
+        copy = cpu("aten::copy_", 10, 50)
+        gpu(self.COPY, 20, 100, copy)
+        gpu("Memcpy HtoD (Pageable -> Device)", 120, 10, copy)
+        cpu("aten::conv2d", 60, 200)
+        gpu(self.CONV, 130, 300, cpu("aten::cudnn_convolution", 70, 190))
+        gpu(self.TRITON, 430, 50, cpu(self.TRITON, 210, 230))
+        gpu(self.TRITON, 480, 50, cpu(self.TRITON, 240, 260))
+        optimizer = cpu("Optimizer.step#AdamW.step", 300, 400)
+        gpu("Optimizer.step#AdamW.step", 530, 40, optimizer, is_user_annotation=True)
+        gpu("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 535, 30, cpu("aten::_fused_adamw_", 310, 390))
+        self._events = EventList(events, use_device="cuda")
+        self._events._build_tree()
+
+    def events(self):
+        return self._events
+
+    def key_averages(self):
+        return self._events.key_averages()
+
+
+BUSY_US = 100 + 10 + 300 + 50 + 50 + 30  # the kernels' time: what the device was busy with
+
+
+def test_kernel_table_lists_each_kernel_once_with_its_share_of_the_busy_time():
+    rows = profiling.top_operators(FakeGpuProfile(), top=10)
+    names = [r["name"] for r in rows]
+    assert len(names) == len(set(names))  # the Triton kernel once, not once as an operator too
+    assert not any(name.startswith(("aten::", "ProfilerStep", "Optimizer")) for name in names)  # kernels only
+    assert names[0] == FakeGpuProfile.CONV and rows[0]["self_ms"] == pytest.approx(0.3)
+    assert rows[0]["share"] == pytest.approx(300 / BUSY_US)  # of the busy time, not of twice it
+    [triton] = [r for r in rows if r["name"] == FakeGpuProfile.TRITON]
+    assert triton["calls"] == 2 and triton["share"] == pytest.approx(100 / BUSY_US)
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)  # every kernel is listed: all the busy time
+    assert {r["where"] for r in rows} == {"device"} and {r["level"] for r in rows} == {"kernels"}
+    assert "device kernels" in profiling.format_top_operators(rows)
+    # the top few: shares of the whole busy time, so less than 1
+    assert sum(r["share"] for r in rows[:2]) == pytest.approx(400 / BUSY_US)
+
+
+def test_operator_table_gives_each_kernel_to_the_operator_that_launched_it():
+    rows = profiling.top_operators(FakeGpuProfile(), top=10, level="operators")
+    # aten::conv2d launched nothing itself; ProfilerStep and Optimizer.step are ranges, not work
+    assert {r["name"]: r["calls"] for r in rows} == {
+        "aten::cudnn_convolution": 1, "aten::copy_": 1, FakeGpuProfile.TRITON: 2, "aten::_fused_adamw_": 1
+    }  # fmt: skip
+    assert [r["self_ms"] for r in rows] == pytest.approx([0.3, 0.11, 0.1, 0.03])  # copy_'s kernel and memcpy
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    assert rows[0]["share"] == pytest.approx(300 / BUSY_US)
+    assert {r["level"] for r in rows} == {"operators"}
+    assert "operators by self device time" in profiling.format_top_operators(rows)
+
+
+def test_top_operators_rejects_an_unknown_level():
+    with pytest.raises(ValueError, match="kernels.*operators"):
+        profiling.top_operators(FakeGpuProfile(), top=3, level="kernel")
+
+
+def test_cpu_profile_ranks_operators_by_self_cpu_time_once_each():
+    from torch.profiler import ProfilerActivity, profile
+
+    conv = torch.nn.Conv2d(3, 8, 3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            conv(torch.randn(2, 3, 16, 16)).relu().sum().backward()
+    for level in ("kernels", "operators"):  # no device events: CPU operators either way
+        rows = profiling.top_operators(prof, top=100, level=level)
+        names = [r["name"] for r in rows]
+        assert len(names) == len(set(names)) and {r["where"] for r in rows} == {"cpu"}
+        assert any("convolution" in name for name in names)
+        assert sum(r["share"] for r in rows) <= 1.0 + 1e-6
+    assert "operators by self cpu time" in profiling.format_top_operators(rows)
+
+
 def test_breakdown_parts_are_non_negative_and_add_up_to_the_wall_time(plain_run):
     manifest = json.loads((plain_run / "run.json").read_text())
     parts, wall = manifest["time_breakdown_s"], manifest["train_wall_s"]
@@ -134,3 +243,33 @@ def test_the_periodic_line_has_peak_memory(plain_run, capsys, tmp_path):
     run(tmp_path / "again", "--max_train_steps", 4)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 4/4")]
     assert lines and re.search(r"\| peak mem [\d.]+ GiB", lines[0])
+
+
+def test_quiet_known_compile_warnings_drops_diffusers_upsampling_lru_cache_warning_only():
+    import warnings
+
+    from diffusers.models.upsampling import Upsample2D
+
+    def compile_upsample(quiet, *other_warnings):
+        """The warnings of Dynamo tracing diffusers' Upsample2D in bf16 (it calls the lru_cache'd
+        is_torch_version), then of `other_warnings`."""
+        torch._dynamo.reset()
+        torch._dynamo.utils.warn_once_cache.clear()  # else Dynamo warns once per process
+        up = Upsample2D(4, use_conv=True).to(torch.bfloat16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if quiet:
+                profiling.quiet_known_compile_warnings()
+            torch.compile(up, backend="eager")(torch.randn(1, 4, 8, 8, dtype=torch.bfloat16))
+            for message in other_warnings:
+                warnings.warn(message)
+        torch._dynamo.reset()
+        return [str(w.message) for w in caught]
+
+    real = compile_upsample(quiet=False)  # the real messages, so the filter is tested on them
+    assert real and all(m.startswith("Dynamo detected a call to a `functools.lru_cache`-wrapped") for m in real)
+    assert all("'upsampling.py:" in m and "/diffusers/models/upsampling.py" in m for m in real)
+    other_site = real[0].replace("upsampling.py", "mine.py")  # the same warning for a call elsewhere
+    assert compile_upsample(True, other_site, "an unrelated warning") == [other_site, "an unrelated warning"]
+    # catch_warnings put the filters back: the filter lasts only where it is installed
+    assert not any(f[1] is not None and f[1].pattern.startswith("Dynamo") for f in warnings.filters)
