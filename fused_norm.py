@@ -143,13 +143,25 @@ def _apply_kernel(
 
 
 @triton.jit
-def _grad_z(x, dy, c, c_mask, mask, n, w_ptr, b_ptr, mean_ptr, rstd_ptr, G, CG, SILU: tl.constexpr):
-    """Recompute xhat from x and return (xhat, dL/dz, w, rstd); zero outside the tile."""
+def _grad_tile(
+    x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, CG,
+    SILU: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Load this program's x and dy tiles, recompute xhat from x and return dL/dz with it.
+
+    xhat and dz are zero outside the tile; also returns the tile's indices, w and rstd.
+    """
+    pid_hw, pid_c, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, c_mask, mask, offsets = _tile(pid_hw, pid_c, n, HW, C, BLOCK_HW, BLOCK_C)
+    acc = mean_ptr.dtype.element_ty
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(acc)
     xhat, z, w, rstd = _normalize(x, c, c_mask, n, w_ptr, b_ptr, mean_ptr, rstd_ptr, G, CG)
     if SILU:
         s = 1.0 / (1.0 + tl.exp(-z))
         dy = dy * s * (1.0 + z * (1.0 - s))
-    return tl.where(mask, xhat, 0.0), tl.where(mask, dy, 0.0), w, rstd
+    xhat, dz = tl.where(mask, xhat, 0.0), tl.where(mask, dy, 0.0)
+    return n, pid_hw, c, c_mask, mask, offsets, xhat, dz, w, rstd
 
 
 @triton.jit
@@ -157,12 +169,9 @@ def _bwd_reduce_kernel(
     x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dzx_ptr, dz_ptr, HW, C, G, CG,
     SILU: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid_hw, pid_c, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c, c_mask, mask, offsets = _tile(pid_hw, pid_c, n, HW, C, BLOCK_HW, BLOCK_C)
-    acc = mean_ptr.dtype.element_ty
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc)
-    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(acc)
-    xhat, dz, _, _ = _grad_z(x, dy, c, c_mask, mask, n, w_ptr, b_ptr, mean_ptr, rstd_ptr, G, CG, SILU)
+    n, pid_hw, c, c_mask, _, _, xhat, dz, _, _ = _grad_tile(
+        x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, CG, SILU, BLOCK_HW, BLOCK_C
+    )
     slot = (n * tl.num_programs(0) + pid_hw).to(tl.int64) * C + c
     tl.store(dzx_ptr + slot, tl.sum(dz * xhat, axis=0), mask=c_mask)
     tl.store(dz_ptr + slot, tl.sum(dz, axis=0), mask=c_mask)
@@ -173,12 +182,9 @@ def _bwd_dx_kernel(
     x_ptr, dy_ptr, dx_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ka_ptr, kb_ptr, HW, C, G, CG,
     SILU: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid_hw, pid_c, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c, c_mask, mask, offsets = _tile(pid_hw, pid_c, n, HW, C, BLOCK_HW, BLOCK_C)
-    acc = mean_ptr.dtype.element_ty
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc)
-    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(acc)
-    xhat, dz, w, rstd = _grad_z(x, dy, c, c_mask, mask, n, w_ptr, b_ptr, mean_ptr, rstd_ptr, G, CG, SILU)
+    n, _, c, c_mask, mask, offsets, xhat, dz, w, rstd = _grad_tile(
+        x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, CG, SILU, BLOCK_HW, BLOCK_C
+    )
     g = n * G + c // CG
     ka = tl.load(ka_ptr + g, mask=c_mask, other=0.0)  # rstd * mean_g(w dz xhat)
     kb = tl.load(kb_ptr + g, mask=c_mask, other=0.0)  # rstd * mean_g(w dz)
