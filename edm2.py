@@ -300,18 +300,11 @@ class EDM2UNet(ModelMixin, ConfigMixin):
         embedding_layers=None,
         clip_act=None,
     ):
+        args = locals()
         super().__init__()
         if edm2_config not in CONFIGS:
             raise ValueError(f"unknown edm2_config '{edm2_config}': choose one of {', '.join(CONFIGS)}")
-        given = dict(
-            forced_weight_norm=forced_weight_norm,
-            pixel_norm=pixel_norm,
-            mp_fixed_function=mp_fixed_function,
-            zero_init_gains=zero_init_gains,
-            embedding_layers=embedding_layers,
-            clip_act=clip_act,
-        )
-        s = {k: CONFIGS[edm2_config][k] if v is None else v for k, v in given.items()}
+        s = {k: CONFIGS[edm2_config][k] if args[k] is None else args[k] for k in SWITCHES}
         self.register_to_config(**s)
         self.mp, self.pixel_norm = s["mp_fixed_function"], s["pixel_norm"]
         self.concat_balance, self.label_balance = concat_balance, label_balance
