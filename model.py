@@ -1,13 +1,17 @@
 """Model presets, the noise schedule and the DDPM training loss.
 
-Every model is a diffusers `UNet2DModel`, so a trained run loads with
-`DDPMPipeline.from_pretrained(output_dir)`. The presets live in one dict,
-`PRESETS`; `python flops.py --model NAME` prints what each one costs.
+The DDPM presets are diffusers `UNet2DModel`s, so a trained run loads with
+`DDPMPipeline.from_pretrained(output_dir)`; the EDM2 presets (`network="edm2"`)
+are `edm2.EDM2UNet`s, a diffusers model with the same forward signature. The
+presets live in one dict, `PRESETS`; `python flops.py --model NAME` prints
+what each one costs.
 """
 
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DModel
+
+from edm2 import EDM2UNet
 
 
 class ConfigError(Exception):
@@ -31,8 +35,27 @@ def _unet(channels, attention_at, layers_per_block=2, **extra):
     )
 
 
+def _edm2(config, dropout):
+    """EDM2UNet kwargs at FutureXiang/edm2's CIFAR-10 size (config/cifar10/*.yaml):
+    128 channels x (1, 2, 2, 2), two blocks per level plus a down/up block,
+    attention at 16x16 (level 1) and in the middle. 39,509,888 parameters for
+    C and E, 39,542,685 for G (its zero-initialised gains, one embedding layer
+    instead of two, and 256-channel encoder convs after the skip), as the seed
+    counts; +128 for the learned weighting's u(sigma).
+    """
+    return dict(
+        edm2_config=config,
+        channels=128,
+        channel_mult=(1, 2, 2, 2),
+        num_blocks=2,
+        attention_levels=(1,),
+        dropout=dropout,
+    )
+
+
 # name -> description, the image size it was made for, the learning rate
-# train.py uses unless --learning_rate is given, and UNet2DModel kwargs.
+# train.py uses unless --learning_rate is given, and the network's kwargs:
+# `unet` for UNet2DModel, or `network="edm2"` and `edm2` for EDM2UNet.
 # Parameter counts and FLOPs are in the README (from `python flops.py`).
 PRESETS = {
     # The bare `python train.py`: small enough to learn the built-in shapes on a
@@ -76,6 +99,40 @@ PRESETS = {
         learning_rate=1e-4,
         unet=_unet((128, 128, 256, 256, 512, 512), attention_at=(4,)),
     ),
+    # EDM2 (Karras et al. 2024) Configs C, E and G at the CIFAR-10 size of
+    # FutureXiang/edm2, with its dropout (0.13) and its learning rates: Adam,
+    # 200 epochs of linear warm-up, then constant (C) or alpha_ref /
+    # sqrt(max(t / t_ref, 1)) with t_ref = 400 epochs (E, G: Config E's
+    # inverse-square-root decay, Table 1; NVlabs/edm2 learning_rate_schedule).
+    # `lr_decay` records that for the training loop; train.py does not read it yet.
+    # C: config/cifar10/C.yaml, lrate 4e-4 at batch 512.
+    "edm2c": dict(
+        description="EDM2 Config C, CIFAR-10 size, 39.5M",
+        image_size=32,
+        learning_rate=4e-4,
+        lr_decay=None,
+        network="edm2",
+        edm2=_edm2("C", dropout=0.13),
+    ),
+    # E: config/cifar10/E.yaml, lrate 2e-2 at batch 512, tref_epoch 400.
+    "edm2e": dict(
+        description="EDM2 Config E, CIFAR-10 size, 39.5M",
+        image_size=32,
+        learning_rate=2e-2,
+        lr_decay=dict(schedule="inverse_sqrt", ref_images=400 * 50_000),
+        network="edm2",
+        edm2=_edm2("E", dropout=0.13),
+    ),
+    # G: config/cifar10/G.yaml as of commit ffdda02 (the seed dropped it
+    # later, finding G worse than E in pixel space): lrate 5e-3 at batch 128.
+    "edm2g": dict(
+        description="EDM2 Config G, CIFAR-10 size, 39.5M",
+        image_size=32,
+        learning_rate=5e-3,
+        lr_decay=dict(schedule="inverse_sqrt", ref_images=400 * 50_000),
+        network="edm2",
+        edm2=_edm2("G", dropout=0.13),
+    ),
 }
 
 # `--model auto` picks the preset made for the image size, else `small`.
@@ -93,7 +150,10 @@ def resolve_model_name(name, image_size):
 
 def size_multiple(name):
     """Image sides must be a multiple of this: one halving per level but the last."""
-    return 2 ** (len(PRESETS[name]["unet"]["block_out_channels"]) - 1)
+    preset = PRESETS[name]
+    if preset.get("network") == "edm2":
+        return 2 ** (len(preset["edm2"]["channel_mult"]) - 1)
+    return 2 ** (len(preset["unet"]["block_out_channels"]) - 1)
 
 
 def check_image_size(name, image_size):
@@ -108,10 +168,14 @@ def check_image_size(name, image_size):
 
 
 def build_unet(name, image_size, device=None):
-    """A fresh UNet2DModel of preset `name` for square images of side `image_size`."""
+    """A fresh network of preset `name` for square images of side `image_size`:
+    a UNet2DModel, or an EDM2UNet for the `network="edm2"` presets."""
     check_image_size(name, image_size)
+    preset = PRESETS[name]
     with torch.device(device or "cpu"):
-        return UNet2DModel(sample_size=image_size, in_channels=3, out_channels=3, **PRESETS[name]["unet"])
+        if preset.get("network") == "edm2":
+            return EDM2UNet(sample_size=image_size, in_channels=3, out_channels=3, **preset["edm2"])
+        return UNet2DModel(sample_size=image_size, in_channels=3, out_channels=3, **preset["unet"])
 
 
 def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon"):
