@@ -374,7 +374,7 @@ def parse_args(argv=None):
     )  # fmt: skip
     p.add_argument(
         "--num_inference_steps", type=int, default=None,
-        help=f"sampling steps (default: {DEFAULT_STEPS}; EDM runs {EDM_STEPS} Heun steps, {2 * EDM_STEPS - 1} network evaluations)",
+        help=f"sampling steps (default: {DEFAULT_STEPS}; an EDM run {EDM_STEPS} Heun steps, {2 * EDM_STEPS - 1} evaluations)",
     )  # fmt: skip
     p.add_argument(
         "--ema", action=argparse.BooleanOptionalAction, default=True, help="EMA weights (--no-ema: raw, checkpoints only)"

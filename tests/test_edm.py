@@ -102,10 +102,11 @@ def test_c_noise_scale_is_the_objectives_choice_by_network():
     unet = models.build_unet("tiny", 16)
     assert models.c_noise_scale_for(unet) == models.UNET_C_NOISE_SCALE
     assert models.c_noise_scale_for(Recorder(torch.zeros(1))) == 1.0
-    net = Recorder(torch.zeros(2, 3, 4, 4))
-    models.EDMObjective(weighting="edm", c_noise_scale=7.0).loss_at(net, torch.zeros(2, 3, 4, 4), torch.ones(2), torch.zeros(2, 3, 4, 4))
+    net, zeros = Recorder(torch.zeros(2, 3, 4, 4)), torch.zeros(2, 3, 4, 4)
+    objective = models.EDMObjective(weighting="edm", c_noise_scale=7.0)
+    objective.loss_at(net, zeros, torch.ones(2), zeros)
     assert torch.equal(net.t, torch.zeros(2))  # ln(1) = 0 whatever the scale
-    models.EDMObjective(weighting="edm", c_noise_scale=7.0).loss_at(net, torch.zeros(2, 3, 4, 4), torch.full((2,), math.e), torch.zeros(2, 3, 4, 4))
+    objective.loss_at(net, zeros, torch.full((2,), math.e), zeros)
     torch.testing.assert_close(net.t, torch.full((2,), 7.0 / 4))
 
 
@@ -224,6 +225,7 @@ def test_sample_py_samples_an_edm_run_with_heun(tmp_path):
     torch.manual_seed(0)
     models.build_unet("tiny", 16).save_pretrained(str(tmp_path / "run" / "unet"))
     (tmp_path / "run" / "train_config.json").write_text(json.dumps(dict(objective="edm", sigma_data=0.5)))
-    result = sample.main(sample.parse_args([str(tmp_path / "run"), "--num_images", "2", "--num_inference_steps", "2", "--output", str(tmp_path / "out")]))
+    flags = [tmp_path / "run", "--num_images", 2, "--num_inference_steps", 2, "--output", tmp_path / "out"]
+    result = sample.main(sample.parse_args([*map(str, flags)]))
     assert result["sampler"] == "edm_heun" and result["num_inference_steps"] == 2
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["000000.png", "000001.png", "grid.png"]
