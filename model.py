@@ -258,3 +258,176 @@ def prepare_for_training(unet, channels_last=False, fused_adam=False, **adamw):
     if fused_adam and fused_adamw_available(parameters):
         return torch.optim.AdamW(parameters, fused=True, **adamw)
     return torch.optim.AdamW(parameters, foreach=True, **adamw)
+
+
+# --- the EDM objective (Karras et al. 2022, "EDM"; Karras et al. 2024, "EDM2") -------
+
+SIGMA_DATA = 0.5  # EDM Table 1: the data's standard deviation, for images in [-1, 1]
+# ln σ ~ N(P_mean, P_std²) (EDM Table 1). The defaults are EDM's CIFAR-10 values,
+# which the seed repository (FutureXiang/edm2, config/cifar10/*.yaml) keeps for its
+# EDM2 networks; EDM2 used -0.8/1.6 for ImageNet-64 and -0.4/1.0 for ImageNet-512
+# latents (NVlabs/edm2 train_edm2.py, config_presets).
+P_MEAN, P_STD = -1.2, 1.2
+LOSS_WEIGHTINGS = ("uncertainty", "edm")
+
+# What a UNet2DModel gets as its timestep: UNET_C_NOISE_SCALE * c_noise, c_noise = ln(σ)/4.
+# Its sinusoidal embedding was made for DDPM's t in [0, 1000): over the linear
+# schedule, c_noise(σ_t) runs from -1.15 (t = 0, σ = 0.01) to 1.26 (t = 999, σ = 157),
+# about 414 timesteps per unit of c_noise. 400 keeps that resolution, so the
+# embedding tells noise levels apart as finely as it tells DDPM's timesteps apart
+# (EDM's sampling range σ in [0.002, 80] then spans t from -620 to +440; a shift
+# would change nothing, a sinusoid pair only rotates and the next linear layer
+# absorbs that). Unscaled, c_noise spans 2.6 units: the lower half of the
+# embedding's frequencies (periods of 100 to 10000 units) would barely move.
+UNET_C_NOISE_SCALE = 400.0
+
+
+def c_noise_scale_for(net):
+    """UNET_C_NOISE_SCALE for a diffusers UNet2DModel (also under DDP or torch.compile), else 1.
+
+    EDM2's networks take c_noise = ln(σ)/4 itself into their Fourier features.
+    """
+    net = getattr(net, "_orig_mod", net)  # torch.compile's wrapper
+    net = getattr(net, "module", net)  # DistributedDataParallel's
+    return UNET_C_NOISE_SCALE if isinstance(net, UNet2DModel) else 1.0
+
+
+def edm_precondition(net, x, sigma, sigma_data=SIGMA_DATA, c_noise_scale=1.0):
+    """The denoiser D(x; σ) = c_skip x + c_out F(c_in x; c_noise), EDM Table 1 / EDM2 eq. 7.
+
+    c_skip = σd² / (σ² + σd²), c_out = σ σd / sqrt(σ² + σd²),
+    c_in = 1 / sqrt(σ² + σd²), c_noise = ln(σ) / 4 (times `c_noise_scale` for the
+    network). `sigma` is a number or one value per image. The skip and output
+    arithmetic is fp32 whatever precision the network runs in (as EDM's Precond).
+    """
+    x = x.float()
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1, 1, 1, 1).expand(len(x), 1, 1, 1)
+    c_skip = sigma_data**2 / (sigma**2 + sigma_data**2)
+    c_out = sigma * sigma_data / (sigma**2 + sigma_data**2).sqrt()
+    c_in = 1 / (sigma**2 + sigma_data**2).sqrt()
+    c_noise = sigma.flatten().log() / 4
+    F_x = net(c_in * x, c_noise * c_noise_scale, return_dict=False)[0]
+    return c_skip * x + c_out * F_x.float()
+
+
+def _normalize(w, eps=1e-4):
+    """Each output row of `w` scaled to norm sqrt(fan_in), i.e. unit RMS (EDM2's `normalize`)."""
+    norm = torch.linalg.vector_norm(w, dim=list(range(1, w.ndim)), keepdim=True)
+    return w / (eps + norm * (norm.numel() / w.numel()) ** 0.5)
+
+
+class MPFourier(torch.nn.Module):
+    """Magnitude-preserving Fourier features, EDM2 eq. 75: sqrt(2) cos(2π(f x + φ)), f ~ N(0, 1), φ ~ U[0, 1).
+
+    (edm2.py has the network's copy; this small one serves the loss's u(σ) head.)
+    """
+
+    def __init__(self, num_channels, bandwidth=1.0):
+        super().__init__()
+        self.register_buffer("freqs", 2 * torch.pi * torch.randn(num_channels) * bandwidth)
+        self.register_buffer("phases", 2 * torch.pi * torch.rand(num_channels))
+
+    def forward(self, x):
+        return (x.float().ger(self.freqs.float()) + self.phases.float()).cos() * 2**0.5
+
+
+class MPLinear(torch.nn.Module):
+    """Magnitude-preserving fully-connected layer, EDM2 eq. 47, with forced weight normalization (eq. 66)."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(out_features, in_features))
+
+    def forward(self, x):
+        w = self.weight.float()
+        if self.training:
+            with torch.no_grad():
+                self.weight.copy_(_normalize(w))  # forced: the stored weights keep unit RMS
+        w = _normalize(w) / w.shape[1] ** 0.5  # unit-norm rows: unit-variance inputs give unit-variance outputs
+        return x.float() @ w.t()
+
+
+class EDMObjective(torch.nn.Module):
+    """EDM's training loss, with EDM2's learned uncertainty weighting; `loss(net, x0)` is one step's loss.
+
+    σ: ln σ ~ N(P_mean, P_std²); y = x0, n ~ N(0, σ² I); D = edm_precondition(net, y + n, σ).
+    λ(σ) = (σ² + σd²) / (σ σd)²                        (EDM Table 1: unit effective weight)
+    weighting 'edm':         λ(σ) ‖D - y‖²             (EDM eq. 2 with Table 1's λ)
+    weighting 'uncertainty': λ(σ) / e^u(σ) ‖D - y‖² + u(σ)   (EDM2 eq. 21)
+
+    u(σ) is a magnitude-preserving Fourier-feature head on c_noise = ln(σ)/4, as
+    NVlabs/edm2's Precond.logvar_fourier/logvar_linear; its optimum is
+    e^u = λ(σ) E‖D - y‖²: it learns the loss's level at each σ and divides it out,
+    so every σ contributes alike. Its parameters train with the network's
+    (pass `objective.parameters()` to the optimizer), live in checkpoints (the
+    module's state_dict) and never in the saved pipeline, which holds the network alone.
+
+    ‖D - y‖² is the mean over pixels, as ddpm_loss's F.mse_loss. NVlabs sums over
+    pixels (and adds u per pixel): that is C·H·W times this loss with the same
+    minimiser e^u = λ·(pixel mean), a constant Adam does not see; the mean keeps
+    --max_grad_norm meaning the same for both objectives.
+    """
+
+    def __init__(
+        self, P_mean=P_MEAN, P_std=P_STD, sigma_data=SIGMA_DATA, weighting="uncertainty", c_noise_scale=None,
+        logvar_channels=128,
+    ):  # fmt: skip
+        super().__init__()
+        if weighting not in LOSS_WEIGHTINGS:
+            raise ConfigError(f"unknown --loss_weighting '{weighting}': choose {' or '.join(LOSS_WEIGHTINGS)}")
+        if not P_std > 0:
+            raise ConfigError(f"--P_std must be positive (got {P_std})")
+        if not sigma_data > 0:
+            raise ConfigError(f"--sigma_data must be positive (got {sigma_data})")
+        self.P_mean, self.P_std, self.sigma_data, self.weighting = P_mean, P_std, sigma_data, weighting
+        self.c_noise_scale = c_noise_scale  # None: c_noise_scale_for(net) at each call
+        if weighting == "uncertainty":
+            self.logvar_fourier = MPFourier(logvar_channels)
+            self.logvar_linear = MPLinear(logvar_channels, 1)
+
+    def weight(self, sigma):
+        """λ(σ) = (σ² + σd²) / (σ σd)², EDM Table 1."""
+        return (sigma**2 + self.sigma_data**2) / (sigma * self.sigma_data) ** 2
+
+    def logvar(self, sigma):
+        """u(σ), one value per entry of `sigma` (EDM2 eq. 21)."""
+        c_noise = sigma.float().flatten().log() / 4
+        return self.logvar_linear(self.logvar_fourier(c_noise)).flatten()
+
+    def loss(self, net, x0):
+        """fp32 scalar: the batch mean of the weighted loss at fresh σ and noise (drawn on x0's device)."""
+        x0 = x0.float()
+        sigma = (torch.randn(len(x0), device=x0.device) * self.P_std + self.P_mean).exp()
+        noise = torch.randn_like(x0)
+        return self.loss_at(net, x0, sigma, noise)
+
+    forward = loss
+
+    def loss_at(self, net, x0, sigma, noise):
+        """The loss at given σ (one per image) and unit noise `noise` (scaled by σ here)."""
+        x0, sigma = x0.float(), sigma.float().flatten()
+        scale = c_noise_scale_for(net) if self.c_noise_scale is None else self.c_noise_scale
+        denoised = edm_precondition(net, x0 + noise.float() * sigma.view(-1, 1, 1, 1), sigma, self.sigma_data, scale)
+        per_image = ((denoised - x0) ** 2).mean(dim=tuple(range(1, x0.ndim)))
+        if self.weighting == "edm":
+            return (self.weight(sigma) * per_image).mean()
+        u = self.logvar(sigma)
+        return (self.weight(sigma) / u.exp() * per_image + u).mean()
+
+
+def load_network(path):
+    """The network saved with `save_pretrained` in folder `path` (config.json + weights), in eval mode.
+
+    A diffusers UNet2DModel, or edm2.EDM2UNet when the config's _class_name says so.
+    """
+    import json
+    from pathlib import Path
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{path}: no config.json, so no saved network")
+    if json.loads(config_file.read_text()).get("_class_name") == "EDM2UNet":
+        import edm2  # only EDM2 runs need it
+
+        return edm2.EDM2UNet.from_pretrained(str(path)).eval()
+    return UNet2DModel.from_pretrained(str(path)).eval()

@@ -15,7 +15,9 @@ Into --output it writes 000000.png, 000001.png, ... and grid.png (the first
 (--seed, i): the same seed gives the same files, whatever --batch_size.
 
 The samplers are diffusers schedulers built from the training schedule
-(`make_scheduler`); train.py uses the same ones for its grids and FID.
+(`make_scheduler`); train.py uses the same ones for its grids and FID. A run
+whose train_config.json says "objective": "edm" samples with EDM's
+deterministic Heun sampler instead (`edm_heun_sample`, 18 steps by default).
 """
 
 import argparse
@@ -95,6 +97,102 @@ def make_scheduler(name, training_config):
     raise ConfigError(f"unknown --sampler '{name}': choose one of {', '.join(SAMPLERS)}")
 
 
+# --- EDM's sampler ----------------------------------------------------------------------
+# Deterministic Heun, Algorithm 1 of Karras et al. (2022) with S_churn = 0 (as
+# NVlabs/edm2 generate_images.py `edm_sampler`), on the probability-flow ODE
+# dx/dσ = (x - D(x; σ)) / σ (their eq. 3 with σ(t) = t, s(t) = 1).
+
+EDM_STEPS = 18  # EDM's CIFAR-10 setting: 18 steps, 35 network evaluations
+SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # EDM Table 1
+
+
+def karras_sigmas(num_steps, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO):
+    """EDM eq. 5: σ_i = (σ_max^(1/ρ) + i/(N-1) (σ_min^(1/ρ) - σ_max^(1/ρ)))^ρ for i < N, then σ_N = 0 (float64)."""
+    ramp = torch.linspace(0, 1, num_steps, dtype=torch.float64)
+    sigmas = (sigma_max ** (1 / rho) + ramp * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
+    return torch.cat([sigmas, sigmas.new_zeros(1)])
+
+
+def heun_sample(denoise, noise, sigmas, euler=False):
+    """Integrate the probability-flow ODE from x = noise σ_0 down `sigmas` (ending at 0) with D = denoise(x, σ).
+
+    EDM Algorithm 1, lines 3-8 (deterministic): an Euler step, then the
+    trapezoidal (Heun) correction except on the last step to σ = 0; `euler`
+    skips every correction (for comparison). N steps cost 2N - 1 evaluations.
+    """
+    sigmas = [float(s) for s in sigmas]  # Python numbers: no device sync in the loop
+    x = noise.float() * sigmas[0]
+    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+        d = (x - denoise(x, sigma)) / sigma
+        x_next = x + (sigma_next - sigma) * d
+        if not euler and sigma_next > 0:
+            d_next = (x_next - denoise(x_next, sigma_next)) / sigma_next
+            x_next = x + (sigma_next - sigma) * (d + d_next) / 2
+        x = x_next
+    return x
+
+
+@torch.no_grad()
+def edm_heun_sample(
+    net, noise, num_steps=EDM_STEPS, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO, sigma_data=models.SIGMA_DATA,
+    c_noise_scale=None, generator=None, device=None, euler=False, clip_denoised=True, autocast=contextlib.nullcontext,
+):  # fmt: skip
+    """Images in [-1, 1] from `net` (trained with the EDM objective) by EDM's deterministic Heun sampler.
+
+    `noise`: unit Gaussian noise (N, C, H, W), or a shape to draw it for with
+    `generator` on `device`. `clip_denoised` clips each estimate D(x; σ) of the
+    clean image to [-1, 1], as the seed repository's sampler and every
+    make_scheduler sampler do (it keeps an under-trained model out of saturation).
+    c_noise_scale None: models.c_noise_scale_for(net).
+    """
+    if not isinstance(noise, torch.Tensor):
+        noise = torch.randn(tuple(noise), generator=generator, device=device or "cpu")
+    scale = models.c_noise_scale_for(net) if c_noise_scale is None else c_noise_scale
+
+    def denoise(x, sigma):
+        with autocast():
+            denoised = models.edm_precondition(net, x, sigma, sigma_data, scale)
+        return denoised.clamp(-1, 1) if clip_denoised else denoised
+
+    sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
+    return heun_sample(denoise, noise.to(network_device(net)), sigmas, euler).clamp(-1, 1)
+
+
+class EDMHeunSampler:
+    """EDM's Heun sampler in the place of a diffusers scheduler: `generate` calls `sample`."""
+
+    name = "edm_heun"
+
+    def __init__(self, sigma_data=models.SIGMA_DATA, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO):
+        self.sigma_data, self.sigma_min, self.sigma_max, self.rho = sigma_data, sigma_min, sigma_max, rho
+
+    def sample(self, net, noise, num_steps, autocast=contextlib.nullcontext):
+        return edm_heun_sample(
+            net, noise, num_steps, self.sigma_min, self.sigma_max, self.rho, self.sigma_data, autocast=autocast
+        )
+
+
+def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_DATA):
+    """What samples a run trained with `objective`: EDM's Heun sampler for "edm", else make_scheduler(name, ...)."""
+    if objective == "edm":
+        return EDMHeunSampler(sigma_data)
+    if objective != "ddpm":
+        raise ConfigError(f"unknown objective '{objective}': choose ddpm or edm")
+    return make_scheduler(name, training_config)
+
+
+def network_device(net):
+    return next(net.parameters()).device
+
+
+def image_shape(net):
+    """(C, S, S) of one image: UNet2DModel's config names, else EDM2-style img_channels/img_resolution."""
+    config = net.config
+    channels = config.get("in_channels", config.get("img_channels"))
+    size = config.get("sample_size", config.get("img_resolution"))
+    return (channels, size, size)
+
+
 def image_seeds(seed, count):
     """One 64-bit seed per image from (seed, image index): independent streams, whatever the batch."""
     return [int(np.random.SeedSequence([seed % 2**64, i]).generate_state(1, np.uint64)[0]) for i in range(count)]
@@ -107,11 +205,16 @@ def to_uint8(images):
 
 @torch.no_grad()
 def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nullcontext):
-    """uint8 images (len(seeds), C, S, S); image i starts from noise drawn with seed seeds[i]."""
-    device = unet.device
+    """uint8 images (len(seeds), C, S, S); image i starts from noise drawn with seed seeds[i].
+
+    `scheduler` is one of make_scheduler's, or an EDMHeunSampler for a network
+    trained with the EDM objective (`make_sampler` picks by the run's objective).
+    """
+    device = network_device(unet)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    shape = (unet.config.in_channels, unet.config.sample_size, unet.config.sample_size)
-    x = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
+    x = torch.stack([torch.randn(image_shape(unet), generator=g) for g in generators]).to(device)
+    if isinstance(scheduler, EDMHeunSampler):
+        return to_uint8(scheduler.sample(unet, x, num_inference_steps, autocast))
     scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history
     x = x * scheduler.init_noise_sigma
     for t in scheduler.timesteps:
@@ -157,9 +260,18 @@ def newest_checkpoint(run_dir):
     return found[-1] if found else None
 
 
+def run_objective(path):
+    """The training objective of the run `path` belongs to: train_config.json's "objective", else "ddpm"."""
+    return (find_run_config(path) or {}).get("objective", "ddpm")
+
+
 def resolve_source(path):
-    """('pipeline' or 'checkpoint', folder) for what RUN_DIR names."""
-    if (path / "model_index.json").is_file():
+    """('pipeline' or 'checkpoint', folder) for what RUN_DIR names.
+
+    A pipeline is a DDPMPipeline folder, or (an EDM run's network, which no
+    diffusers pipeline holds) a folder with the network in unet/.
+    """
+    if (path / "model_index.json").is_file() or (path / "unet" / "config.json").is_file():
         return "pipeline", path
     if (path / "trainer_state.json").is_file():
         return "checkpoint", path
@@ -204,7 +316,11 @@ def quiet_loading():
 
 
 def load_model(path, ema=True):
-    """(UNet2DModel in eval mode, training-scheduler config) from a pipeline or checkpoint folder."""
+    """(network in eval mode, training-scheduler config or None) from a pipeline or checkpoint folder.
+
+    The config is None for a network saved without a DDPMPipeline (EDM runs:
+    model.load_network reads unet/, a UNet2DModel or an EDM2 network).
+    """
     from diffusers import DDPMPipeline
     from safetensors.torch import load_file
 
@@ -215,6 +331,8 @@ def load_model(path, ema=True):
                 f"{folder} is a saved pipeline, which holds the EMA weights only: "
                 "for the raw weights pass a checkpoint folder (RUN_DIR/checkpoints/checkpoint-STEP) with --no-ema"
             )
+        if not (folder / "model_index.json").is_file():
+            return models.load_network(folder / "unet"), None
         with quiet_loading():
             pipeline = DDPMPipeline.from_pretrained(str(folder))
         return pipeline.unet.eval(), pipeline.scheduler.config
@@ -234,6 +352,8 @@ def load_model(path, ema=True):
         with torch.no_grad():
             for parameter, value in zip(unet.parameters(), shadow, strict=True):
                 parameter.copy_(value)
+    if config.get("objective", "ddpm") != "ddpm":
+        return unet.eval(), None
     scheduler = models.make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"])
     return unet.eval(), scheduler.config
 
@@ -248,8 +368,14 @@ def parse_args(argv=None):
     p.add_argument("--output", default=None, help="folder for the PNGs and grid.png (optional with --fid)")
     p.add_argument("--batch_size", type=int, default=16, help="images generated at once")
     p.add_argument("--seed", type=int, default=0, help="image i's noise is seeded by (seed, i)")
-    p.add_argument("--sampler", default=DEFAULT_SAMPLER, choices=SAMPLERS, help="diffusers scheduler that samples")
-    p.add_argument("--num_inference_steps", type=int, default=DEFAULT_STEPS, help="sampling steps")
+    p.add_argument(
+        "--sampler", default=DEFAULT_SAMPLER, choices=SAMPLERS,
+        help="diffusers scheduler that samples a DDPM run (an EDM run always samples with EDM's Heun sampler)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num_inference_steps", type=int, default=None,
+        help=f"sampling steps (default: {DEFAULT_STEPS}; an EDM run {EDM_STEPS} Heun steps, {2 * EDM_STEPS - 1} evaluations)",
+    )  # fmt: skip
     p.add_argument(
         "--ema", action=argparse.BooleanOptionalAction, default=True, help="EMA weights (--no-ema: raw, checkpoints only)"
     )
@@ -269,7 +395,7 @@ def parse_args(argv=None):
 
 def validate(args):
     for name in ("num_images", "batch_size", "num_inference_steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.output is None and not args.fid:
         raise ConfigError("say where the images go with --output DIR (or measure them with --fid)")
@@ -296,20 +422,27 @@ def run(args):
     run_dir = Path(args.run_dir)
     unet, training_config = load_model(run_dir, ema=args.ema)
     unet.to(args.device)
-    if training_config["num_train_timesteps"] < args.num_inference_steps:
-        raise ConfigError(
-            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed the model's "
-            f"{training_config['num_train_timesteps']} training timesteps"
-        )
-    scheduler = make_scheduler(args.sampler, training_config)
+    objective = run_objective(run_dir)
+    if objective == "edm":
+        steps = args.num_inference_steps or EDM_STEPS
+        sigma_data = (find_run_config(run_dir) or {}).get("sigma_data", models.SIGMA_DATA)
+        scheduler, sampler_name = make_sampler("edm", None, sigma_data=sigma_data), EDMHeunSampler.name
+    else:
+        steps = args.num_inference_steps or DEFAULT_STEPS
+        if training_config["num_train_timesteps"] < steps:
+            raise ConfigError(
+                f"--num_inference_steps ({steps}) cannot exceed the model's "
+                f"{training_config['num_train_timesteps']} training timesteps"
+            )
+        scheduler, sampler_name = make_scheduler(args.sampler, training_config), args.sampler
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
-    evaluation = metrics.SampleEvaluation(run_dir, args, unet.config.sample_size) if args.fid else None
+    evaluation = metrics.SampleEvaluation(run_dir, args, image_shape(unet)[-1]) if args.fid else None
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
 
     grid, done = [], 0
-    batches = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, args.num_inference_steps)
+    batches = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps)
     for images in batches:
         if evaluation is not None:
             evaluation.add(images)
@@ -322,8 +455,8 @@ def run(args):
     print(file=sys.stderr)
 
     result = dict(
-        run=str(run_dir), num_images=args.num_images, seed=args.seed, sampler=args.sampler,
-        num_inference_steps=args.num_inference_steps, ema=args.ema,
+        run=str(run_dir), num_images=args.num_images, seed=args.seed, sampler=sampler_name,
+        num_inference_steps=steps, ema=args.ema,
     )  # fmt: skip
     if output is not None:
         save_grid(torch.stack(grid), output / "grid.png")
