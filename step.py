@@ -27,6 +27,7 @@ import time
 import torch
 
 import data
+import profiling
 
 # What --compile_mode accepts; the torch.compile modes pass through unchanged.
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -104,6 +105,7 @@ def compile_network(model, mode):
     """
     if mode is None:
         return model
+    profiling.quiet_known_compile_warnings()
     return torch.compile(model, mode="default" if mode == "step-graph" else mode, dynamic=False)
 
 
