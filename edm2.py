@@ -12,7 +12,7 @@ C, E and G are one class, `EDM2UNet`, with the switches of `CONFIGS`:
     C  streamlined ADM: no biases, a constant-1 input channel, Fourier noise
        embedding, GroupNorm without mean subtraction or learned scale (an RMS
        norm), cosine attention. (The learned loss weighting u(sigma), also C,
-       is `EDM2UNet.logvar`.)
+       is the objective's: model.EDMObjective, built of this module's pieces.)
     E  + forced weight normalisation of every conv and linear layer (eq. 66);
        its inverse-square-root learning-rate decay is the training loop's.
     G  + pixel norm instead of GroupNorm, magnitude-preserving SiLU, sum,
@@ -288,7 +288,6 @@ class EDM2UNet(ModelMixin, ConfigMixin):
         emb_channels=None,
         num_classes=0,
         dropout=0.0,
-        logvar_channels=128,
         res_balance=0.3,
         attn_balance=0.3,
         concat_balance=0.5,
@@ -370,19 +369,9 @@ class EDM2UNet(ModelMixin, ConfigMixin):
         # G: the output starts at exactly zero and learns its scale.
         self.out_gain = nn.Parameter(torch.zeros([])) if s["zero_init_gains"] else None
 
-        # The learned loss weighting's uncertainty u(sigma), eq. (21): see `logvar`.
-        if logvar_channels:
-            self.logvar_fourier = MPFourier(logvar_channels, mp=self.mp)
-            self.logvar_linear = conv(logvar_channels, 1, ())
-
     def _c_noise(self, timestep, batch, device):
         c_noise = torch.as_tensor(timestep, device=device).to(torch.float32)
         return c_noise.reshape(-1).expand(batch) if c_noise.numel() == 1 else c_noise.reshape(batch)
-
-    def logvar(self, timestep):
-        """u(sigma) of eq. (21) for c_noise `timestep` ([B] or a scalar), shaped [B, 1, 1, 1]."""
-        c_noise = torch.as_tensor(timestep, device=self.out_conv.weight.device).to(torch.float32).reshape(-1)
-        return self.logvar_linear(self.logvar_fourier(c_noise)).reshape(-1, 1, 1, 1)
 
     def forward(self, sample, timestep, class_labels=None, return_dict=True):
         """F(c_in x; c_noise): `timestep` is c_noise = ln(sigma) / 4, [B] or a scalar.

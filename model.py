@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DModel
 
+import edm2
 from edm2 import EDM2UNet
 
 
@@ -41,7 +42,7 @@ def _edm2(config, dropout):
     attention at 16x16 (level 1) and in the middle. 39,509,888 parameters for
     C and E, 39,542,685 for G (its zero-initialised gains, one embedding layer
     instead of two, and 256-channel encoder convs after the skip), as the seed
-    counts; +128 for the learned weighting's u(sigma).
+    counts. The learned weighting's u(sigma) lives in the objective (EDMObjective).
     """
     return dict(
         edm2_config=config,
@@ -310,43 +311,6 @@ def edm_precondition(net, x, sigma, sigma_data=SIGMA_DATA, c_noise_scale=1.0):
     return c_skip * x + c_out * F_x.float()
 
 
-def _normalize(w, eps=1e-4):
-    """Each output row of `w` scaled to norm sqrt(fan_in), i.e. unit RMS (EDM2's `normalize`)."""
-    norm = torch.linalg.vector_norm(w, dim=list(range(1, w.ndim)), keepdim=True)
-    return w / (eps + norm * (norm.numel() / w.numel()) ** 0.5)
-
-
-class MPFourier(torch.nn.Module):
-    """Magnitude-preserving Fourier features, EDM2 eq. 75: sqrt(2) cos(2π(f x + φ)), f ~ N(0, 1), φ ~ U[0, 1).
-
-    (edm2.py has the network's copy; this small one serves the loss's u(σ) head.)
-    """
-
-    def __init__(self, num_channels, bandwidth=1.0):
-        super().__init__()
-        self.register_buffer("freqs", 2 * torch.pi * torch.randn(num_channels) * bandwidth)
-        self.register_buffer("phases", 2 * torch.pi * torch.rand(num_channels))
-
-    def forward(self, x):
-        return (x.float().ger(self.freqs.float()) + self.phases.float()).cos() * 2**0.5
-
-
-class MPLinear(torch.nn.Module):
-    """Magnitude-preserving fully-connected layer, EDM2 eq. 47, with forced weight normalization (eq. 66)."""
-
-    def __init__(self, in_features, out_features):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(out_features, in_features))
-
-    def forward(self, x):
-        w = self.weight.float()
-        if self.training:
-            with torch.no_grad():
-                self.weight.copy_(_normalize(w))  # forced: the stored weights keep unit RMS
-        w = _normalize(w) / w.shape[1] ** 0.5  # unit-norm rows: unit-variance inputs give unit-variance outputs
-        return x.float() @ w.t()
-
-
 class EDMObjective(torch.nn.Module):
     """EDM's training loss, with EDM2's learned uncertainty weighting; `loss(net, x0)` is one step's loss.
 
@@ -381,9 +345,9 @@ class EDMObjective(torch.nn.Module):
             raise ConfigError(f"--sigma_data must be positive (got {sigma_data})")
         self.P_mean, self.P_std, self.sigma_data, self.weighting = P_mean, P_std, sigma_data, weighting
         self.c_noise_scale = c_noise_scale  # None: c_noise_scale_for(net) at each call
-        if weighting == "uncertainty":
-            self.logvar_fourier = MPFourier(logvar_channels)
-            self.logvar_linear = MPLinear(logvar_channels, 1)
+        if weighting == "uncertainty":  # EDM2's magnitude-preserving pieces (edm2.py)
+            self.logvar_fourier = edm2.MPFourier(logvar_channels)
+            self.logvar_linear = edm2.MPConv(logvar_channels, 1, kernel=())
 
     def weight(self, sigma):
         """λ(σ) = (σ² + σd²) / (σ σd)², EDM Table 1."""
@@ -392,7 +356,7 @@ class EDMObjective(torch.nn.Module):
     def logvar(self, sigma):
         """u(σ), one value per entry of `sigma` (EDM2 eq. 21)."""
         c_noise = sigma.float().flatten().log() / 4
-        return self.logvar_linear(self.logvar_fourier(c_noise)).flatten()
+        return self.logvar_linear(self.logvar_fourier(c_noise)).float().flatten()
 
     def loss(self, net, x0):
         """fp32 scalar: the batch mean of the weighted loss at fresh σ and noise (drawn on x0's device)."""
