@@ -39,6 +39,7 @@ RUN_IDENTITY = (
     "num_train_timesteps",
     "beta_schedule",
     "prediction_type",
+    "objective",
     "use_ema",
 )
 

@@ -297,7 +297,7 @@ class TrainingEvaluator:
         features = embed(self.extractor, batches, self.device)
         result = dict(
             epoch=epoch, step=step, **self.reference.scores(features, self.device), num_images=len(features),
-            sampler=args.sampler, num_inference_steps=args.num_inference_steps,
+            sampler=getattr(scheduler, "name", args.sampler), num_inference_steps=args.num_inference_steps,
             reference_images=self.reference.num_images,
         )  # fmt: skip
         result["best"] = self.best.offer(result, save_pipeline)

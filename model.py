@@ -126,6 +126,16 @@ PRESETS = {
     ),
     # G: config/cifar10/G.yaml as of commit ffdda02 (the seed dropped it
     # later, finding G worse than E in pixel space): lrate 5e-3 at batch 128.
+    # For tests and smoke runs: Config G at 16 channels, two levels.
+    "edm2tiny": dict(
+        description="test-sized EDM2 Config G",
+        image_size=16,
+        learning_rate=1e-2,
+        lr_decay=dict(schedule="inverse_sqrt", ref_images=1000),
+        network="edm2",
+        edm2=dict(edm2_config="G", channels=16, channel_mult=(1, 2), num_blocks=1, attention_levels=(1,),
+                  channels_per_head=16, dropout=0.0),  # fmt: skip
+    ),
     "edm2g": dict(
         description="EDM2 Config G, CIFAR-10 size, 39.5M",
         image_size=32,
@@ -244,18 +254,19 @@ def fused_adamw_available(parameters):
     return all(p.device.type in devices and p.is_floating_point() for p in parameters)
 
 
-def prepare_for_training(unet, channels_last=False, fused_adam=False, **adamw):
+def prepare_for_training(unet, channels_last=False, fused_adam=False, also=(), **adamw):
     """Put `unet` in the memory format it trains in and build its AdamW; returns the optimizer.
 
     channels_last (NHWC) converts the parameters in place, so checkpoints and
     the saved pipeline see the same module. AdamW is fused (one kernel reads
     each parameter, gradient and moment once per step) when `fused_adam` and
     torch has the kernel for the device, else foreach (a few multi-tensor
-    kernels); never the per-parameter loop. `adamw`: lr, betas, weight_decay, eps.
+    kernels); never the per-parameter loop. `also`: more parameters to train
+    (EDM's learned loss weighting). `adamw`: lr, betas, weight_decay, eps.
     """
     if channels_last:
         unet.to(memory_format=torch.channels_last)
-    parameters = list(unet.parameters())
+    parameters = list(unet.parameters()) + list(also)
     if fused_adam and fused_adamw_available(parameters):
         return torch.optim.AdamW(parameters, fused=True, **adamw)
     return torch.optim.AdamW(parameters, foreach=True, **adamw)

@@ -150,6 +150,7 @@ class TrainStep:
                 self._backward(loss)
                 self.mark("backward")
                 if self._sync_gradients():
+                    self._average_objective_gradients()
                     grad_norm = self._clip()
                     if self.guard is not None:
                         self.guard.check(loss, grad_norm, step_number)
@@ -170,6 +171,13 @@ class TrainStep:
 
     def _sync_gradients(self):
         return self.accelerator.sync_gradients if self.accelerator else True
+
+    def _average_objective_gradients(self):
+        """The objective's own parameters (EDM's u(sigma)) sit outside the DDP wrapper: average them here."""
+        if self.accelerator and self.accelerator.num_processes > 1:
+            for p in self.objective.parameters():
+                if p.grad is not None:
+                    p.grad = self.accelerator.reduce(p.grad, reduction="mean")
 
     def _clip(self):
         clip = self.accelerator.clip_grad_norm_ if self.accelerator else torch.nn.utils.clip_grad_norm_

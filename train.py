@@ -41,7 +41,9 @@ from checkpoint import RunError
 from model import ConfigError
 
 SAMPLERS = sample.SAMPLERS
-LR_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+LR_SCHEDULES = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+)  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,6 +103,30 @@ def parse_args(argv=None):
         help="noise schedule",
     )
     m.add_argument(
+        "--objective",
+        default=None,
+        choices=("ddpm", "edm"),
+        help="ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with EDM2's "
+        "learned loss weighting, sampled with EDM's Heun sampler (default: edm for the edm2* presets, else ddpm)",
+    )
+    m.add_argument(
+        "--P_mean",
+        type=float,
+        default=models.P_MEAN,
+        help="EDM: mean of ln(sigma) in training (EDM's CIFAR-10 value, as the EDM2 seed's configs; "
+        "EDM2 used -0.8 for ImageNet-64, -0.4 for ImageNet-512 latents)",
+    )
+    m.add_argument(
+        "--P_std", type=float, default=models.P_STD, help="EDM: std of ln(sigma) (EDM2: 1.6 for ImageNet-64, 1.0 for 512)"
+    )
+    m.add_argument("--sigma_data", type=float, default=models.SIGMA_DATA, help="EDM: std of the data in [-1, 1]")
+    m.add_argument(
+        "--loss_weighting",
+        default="uncertainty",
+        choices=models.LOSS_WEIGHTINGS,
+        help="EDM: uncertainty = lambda(sigma)/e^u(sigma) with u learned (EDM2 eq. 21); edm = lambda(sigma) alone",
+    )
+    m.add_argument(
         "--prediction_type",
         default="epsilon",
         choices=("epsilon", "v_prediction", "sample"),
@@ -118,7 +144,21 @@ def parse_args(argv=None):
         default=None,
         help="peak AdamW learning rate (default: the preset's, 1e-4 for ref128, adm64 and ddpm32, 2e-3 for small)",
     )
-    t.add_argument("--lr_scheduler", default="cosine", choices=LR_SCHEDULES, help="learning-rate schedule")
+    t.add_argument(
+        "--lr_scheduler",
+        default=None,
+        choices=LR_SCHEDULES,
+        help="learning-rate schedule after the warm-up (default: the preset's: inverse_sqrt for edm2e and edm2g, "
+        "constant_with_warmup for edm2c, cosine for the others); inverse_sqrt is EDM2's lr / sqrt(max(step / "
+        "lr_ref_steps, 1))",
+    )
+    t.add_argument(
+        "--lr_ref_steps",
+        type=int,
+        default=None,
+        help="inverse_sqrt: steps before the decay starts (default: the preset's, 400 epochs of 50,000 images for "
+        "edm2e/edm2g, in optimizer steps of this run's batch; else 70,000, EDM2's ImageNet-512 value)",
+    )
     t.add_argument("--lr_warmup_steps", type=int, default=100, help="linear warm-up steps")
     t.add_argument("--adam_beta1", type=float, default=0.95, help="AdamW beta1")
     t.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW beta2")
@@ -197,7 +237,11 @@ def parse_args(argv=None):
     o.add_argument("--eval_batch_size", type=int, default=16, help="images in a sample grid")
     o.add_argument("--sampler", default=sample.DEFAULT_SAMPLER, choices=SAMPLERS, help="sampler for the grids and FID")
     o.add_argument(
-        "--num_inference_steps", type=int, default=sample.DEFAULT_STEPS, help="sampling steps for the grids and FID"
+        "--num_inference_steps",
+        type=int,
+        default=None,
+        help=f"sampling steps for the grids and FID (default: {sample.DEFAULT_STEPS}; {sample.EDM_STEPS} for EDM's Heun "
+        f"sampler, {2 * sample.EDM_STEPS - 1} network evaluations)",
     )
     o.add_argument("--checkpointing_steps", type=int, default=500, help="save a checkpoint every N steps")
     o.add_argument("--checkpoints_total_limit", type=int, default=None, help="keep at most this many checkpoints")
@@ -283,7 +327,6 @@ def validate(args):
         gradient_accumulation_steps=1,
         shapes_num_images=1,
         num_train_timesteps=1,
-        num_inference_steps=1,
         save_images_epochs=1,
         checkpointing_steps=1,
         logging_steps=1,
@@ -309,11 +352,6 @@ def validate(args):
             raise ConfigError(f"--{name} must be in [0, 1) (got {getattr(args, name)})")
     if args.weight_decay < 0 or args.max_grad_norm < 0:
         raise ConfigError("--weight_decay and --max_grad_norm must not be negative")
-    if args.num_inference_steps > args.num_train_timesteps:
-        raise ConfigError(
-            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed --num_train_timesteps "
-            f"({args.num_train_timesteps})"
-        )
     if args.profile_only and not args.profile:
         raise ConfigError("--profile_only needs --profile")
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -330,7 +368,34 @@ def validate(args):
     for name in ("channels_last", "compile", "cudnn_benchmark"):
         if getattr(args, name) is None:
             setattr(args, name, on_gpu)
-    return validate_sample_quality(args)
+    return validate_sample_quality(validate_objective(args))
+
+
+def validate_objective(args):
+    """The objective, its sampler's steps and the learning-rate schedule, by the preset where unset."""
+    preset = models.PRESETS[args.model]
+    edm2_network = preset.get("network") == "edm2"
+    if args.objective is None:
+        args.objective = "edm" if edm2_network else "ddpm"
+    if edm2_network and args.objective != "edm":
+        raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm: drop --objective ddpm")
+    if not args.P_std > 0 or not args.sigma_data > 0:
+        raise ConfigError("--P_std and --sigma_data must be greater than 0")
+    if args.num_inference_steps is None:
+        args.num_inference_steps = sample.EDM_STEPS if args.objective == "edm" else sample.DEFAULT_STEPS
+    if args.num_inference_steps < 1:
+        raise ConfigError(f"--num_inference_steps must be at least 1 (got {args.num_inference_steps})")
+    if args.objective == "ddpm" and args.num_inference_steps > args.num_train_timesteps:
+        raise ConfigError(
+            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed --num_train_timesteps "
+            f"({args.num_train_timesteps})"
+        )
+    decay = preset.get("lr_decay")
+    if args.lr_scheduler is None:
+        args.lr_scheduler = decay["schedule"] if decay else "constant_with_warmup" if edm2_network else "cosine"
+    if args.lr_ref_steps is not None and args.lr_ref_steps < 1:
+        raise ConfigError(f"--lr_ref_steps must be at least 1 (got {args.lr_ref_steps})")
+    return args
 
 
 def validate_sample_quality(args):
@@ -380,10 +445,6 @@ def load_images(args, unreadable):
         data.check_readable(dataset, unreadable)
         return dataset
     return data.preload(dataset, args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)
-
-
-def make_sampling_scheduler(name, training_scheduler):
-    return sample.make_scheduler(name, training_scheduler.config)
 
 
 def ema_unet(accelerator, model, ema):
@@ -444,6 +505,39 @@ def make_ema(args, unet, write):
     )
 
 
+# EDM2's t_ref for ImageNet-512 (70k steps of 2048 images), when the preset has none.
+DEFAULT_LR_REF_STEPS = 70_000
+
+
+def lr_ref_steps(args, images_per_step):
+    """--lr_ref_steps, else the preset's reference in images over this run's images per step."""
+    if args.lr_ref_steps is not None:
+        return args.lr_ref_steps
+    decay = models.PRESETS[args.model].get("lr_decay")
+    return max(1, decay["ref_images"] // images_per_step) if decay else DEFAULT_LR_REF_STEPS
+
+
+def make_lr_scheduler(args, optimizer, max_train_steps, ref_steps):
+    """diffusers' schedules with --lr_warmup_steps, or EDM2's inverse square root:
+
+    lr(t) = lr_ref * min(t / warmup, 1) / sqrt(max(t / t_ref, 1))
+    (Karras et al. 2024, Config E; NVlabs/edm2 training_loop.learning_rate_schedule).
+    """
+    from diffusers.optimization import get_scheduler
+
+    if args.lr_scheduler != "inverse_sqrt":
+        return get_scheduler(
+            args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_train_steps
+        )
+    warmup = args.lr_warmup_steps
+
+    def factor(step):
+        ramp = min(step / warmup, 1.0) if warmup else 1.0
+        return ramp / math.sqrt(max(step / ref_steps, 1.0))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def peak_description(args, device):
     """(peak FLOP/s per device or None, words saying what it is)."""
     precision = flops.matmul_precision(args.mixed_precision, args.allow_tf32 and device.type == "cuda")
@@ -465,7 +559,6 @@ def train(args):
     """Build the run, then loop: data, step, log, sample, evaluate, checkpoint, stop."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration, set_seed
-    from diffusers.optimization import get_scheduler
     from tqdm.auto import tqdm
 
     accelerator = Accelerator(
@@ -518,6 +611,7 @@ def train(args):
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hardware_flops,
         step_compile_mode=compile_mode or "eager",
+        lr_ref_steps=lr_ref_steps(args, images_per_step) if args.lr_scheduler == "inverse_sqrt" else None,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
     )
     if args.dry_run:
@@ -554,7 +648,10 @@ def train(args):
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type)
-    objective = models.DDPMObjective(noise_scheduler).to(device)
+    if args.objective == "edm":
+        objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting).to(device)
+    else:
+        objective = models.DDPMObjective(noise_scheduler).to(device)
 
     # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and
     # it can skip a step on the device (see NonFiniteGuard), so a NaN costs no
@@ -563,16 +660,17 @@ def train(args):
         unet,
         args.channels_last,
         args.fused_adam,
+        also=objective.parameters(),  # EDM's u(sigma) trains with the network
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
     )
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=max_train_steps
-    )
+    lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, config["lr_ref_steps"])
     model, optimizer = accelerator.prepare(unet, optimizer)
     accelerator.register_for_checkpointing(lr_scheduler)
+    if any(True for _ in objective.parameters()):
+        accelerator.register_for_checkpointing(objective)
     ema = make_ema(args, accelerator.unwrap_model(model), write=accelerator.is_main_process)
     if ema is not None:
         ema.to(device)
@@ -587,7 +685,7 @@ def train(args):
         run.step, run.skipped_before = state["step"], state.get("skipped_nonfinite", 0)
         accelerator.print(f"resumed from {start_from} at step {run.step}")
     if run.step >= max_train_steps:
-        if not (run.output_dir / "model_index.json").is_file():  # the end of the run was cut short
+        if not run.pipeline_saved():  # the end of the run was cut short
             run.on_main_process(run.save_pipeline)
             return config
         accelerator.print(
@@ -780,7 +878,7 @@ class Run:
     def __init__(self, args, accelerator, model, ema, noise_scheduler, evaluator, config):
         self.args, self.accelerator, self.model, self.ema = args, accelerator, model, ema
         self.noise_scheduler = noise_scheduler
-        self.sampling_scheduler = make_sampling_scheduler(args.sampler, noise_scheduler)
+        self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, noise_scheduler.config, args.sigma_data)
         self.evaluator, self.config = evaluator, config
         self.output_dir = Path(args.output_dir)
         self.device, self.world = accelerator.device, accelerator.num_processes
@@ -824,12 +922,23 @@ class Run:
     def ema_unet(self):
         return ema_unet(self.accelerator, self.model, self.ema)
 
-    def save_pipeline(self):
-        """The EMA weights (or the raw ones) as a DDPMPipeline in output_dir."""
+    def pipeline_saved(self):
+        return (self.output_dir / ("model_index.json" if self.args.objective == "ddpm" else "unet/config.json")).is_file()
+
+    def save_network(self, unet, folder):
+        """A DDPMPipeline (DDPM runs), or the network alone in folder/unet (EDM runs: no diffusers
+        pipeline samples them; sample.py and model.load_network read it)."""
         from diffusers import DDPMPipeline
 
+        if self.args.objective == "ddpm":
+            DDPMPipeline(unet=unet, scheduler=self.noise_scheduler).save_pretrained(str(folder))
+        else:
+            unet.save_pretrained(str(Path(folder) / "unet"))
+
+    def save_pipeline(self):
+        """The EMA weights (or the raw ones) in output_dir."""
         try:
-            DDPMPipeline(unet=self.ema_unet(), scheduler=self.noise_scheduler).save_pretrained(str(self.output_dir))
+            self.save_network(self.ema_unet(), self.output_dir)
         except OSError as e:
             note = f"running again saves it from the checkpoint of step {self.step}"
             raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
@@ -838,16 +947,21 @@ class Run:
     def write_samples(self, epoch):
         path = self.output_dir / "samples" / f"{epoch:04d}.png"
         try:
-            save_sample_grid(self.ema_unet(), self.sampling_scheduler, self.args, path, self.accelerator)
+            if self.args.objective == "ddpm":
+                save_sample_grid(self.ema_unet(), self.sampling_scheduler, self.args, path, self.accelerator)
+            else:
+                seeds = sample.image_seeds(self.args.seed, self.args.eval_batch_size)  # the same noise every time
+                images = sample.generate(
+                    self.ema_unet(), self.sampling_scheduler, seeds, self.args.num_inference_steps, self.accelerator.autocast
+                )
+                sample.save_grid(images, path)
         except OSError as e:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 
     def evaluate(self, epoch):
         """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
-        from diffusers import DDPMPipeline
-
         unet = self.ema_unet()
-        save = DDPMPipeline(unet=unet, scheduler=self.noise_scheduler).save_pretrained
+        save = lambda folder: self.save_network(unet, folder)  # noqa: E731
         result = self.evaluator.evaluate(unet, self.sampling_scheduler, epoch, self.step, save, self.accelerator.autocast)
         self.accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=self.step)
         best = " (best so far: saved to best/)" if result["best"] else ""

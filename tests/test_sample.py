@@ -55,7 +55,7 @@ def test_sampling_scheduler_in_train_is_the_same(training_config):
 
     ddpm = DDPMScheduler.from_config(training_config)
     for name in sample.SAMPLERS:
-        assert dict(train.make_sampling_scheduler(name, ddpm).config) == dict(sample.make_scheduler(name, training_config).config)
+        assert dict(sample.make_sampler("ddpm", name, ddpm.config).config) == dict(sample.make_scheduler(name, training_config).config)
 
 
 # --- sample.py on a tiny trained run ------------------------------------------------
