@@ -221,7 +221,7 @@ def parse_args(argv=None):
 
     p = OneLineParser(prog="ema.py", description="Post-hoc EMA (Karras et al. 2024) from a run's power-EMA snapshots.")
     commands = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    r = commands.add_parser("reconstruct", help="the EMA for any sigma_rel, saved as a DDPMPipeline")
+    r = commands.add_parser("reconstruct", help="the EMA for any sigma_rel, saved as a DDPMPipeline (an EDM run: the network in OUTPUT/unet)")
     r.add_argument("run_dir", help="a run trained with --ema power (holding ema_snapshots/)")
     r.add_argument("--std", type=float, required=True, help="the relative standard deviation wanted, e.g. 0.07")
     r.add_argument("--step", type=int, default=None, help="the training step to reconstruct at (default: the last snapshot)")
@@ -250,11 +250,22 @@ def reconstruct_command(args):
     if config is None:
         raise ConfigError(f"{run_dir}: not a training run folder (no train_config.json)")
     state, used = reconstruct(run_dir / SNAPSHOT_DIR, args.std, args.step)
-    unet = models.build_unet(config["model"], config["image_size"])
-    unet.load_state_dict(state)
-    scheduler = models.make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"])
     output = Path(args.output) if args.output else run_dir / f"ema-std-{args.std:g}"
-    DDPMPipeline(unet=unet, scheduler=scheduler).save_pretrained(str(output))
+    if config.get("objective", "ddpm") == "edm":
+        # The snapshots hold parameters only; the run's saved network brings its buffers
+        # (the fixed random Fourier frequencies of EDM2's noise embedding).
+        if not (run_dir / "unet" / "config.json").is_file():
+            raise ConfigError(f"{run_dir}: no saved network in unet/ yet: let the run finish (or run it again) first")
+        unet = models.load_network(run_dir / "unet")
+        missing, unexpected = unet.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {name for name, _ in unet.named_buffers()}:
+            raise ConfigError(f"{run_dir}: the EMA snapshots do not match the saved network")
+        unet.save_pretrained(str(output / "unet"))  # sample.py reads an EDM run's network from unet/
+    else:
+        unet = models.build_unet(config["model"], config["image_size"])
+        unet.load_state_dict(state)
+        scheduler = models.make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"])
+        DDPMPipeline(unet=unet, scheduler=scheduler).save_pretrained(str(output))
     step = max(u["step"] for u in used)
     (output / "ema.json").write_text(json.dumps(dict(std=args.std, step=step, snapshots=used), indent=2) + "\n")
     print(f"reconstructed the EMA with sigma_rel {args.std:g} at step {step} from {len(used)} snapshots into {output}")

@@ -218,14 +218,3 @@ def test_load_network_reads_a_saved_unet(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(unet.state_dict().values(), loaded.state_dict().values()))
     with pytest.raises(models.ConfigError, match="no config.json"):
         models.load_network(tmp_path)
-
-
-def test_sample_py_samples_an_edm_run_with_heun(tmp_path):
-    """An EDM run folder (train_config.json says so, the network in unet/) samples with the Heun sampler."""
-    torch.manual_seed(0)
-    models.build_unet("tiny", 16).save_pretrained(str(tmp_path / "run" / "unet"))
-    (tmp_path / "run" / "train_config.json").write_text(json.dumps(dict(objective="edm", sigma_data=0.5)))
-    flags = [tmp_path / "run", "--num_images", 2, "--num_inference_steps", 2, "--output", tmp_path / "out"]
-    result = sample.main(sample.parse_args([*map(str, flags)]))
-    assert result["sampler"] == "edm_heun" and result["num_inference_steps"] == 2
-    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["000000.png", "000001.png", "grid.png"]

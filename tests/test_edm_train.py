@@ -1,0 +1,101 @@
+"""EDM2 training through train.py's main: grids, checkpoints, the network, sample.py, ema.py, resume."""
+
+import json
+import math
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+import ema as posthoc_ema
+import model as models
+import sample
+import train
+
+EDM = [
+    "--model", "edm2tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "4",
+    "--num_inference_steps", "3", "--eval_batch_size", "4", "--lr_warmup_steps", "2", "--dataloader_num_workers", "0",
+    "--timing_warmup_steps", "1", "--max_train_steps", "8", "--checkpointing_steps", "4", "--save_images_epochs", "100",
+    "--ema", "power", "--ema_snapshot_every", "4",
+]  # fmt: skip
+
+
+def run(output_dir, *flags):
+    return train.main(train.parse_args([*EDM, "--output_dir", str(output_dir), *map(str, flags)]))
+
+
+def test_an_edm2_run_writes_grids_checkpoints_and_a_network_that_sample_py_and_ema_py_load(tmp_path):
+    out = tmp_path / "run"
+    config = run(out)
+    assert config["objective"] == "edm" and config["lr_scheduler"] == "inverse_sqrt" and config["num_inference_steps"] == 3
+    assert (out / "samples" / "0000.png").is_file()  # the last epoch always samples
+    saved = json.loads((out / "unet" / "config.json").read_text())
+    assert saved["_class_name"] == "EDM2UNet" and saved["pixel_norm"] is True  # Config G
+    # u(sigma) trains with the network and is checkpointed, but is not part of the network
+    objective_state = [torch.load(p, weights_only=False) for p in (out / "checkpoints" / "checkpoint-8").glob("custom_checkpoint_*.pkl")]
+    assert any("logvar_linear.weight" in s for s in objective_state if isinstance(s, dict))
+    assert not any("logvar" in k for k in load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors")))
+
+    result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--output", str(tmp_path / "gen")]))
+    assert result["sampler"] == "edm_heun" and result["num_inference_steps"] == sample.EDM_STEPS
+    assert (tmp_path / "gen" / "grid.png").is_file()
+
+    rebuilt = posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(out), "--std", "0.08"]))
+    network = models.load_network(rebuilt / "unet")
+    trained = models.load_network(out / "unet")
+    assert all(torch.equal(a, b) for a, b in zip(network.buffers(), trained.buffers()))  # the run's Fourier features
+    assert not all(torch.equal(a, b) for a, b in zip(network.parameters(), trained.parameters()))  # another EMA
+    assert sample.main(sample.parse_args([str(rebuilt), "--num_images", "1", "--num_inference_steps", "2",
+                                          "--output", str(tmp_path / "gen2")]))["sampler"] == "edm_heun"  # fmt: skip
+
+
+def test_an_edm_run_resumes_bit_identically(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, "--ema", "standard")
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
+    run(resumed, "--ema", "standard", "--resume_from_checkpoint", "latest")
+    for name in ("model.safetensors",):
+        a = load_file(str(straight / "checkpoints" / "checkpoint-8" / name))
+        b = load_file(str(resumed / "checkpoints" / "checkpoint-8" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    pickles = sorted(p.name for p in (straight / "checkpoints" / "checkpoint-8").glob("custom_checkpoint_*.pkl"))
+    for name in pickles:  # the LR schedule, the EMA and the objective's u(sigma)
+        a = torch.load(straight / "checkpoints" / "checkpoint-8" / name, weights_only=False)
+        b = torch.load(resumed / "checkpoints" / "checkpoint-8" / name, weights_only=False)
+        assert same(a, b), name
+
+
+def same(a, b):
+    """Equal, tensors bit for bit, through dicts and lists."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_the_inverse_sqrt_schedule_is_edm2s():
+    args = train.validate(train.parse_args(["--model", "edm2tiny", "--image_size", "16", "--lr_warmup_steps", "10",
+                                            "--lr_ref_steps", "100"]))  # fmt: skip
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    schedule = train.make_lr_scheduler(args, optimizer, 10_000, args.lr_ref_steps)
+    lrs = []
+    for _ in range(400):
+        lrs.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert lrs[5] == 0.5 and lrs[10] == lrs[100] == 1.0  # linear warm-up, then flat until t_ref
+    assert math.isclose(lrs[400 - 1], 1 / math.sqrt(399 / 100)) and math.isclose(lrs[200], 1 / math.sqrt(2))
+
+
+def test_an_edm2_network_refuses_the_ddpm_objective(capsys):
+    try:
+        train.main(train.parse_args(["--model", "edm2g", "--objective", "ddpm"]))
+    except SystemExit as e:
+        assert e.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained with --objective edm" in err[0]
