@@ -56,6 +56,10 @@ WORKLOADS = {
     "adm64": dict(model="adm64", image_size=64, batch_size=32),
     "small": dict(model="small", image_size=32, batch_size=32),  # the preset of a bare `python train.py`
     "tiny": dict(model="tiny", image_size=16, batch_size=8),  # for tests
+    # EDM2 against DDPM (--sweep model only: the ladder times the DDPM step): the seed's
+    # CIFAR-10 batch, and a test size.
+    "edm2g": dict(model="edm2g", image_size=32, batch_size=512),
+    "edm2tiny": dict(model="edm2tiny", image_size=16, batch_size=8),
 }
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 
@@ -655,6 +659,8 @@ def validate(args):
             raise ConfigError(f"unknown --variants '{','.join(unknown)}': choose from {', '.join(names)}")
     if args.workload is None:
         args.workload = "all" if torch.cuda.is_available() else "tiny"
+    if models.PRESETS[WORKLOADS.get(args.workload, WORKLOADS["tiny"])["model"]].get("network") == "edm2":
+        raise ConfigError(f"--workload {args.workload}: the ladder times the DDPM step; compare EDM2 with --sweep model")
     try:
         Path(args.output).mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -5,6 +5,7 @@
     python bench.py --sweep mixed_precision                           # no, bf16 (and fp16 on a GPU)
     python bench.py --sweep compile                                   # off, on
     python bench.py --sweep num_processes                             # 1, 2, 4, ... up to the GPUs present
+    python bench.py --sweep model --workload edm2g                    # ddpm32 against edm2g at 32px, batch 512
 
 The ladder (the rest of bench.py) times one training step on a batch that
 sits on the device. A sweep times what a user waits for: every point is a
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 import data
+import model as models
 import profiling
 import train
 from model import ConfigError
@@ -111,6 +113,12 @@ SWEEPS = {
         read=lambda values: _choices(values, "compile", ("off", "on")),
         flags=lambda v: ["--compile" if v == "on" else "--no-compile"],
     ),
+    "model": dict(
+        what="network and objective (--model: a DDPM UNet against an EDM2 network, each with its own objective)",
+        defaults=lambda workload: ["tiny", "edm2tiny"] if workload["image_size"] == 16 else ["ddpm32", "edm2g"],
+        read=lambda values: _choices(values, "model", tuple(models.PRESETS)),
+        flags=lambda v: ["--model", v],
+    ),
     "num_processes": dict(
         what="processes (accelerate launch --num_processes; one per GPU), the per-process batch fixed",
         defaults=lambda workload: _default_processes(),
@@ -125,6 +133,7 @@ SWEPT_FLAGS = {
     "dataloader_num_workers": ("--preload_data", "--no-preload_data", "--dataloader_num_workers"),
     "mixed_precision": ("--mixed_precision",),
     "compile": ("--compile", "--no-compile"),
+    "model": ("--model", "--objective"),
     "num_processes": (),
 }
 OWN_FLAGS = ("--model", "--image_size", "--output_dir", "--num_epochs", "--max_train_steps", "--resume_from_checkpoint")

@@ -204,6 +204,7 @@ def test_a_row_that_breaks_is_recorded_and_fails_the_run(tmp_path, monkeypatch, 
 
 BAD_INPUTS = [
     (["--workload", "huge"], "invalid choice: 'huge'"),
+    (["--workload", "edm2tiny"], "the ladder times the DDPM step; compare EDM2 with --sweep model"),
     (["--batch_sizes", "0,8"], "--batch_sizes must be integers of at least 1"),
     (["--batch_sizes", "8,many"], "--batch_sizes takes integers separated by commas"),
     (["--variants", "reference,warp"], "unknown --variants 'warp'"),

@@ -105,6 +105,12 @@ def test_each_sweep_sets_what_it_says(argv, check):
     assert settings.num_epochs == 2 and settings.model == "tiny"
 
 
+def test_the_model_sweep_trains_each_preset_with_its_own_objective():
+    args, points = point_args("--sweep", "model", "--values", "tiny,edm2tiny")
+    ddpm, edm = (resolved(args, point) for point in points)
+    assert (ddpm.model, ddpm.objective) == ("tiny", "ddpm") and (edm.model, edm.objective) == ("edm2tiny", "edm")
+
+
 def test_the_preloaded_point_preloads():
     args, points = point_args("--sweep", "dataloader_num_workers", "--values", "0")
     assert [p["value"] for p in points] == [0, "preloaded"]
@@ -136,6 +142,7 @@ def test_a_failed_point_is_recorded_and_the_sweep_exits_1(tmp_path, capsys):
     "argv, message",
     [
         (["--sweep", "compile", "--values", "maybe"], "--sweep compile takes --values from off, on"),
+        (["--sweep", "model", "--values", "tiny,huge"], "--sweep model takes --values from small, tiny"),
         (["--sweep", "batch_size", "--values", "0,4"], "--sweep batch_size takes --values of at least 1"),
         (["--sweep", "batch_size", "--values", "four"], "--sweep batch_size takes whole numbers"),
         (["--sweep", "batch_size", "--values", ","], "--values is empty"),
