@@ -101,12 +101,16 @@ def test_train_default_row_follows_train_py(monkeypatch):
     cpu = bench.train_default_variant()["settings"]
     assert cpu["precision"] == "fp32" and cpu["compile_mode"] is None and not cpu["channels_last"]
     assert cpu["sync_every"] == train.parse_args([]).logging_steps
-    # With a GPU, train.py's defaults are the whole ladder but CUDA graphs.
+    # With a GPU, train.py's defaults are the ladder down to no_syncs, with --compile_mode auto:
+    # CUDA graphs for the launch-bound adm64, not for ref128, resolved per workload as train.py does.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    gpu = bench.train_default_variant()
-    assert gpu["settings"] == next(v for v in bench.LADDER if v["name"] == "no_syncs")["settings"]
-    assert "(the settings of no_syncs)" in gpu["changed"]
+    gpu = bench.train_default_variant()["settings"]
+    row = {v["name"]: v["settings"] for v in bench.LADDER}
+    assert gpu == dict(row["no_syncs"], compile_mode="auto")
+    cuda = torch.device("cuda")
+    assert bench.resolve_settings(gpu, bench.WORKLOADS["ref128"], 64, cuda) == row["no_syncs"]
+    assert bench.resolve_settings(gpu, bench.WORKLOADS["adm64"], 32, cuda) == dict(row["no_syncs"], compile_mode="reduce-overhead")
 
 
 def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
