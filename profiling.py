@@ -117,7 +117,7 @@ class Breakdown:
 
     def format(self):
         parts, wall = self.summary()
-        shares = ", ".join(f"{name} {100 * s / wall:.1f}%" for name, s in parts.items())
+        shares = ", ".join(f"{name} {100 * s / wall:.1f}%" for name, s in parts.items() if s > 0)  # parts the run had
         return f"where the time went ({wall:.1f} s of training): {shares}"
 
 
