@@ -239,7 +239,14 @@ def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys)
     assert config["compile"] and config["channels_last"] and config["fused_adam"]
     assert [step for step, _ in scalars(out)["loss"]] == [1, 2]
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars(out)["loss"])
-    assert re.search(r"^final: step 2/2 \| loss [\d.]+ \|", capsys.readouterr().out, re.M)
+    stdout = capsys.readouterr().out
+    assert re.search(r"^final: step 2/2 \| loss [\d.]+ \|", stdout, re.M)
+    # the compile is said, timed as its own part of the breakdown, and its artifacts kept for the next run
+    assert "step auto: default (CUDA graphs need a CUDA GPU)" in stdout
+    assert "compiling the step (default) ..." in stdout and re.search(r"^compiled the step in [\d.]+ s; ", stdout, re.M)
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["compile_s"] > 0 and manifest["time_breakdown_s"]["compile"] == pytest.approx(manifest["compile_s"], rel=0.2)
+    assert (out / "compile_cache.bin").stat().st_size > 0
 
     # what is saved is the plain UNet, not the compiled wrapper: the same keys as a fresh model
     from diffusers import UNet2DModel
