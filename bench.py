@@ -8,10 +8,14 @@
 Every row runs the same training step as train.py (uint8 images to [-1, 1]
 with random flips, noise and timesteps drawn on the device, the DDPM loss,
 backward, gradient clipping, AdamW, EMA update), with every setting outside
-the ladder taken from train.py's defaults. The first row is the project this
-grows from as it shipped; each row below switches one more thing on; the last
-is what `python train.py` runs by default on this device. Rows that need CUDA
-are skipped on a CPU, with the reason in the table.
+the ladder taken from train.py's defaults. The first row, diffusers_example,
+is a yardstick outside the ladder: the step as diffusers' train_unconditional.py
+takes it. Then the ladder: the project this grows from as it shipped, and each
+row below it switches one more thing on (force_layout starts again from
+no_syncs, leaving CUDA graphs out); the last is what `python train.py` runs by
+default on this device. The speedup column is over the first row that ran
+(diffusers_example when it is among --variants). Rows that need CUDA are
+skipped on a CPU, with the reason in the table.
 
 Before a row is timed, its loss and gradients are checked against the plain
 fp32 eager step (no TF32 anywhere) on the same inputs and weights, within its
@@ -89,15 +93,39 @@ STRICT_FP32 = dict(
     cudnn_benchmark=False,
     channels_last=False,
     fused_adam=False,
+    adam_foreach=True,  # without fused_adam: foreach AdamW; None: torch's default, as diffusers' example builds it
     nonfinite_guard=False,
     ema_foreach=False,
     compile_mode=None,
+    force_layout=False,  # Inductor's force_layout_optimization (step.inductor_settings)
+    fused_norm=False,  # fused_norm.py's GroupNorm+SiLU kernels in the UNet
     sync_every=0,
 )
 
 
+# Not a rung of the ladder but the yardstick above it: the step as diffusers'
+# examples/unconditional_image_generation/train_unconditional.py takes it. Its
+# DataLoader (flips and scaling on the CPU) is not part of a bench.py row.
+DIFFUSERS_EXAMPLE = dict(
+    name="diffusers_example",
+    changed="the step of diffusers' train_unconditional.py (not a rung: a yardstick, each row's speedup is "
+    "over it when it runs): eager, bf16 autocast, NCHW, AdamW as torch builds it by default (foreach on CUDA), "
+    "gradient clipping, its EMAModel without foreach, loss.item() every step; the whole script took "
+    "~222 ms/step for ref128 on an H100 (BENCHMARKS.md)",
+    settings=dict(
+        STRICT_FP32,
+        precision="bf16",
+        conv_tf32=True,  # PyTorch's defaults, which the script leaves alone
+        adam_foreach=None,
+        sync_every=1,  # its progress bar shows loss.detach().item() every step
+    ),
+    predicted_ms=dict(ref128=None, adm64=None),
+    cuda_only=None,
+)
+
+
 def _ladder():
-    """The rows, each the row above plus one change.
+    """The rows, each the row above plus one change (or, with `base`, the named row plus one change).
 
     predicted_ms: what an H100 SXM should take at the workload's batch size,
     written down before measuring (the reasoning is in BENCHMARKS.md).
@@ -109,7 +137,10 @@ def _ladder():
     )
     rows = []
 
-    def add(name, changed, predicted_ms, cuda_only=None, **change):
+    def add(name, changed, predicted_ms, cuda_only=None, base=None, **change):
+        if base is not None:  # start again from an earlier row rather than the one above
+            settings.clear()
+            settings.update(next(row["settings"] for row in rows if row["name"] == base))
         settings.update(change)
         rows.append(dict(name=name, changed=changed, settings=dict(settings), predicted_ms=predicted_ms, cuda_only=cuda_only))
 
@@ -180,6 +211,24 @@ def _ladder():
         cuda_only="CUDA graphs need a CUDA device",
         compile_mode="step-graph",
     )
+    add(
+        "force_layout",
+        "no_syncs (compile mode 'default' again, no CUDA graphs) with Inductor's layout optimisation forced: "
+        "it otherwise turns channels_last off for the whole graph, because conv_out (128 -> 3) has "
+        "out_channels * 2 <= in_channels",
+        dict(ref128=None, adm64=None),
+        cuda_only="on a CPU with mkldnn Inductor always keeps channels_last: nothing to force",
+        base="no_syncs",
+        force_layout=True,
+    )
+    add(
+        "fused_norm",
+        "fused_norm.py's NHWC GroupNorm+SiLU Triton kernels in the ResNet blocks and the final norm, and "
+        "Upsample2D without its NCHW copy (train.py --fused_norm)",
+        dict(ref128=None, adm64=None),
+        cuda_only="the kernels run on NHWC CUDA tensors",
+        fused_norm=True,
+    )
     return rows
 
 
@@ -197,17 +246,23 @@ def train_default_variant():
         channels_last=args.channels_last,
         fused_adam=args.fused_adam,
         nonfinite_guard=True,  # train.py always checks each step for NaN/inf
+        adam_foreach=True,
         ema_foreach=True,  # train.py builds its EMAModel with foreach=True
         compile_mode=args.compile_mode if args.compile else None,  # auto: resolved per workload (resolve_settings)
+        force_layout=False,
+        fused_norm=args.fused_norm,
         sync_every=args.logging_steps,
     )
-    same = [row["name"] for row in LADDER if row["settings"] == settings]
-    changed = "what `python train.py` runs by default here" + (f" (the settings of {same[0]})" if same else "")
+    # --compile_mode auto is 'default' for ref128 and CUDA graphs for adm64 (resolve_settings): compare with 'default'.
+    fixed = dict(settings, compile_mode="default") if settings["compile_mode"] == "auto" else settings
+    same = [row["name"] for row in LADDER if row["settings"] == fixed]
+    where = " where --compile_mode auto picks 'default'" if fixed is not settings else ""
+    changed = "what `python train.py` runs by default here" + (f" (the settings of {same[0]}{where})" if same else "")
     return dict(name="train_default", changed=changed, settings=settings, predicted_ms=dict(ref128=59.5, adm64=5.8), cuda_only=None)
 
 
 def all_variants():
-    return LADDER + [train_default_variant()]
+    return [DIFFUSERS_EXAMPLE] + LADDER + [train_default_variant()]
 
 
 def matmul_precision(settings, device):
@@ -251,16 +306,15 @@ class TrainingStep:
         self.unet = models.build_unet(workload["model"], workload["image_size"], device=device)
         self.unet.load_state_dict(init_state)
         self.unet.train()
-        self.optimizer = models.prepare_for_training(
-            self.unet,
-            settings["channels_last"],
-            settings["fused_adam"],
-            lr=t.learning_rate,
-            betas=(t.adam_beta1, t.adam_beta2),
-            weight_decay=t.weight_decay,
-            eps=t.adam_epsilon,
-        )
-        self.model = steps.compile_network(self.unet, settings["compile_mode"])
+        adamw = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay, eps=t.adam_epsilon)
+        self.optimizer = models.prepare_for_training(self.unet, settings["channels_last"], settings["fused_adam"], **adamw)
+        if not settings["fused_adam"] and settings["adam_foreach"] is None:  # diffusers' example: torch's default
+            self.optimizer = torch.optim.AdamW(self.unet.parameters(), **adamw)
+        if settings["fused_norm"]:  # as train.py --fused_norm does it
+            import fused_norm
+
+            fused_norm.keep_channels_last(fused_norm.use_fused_norm(self.unet))
+        self.model = steps.compile_network(self.unet, settings["compile_mode"], force_layout=settings["force_layout"])
         # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
         self.guard = steps.NonFiniteGuard(self.optimizer, t.on_nonfinite, device) if settings["nonfinite_guard"] else None
         self.ema = ema = EMAModel(
@@ -372,7 +426,7 @@ def run_variant(variant, workload, batch_size, init_state, images, reference, ar
     return dict(
         status="ok",
         compile_mode=settings["compile_mode"],
-        optimizer="fused" if step.optimizer.defaults.get("fused") else "foreach",
+        optimizer=optimizer_kind(step.optimizer, device),
         check=check,
         first_call_s=check.pop("first_call_s"),
         step_times_s=times,
@@ -382,6 +436,19 @@ def run_variant(variant, workload, batch_size, init_state, images, reference, ar
         mean_loss=mean_loss,
         peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
+
+
+def optimizer_kind(optimizer, device):
+    """'fused', 'foreach' or 'per-parameter': the AdamW implementation that runs (foreach=None is torch's pick)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    if optimizer.defaults.get("fused"):
+        return "fused"
+    foreach = optimizer.defaults.get("foreach")
+    if foreach is None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        foreach = _default_to_fused_or_foreach(params, differentiable=False)[1]
+    return "foreach" if foreach else "per-parameter"
 
 
 def uses_cuda_graphs(settings):
@@ -512,9 +579,11 @@ def _check_words(check):
 def format_group(rows, peak_words):
     """One workload at one batch size as a text table; a row that did not run says why."""
     first = rows[0]
+    over = next((r["speedup_over"] for r in rows if "speedup_over" in r), None)
     lines = [
         f"{first['workload']}: {first['model']} ({first['params']:,} parameters) at {first['image_size']}px, "
-        f"batch {first['batch_size']}: {first['flops_per_step'] / 1e12:.4g} TFLOP/step; MFU against {peak_words}",
+        f"batch {first['batch_size']}: {first['flops_per_step'] / 1e12:.4g} TFLOP/step; MFU against {peak_words}"
+        + (f"; speedup over {over}" if over else ""),
     ]
     show_prediction = any(r["predicted_ms_h100"] for r in rows)
     header = ["#", "variant", "ms/step", "p10-p90 ms", "img/s", "TFLOP/s", "MFU %", "peak GiB", "speedup",
@@ -618,7 +687,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--variants",
         default=None,
-        help=f"comma-separated rows to run (default: all): {', '.join(v['name'] for v in LADDER)}, train_default",
+        help=f"comma-separated rows to run (default: all): {', '.join(v['name'] for v in all_variants())}",
     )
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per row before timing")

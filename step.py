@@ -22,6 +22,7 @@ How it runs on a GPU is `--compile_mode`:
 
 import contextlib
 import math
+import os
 import time
 
 import torch
@@ -93,7 +94,7 @@ def raise_config(message):
     raise ConfigError(message)
 
 
-def compile_network(model, mode):
+def compile_network(model, mode, force_layout=False):
     """What the step calls: `model` itself (mode None) or torch.compile of it.
 
     Call it after accelerate's `prepare`, so that the compiled graph holds the
@@ -101,12 +102,43 @@ def compile_network(model, mode):
     EMA and saving (never the compiled wrapper). Shapes are static: the batch
     never changes within a run, and dynamic shapes would give up kernels
     specialised to it. `step-graph` compiles in the default mode: the
-    capture of the whole step is StepGraph's.
+    capture of the whole step is StepGraph's. `force_layout`: see
+    `inductor_settings`.
     """
     if mode is None:
         return model
     profiling.quiet_known_compile_warnings()
+    inductor_settings(force_layout)
     return torch.compile(model, mode="default" if mode == "step-graph" else mode, dynamic=False)
+
+
+def inductor_settings(force_layout=False):
+    """Process-wide Inductor settings for compiling the UNet's step; called by compile_network.
+
+    `force_layout` (bench.py's force_layout row only, not a train.py flag yet):
+    Inductor's layout optimisation (decide_layout_opt) keeps channels_last
+    through a training graph only if no convolution has out_channels * 2 <=
+    in_channels; every UNet preset's conv_out (128 -> 3 for ref128) has, so the
+    whole graph falls back to NCHW. This keeps channels_last on regardless
+    (as TORCHINDUCTOR_FORCE_LAYOUT_OPT=1 does, which is honoured either way).
+    """
+    from torch._inductor import config
+    from torch._inductor.scheduler import Scheduler
+
+    # Inductor's loop reindexing after fusion, without the memory-coalescing
+    # guard of pytorch PR #191134 (the fix for pytorch#189488), makes the
+    # conv -> GroupNorm -> SiLU graphs of these UNets several times slower. A
+    # torch that has the reindexing but not the guard (the GPU image has 2.11;
+    # 2.14.1, which requirements.txt pins, has the guard) gets it turned off,
+    # unless TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION says otherwise.
+    if (
+        hasattr(config, "loop_reindexing_after_fusion")
+        and not hasattr(Scheduler, "_reindexing_regresses_memory_coalescing")
+        and "TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION" not in os.environ
+    ):
+        config.loop_reindexing_after_fusion = False
+    # Set either way, as it is process-wide: a bench.py row after force_layout must not inherit it.
+    config.force_layout_optimization = force_layout or os.environ.get("TORCHINDUCTOR_FORCE_LAYOUT_OPT") == "1"
 
 
 class TrainStep:

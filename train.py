@@ -230,6 +230,14 @@ def parse_args(argv=None):
         default=None,
         help="let cuDNN time its convolution algorithms on the first steps and keep the fastest",
     )
+    s.add_argument(
+        "--fused_norm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fused NHWC GroupNorm+SiLU Triton kernels for the ResNet blocks and the final norm (fused_norm.py); "
+        "unset: off until bench.py's fused_norm row has measured it faster on a GPU; needs a CUDA GPU and "
+        "--channels_last",
+    )
 
     o = p.add_argument_group("outputs")
     o.add_argument("--output_dir", default="ddpm-output", help="where samples, checkpoints and the model go")
@@ -368,6 +376,13 @@ def validate(args):
     for name in ("channels_last", "compile", "cudnn_benchmark"):
         if getattr(args, name) is None:
             setattr(args, name, on_gpu)
+    if args.fused_norm is None:
+        args.fused_norm = False  # not measured faster on a GPU yet: off unless asked for
+    if args.fused_norm and not (on_gpu and args.channels_last):
+        raise ConfigError(
+            "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors): "
+            "drop it or add --channels_last"
+        )
     return validate_sample_quality(validate_objective(args))
 
 
@@ -666,6 +681,10 @@ def train(args):
         weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
     )
+    if args.fused_norm:  # class swaps in place: the parameters and the state dict stay as they are
+        import fused_norm
+
+        fused_norm.keep_channels_last(fused_norm.use_fused_norm(unet))
     lr_scheduler = make_lr_scheduler(args, optimizer, max_train_steps, config["lr_ref_steps"])
     model, optimizer = accelerator.prepare(unet, optimizer)
     accelerator.register_for_checkpointing(lr_scheduler)

@@ -51,6 +51,9 @@ def test_each_variant_matches_the_fp32_eager_step(fixed_step, variant):
     # the variant is what its settings say
     assert step.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last) == settings["channels_last"]
     assert bool(step.optimizer.defaults["fused"]) == settings["fused_adam"]
+    # diffusers' example leaves foreach to torch, which picks the per-parameter loop for CPU tensors
+    kind = "fused" if settings["fused_adam"] else "foreach" if settings["adam_foreach"] else "per-parameter"
+    assert bench.optimizer_kind(step.optimizer, CPU) == kind
     assert (step.guard is not None) == settings["nonfinite_guard"]
     assert step.ema.foreach == settings["ema_foreach"]
     assert (step.model is step.unet) == (settings["compile_mode"] is None)
@@ -71,7 +74,7 @@ def test_each_variant_matches_the_fp32_eager_step(fixed_step, variant):
 
 def test_the_check_fails_when_the_step_differs(fixed_step):
     init_state, images, (clean, noise, timesteps), reference = fixed_step
-    settings = VARIANTS[0]["settings"]
+    settings = next(v for v in VARIANTS if v["name"] == "reference")["settings"]
     step = bench.TrainingStep(settings, TINY, init_state, images, CPU)
     check = bench.check_variant(step, settings, (clean, noise, (timesteps + 7) % 1000), reference, CPU)
     assert not check["passed"] and check["grad_rel_err"] > 1e-3, check
@@ -101,16 +104,70 @@ def test_train_default_row_follows_train_py(monkeypatch):
     cpu = bench.train_default_variant()["settings"]
     assert cpu["precision"] == "fp32" and cpu["compile_mode"] is None and not cpu["channels_last"]
     assert cpu["sync_every"] == train.parse_args([]).logging_steps
-    # With a GPU, train.py's defaults are the ladder down to no_syncs, with --compile_mode auto:
-    # CUDA graphs for the launch-bound adm64, not for ref128, resolved per workload as train.py does.
+    # With a GPU, train.py's defaults are the ladder up to no_syncs, with --compile_mode auto, which
+    # picks 'default' for ref128 (bound by the GPU) and CUDA graphs for adm64 (bound by launches).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    gpu = bench.train_default_variant()["settings"]
-    row = {v["name"]: v["settings"] for v in bench.LADDER}
-    assert gpu == dict(row["no_syncs"], compile_mode="auto")
+    gpu = bench.train_default_variant()
+    no_syncs = next(v for v in bench.LADDER if v["name"] == "no_syncs")["settings"]
+    assert gpu["settings"] == dict(no_syncs, compile_mode="auto")
+    assert "(the settings of no_syncs where --compile_mode auto picks 'default')" in gpu["changed"]
     cuda = torch.device("cuda")
-    assert bench.resolve_settings(gpu, bench.WORKLOADS["ref128"], 64, cuda) == row["no_syncs"]
-    assert bench.resolve_settings(gpu, bench.WORKLOADS["adm64"], 32, cuda) == dict(row["no_syncs"], compile_mode="reduce-overhead")
+    for name, mode in (("ref128", "default"), ("adm64", "reduce-overhead")):
+        assert bench.resolve_settings(gpu["settings"], bench.WORKLOADS[name], bench.WORKLOADS[name]["batch_size"], cuda)["compile_mode"] == mode
+
+
+def test_the_rows_after_the_cuda_graphs_change_one_thing_each_and_the_yardstick_comes_first():
+    rows = {v["name"]: v for v in VARIANTS}
+    assert VARIANTS[0]["name"] == "diffusers_example" and VARIANTS[1]["name"] == "reference"
+
+    def changed(a, b):
+        return {k for k in rows[a]["settings"] if rows[a]["settings"][k] != rows[b]["settings"][k]}
+
+    # force_layout starts again from no_syncs: CUDA graphs (the rows above it) are not inherited
+    assert changed("force_layout", "no_syncs") == {"force_layout"}
+    assert rows["force_layout"]["settings"]["compile_mode"] == "default" and "'default' again" in rows["force_layout"]["changed"]
+    assert changed("fused_norm", "force_layout") == {"fused_norm"}
+    assert rows["force_layout"]["cuda_only"] and rows["fused_norm"]["cuda_only"]
+    # diffusers' train_unconditional.py: eager, bf16, NCHW, torch's default AdamW, EMA without foreach, a sync per step
+    example = rows["diffusers_example"]["settings"]
+    assert example == dict(bench.STRICT_FP32, precision="bf16", conv_tf32=True, adam_foreach=None, sync_every=1)
+    assert not rows["diffusers_example"]["cuda_only"]
+
+
+def test_the_fused_norm_and_force_layout_settings_reach_the_step(fixed_step, monkeypatch):
+    import fused_norm
+
+    init_state, images, inputs, reference = fixed_step
+    calls = []
+    monkeypatch.setattr(bench.steps, "compile_network", lambda model, mode, force_layout=False: calls.append((mode, force_layout)) or model)
+    settings = dict(bench.STRICT_FP32, fused_norm=True, force_layout=True)
+    step = bench.TrainingStep(settings, TINY, init_state, images, CPU)
+    assert calls == [(None, True)]
+    blocks = [m for m in step.unet.modules() if type(m).__name__.endswith("ResnetBlock2D")]
+    assert blocks and all(type(m) is fused_norm.FusedResnetBlock2D for m in blocks)
+    assert type(step.unet.conv_norm_out) is fused_norm.GroupNormSiLU and isinstance(step.unet.conv_act, torch.nn.Identity)
+    # NCHW on a CPU takes F.group_norm inside the swapped modules: the fp32 step is unchanged
+    check = bench.check_variant(step, settings, inputs, reference, CPU)
+    assert check["passed"] and check["tolerance"] == bench.TOLERANCE["fp32"], check
+
+
+def test_train_py_fused_norm_is_off_unless_asked_and_needs_a_gpu_and_channels_last(tmp_path, capsys, monkeypatch):
+    assert train.validate(train.parse_args([])).fused_norm is False
+    message = "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors)"
+    with pytest.raises(SystemExit) as exit_info:  # on this CPU
+        run_train(tmp_path / "out", "--fused_norm", "--channels_last")
+    assert exit_info.value.code == 2
+    err = visible(capsys.readouterr().err)
+    assert len(err) == 1 and message in err[0] and err[0].startswith("train.py: error:"), err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    with pytest.raises(train.ConfigError, match="add --channels_last"):
+        train.validate(train.parse_args(["--fused_norm", "--no-channels_last"]))
+    with pytest.raises(train.ConfigError, match="needs a CUDA GPU"):
+        train.validate(train.parse_args(["--fused_norm", "--cpu"]))
+    assert train.validate(train.parse_args(["--fused_norm"])).fused_norm  # channels_last is on by default with a GPU
+    assert train.validate(train.parse_args([])).fused_norm is False  # not measured faster yet
 
 
 def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
@@ -172,7 +229,7 @@ def fake_run_variant(out_of_memory_above, variant_name):
         if variant["name"] == variant_name and batch_size > out_of_memory_above:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         check = dict(precision="fp32", tolerance=1e-5, passed=True, loss_rel_err=0.0, grad_rel_err=0.0)
-        return dict(status="ok", optimizer="foreach", check=check, first_call_s=0.1, step_times_s=[0.01],
+        return dict(status="ok", compile_mode=None, optimizer="foreach", check=check, first_call_s=0.1, step_times_s=[0.01],
                     step_time_s_median=0.01, step_time_s_p10=0.01, step_time_s_p90=0.01, mean_loss=1.0,
                     peak_memory_gib=None)  # fmt: skip
 

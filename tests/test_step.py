@@ -237,3 +237,33 @@ def test_compile_artifacts_are_saved_and_loaded(tmp_path, monkeypatch):
     (tmp_path / "garbage.bin").write_bytes(b"not a cache")
     assert not steps.load_compile_artifacts(tmp_path / "garbage.bin")
     torch.compiler.reset()
+
+
+def test_inductor_settings_turn_loop_reindexing_off_only_without_the_coalescing_guard(monkeypatch):
+    from torch._inductor import config
+    from torch._inductor import scheduler
+
+    # monkeypatch restores every config value and class this test changes
+    monkeypatch.setattr(config, "loop_reindexing_after_fusion", True)
+    monkeypatch.setattr(config, "force_layout_optimization", False)
+    monkeypatch.delenv("TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_FORCE_LAYOUT_OPT", raising=False)
+    steps.inductor_settings()  # this torch has the guard (pytorch PR #191134): left on
+    assert hasattr(scheduler.Scheduler, "_reindexing_regresses_memory_coalescing")
+    assert config.loop_reindexing_after_fusion and not config.force_layout_optimization
+
+    class WithoutTheGuard:  # a torch like the GPU image's 2.11: the reindexing, not the guard
+        pass
+
+    monkeypatch.setattr(scheduler, "Scheduler", WithoutTheGuard)
+    monkeypatch.setenv("TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION", "1")
+    steps.inductor_settings()  # the user chose: left alone
+    assert config.loop_reindexing_after_fusion
+    monkeypatch.delenv("TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION")
+    steps.inductor_settings()
+    assert config.loop_reindexing_after_fusion is False
+
+    steps.inductor_settings(force_layout=True)
+    assert config.force_layout_optimization is True
+    steps.inductor_settings()  # process-wide: the next compile without it turns it off again
+    assert config.force_layout_optimization is False
