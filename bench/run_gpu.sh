@@ -108,6 +108,7 @@ if [[ $part == sweep ]]; then
   section 200 --workload adm64 --batch_sizes 32,64,128,256,512 --variants train_default
 fi
 if [[ $part == train_sweeps ]]; then  # whole train.py runs (bench.py --sweep); not part of "all"
+  section 150 --sweep model --workload edm2g --num_images 4096  # issue 13: ddpm32 against edm2g, 32px, batch 512
   section 150 --sweep batch_size --workload ref128 --values 32,64,128
   section 130 --sweep dataloader_num_workers --workload ref128 --values 0,4,8 --num_images 1024
   section 100 --sweep mixed_precision --workload ref128 --values no,bf16
