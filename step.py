@@ -265,9 +265,15 @@ class StepGraph:
             self.ema.after()
 
     def _device_work(self, step_number=None):
-        losses = self.step.descend(self.static_batches, step_number)
-        if self.ema is not None:
-            self.ema.apply(self.step.model.parameters())
+        """What the graph holds. No phase marks inside: an event recorded in a capture would be
+        replayed with it, and the breakdown times the whole step as one phase ("step")."""
+        mark, self.step.mark = self.step.mark, lambda phase: None
+        try:
+            losses = self.step.descend(self.static_batches, step_number)
+            if self.ema is not None:
+                self.ema.apply(self.step.model.parameters())
+        finally:
+            self.step.mark = mark
         return losses
 
     def _prepare(self, micro_batches):
@@ -285,7 +291,8 @@ class StepGraph:
             return
         self.graph = torch.cuda.CUDAGraph()
         self.step.optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(self.graph):
+        # thread_local: a DataLoader's pin-memory thread may call CUDA while this thread captures
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.static_losses = self._device_work()
 
     def _on_side_stream(self, work):
