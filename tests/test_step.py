@@ -267,3 +267,35 @@ def test_inductor_settings_turn_loop_reindexing_off_only_without_the_coalescing_
     assert config.force_layout_optimization is True
     steps.inductor_settings()  # process-wide: the next compile without it turns it off again
     assert config.force_layout_optimization is False
+
+
+def test_with_several_processes_the_objectives_own_gradients_are_averaged():
+    """EDM's u(sigma) head is outside the DDP wrapper: the step all-reduces its gradients itself."""
+    import contextlib
+
+    class TwoProcesses:  # the parts of accelerate's Accelerator the step uses
+        num_processes, sync_gradients = 2, True
+        reduced = []
+
+        def accumulate(self, model):
+            return contextlib.nullcontext()
+
+        def backward(self, loss):
+            loss.backward()
+
+        def clip_grad_norm_(self, parameters, max_norm):
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+        def reduce(self, tensor, reduction):
+            self.reduced.append((tensor.shape, reduction))
+            return tensor
+
+    torch.manual_seed(0)
+    unet = models.build_unet("tiny", 16)
+    objective = models.EDMObjective(logvar_channels=8)
+    optimizer = torch.optim.AdamW([*unet.parameters(), *objective.parameters()], lr=1e-3)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    accelerator = TwoProcesses()
+    step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, None, None, 1.0, True, accelerator=accelerator)
+    step(batches(1))
+    assert accelerator.reduced == [(p.shape, "mean") for p in objective.parameters()]  # the head's, not the network's
