@@ -912,7 +912,7 @@ class Run:
 
     def compile_step(self, train_step, batch, breakdown, cache_file):
         """The first step, which compiles: timed as its own part of the breakdown, and said."""
-        self.accelerator.print(f"compiling the step ({self.config['step_compile_mode']}) ...")
+        self.write(f"compiling the step ({self.config['step_compile_mode']}) ...")
         clock = steps.FirstStepClock(self.device)
         with breakdown.pause("compile"), clock.measure():
             step_losses = train_step(batch, self.step + 1)
