@@ -779,7 +779,7 @@ def train(args):
                 breakdown.begin_step()
                 batch = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
                 breakdown.phase_done("data")
-                if compile_mode is not None and run.compiled_at is None:
+                if compile_mode is not None and run.compile_s is None:
                     step_losses = run.compile_step(train_step, batch, breakdown, compile_cache)
                 else:
                     step_losses = train_step(batch, run.step + 1)
@@ -904,7 +904,7 @@ class Run:
         self.step, self.skipped_before = 0, 0
         self.guard = self.progress = None
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
-        self.compiled_at = self.compile_s = None
+        self.compile_s = None  # seconds the first, compiling step took
 
     def write(self, text):
         if self.accelerator.is_local_main_process:
@@ -916,7 +916,7 @@ class Run:
         clock = steps.FirstStepClock(self.device)
         with breakdown.pause("compile"), clock.measure():
             step_losses = train_step(batch, self.step + 1)
-        self.compiled_at, self.compile_s = self.step + 1, clock.seconds
+        self.compile_s = clock.seconds
         self.on_main_process(lambda: steps.save_compile_artifacts(cache_file))
         self.write(clock.line)
         return step_losses
