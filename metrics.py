@@ -286,19 +286,16 @@ class TrainingEvaluator:
             self.args.dataloader_num_workers, self.log,
         )  # fmt: skip
 
-    def evaluate(self, unet, scheduler, epoch, step, save_pipeline, autocast):
-        """Generate --eval_num_samples images, score them, record them; returns the result dict."""
-        import sample
+    def evaluate(self, batches, sampler, num_inference_steps, epoch, step, save_pipeline):
+        """Score the generated uint8 `batches` (--eval_num_samples images), record them; returns the result dict.
 
-        args = self.args
-        batches = sample.generate_batches(
-            unet, scheduler, args.eval_num_samples, args.fid_batch_size, args.seed, args.num_inference_steps, autocast
-        )
+        The caller generates them (train.py, through sample.generate_batches), so that
+        this module needs nothing of the samplers.
+        """
         features = embed(self.extractor, batches, self.device)
         result = dict(
             epoch=epoch, step=step, **self.reference.scores(features, self.device), num_images=len(features),
-            sampler=getattr(scheduler, "name", args.sampler), num_inference_steps=args.num_inference_steps,
-            reference_images=self.reference.num_images,
+            sampler=sampler, num_inference_steps=num_inference_steps, reference_images=self.reference.num_images,
         )  # fmt: skip
         result["best"] = self.best.offer(result, save_pipeline)
         self._record(result)
@@ -322,15 +319,14 @@ class SampleEvaluation:
     cached in the run folder when it evaluated during training.
     """
 
-    def __init__(self, run_dir, args, image_size, log=print):
-        import sample
-
+    def __init__(self, run_dir, run_folder, run_config, args, image_size, log=print):
+        """`run_folder` and `run_config`: the training run `run_dir` belongs to, and its
+        train_config.json (None for a bare pipeline folder)."""
         run_dir = Path(run_dir)
-        run_folder = sample.find_run_folder(run_dir)
         if args.dataset is None and run_folder is None:
             raise ConfigError(f"{run_dir} has no train_config.json to take the training set from: pass --dataset")
         if args.dataset is None:
-            options = sample.find_run_config(run_dir)  # the training set, loaded as it was for training
+            options = run_config  # the training set, loaded as it was for training
         else:
             options = dict(
                 dataset=args.dataset, dataset_config=args.dataset_config, split=args.split or "train",

@@ -436,7 +436,10 @@ def run(args):
             )
         scheduler, sampler_name = make_scheduler(args.sampler, training_config), args.sampler
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
-    evaluation = metrics.SampleEvaluation(run_dir, args, image_shape(unet)[-1]) if args.fid else None
+    evaluation = None
+    if args.fid:
+        config = find_run_config(run_dir)
+        evaluation = metrics.SampleEvaluation(run_dir, find_run_folder(run_dir), config, args, image_shape(unet)[-1])
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)

@@ -981,7 +981,11 @@ class Run:
         """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
         unet = self.ema_unet()
         save = lambda folder: self.save_network(unet, folder)  # noqa: E731
-        result = self.evaluator.evaluate(unet, self.sampling_scheduler, epoch, self.step, save, self.accelerator.autocast)
+        args = self.args
+        batches = sample.generate_batches(unet, self.sampling_scheduler, args.eval_num_samples, args.fid_batch_size, args.seed,
+                                          args.num_inference_steps, self.accelerator.autocast)  # fmt: skip
+        sampler = getattr(self.sampling_scheduler, "name", args.sampler)
+        result = self.evaluator.evaluate(batches, sampler, args.num_inference_steps, epoch, self.step, save)
         self.accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=self.step)
         best = " (best so far: saved to best/)" if result["best"] else ""
         self.write(f"eval epoch {epoch} step {self.step} | {metrics.format_scores(result)}{best}")
