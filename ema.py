@@ -122,12 +122,18 @@ class PowerEMA:
         0 at t = 1 (the EMA starts as the weights) and rising towards 1.
         """
         self.optimization_step += 1
-        t = self.optimization_step
         parameters = [p.detach().float() for p in parameters]
-        for gamma, shadow in zip(self.gammas, self.shadows):
-            beta = (1 - 1 / t) ** (gamma + 1)
+        for beta, shadow in zip(self.decays(self.optimization_step), self.shadows):
             torch._foreach_lerp_(shadow, parameters, 1 - beta)
-        if self.snapshot_dir is not None and self.snapshot_every and t % self.snapshot_every == 0:
+        self.snapshot_if_due()
+
+    def decays(self, t):
+        """beta(t) of each tracked EMA after optimizer step t."""
+        return [(1 - 1 / t) ** (gamma + 1) for gamma in self.gammas]
+
+    def snapshot_if_due(self):
+        """A snapshot every `snapshot_every` steps (with a snapshot_dir)."""
+        if self.snapshot_dir is not None and self.snapshot_every and self.optimization_step % self.snapshot_every == 0:
             self.save_snapshot()
 
     def copy_to(self, parameters, index=0):

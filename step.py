@@ -29,6 +29,8 @@ import torch
 
 import data
 import profiling
+from checkpoint import RunError
+from model import ConfigError
 
 # What --compile_mode accepts; the torch.compile modes pass through unchanged.
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -58,12 +60,12 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
     blockers = graph_blockers(args, device, num_processes)
     if requested != "auto":
         if requested in CUDA_GRAPH_MODES and blockers:
-            raise_config(f"--compile_mode {requested} cannot capture CUDA graphs here: {blockers[0]}; use --compile_mode default")
+            raise ConfigError(f"--compile_mode {requested} cannot capture CUDA graphs here: {blockers[0]}; use --compile_mode default")
         return requested, f"--compile_mode {requested}"
     if not cuda:
         return "default", "auto: default (CUDA graphs need a CUDA GPU)"
     tflop = flops_per_micro_batch / 1e12
-    if tflop >= LAUNCH_BOUND_FLOPS / 1e12:
+    if flops_per_micro_batch >= LAUNCH_BOUND_FLOPS:
         return "default", f"auto: default ({tflop:.3g} TFLOP per micro-batch keeps the GPU busy; CUDA graphs would not pay)"
     if blockers:
         return "default", f"auto: default, CUDA graphs off ({blockers[0]})"
@@ -86,12 +88,6 @@ def graph_blockers(args, device, num_processes):
     if not args.fused_adam:
         found.append("--no-fused_adam (the non-finite skip happens inside the fused optimizer)")
     return found
-
-
-def raise_config(message):
-    from model import ConfigError
-
-    raise ConfigError(message)
 
 
 def compile_network(model, mode, force_layout=False):
@@ -255,14 +251,11 @@ class StepGraph:
             losses = self.static_losses
         else:
             losses = self._device_work(step_number)
-        self.ema_after()
+        if self.ema is not None:
+            self.ema.after()
         self.step.lr_scheduler.step()  # fills the learning-rate tensor the next replay reads
         self.step.mark("step")
         return [loss.clone() for loss in losses]
-
-    def ema_after(self):
-        if self.ema is not None:
-            self.ema.after()
 
     def _device_work(self, step_number=None):
         """What the graph holds. No phase marks inside: an event recorded in a capture would be
@@ -333,7 +326,7 @@ class GraphEMA:
         self.ema.optimization_step += 1
         t = self.ema.optimization_step
         if self.power:
-            decays = [(1 - 1 / t) ** (gamma + 1) for gamma in self.ema.gammas]
+            decays = self.ema.decays(t)
         else:
             decays = [self.ema.get_decay(t)]
             self.ema.cur_decay_value = decays[0]
@@ -349,9 +342,8 @@ class GraphEMA:
             torch._foreach_add_(shadow, difference)
 
     def after(self):
-        ema = self.ema
-        if self.power and ema.snapshot_dir is not None and ema.snapshot_every and ema.optimization_step % ema.snapshot_every == 0:
-            ema.save_snapshot()
+        if self.power:
+            self.ema.snapshot_if_due()
 
 
 def build_step(step, mode, device):
@@ -474,9 +466,6 @@ class NonFiniteGuard:
     """
 
     def __init__(self, optimizer, mode, device):
-        from checkpoint import RunError
-
-        self.error = RunError
         self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
         self.mode = mode
         self.on_device = mode == "skip" and bool(self.inner.defaults.get("fused"))
@@ -490,7 +479,7 @@ class NonFiniteGuard:
             return
         if bad.item():
             if self.mode == "stop":
-                raise self.error(
+                raise RunError(
                     f"non-finite loss or gradient at step {step} (--on_nonfinite stop): lower --learning_rate "
                     "or use --on_nonfinite skip; the last checkpoint holds the state before it"
                 )
