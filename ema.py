@@ -245,8 +245,6 @@ def main(args):
 
 def reconstruct_command(args):
     import model as models
-    from diffusers import DDPMPipeline
-
     import sample
 
     if not 0 < args.std < MAX_STD:
@@ -266,12 +264,12 @@ def reconstruct_command(args):
         missing, unexpected = unet.load_state_dict(state, strict=False)
         if unexpected or set(missing) - {name for name, _ in unet.named_buffers()}:
             raise ConfigError(f"{run_dir}: the EMA snapshots do not match the saved network")
-        unet.save_pretrained(str(output / "unet"))  # sample.py reads an EDM run's network from unet/
+        sample.save_network(unet, output)
     else:
         unet = models.build_unet(config["model"], config["image_size"])
         unet.load_state_dict(state)
         scheduler = models.make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"])
-        DDPMPipeline(unet=unet, scheduler=scheduler).save_pretrained(str(output))
+        sample.save_network(unet, output, scheduler)
     step = max(u["step"] for u in used)
     (output / "ema.json").write_text(json.dumps(dict(std=args.std, step=step, snapshots=used), indent=2) + "\n")
     print(f"reconstructed the EMA with sigma_rel {args.std:g} at step {step} from {len(used)} snapshots into {output}")

@@ -315,6 +315,18 @@ def quiet_loading():
             diffusers_logging.enable_progress_bar()
 
 
+def save_network(unet, folder, noise_scheduler=None):
+    """What load_model reads back: a DDPMPipeline in `folder` (a DDPM run: pass its
+    `noise_scheduler`), or the network alone in folder/unet (an EDM run: no diffusers
+    pipeline samples it; model.load_network reads it)."""
+    from diffusers import DDPMPipeline
+
+    if noise_scheduler is not None:
+        DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(str(folder))
+    else:
+        unet.save_pretrained(str(Path(folder) / "unet"))
+
+
 def load_model(path, ema=True):
     """(network in eval mode, training-scheduler config or None) from a pipeline or checkpoint folder.
 

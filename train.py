@@ -945,14 +945,7 @@ class Run:
         return (self.output_dir / ("model_index.json" if self.args.objective == "ddpm" else "unet/config.json")).is_file()
 
     def save_network(self, unet, folder):
-        """A DDPMPipeline (DDPM runs), or the network alone in folder/unet (EDM runs: no diffusers
-        pipeline samples them; sample.py and model.load_network read it)."""
-        from diffusers import DDPMPipeline
-
-        if self.args.objective == "ddpm":
-            DDPMPipeline(unet=unet, scheduler=self.noise_scheduler).save_pretrained(str(folder))
-        else:
-            unet.save_pretrained(str(Path(folder) / "unet"))
+        sample.save_network(unet, folder, self.noise_scheduler if self.args.objective == "ddpm" else None)
 
     def save_pipeline(self):
         """The EMA weights (or the raw ones) in output_dir."""
