@@ -21,6 +21,9 @@ How it runs on a GPU is `--compile_mode`:
 """
 
 import contextlib
+import copy
+import json
+import logging
 import math
 import os
 import time
@@ -36,6 +39,7 @@ from model import ConfigError
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_MODES = ("auto", *TORCH_COMPILE_MODES, "step-graph")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "step-graph")
+INDUCTOR_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile makes the graphs (and may skip some)
 
 # Below this many FLOPs per micro-batch and process, a step is bound by kernel
 # launches rather than by the GPU, and CUDA graphs pay. Measured on an H100
@@ -235,6 +239,7 @@ class StepGraph:
         self.graph = None
         self.ema = GraphEMA(step.ema) if step.ema is not None else None
         self.static_batches = self.static_losses = None
+        self.side_stream = None  # one for every warm-up step, so the allocator reuses its blocks
 
     def __call__(self, micro_batches, step_number=None):
         self.calls += 1
@@ -275,8 +280,11 @@ class StepGraph:
         optimizer = getattr(self.step.optimizer, "optimizer", self.step.optimizer)  # accelerate wraps it
         device = self.static_batches[0].device
         for group in optimizer.param_groups:
-            if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), device=device)
+            # On the step's device, whatever it was: accelerate loads a resumed optimizer's
+            # state with map_location="cpu", and a fused CUDA AdamW reads a CPU learning
+            # rate with .item(), which a capture would freeze into the graph.
+            lr = group["lr"]
+            group["lr"] = lr.to(device) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), device=device)
             group["capturable"] = self.capture
         if self.ema is not None:
             self.ema.to(device)
@@ -292,11 +300,12 @@ class StepGraph:
         """Warm-up before a capture runs on a side stream, as torch.cuda.graphs asks."""
         if not self.capture:
             return work()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream()
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side_stream):
             result = work()
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(self.side_stream)
         return result
 
 
@@ -353,6 +362,150 @@ def build_step(step, mode, device):
     return step
 
 
+# The mode to try when compiling or capturing the step in a mode raises (None: eager).
+FALLBACK = {
+    "step-graph": "reduce-overhead",
+    "reduce-overhead": "default",
+    "max-autotune": "default",
+    "max-autotune-no-cudagraphs": "default",
+    "default": None,
+}
+
+# The calls in which a mode may still fail for being compiled or captured: the
+# first compiles forward and backward; reduce-overhead's CUDA graph trees warm up
+# on the next and record on the one after; step-graph captures after its warm-up.
+TRIAL_CALLS = 3
+
+
+class FastStep:
+    """The step in the fastest mode that works: one whose compile or capture raises falls back.
+
+    `step` is a TrainStep whose `net` is the uncompiled model; `mode` is a
+    --compile_mode (None: eager). An exception in a mode's first calls (its
+    compile, reduce-overhead's recording, step-graph's capture) puts back what
+    the call may have touched (the random generators, the gradients, the EMA's
+    step count: the weights and the optimizer change only at its end), rebuilds
+    the step in the next mode (step-graph -> reduce-overhead -> default ->
+    eager), says so in one line through `say` and runs the call again, so
+    training goes on from the same state. Later exceptions are the run's own.
+    `fallbacks` and `graph_skips` are what run.json records.
+    """
+
+    def __init__(self, step, mode, device, say=print):
+        self.base, self.device, self.say = step, device, say
+        self.fallbacks = []
+        self.graph_skips = []
+        self._use(mode)
+
+    @property
+    def mode_name(self):
+        return self.mode or "eager"
+
+    def _use(self, mode):
+        self.mode, self.calls = mode, 0
+        step = copy.copy(self.base)
+        step.net = compile_network(self.base.model, mode)
+        self.current = build_step(step, mode, self.device)
+        if mode is None:
+            self.trial_calls = 0
+        elif isinstance(self.current, StepGraph):
+            self.trial_calls = self.current.warmup_steps + 1  # the capture is the call after the warm-up
+        else:
+            self.trial_calls = TRIAL_CALLS
+        self.skips = GraphSkips() if mode in INDUCTOR_GRAPH_MODES and self.device.type == "cuda" else None
+
+    def __call__(self, micro_batches, step_number=None):
+        if self.calls >= self.trial_calls:
+            return self.current(micro_batches, step_number)
+        state = self._state()
+        try:
+            losses = self.current(micro_batches, step_number)
+        except (ConfigError, RunError):
+            raise
+        except Exception as e:
+            self._restore(state)
+            self._fall_back(e)
+            return self(micro_batches, step_number)
+        self.calls += 1
+        if self.calls == self.trial_calls and self.skips is not None:
+            self.graph_skips, self.skips = self.skips.close(), None
+            if self.graph_skips:
+                self.say(f"CUDA graphs: Inductor skipped {len(self.graph_skips)} graph(s), which run without them: "
+                         f"{self.graph_skips[0]}")  # fmt: skip
+        return losses
+
+    def _state(self):
+        ema = self.base.ema
+        return dict(
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
+            ema_step=getattr(ema, "optimization_step", None),
+        )
+
+    def _restore(self, state):
+        torch.set_rng_state(state["cpu_rng"])
+        if state["cuda_rng"] is not None:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        if state["ema_step"] is not None:
+            self.base.ema.optimization_step = state["ema_step"]
+        self.base.optimizer.zero_grad(set_to_none=True)
+
+    def _fall_back(self, error):
+        if self.skips is not None:
+            self.skips.close()  # stop listening: the next mode opens its own
+        failed, to = self.mode, FALLBACK[self.mode]
+        self.fallbacks.append(dict(mode=failed, error=error_line(error), fell_back_to=to or "eager"))
+        self.say(f"--compile_mode {failed} failed ({error_line(error)}); falling back to {to or 'eager'}")
+        torch.compiler.reset()  # forget the failed mode's compiled code and graphs
+        self._use(to)
+
+
+def error_line(error):
+    """'Type: first line' of the exception at the bottom of a chain (torch.compile wraps the
+    backend's own error in a BackendCompilerFailed whose first line names only the backend)."""
+    while True:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if inner is None or inner is error:
+            break
+        error = inner
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+class GraphSkips:
+    """The CUDA graphs Inductor skipped while this object was open, with its reasons.
+
+    Inductor counts a skip in counters["inductor"]["cudagraph_skips"] and
+    writes why to its `cudagraphs` log, which is off unless TORCH_LOGS asks
+    for it: this listens to that log directly. `close()` returns one reason
+    per skip ('reason not logged' where Inductor counted without saying).
+    """
+
+    LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
+
+    def __init__(self):
+        from torch._dynamo.utils import counters
+
+        self.counters = counters
+        self.start = counters["inductor"]["cudagraph_skips"]
+        self.reasons = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.reasons.append(record.getMessage())
+        self.logger = logging.getLogger(self.LOGGER)
+        self.level = self.logger.level
+        if self.logger.getEffectiveLevel() > logging.WARNING:
+            self.logger.setLevel(logging.WARNING)
+        self.logger.addHandler(self.handler)
+
+    def close(self):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+        count = self.counters["inductor"]["cudagraph_skips"] - self.start
+        reasons = [r for r in self.reasons if r.startswith("skipping cudagraphs")][:count]
+        return reasons + ["reason not logged"] * (count - len(reasons))
+
+
 # --- the fast start: timing the compile, keeping its artifacts ------------------------
 
 
@@ -370,27 +523,50 @@ def compile_counters():
     )
 
 
-def load_compile_artifacts(path):
+# The first line of compile_cache.bin: what made it. Inductor's cache keys hold the torch
+# version and the device, so a cache from another of either cannot hit.
+COMPILE_CACHE_HEADER = b"train.py compile cache "
+
+
+def compile_origin(device):
+    """What a compile cache must come from to be of use here: torch's version and the device."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return dict(torch=torch.__version__, device=name)
+
+
+def load_compile_artifacts(path, device):
     """Load compile artifacts a previous run saved (torch.compiler's mega-cache), so that a
-    run resumed on a fresh machine need not compile again. Returns whether it loaded any."""
+    run resumed on a fresh machine need not compile again. Returns a line saying what
+    happened, or None when there was no cache to load."""
     try:
         blob = path.read_bytes()
     except OSError:
-        return False
+        return None
+    header, _, artifacts = blob.partition(b"\n")
     try:
-        return torch.compiler.load_cache_artifacts(blob) is not None
-    except Exception:  # from another torch version or machine: compile afresh
-        return False
+        origin = json.loads(header.removeprefix(COMPILE_CACHE_HEADER)) if header.startswith(COMPILE_CACHE_HEADER) else None
+    except ValueError:
+        origin = None
+    here = compile_origin(device)
+    if origin != here:
+        made = f"torch {origin['torch']} on {origin['device']}" if isinstance(origin, dict) and len(origin) == 2 else "an unknown origin"
+        return f"not using {path}: it is from {made}, this is torch {here['torch']} on {here['device']}; compiling afresh"
+    try:
+        loaded = torch.compiler.load_cache_artifacts(artifacts) is not None
+    except Exception:  # damaged: compile afresh
+        loaded = False
+    return f"loaded compile artifacts from {path}" if loaded else f"could not read {path}; compiling afresh"
 
 
-def save_compile_artifacts(path):
-    """Write this process's compile artifacts (FX graphs, AOTAutograd, autotuning) to `path`."""
+def save_compile_artifacts(path, device):
+    """Write this process's compile artifacts (FX graphs, AOTAutograd, autotuning) to `path`,
+    after a header saying which torch and device made them."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return False
     blob, _ = saved
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(blob)
+    tmp.write_bytes(COMPILE_CACHE_HEADER + json.dumps(compile_origin(device)).encode() + b"\n" + blob)
     tmp.replace(path)
     return True
 

@@ -728,9 +728,9 @@ def train(args):
     # The step: everything from the uint8 batch to the EMA, in one object (step.py).
     breakdown = profiling.Breakdown(device)
     run.guard = steps.NonFiniteGuard(optimizer, args.on_nonfinite, device)
-    train_step = steps.build_step(
+    train_step = steps.FastStep(
         steps.TrainStep(
-            steps.compile_network(model, compile_mode),
+            model,
             model,
             objective,
             optimizer,
@@ -744,10 +744,13 @@ def train(args):
         ),
         compile_mode,
         device,
+        say=run.write,
     )
     compile_cache = run.output_dir / COMPILE_CACHE_FILE
-    if compile_mode is not None and steps.load_compile_artifacts(compile_cache):
-        accelerator.print(f"loaded compile artifacts from {compile_cache}")
+    if compile_mode is not None:
+        loaded = steps.load_compile_artifacts(compile_cache, device)
+        if loaded:
+            accelerator.print(loaded)
 
     timer = flops.StepTimer(device, args.timing_warmup_steps)
     losses = steps.LossMeter(device)
@@ -863,6 +866,9 @@ def train(args):
             peak=peak_words,
             peak_memory_gib=profiling.peak_memory_gib(device),
             compile_s=run.compile_s,
+            step_compile_mode=train_step.mode_name,
+            compile_fallbacks=train_step.fallbacks,
+            cuda_graph_skips=train_step.graph_skips,
             train_wall_s=wall_s,
             epoch_times_s=epoch_times,
             time_breakdown_s=parts,
@@ -917,7 +923,7 @@ class Run:
         with breakdown.pause("compile"), clock.measure():
             step_losses = train_step(batch, self.step + 1)
         self.compile_s = clock.seconds
-        self.on_main_process(lambda: steps.save_compile_artifacts(cache_file))
+        self.on_main_process(lambda: steps.save_compile_artifacts(cache_file, self.device))
         self.write(clock.line)
         return step_losses
 

@@ -225,18 +225,77 @@ def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from
     assert "served from the compile cache" in second_compile.line
 
 
-def test_compile_artifacts_are_saved_and_loaded(tmp_path, monkeypatch):
+def test_compile_artifacts_are_saved_and_loaded_only_where_they_can_hit(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.compiler.reset()
     net = torch.compile(torch.nn.Linear(4, 4), dynamic=False)
     net(torch.randn(2, 4)).sum().backward()
     path = tmp_path / "compile_cache.bin"
-    assert steps.save_compile_artifacts(path) and path.stat().st_size > 0
-    assert steps.load_compile_artifacts(path)
-    assert not steps.load_compile_artifacts(tmp_path / "missing.bin")
+    assert steps.save_compile_artifacts(path, CPU) and path.stat().st_size > 0
+    assert steps.load_compile_artifacts(path, CPU) == f"loaded compile artifacts from {path}"
+    assert steps.load_compile_artifacts(tmp_path / "missing.bin", CPU) is None
+    # another torch version (or GPU) made it: its keys cannot hit here, so it is not "loaded"
+    monkeypatch.setattr(torch, "__version__", "2.0.0")
+    line = steps.load_compile_artifacts(path, CPU)
+    assert line.startswith(f"not using {path}: it is from torch ") and "this is torch 2.0.0 on cpu; compiling afresh" in line
     (tmp_path / "garbage.bin").write_bytes(b"not a cache")
-    assert not steps.load_compile_artifacts(tmp_path / "garbage.bin")
+    assert "unknown origin" in steps.load_compile_artifacts(tmp_path / "garbage.bin", CPU)
     torch.compiler.reset()
+
+
+def test_graph_skips_are_read_with_their_reasons():
+    """Inductor's skip is off-by-default logging plus a counter: GraphSkips reads both."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    skips = steps.GraphSkips()
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
+    counters["inductor"]["cudagraph_skips"] += 1  # what Inductor does for a graph on a CPU device: no message
+    assert skips.close() == ["skipping cudagraphs due to mutated inputs (1 instances)", "reason not logged"]
+    assert steps.GraphSkips().close() == []
+
+
+def test_a_failing_mode_falls_back_to_the_next_from_the_same_state(monkeypatch):
+    """A mode whose calls raise in its trial falls back; the state it touched is put back."""
+    images = batches(3)
+    results = []
+    for fail in (False, True):
+        unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+        said = []
+        fast = steps.FastStep(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
+                              None, CPU, say=said.append)  # fmt: skip
+        if fail:  # as if eager were a compiled mode whose second call fails half-way (after the noise is drawn)
+            fast.mode, fast.trial_calls = "reduce-overhead", 3
+            real = fast.current.descend
+
+            def descend(micro_batches, step_number=None):
+                if fast.calls == 1 and fast.mode == "reduce-overhead":
+                    torch.randn(100)
+                    ema.optimization_step += 7
+                    raise RuntimeError("capture failed\nmore detail")
+                return real(micro_batches, step_number)
+
+            monkeypatch.setattr(fast.current, "descend", descend)
+            monkeypatch.setattr(steps, "compile_network", lambda model, mode: model)  # 'default' is eager here
+        torch.manual_seed(123)
+        losses = torch.stack([fast([b])[0] for b in images])
+        results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)]))
+    (l0, p0, s0), (l1, p1, s1) = results
+    assert torch.equal(l1, l0)
+    assert all(torch.equal(a, b) for a, b in zip(p1 + s1, p0 + s0))
+    assert said == ["--compile_mode reduce-overhead failed (RuntimeError: capture failed); falling back to default"]
+    assert fast.fallbacks == [dict(mode="reduce-overhead", error="RuntimeError: capture failed", fell_back_to="default")]
+    assert fast.mode == "default" and ema.optimization_step == 3
+
+
+def test_the_bottom_of_an_error_chain_is_named():
+    try:
+        try:
+            raise ValueError("the real reason\nline two")
+        except ValueError as e:
+            raise RuntimeError("backend='inductor' raised:") from e
+    except RuntimeError as e:
+        assert steps.error_line(e) == "ValueError: the real reason"
 
 
 def test_inductor_settings_turn_loop_reindexing_off_only_without_the_coalescing_guard(monkeypatch):

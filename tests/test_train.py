@@ -226,3 +226,31 @@ def test_the_logged_loss_is_the_mean_of_the_finite_losses_since_the_last_log():
     assert not meter.read() and meter.last == 2.0  # only a skipped step: the last mean stands
     meter.add(torch.tensor(5.0))
     assert meter.read() and meter.last == 5.0
+
+
+def test_a_compile_that_fails_falls_back_to_eager_and_trains_the_same_weights(tmp_path, capsys, monkeypatch):
+    """The compile of the step raises (injected into Inductor): the run says so, goes on eager
+    from the same state, finishes, records it, and ends with an eager run's weights."""
+    import torch._inductor.compile_fx
+
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("injected compile failure\nsecond line")
+
+    flags = ["--max_train_steps", 3, "--save_images_epochs", 100]
+    run(tmp_path / "eager", *flags, "--no-compile")
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken_compile)
+    torch.compiler.reset()
+    run(tmp_path / "fell", *flags, "--compile")
+    torch.compiler.reset()
+    out = capsys.readouterr().out
+
+    assert "--compile_mode default failed (RuntimeError: injected compile failure); falling back to eager" in out
+    manifest = json.loads((tmp_path / "fell" / "run.json").read_text())
+    assert manifest["step_compile_mode"] == "eager"
+    assert manifest["compile_fallbacks"] == [
+        dict(mode="default", error="RuntimeError: injected compile failure", fell_back_to="eager")
+    ]
+    a, _ = tensors_of(tmp_path / "eager" / "unet")
+    b, _ = tensors_of(tmp_path / "fell" / "unet")
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)

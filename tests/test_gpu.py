@@ -1,0 +1,136 @@
+"""The GPU paths as train.py wires them: the whole-step CUDA graph around the compiled
+network under accelerate's bf16 autocast, a NaN under capture, a step-graph run resumed,
+and torch.compile's CUDA graphs through main with skips made errors. They skip without a GPU."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import step as steps
+from test_step import batches, shadows, tiny_parts
+from test_train import run, tensors_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+def wired_step(mode, nan_scale=None):
+    """tiny_parts on the GPU, prepared by accelerate (bf16) and built as train.py builds the step."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16")
+    unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+    objective.to(CUDA)
+    model, optimizer = accelerator.prepare(unet, optimizer)
+    ema.to(CUDA)
+    if nan_scale is not None:  # the loss times a device scalar: a NaN written there makes that step's loss NaN
+        loss = objective.loss
+        objective.loss = lambda net, x0: loss(net, x0) * nan_scale
+    guard = steps.NonFiniteGuard(optimizer, "skip", CUDA)
+    step = steps.TrainStep(model, model, objective, optimizer, lr_scheduler, ema, guard, 1.0, True, accelerator=accelerator)
+    return steps.FastStep(step, mode, CUDA), unet, ema, guard
+
+
+def test_the_captured_compiled_bf16_step_trains_as_the_eager_one():
+    images = [b.to(CUDA) for b in batches(6)]
+    results = []
+    for mode in (None, "step-graph"):
+        fast, unet, ema, guard = wired_step(mode)
+        torch.manual_seed(123)
+        losses = torch.stack([fast([b], i + 1)[0] for i, b in enumerate(images)])
+        assert fast.mode == mode and not fast.fallbacks
+        results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)],
+                        guard.count()))  # fmt: skip
+    (l0, p0, s0, g0), (l1, p1, s1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=2e-2, atol=2e-3)  # bf16, and Inductor's fusions round apart
+    for a, b in zip(p1 + s1, p0 + s0):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert g0 == g1 == 0
+
+
+def test_a_nan_under_capture_leaves_the_weights_as_they_were():
+    scale = torch.ones((), device=CUDA)
+    fast, unet, ema, guard = wired_step("step-graph", nan_scale=scale)
+    images = [b.to(CUDA) for b in batches(7)]
+    for i, b in enumerate(images[:5]):  # 3 warm-up steps, the capture, one replay
+        fast([b], i + 1)
+    assert fast.current.graph is not None
+    before = [p.detach().clone() for p in unet.parameters()]
+    scale.fill_(float("nan"))
+    loss = fast([images[5]], 6)[0]
+    assert not torch.isfinite(loss)
+    assert all(torch.equal(a, b) for a, b in zip(unet.parameters(), before))
+    assert guard.count() == 1
+    scale.fill_(1.0)
+    fast([images[6]], 7)
+    assert not all(torch.equal(a, b) for a, b in zip(unet.parameters(), before))  # the next step trains again
+
+
+def test_a_resumed_graph_reads_the_learning_rate_the_schedule_writes(tmp_path):
+    """accelerate loads optimizer state to the CPU: the learning rate must go back to the GPU,
+    or the capture freezes it (the scheduler would fill a tensor no replay reads)."""
+    images = [b.to(CUDA) for b in batches(10)]
+
+    def parts():
+        unet, objective, optimizer, _, _ = tiny_parts()
+        unet.to(CUDA), objective.to(CUDA)
+        optimizer = type(optimizer)(unet.parameters(), lr=1e-3, fused=True)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 10)  # falls to 0 at step 10
+        step = steps.TrainStep(unet, unet, objective, optimizer, schedule, None, None, 1.0, False)
+        return steps.StepGraph(step, warmup_steps=2), unet, optimizer, schedule
+
+    straight, unet_a, _, _ = parts()
+    torch.manual_seed(0)
+    for b in images:
+        straight([b])
+
+    first, unet_b, optimizer, schedule = parts()
+    torch.manual_seed(0)
+    for b in images[:5]:
+        first([b])
+    torch.save(dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), unet=unet_b.state_dict(),
+                    rng=torch.cuda.get_rng_state()), tmp_path / "state.pt")  # fmt: skip
+    saved = torch.load(tmp_path / "state.pt", map_location="cpu", weights_only=False)  # as accelerate loads it
+    resumed, unet_c, optimizer, schedule = parts()
+    unet_c.load_state_dict(saved["unet"])
+    optimizer.load_state_dict(saved["optimizer"])
+    schedule.load_state_dict(saved["schedule"])
+    torch.cuda.set_rng_state(saved["rng"])
+    for b in images[5:]:
+        resumed([b])
+    assert resumed.graph is not None and optimizer.param_groups[0]["lr"].device.type == "cuda"
+    for a, c in zip(unet_a.parameters(), unet_c.parameters()):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
+
+
+def test_a_step_graph_run_resumed_matches_an_uninterrupted_one(tmp_path):
+    flags = ["--max_train_steps", 10, "--checkpointing_steps", 5, "--save_images_epochs", 100, "--compile_mode", "step-graph"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, *flags)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "checkpoint-5", resumed / "checkpoints" / "checkpoint-5")
+    run(resumed, *flags, "--resume_from_checkpoint", "latest")
+    for folder in (straight, resumed):
+        manifest = json.loads((folder / "run.json").read_text())
+        assert manifest["step_compile_mode"] == "step-graph" and not manifest["compile_fallbacks"]
+    a, _ = tensors_of(straight / "unet")
+    b, _ = tensors_of(resumed / "unet")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["tiny", "edm2tiny"])
+def test_reduce_overhead_through_main_captures_every_graph(tmp_path, model):
+    """With cudagraph_or_error, a graph Inductor would skip is an error; the fallback would
+    then record it, so an empty record means every graph ran as a CUDA graph."""
+    from torch._inductor import config
+
+    torch.compiler.reset()
+    with config.patch({"triton.cudagraph_or_error": True}):
+        run(tmp_path, "--model", model, "--max_train_steps", 6, "--save_images_epochs", 100, "--compile_mode", "reduce-overhead")
+    torch.compiler.reset()
+    manifest = json.loads((tmp_path / "run.json").read_text())
+    assert manifest["step_compile_mode"] == "reduce-overhead"
+    assert manifest["compile_fallbacks"] == [] and manifest["cuda_graph_skips"] == []
