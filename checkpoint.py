@@ -16,6 +16,8 @@ import shutil
 import signal
 from pathlib import Path
 
+import torch
+
 from model import ConfigError
 
 STATE_FILE = "trainer_state.json"
@@ -121,6 +123,12 @@ def cannot_write(what, error, note=""):
     why = "the disk is full" if full else (error.strerror or str(error))
     fix = "free space" if full else "make it writable"
     return f"could not write {what} ({why}){'; ' + note if note else ''}: {fix} and run the same command again"
+
+
+def weights_finite(model):
+    """Whether every weight is finite: a checkpoint never replaces a good one with a broken state."""
+    norms = torch._foreach_norm([p.detach() for p in model.parameters()])
+    return bool(torch.isfinite(torch.stack(norms)).all())
 
 
 # --- starting or resuming ------------------------------------------------------------

@@ -370,3 +370,16 @@ def to_model_input(images, random_flip=True):
         flip = torch.rand(x.shape[0], device=x.device) < 0.5
         x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
     return x
+
+
+def load_images(args, unreadable):
+    """The training images of the run's flags: a uint8 tensor (generated or preloaded), or a
+    Dataset to stream when preloading is off, needs random crops, or would pass --preload_max_gib."""
+    if args.dataset == BUILTIN:
+        return make_shapes(args.shapes_num_images, args.image_size, seed=args.seed)
+    dataset = open_dataset(args.dataset, args.image_size, args.center_crop, args.dataset_config, args.split, args.image_column)
+    gib = len(dataset) * 3 * args.image_size**2 / 2**30
+    if not args.preload_data or not args.center_crop or gib > args.preload_max_gib:
+        check_readable(dataset, unreadable)
+        return dataset
+    return preload(dataset, args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)

@@ -28,6 +28,7 @@ Time is the optimizer step, counted from 1.
 import argparse
 import json
 import sys
+from copy import deepcopy
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,45 @@ class PowerEMA:
             tmp = path.with_name(path.name + ".tmp")
             save_file(tensors, str(tmp), metadata=dict(step=str(step), std=repr(std)))
             tmp.replace(path)
+
+
+def make_ema(args, network, write):
+    """The EMA of the weights that the samples and the saved pipeline use, or None (--no-use_ema).
+
+    --ema power keeps one power-function EMA per --ema_stds and writes snapshots
+    to ema_snapshots/ every --ema_snapshot_every steps (when `write`, the main
+    process), for `ema.py reconstruct`; --ema standard is diffusers' EMAModel
+    with warm-up, updated by foreach ops.
+    """
+    from diffusers.training_utils import EMAModel
+
+    if not args.use_ema:
+        return None
+    if args.ema == "power":
+        return PowerEMA(
+            network.parameters(),
+            args.ema_stds,
+            names=[name for name, _ in network.named_parameters()],
+            snapshot_dir=Path(args.output_dir) / SNAPSHOT_DIR,
+            snapshot_every=args.ema_snapshot_every,
+            write=write,
+        )
+    return EMAModel(
+        network.parameters(),
+        decay=args.ema_max_decay,
+        use_ema_warmup=True,
+        inv_gamma=args.ema_inv_gamma,
+        power=args.ema_power,
+        foreach=True,
+    )
+
+
+def averaged_copy(network, ema):
+    """A stand-alone copy of `network` (unwrapped) carrying the EMA weights (the raw ones without an EMA)."""
+    copy = deepcopy(network).eval()
+    if ema is not None:
+        ema.copy_to(copy.parameters())
+    return copy
 
 
 def parse_stds(text):

@@ -7,6 +7,8 @@ presets live in one dict, `PRESETS`; `python flops.py --model NAME` prints
 what each one costs.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DModel
@@ -292,6 +294,24 @@ LOSS_WEIGHTINGS = ("uncertainty", "edm")
 # absorbs that). Unscaled, c_noise spans 2.6 units: the lower half of the
 # embedding's frequencies (periods of 100 to 10000 units) would barely move.
 UNET_C_NOISE_SCALE = 400.0
+
+
+def make_lr_scheduler(schedule, optimizer, warmup_steps, max_train_steps, ref_steps=None):
+    """diffusers' schedules with a linear warm-up, or EDM2's inverse square root:
+
+    lr(t) = lr_ref * min(t / warmup, 1) / sqrt(max(t / t_ref, 1))
+    (Karras et al. 2024, Config E; NVlabs/edm2 training_loop.learning_rate_schedule).
+    """
+    from diffusers.optimization import get_scheduler
+
+    if schedule != "inverse_sqrt":
+        return get_scheduler(schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_train_steps)
+
+    def factor(step):
+        ramp = min(step / warmup_steps, 1.0) if warmup_steps else 1.0
+        return ramp / math.sqrt(max(step / ref_steps, 1.0))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def c_noise_scale_for(net):

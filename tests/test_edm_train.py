@@ -82,7 +82,7 @@ def test_the_inverse_sqrt_schedule_is_edm2s():
                                             "--lr_ref_steps", "100"]))  # fmt: skip
     parameter = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([parameter], lr=1.0)
-    schedule = train.make_lr_scheduler(args, optimizer, 10_000, args.lr_ref_steps)
+    schedule = models.make_lr_scheduler(args.lr_scheduler, optimizer, args.lr_warmup_steps, 10_000, args.lr_ref_steps)
     lrs = []
     for _ in range(400):
         lrs.append(schedule.get_last_lr()[0])
