@@ -52,7 +52,7 @@ import profiling
 import step as steps
 import sweep
 import train
-from model import ConfigError
+from errors import ConfigError
 
 # name -> preset, image side and the batch the targets are stated for.
 WORKLOADS = {

@@ -16,7 +16,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from model import ConfigError
+from errors import ConfigError, RunError
 
 STATE_FILE = "trainer_state.json"
 
@@ -42,10 +42,6 @@ RUN_IDENTITY = (
     "objective",
     "use_ema",
 )
-
-
-class RunError(Exception):
-    """Training cannot go on (disk full, non-finite loss): one line, exit code 1."""
 
 
 def checkpoints_root(output_dir):

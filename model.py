@@ -13,10 +13,7 @@ from diffusers import DDPMScheduler, UNet2DModel
 
 import edm2
 from edm2 import EDM2UNet
-
-
-class ConfigError(Exception):
-    """A bad flag, path or combination: reported as one line, exit code 2."""
+from errors import ConfigError
 
 
 def _unet(channels, attention_at, layers_per_block=2, **extra):

@@ -48,7 +48,7 @@ import data
 import model as models
 import profiling
 import train
-from model import ConfigError
+from errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "train.py")

@@ -37,8 +37,7 @@ import model as models
 import profiling
 import sample
 import step as steps
-from checkpoint import RunError
-from model import ConfigError
+from errors import ConfigError, RunError
 
 SAMPLERS = sample.SAMPLERS
 LR_SCHEDULES = (

@@ -9,6 +9,7 @@ from PIL import Image
 import bench
 import model as models
 import train
+from errors import ConfigError
 from test_train import run as run_train
 from test_train import scalars, visible
 
@@ -162,9 +163,9 @@ def test_train_py_fused_norm_is_off_unless_asked_and_needs_a_gpu_and_channels_la
     assert len(err) == 1 and message in err[0] and err[0].startswith("train.py: error:"), err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    with pytest.raises(train.ConfigError, match="add --channels_last"):
+    with pytest.raises(ConfigError, match="add --channels_last"):
         train.validate(train.parse_args(["--fused_norm", "--no-channels_last"]))
-    with pytest.raises(train.ConfigError, match="needs a CUDA GPU"):
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         train.validate(train.parse_args(["--fused_norm", "--cpu"]))
     assert train.validate(train.parse_args(["--fused_norm"])).fused_norm  # channels_last is on by default with a GPU
     assert train.validate(train.parse_args([])).fused_norm is False  # not measured faster yet
