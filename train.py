@@ -4,6 +4,7 @@
     python train.py --dataset path/to/images --image_size 64
     python train.py --dataset huggan/smithsonian_butterflies_subset \\
         --image_size 128 --train_batch_size 64 --num_epochs 50 --learning_rate 1e-4
+    python train.py --config configs/cifar10-edm2-E.yaml   # a reference run, as a file (config.py)
     python train.py --dry_run                         # resolved config, parameters, FLOPs; no training
 
 Resume a run from its newest checkpoint:
