@@ -41,7 +41,8 @@ PROFILE_LEVELS = ("kernels", "operators")
 DEFAULT_LR_REF_STEPS = 70_000
 
 # What a run's train_config.json holds beside its flags: facts of the run (the
-# data, the machine, the FLOPs), recomputed by every run, so --config skips them.
+# data, the machine, the FLOPs), recomputed by every run, and the --config it was
+# read from (files do not include each other). --config skips them.
 DERIVED_KEYS = (
     "config", "num_processes", "num_images", "data_path", "global_batch_size", "steps_per_epoch",
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
