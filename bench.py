@@ -45,14 +45,14 @@ from pathlib import Path
 
 import torch
 
+import config
 import data
 import flops
 import model as models
 import profiling
 import step as steps
 import sweep
-import train
-from model import ConfigError
+from errors import ConfigError
 
 # name -> preset, image side and the batch the issue's targets are stated for.
 WORKLOADS = {
@@ -67,16 +67,16 @@ WORKLOADS = {
 }
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 
-# Everything the ladder does not vary comes from train.py's defaults: each
+# Everything the ladder does not vary comes from train.py's defaults (config.py): each
 # step takes them resolved for its model (train_defaults: the learning rate is
 # the preset's); these unresolved ones give the loss-reading interval and the
 # number of timesteps, and are recorded in the JSON.
-TRAIN_DEFAULTS = train.parse_args([])
+TRAIN_DEFAULTS = config.parse_args([])
 
 
 def train_defaults(workload):
-    """train.py's resolved defaults for a workload's model (its learning rate is the preset's)."""
-    return train.validate(train.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
+    """train.py's defaults, resolved by config.py for a workload's model (its learning rate is the preset's)."""
+    return config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
 
 
 # Relative error of the loss and of the whole gradient vector against the
@@ -237,7 +237,7 @@ LADDER = _ladder()
 
 def train_default_variant():
     """The row for what `python train.py` runs by default on this machine's device."""
-    args = train.validate(train.parse_args([]))
+    args = config.resolve(config.parse_args([]))
     settings = dict(
         precision="bf16" if args.mixed_precision == "bf16" else "fp32",
         matmul_tf32=args.allow_tf32,
@@ -668,7 +668,7 @@ def _batch_sizes(text):
 
 
 def parse_args(argv=None):
-    p = train._Parser(prog="bench.py", description="Time the training step's speed-ups, one row at a time.")
+    p = config.Parser(prog="bench.py", description="Time the training step's speed-ups, one row at a time.")
     p.add_argument(
         "--workload",
         default=None,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from model import ConfigError
+from errors import ConfigError, RunError
 
 STATE_FILE = "trainer_state.json"
 
@@ -44,10 +44,6 @@ RUN_IDENTITY = (
     "objective",
     "use_ema",
 )
-
-
-class RunError(Exception):
-    """Training cannot go on (disk full, non-finite loss): one line, exit code 1."""
 
 
 def checkpoints_root(output_dir):

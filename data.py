@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import v2 as T
 
-from model import ConfigError
+from errors import ConfigError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 BUILTIN = "shapes"

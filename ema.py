@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import ConfigError
+from errors import ConfigError
 
 SNAPSHOT_DIR = "ema_snapshots"
 MAX_STD = (1 / 12) ** 0.5  # sigma_rel of gamma = 0, the uniform average of the whole run

@@ -28,6 +28,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import model as models
+from errors import ConfigError
 
 
 def count_flops(fn):
@@ -244,10 +245,10 @@ def parse_args(argv=None):
 def main(args):
     try:
         if args.train_batch_size < 1:
-            raise models.ConfigError(f"--train_batch_size must be at least 1 (got {args.train_batch_size})")
+            raise ConfigError(f"--train_batch_size must be at least 1 (got {args.train_batch_size})")
         name = models.resolve_model_name(args.model, args.image_size)
         per_image = unet_flops(name, args.image_size, 1, args.gradient_checkpointing)
-    except models.ConfigError as e:
+    except ConfigError as e:
         print(f"flops.py: error: {e}", file=sys.stderr)
         return 2
     # FLOPs are linear in the batch (tests/test_flops.py checks it), so count one image and scale.

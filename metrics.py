@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import data
-from model import ConfigError
+from errors import ConfigError
 
 # torch-fidelity's URL_INCEPTION_V3, the file torchmetrics downloads (a test keeps them equal).
 INCEPTION_URL = (

@@ -15,10 +15,7 @@ from diffusers import DDPMScheduler, UNet2DModel
 
 import edm2
 from edm2 import EDM2UNet
-
-
-class ConfigError(Exception):
-    """A bad flag, path or combination: reported as one line, exit code 2."""
+from errors import ConfigError
 
 
 def _unet(channels, attention_at, layers_per_block=2, **extra):
@@ -57,7 +54,7 @@ def _edm2(config, dropout):
 
 
 # name -> description, the image size it was made for, the learning rate
-# train.py uses unless --learning_rate is given, and the network's kwargs:
+# config.resolve fills in unless --learning_rate is given, and the network's kwargs:
 # `unet` for UNet2DModel, or `network="edm2"` and `edm2` for EDM2UNet.
 # Parameter counts and FLOPs are in the README (from `python flops.py`).
 PRESETS = {
@@ -107,7 +104,7 @@ PRESETS = {
     # 200 epochs of linear warm-up, then constant (C) or alpha_ref /
     # sqrt(max(t / t_ref, 1)) with t_ref = 400 epochs (E, G: Config E's
     # inverse-square-root decay, Table 1; NVlabs/edm2 learning_rate_schedule).
-    # `lr_decay` records that for the training loop; train.py does not read it yet.
+    # `lr_decay` records that schedule: config.resolve sets --lr_scheduler and --lr_ref_steps from it.
     # C: config/cifar10/C.yaml, lrate 4e-4 at batch 512.
     "edm2c": dict(
         description="EDM2 Config C, CIFAR-10 size, 39.5M",

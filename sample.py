@@ -32,7 +32,7 @@ import torch
 
 import model as models
 from checkpoint import checkpoint_dirs
-from model import ConfigError
+from errors import ConfigError
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver")
 # DPM-Solver++ with 25 steps: on the bare `python train.py` model (1024 steps)

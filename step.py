@@ -32,8 +32,7 @@ import torch
 
 import data
 import profiling
-from checkpoint import RunError
-from model import ConfigError
+from errors import ConfigError, RunError
 
 # What --compile_mode accepts; the torch.compile modes pass through unchanged.
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

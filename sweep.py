@@ -44,11 +44,11 @@ from pathlib import Path
 
 import torch
 
+import config
 import data
 import model as models
 import profiling
-import train
-from model import ConfigError
+from errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "train.py")
@@ -193,7 +193,7 @@ def validate(args, workloads):
         points.append(dict(value=PRELOADED, reference=True))
     for point in points:  # every point's train.py flags, checked now rather than after an hour
         base = train_flags(args, workload, point, dataset=args.dataset, output_dir="unused")
-        settings = train.validate(_parse_train_flags(base))
+        settings = config.resolve(_parse_train_flags(base))
         per_step = settings.train_batch_size * settings.gradient_accumulation_steps * processes(args, point)
         if args.dataset == data.BUILTIN and args.num_images < per_step:
             raise ConfigError(f"--num_images {args.num_images} is less than one step of {per_step} images: raise it")
@@ -201,11 +201,11 @@ def validate(args, workloads):
 
 
 def _parse_train_flags(flags):
-    """train.py's parse_args, its one-line complaint (about --train_args) made a ConfigError."""
+    """train.py's flags parsed (config.py), their one-line complaint (about --train_args) made a ConfigError."""
     complaint = io.StringIO()
     try:
         with contextlib.redirect_stderr(complaint):
-            return train.parse_args(flags)
+            return config.parse_args(flags)
     except SystemExit:
         words = complaint.getvalue().strip().removeprefix("train.py: error: ")
         raise ConfigError(f"--train_args: {words}") from None

@@ -4,6 +4,7 @@
     python train.py --dataset path/to/images --image_size 64
     python train.py --dataset huggan/smithsonian_butterflies_subset \\
         --image_size 128 --train_batch_size 64 --num_epochs 50 --learning_rate 1e-4
+    python train.py --config configs/cifar10-edm2-E.yaml   # a reference run, as a file (config.py)
     python train.py --dry_run                         # resolved config, parameters, FLOPs; no training
 
 Resume a run from its newest checkpoint:
@@ -18,11 +19,9 @@ prints one line: s/step, images/s, TFLOP/step, TFLOP/s, MFU, HFU and the peak
 they are measured against.
 """
 
-import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -37,416 +36,15 @@ import model as models
 import profiling
 import sample
 import step as steps
-from checkpoint import RunError
-from model import ConfigError
-
-SAMPLERS = sample.SAMPLERS
-LR_SCHEDULES = (
-    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
-)  # fmt: skip
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """One line, exit code 2: no usage block (the message says what to change)."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def parse_args(argv=None):
-    p = _Parser(prog="train.py", description="Train a DDPM UNet2DModel with accelerate.")
-    d = p.add_argument_group("data")
-    d.add_argument(
-        "--dataset",
-        default=data.BUILTIN,
-        help="'shapes' (built in, no files), a folder of images, a dataset saved with "
-        "datasets' save_to_disk, or a Hugging Face Hub dataset id",
-    )
-    d.add_argument("--dataset_config", default=None, help="Hub dataset configuration name")
-    d.add_argument("--split", default="train", help="dataset split to train on")
-    d.add_argument("--image_column", default=None, help="column holding the images (default: found by type)")
-    d.add_argument("--shapes_num_images", type=int, default=2048, help="size of the built-in dataset")
-    d.add_argument("--image_size", type=int, default=32, help="train on square images of this side")
-    d.add_argument(
-        "--center_crop",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="crop the centre after resizing (--no-center_crop: a random crop, decoded every epoch)",
-    )
-    d.add_argument("--random_flip", action=argparse.BooleanOptionalAction, default=True, help="random left-right flips")
-    d.add_argument(
-        "--preload_data",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="decode the dataset once and keep it in memory as uint8 (on the GPU when training on one)",
-    )
-    d.add_argument(
-        "--preload_max_gib", type=float, default=8.0, help="stream from disk instead when preloading needs more"
-    )
-    d.add_argument(
-        "--dataloader_num_workers",
-        type=int,
-        default=min(4, os.cpu_count() or 1),
-        help="processes that decode images",
-    )
-
-    m = p.add_argument_group("model and noise schedule")
-    m.add_argument(
-        "--model",
-        default="auto",
-        help=f"preset: {', '.join(models.PRESETS)}; auto = ref128 at 128px, adm64 at 64px, small otherwise",
-    )
-    m.add_argument("--num_train_timesteps", type=int, default=1000, help="diffusion steps T")
-    m.add_argument(
-        "--beta_schedule",
-        default="linear",
-        choices=("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"),
-        help="noise schedule",
-    )
-    m.add_argument(
-        "--objective",
-        default=None,
-        choices=("ddpm", "edm"),
-        help="ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with EDM2's "
-        "learned loss weighting, sampled with EDM's Heun sampler (default: edm for the edm2* presets, else ddpm)",
-    )
-    m.add_argument(
-        "--P_mean",
-        type=float,
-        default=models.P_MEAN,
-        help="EDM: mean of ln(sigma) in training (EDM's CIFAR-10 value, as the EDM2 seed's configs; "
-        "EDM2 used -0.8 for ImageNet-64, -0.4 for ImageNet-512 latents)",
-    )
-    m.add_argument(
-        "--P_std", type=float, default=models.P_STD, help="EDM: std of ln(sigma) (EDM2: 1.6 for ImageNet-64, 1.0 for 512)"
-    )
-    m.add_argument("--sigma_data", type=float, default=models.SIGMA_DATA, help="EDM: std of the data in [-1, 1]")
-    m.add_argument(
-        "--loss_weighting",
-        default="uncertainty",
-        choices=models.LOSS_WEIGHTINGS,
-        help="EDM: uncertainty = lambda(sigma)/e^u(sigma) with u learned (EDM2 eq. 21); edm = lambda(sigma) alone",
-    )
-    m.add_argument(
-        "--prediction_type",
-        default="epsilon",
-        choices=("epsilon", "v_prediction", "sample"),
-        help="what the network predicts",
-    )
-
-    t = p.add_argument_group("training")
-    t.add_argument("--train_batch_size", type=int, default=16, help="images per device per micro-batch")
-    t.add_argument("--num_epochs", type=int, default=8, help="passes over the dataset")
-    t.add_argument("--max_train_steps", type=int, default=None, help="optimizer steps; overrides --num_epochs")
-    t.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    t.add_argument(
-        "--learning_rate",
-        type=float,
-        default=None,
-        help="peak AdamW learning rate (default: the preset's, 1e-4 for ref128, adm64 and ddpm32, 2e-3 for small)",
-    )
-    t.add_argument(
-        "--lr_scheduler",
-        default=None,
-        choices=LR_SCHEDULES,
-        help="learning-rate schedule after the warm-up (default: the preset's: inverse_sqrt for edm2e and edm2g, "
-        "constant_with_warmup for edm2c, cosine for the others); inverse_sqrt is EDM2's lr / sqrt(max(step / "
-        "lr_ref_steps, 1))",
-    )
-    t.add_argument(
-        "--lr_ref_steps",
-        type=int,
-        default=None,
-        help="inverse_sqrt: steps before the decay starts (default: the preset's, 400 epochs of 50,000 images for "
-        "edm2e/edm2g, in optimizer steps of this run's batch; else 70,000, EDM2's ImageNet-512 value)",
-    )
-    t.add_argument("--lr_warmup_steps", type=int, default=100, help="linear warm-up steps")
-    t.add_argument("--adam_beta1", type=float, default=0.95, help="AdamW beta1")
-    t.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW beta2")
-    t.add_argument("--weight_decay", type=float, default=1e-6, help="AdamW weight decay")
-    t.add_argument("--adam_epsilon", type=float, default=1e-8, help="AdamW epsilon")
-    t.add_argument("--max_grad_norm", type=float, default=1.0, help="clip gradients to this norm (0: off)")
-    t.add_argument(
-        "--use_ema", action=argparse.BooleanOptionalAction, default=True, help="keep an EMA of the weights"
-    )
-    t.add_argument("--ema_max_decay", type=float, default=0.9999, help="EMA decay after warm-up")
-    t.add_argument("--ema_inv_gamma", type=float, default=1.0, help="EMA warm-up: decay = 1 - (1 + step/inv_gamma)^-power")
-    t.add_argument("--ema_power", type=float, default=0.75, help="EMA warm-up power")
-    t.add_argument(
-        "--mixed_precision",
-        default=None,
-        choices=("no", "fp16", "bf16"),
-        help="autocast precision (default: bf16 on a GPU that has it, else no)",
-    )
-    t.add_argument(
-        "--allow_tf32",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="let fp32 matmuls and convolutions use TF32 on GPUs that have it",
-    )
-    t.add_argument(
-        "--gradient_checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="recompute activations in the backward pass to save memory",
-    )
-    t.add_argument("--seed", type=int, default=0, help="seeds the data, the model and the noise")
-    t.add_argument(
-        "--cpu",
-        action="store_true",
-        help="train on the CPU even if a GPU is there (needed for several CPU processes: gloo)",
-    )
-
-    s = p.add_argument_group("speed (bench.py measures each; unset, the switches are on with a CUDA GPU, off with --cpu or none)")
-    s.add_argument(
-        "--channels_last",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="keep weights and activations channels_last (NHWC), the layout tensor-core convolutions read",
-    )
-    s.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile the UNet (the first steps compile; the saved model is the uncompiled one)",
-    )
-    s.add_argument(
-        "--compile_mode",
-        default="auto",
-        choices=steps.COMPILE_MODES,
-        help="auto: reduce-overhead (CUDA graphs) when a step is too small to keep the GPU busy, else default "
-        "(the rule and its measurements: step.py); torch.compile's modes; step-graph: the whole step "
-        "(forward, backward, optimizer, EMA) in one CUDA graph",
-    )
-    s.add_argument(
-        "--fused_adam",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="fused AdamW where torch has it for the device (CUDA and CPU do), else foreach; fused skips a "
-        "non-finite step on the device, without a host sync",
-    )
-    s.add_argument(
-        "--cudnn_benchmark",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="let cuDNN time its convolution algorithms on the first steps and keep the fastest",
-    )
-    s.add_argument(
-        "--fused_norm",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="fused NHWC GroupNorm+SiLU Triton kernels for the ResNet blocks and the final norm (fused_norm.py); "
-        "unset: off until bench.py's fused_norm row has measured it faster on a GPU; needs a CUDA GPU and "
-        "--channels_last",
-    )
-
-    o = p.add_argument_group("outputs")
-    o.add_argument("--output_dir", default="ddpm-output", help="where samples, checkpoints and the model go")
-    o.add_argument("--save_images_epochs", type=int, default=2, help="write a sample grid every N epochs")
-    o.add_argument("--eval_batch_size", type=int, default=16, help="images in a sample grid")
-    o.add_argument("--sampler", default=sample.DEFAULT_SAMPLER, choices=SAMPLERS, help="sampler for the grids and FID")
-    o.add_argument(
-        "--num_inference_steps",
-        type=int,
-        default=None,
-        help=f"sampling steps for the grids and FID (default: {sample.DEFAULT_STEPS}; {sample.EDM_STEPS} for EDM's Heun "
-        f"sampler, {2 * sample.EDM_STEPS - 1} network evaluations)",
-    )
-    o.add_argument("--checkpointing_steps", type=int, default=500, help="save a checkpoint every N steps")
-    o.add_argument("--checkpoints_total_limit", type=int, default=None, help="keep at most this many checkpoints")
-    o.add_argument(
-        "--resume",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="continue from the newest checkpoint in --output_dir when there is one (--no-resume: refuse to)",
-    )
-    o.add_argument(
-        "--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder to continue from"
-    )
-    o.add_argument(
-        "--overwrite_output_dir",
-        action="store_true",
-        help="start afresh in an --output_dir that holds another run (its checkpoints are deleted)",
-    )
-
-    f = p.add_argument_group("faults")
-    f.add_argument(
-        "--on_nonfinite",
-        default="skip",
-        choices=("skip", "stop"),
-        help="a step whose loss or gradients are NaN/inf: skip its update and count it, or stop the run",
-    )
-    f.add_argument(
-        "--strict_data",
-        action="store_true",
-        help="stop at an unreadable image instead of skipping it with a warning",
-    )
-
-    q = p.add_argument_group("sample quality: power EMA, FID and KID (README: Sampling and evaluation)")
-    q.add_argument(
-        "--ema",
-        default="standard",
-        choices=("standard", "power"),
-        help="standard: decay with warm-up (--ema_max_decay ...); power: Karras et al. 2024's power-function EMAs "
-        "with snapshots for post-hoc reconstruction (ema.py reconstruct)",
-    )
-    q.add_argument(
-        "--ema_stds", default="0.05,0.10", help="power EMA: relative widths tracked; the first gives grids, FID and the pipeline"
-    )
-    q.add_argument("--ema_snapshot_every", type=int, default=1000, help="power EMA: snapshot every N steps and at the end")
-    q.add_argument("--eval_every_epochs", type=int, default=None, help="FID and KID every N epochs and at the end (default: off)")
-    q.add_argument("--eval_num_samples", type=int, default=10000, help="images generated for each FID/KID")
-    q.add_argument("--fid_batch_size", type=int, default=64, help="images per batch when generating and embedding for FID")
-    q.add_argument(
-        "--fid_weights", default=None, help="Inception weights file for machines without internet (default: downloaded)"
-    )
-
-    r = p.add_argument_group("performance report")
-    r.add_argument("--logging_steps", type=int, default=50, help="print and log throughput every N steps")
-    r.add_argument("--timing_warmup_steps", type=int, default=5, help="steps left out of the timing")
-    r.add_argument(
-        "--peak_tflops", type=float, default=None, help="peak TFLOP/s per device for MFU/HFU (default: from flops.py)"
-    )
-    r.add_argument("--dry_run", action="store_true", help="print the resolved configuration and FLOPs, then exit")
-    r.add_argument(
-        "--profile",
-        action="store_true",
-        help="record a few steps with torch.profiler: a trace, a top-operator table and chart in output_dir/profile/",
-    )
-    r.add_argument("--profile_steps", type=int, default=3, help="steps recorded by --profile (after 1 skipped and 1 warm-up)")
-    r.add_argument("--profile_top", type=int, default=15, help="operators in the --profile table")
-    r.add_argument("--profile_stack", action="store_true", help="record Python stacks too (slow)")
-    r.add_argument(
-        "--profile_operators",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="rank the operators that launched the kernels in the --profile table, not the device kernels",
-    )
-    r.add_argument("--profile_only", action="store_true", help="stop once --profile has recorded its steps")
-    return p.parse_args(argv)
-
-
-def validate(args):
-    """Refuse bad flags before anything is loaded; resolve `--model auto`."""
-    at_least = dict(
-        image_size=8,
-        train_batch_size=1,
-        eval_batch_size=1,
-        num_epochs=1,
-        gradient_accumulation_steps=1,
-        shapes_num_images=1,
-        num_train_timesteps=1,
-        save_images_epochs=1,
-        checkpointing_steps=1,
-        logging_steps=1,
-        profile_steps=1,
-        profile_top=1,
-        lr_warmup_steps=0,
-        timing_warmup_steps=0,
-        dataloader_num_workers=0,
-    )
-    for name, low in at_least.items():
-        if getattr(args, name) < low:
-            raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
-    for name in ("max_train_steps", "checkpoints_total_limit"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    for name in ("learning_rate", "preload_max_gib", "adam_epsilon"):
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            raise ConfigError(f"--{name} must be greater than 0 (got {getattr(args, name)})")
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
-        raise ConfigError(f"--peak_tflops must be greater than 0 (got {args.peak_tflops})")
-    for name in ("adam_beta1", "adam_beta2", "ema_max_decay"):
-        if not 0 <= getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be in [0, 1) (got {getattr(args, name)})")
-    if args.weight_decay < 0 or args.max_grad_norm < 0:
-        raise ConfigError("--weight_decay and --max_grad_norm must not be negative")
-    if args.profile_only and not args.profile:
-        raise ConfigError("--profile_only needs --profile")
-    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no")
-    args.model = models.resolve_model_name(args.model, args.image_size)
-    models.check_image_size(args.model, args.image_size)
-    if args.learning_rate is None:
-        args.learning_rate = models.PRESETS[args.model]["learning_rate"]
-    if args.mixed_precision is None:
-        gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        args.mixed_precision = "bf16" if gpu_bf16 else "no"
-    # The fast path is the default with a CUDA GPU (bench.py measures each part).
-    on_gpu = torch.cuda.is_available() and not args.cpu
-    for name in ("channels_last", "compile", "cudnn_benchmark"):
-        if getattr(args, name) is None:
-            setattr(args, name, on_gpu)
-    if args.fused_norm is None:
-        args.fused_norm = False  # not measured faster on a GPU yet: off unless asked for
-    if args.fused_norm and not (on_gpu and args.channels_last):
-        raise ConfigError(
-            "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors): "
-            "drop it or add --channels_last"
-        )
-    return validate_sample_quality(validate_objective(args))
-
-
-def validate_objective(args):
-    """The objective, its sampler's steps and the learning-rate schedule, by the preset where unset."""
-    preset = models.PRESETS[args.model]
-    edm2_network = preset.get("network") == "edm2"
-    if args.objective is None:
-        args.objective = "edm" if edm2_network else "ddpm"
-    if edm2_network and args.objective != "edm":
-        raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm: drop --objective ddpm")
-    if not args.P_std > 0 or not args.sigma_data > 0:
-        raise ConfigError("--P_std and --sigma_data must be greater than 0")
-    if args.num_inference_steps is None:
-        args.num_inference_steps = sample.EDM_STEPS if args.objective == "edm" else sample.DEFAULT_STEPS
-    if args.num_inference_steps < 1:
-        raise ConfigError(f"--num_inference_steps must be at least 1 (got {args.num_inference_steps})")
-    if args.objective == "ddpm" and args.num_inference_steps > args.num_train_timesteps:
-        raise ConfigError(
-            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed --num_train_timesteps "
-            f"({args.num_train_timesteps})"
-        )
-    decay = preset.get("lr_decay")
-    if args.lr_scheduler is None:
-        args.lr_scheduler = decay["schedule"] if decay else "constant_with_warmup" if edm2_network else "cosine"
-    if args.lr_ref_steps is not None and args.lr_ref_steps < 1:
-        raise ConfigError(f"--lr_ref_steps must be at least 1 (got {args.lr_ref_steps})")
-    return args
-
-
-def validate_sample_quality(args):
-    """The power-EMA and FID flags."""
-    if args.ema == "power" and not args.use_ema:
-        raise ConfigError("--ema power needs an EMA: drop --no-use_ema")
-    args.ema_stds = posthoc_ema.parse_stds(args.ema_stds) if isinstance(args.ema_stds, str) else args.ema_stds
-    for name, low in dict(ema_snapshot_every=1, eval_num_samples=2, fid_batch_size=1).items():
-        if getattr(args, name) < low:
-            raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
-    if args.eval_every_epochs is not None and args.eval_every_epochs < 1:
-        raise ConfigError(f"--eval_every_epochs must be at least 1 (got {args.eval_every_epochs})")
-    if args.fid_weights is not None and not Path(args.fid_weights).is_file():
-        raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
-    return args
-
-
-# EDM2's t_ref for ImageNet-512 (70k steps of 2048 images), when the preset has none.
-DEFAULT_LR_REF_STEPS = 70_000
-
-
-def lr_ref_steps(args, images_per_step):
-    """--lr_ref_steps, else the preset's reference in images over this run's images per step."""
-    if args.lr_ref_steps is not None:
-        return args.lr_ref_steps
-    decay = models.PRESETS[args.model].get("lr_decay")
-    return max(1, decay["ref_images"] // images_per_step) if decay else DEFAULT_LR_REF_STEPS
-
-
+from config import parse_args, resolve
+from errors import ConfigError, RunError
 
 def main(args):
     """Train, or with --dry_run describe the run. Errors are one line: exit code 2 for a bad
     flag, path or dataset, 1 when training cannot go on (disk full, non-finite loss with
     --on_nonfinite stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved."""
     try:
-        args = validate(args)
+        args = resolve(args)
         return describe(args) if args.dry_run else train(args)
     except ConfigError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
@@ -503,7 +101,6 @@ def describe_run(args, device, world, num_images):
         model_flops_per_step=cost["model_flops"] * args.gradient_accumulation_steps * world,  # all processes
         hardware_flops_per_step=cost["hardware_flops"] * args.gradient_accumulation_steps * world,
         step_compile_mode=compile_mode or "eager",
-        lr_ref_steps=lr_ref_steps(args, images_per_step) if args.lr_scheduler == "inverse_sqrt" else None,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
     )
     return config, compile_why
@@ -559,7 +156,7 @@ class Run:
             cpu=args.cpu,
             mixed_precision=args.mixed_precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with="tensorboard",
+            log_with=None if args.logger == "none" else args.logger,
             project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(self.output_dir / "logs")),
         )
         self.device, self.world = accelerator.device, accelerator.num_processes
@@ -893,7 +490,7 @@ class Meter:
         if args.profile and run.is_main:
             self.profiler = profiling.make_profiler(
                 run.output_dir / "profile", 1, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack,
-                level="operators" if args.profile_operators else "kernels",
+                level=args.profile,
             )  # fmt: skip
             self.profiler.start()
 

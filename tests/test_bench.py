@@ -8,7 +8,8 @@ from PIL import Image
 
 import bench
 import model as models
-import train
+import config
+from errors import ConfigError
 from test_train import run as run_train
 from test_train import scalars, visible
 
@@ -103,7 +104,7 @@ def test_fused_and_foreach_adamw_take_the_same_steps():
 def test_train_default_row_follows_train_py(monkeypatch):
     cpu = bench.train_default_variant()["settings"]
     assert cpu["precision"] == "fp32" and cpu["compile_mode"] is None and not cpu["channels_last"]
-    assert cpu["sync_every"] == train.parse_args([]).logging_steps
+    assert cpu["sync_every"] == config.parse_args([]).logging_steps
     # With a GPU, train.py's defaults are the ladder up to no_syncs, with --compile_mode auto, which
     # picks 'default' for ref128 (bound by the GPU) and CUDA graphs for adm64 (bound by launches).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -153,7 +154,7 @@ def test_the_fused_norm_and_force_layout_settings_reach_the_step(fixed_step, mon
 
 
 def test_train_py_fused_norm_is_off_unless_asked_and_needs_a_gpu_and_channels_last(tmp_path, capsys, monkeypatch):
-    assert train.validate(train.parse_args([])).fused_norm is False
+    assert config.resolve(config.parse_args([])).fused_norm is False
     message = "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors)"
     with pytest.raises(SystemExit) as exit_info:  # on this CPU
         run_train(tmp_path / "out", "--fused_norm", "--channels_last")
@@ -162,12 +163,12 @@ def test_train_py_fused_norm_is_off_unless_asked_and_needs_a_gpu_and_channels_la
     assert len(err) == 1 and message in err[0] and err[0].startswith("train.py: error:"), err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    with pytest.raises(train.ConfigError, match="add --channels_last"):
-        train.validate(train.parse_args(["--fused_norm", "--no-channels_last"]))
-    with pytest.raises(train.ConfigError, match="needs a CUDA GPU"):
-        train.validate(train.parse_args(["--fused_norm", "--cpu"]))
-    assert train.validate(train.parse_args(["--fused_norm"])).fused_norm  # channels_last is on by default with a GPU
-    assert train.validate(train.parse_args([])).fused_norm is False  # not measured faster yet
+    with pytest.raises(ConfigError, match="add --channels_last"):
+        config.resolve(config.parse_args(["--fused_norm", "--no-channels_last"]))
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        config.resolve(config.parse_args(["--fused_norm", "--cpu"]))
+    assert config.resolve(config.parse_args(["--fused_norm"])).fused_norm  # channels_last is on by default with a GPU
+    assert config.resolve(config.parse_args([])).fused_norm is False  # not measured faster yet
 
 
 def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
@@ -315,13 +316,13 @@ def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys)
 
 def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
     flags = ("compile", "channels_last", "cudnn_benchmark")
-    cpu = train.validate(train.parse_args([]))
+    cpu = config.resolve(config.parse_args([]))
     assert not any(getattr(cpu, f) for f in flags)
     assert cpu.fused_adam  # fused AdamW runs on a CPU too, and is what the non-finite guard skips steps in
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    gpu = train.validate(train.parse_args(["--mixed_precision", "no"]))
+    gpu = config.resolve(config.parse_args(["--mixed_precision", "no"]))
     assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "auto" and gpu.fused_adam
-    chosen = train.validate(train.parse_args(["--mixed_precision", "no", "--no-compile", "--no-fused_adam"]))
+    chosen = config.resolve(config.parse_args(["--mixed_precision", "no", "--no-compile", "--no-fused_adam"]))
     assert not chosen.compile and not chosen.fused_adam and chosen.channels_last
-    forced_cpu = train.validate(train.parse_args(["--mixed_precision", "no", "--cpu"]))
+    forced_cpu = config.resolve(config.parse_args(["--mixed_precision", "no", "--cpu"]))
     assert not any(getattr(forced_cpu, f) for f in flags)

@@ -4,7 +4,7 @@ import torch
 from PIL import Image
 
 import data
-from model import ConfigError
+from errors import ConfigError
 
 
 def test_shapes_are_deterministic_in_the_seed():

@@ -8,6 +8,7 @@ import torch
 
 import model as models
 import sample
+from errors import ConfigError
 
 
 def gaussian_denoiser(s):
@@ -157,9 +158,9 @@ def test_uncertainty_head_learns_its_optimum_e_u_equals_lambda_times_loss():
 
 
 def test_objective_validates_its_options():
-    with pytest.raises(models.ConfigError, match="--loss_weighting 'sum'"):
+    with pytest.raises(ConfigError, match="--loss_weighting 'sum'"):
         models.EDMObjective(weighting="sum")
-    with pytest.raises(models.ConfigError, match="--P_std must be positive"):
+    with pytest.raises(ConfigError, match="--P_std must be positive"):
         models.EDMObjective(P_std=0)
 
 
@@ -216,5 +217,5 @@ def test_load_network_reads_a_saved_unet(tmp_path):
     loaded = models.load_network(tmp_path / "unet")
     assert type(loaded) is type(unet) and not loaded.training
     assert all(torch.equal(a, b) for a, b in zip(unet.state_dict().values(), loaded.state_dict().values()))
-    with pytest.raises(models.ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match="no config.json"):
         models.load_network(tmp_path)

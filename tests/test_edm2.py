@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import model as models
+from errors import ConfigError
 from edm2 import CONFIGS, EDM2UNet, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
 
 @pytest.fixture(autouse=True, scope="module")
@@ -272,7 +273,7 @@ def test_presets_have_the_seeds_cifar10_size():
         counts[name] = sum(p.numel() for p in net.parameters())
     assert counts == dict(edm2c=39_509_888, edm2e=39_509_888, edm2g=39_542_685)
     assert models.size_multiple("edm2g") == 8
-    with pytest.raises(models.ConfigError, match="multiple of 8"):
+    with pytest.raises(ConfigError, match="multiple of 8"):
         models.check_image_size("edm2c", 20)
     assert models.build_unet("edm2e", 64, device="meta").config.sample_size == 64
 

@@ -7,6 +7,7 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
+import config
 import ema as posthoc_ema
 import model as models
 import sample
@@ -78,7 +79,7 @@ def same(a, b):
 
 
 def test_the_inverse_sqrt_schedule_is_edm2s():
-    args = train.validate(train.parse_args(["--model", "edm2tiny", "--image_size", "16", "--lr_warmup_steps", "10",
+    args = config.resolve(config.parse_args(["--model", "edm2tiny", "--image_size", "16", "--lr_warmup_steps", "10",
                                             "--lr_ref_steps", "100"]))  # fmt: skip
     parameter = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([parameter], lr=1.0)

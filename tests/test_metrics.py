@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import data
 import metrics
 import train
-from model import ConfigError
+from errors import ConfigError
 
 
 class TinyFeatures(torch.nn.Module):

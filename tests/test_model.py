@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import model as models
-from model import ConfigError
+from errors import ConfigError
 
 
 def param_count(name):

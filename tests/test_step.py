@@ -12,6 +12,7 @@ import data
 import ema as posthoc_ema
 import model as models
 import step as steps
+from errors import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -176,9 +177,9 @@ def test_auto_picks_cuda_graphs_only_for_launch_bound_steps_that_can_be_captured
 
 
 def test_asking_for_cuda_graphs_where_they_cannot_be_captured_is_a_config_error():
-    with pytest.raises(models.ConfigError, match="--compile_mode reduce-overhead cannot capture CUDA graphs here: 2 processes"):
+    with pytest.raises(ConfigError, match="--compile_mode reduce-overhead cannot capture CUDA graphs here: 2 processes"):
         steps.choose_compile_mode(flags(compile_mode="reduce-overhead"), CUDA, 2, 1e12)
-    with pytest.raises(models.ConfigError, match="need a CUDA GPU"):
+    with pytest.raises(ConfigError, match="need a CUDA GPU"):
         steps.choose_compile_mode(flags(compile_mode="step-graph"), CPU, 1, 1e12)
 
 

@@ -7,7 +7,7 @@ from PIL import Image
 
 import bench
 import sweep
-import train
+import config
 
 # 32 images at 16px: an epoch is a few steps of the tiny preset; two epochs, the second timed.
 FAST = ["--workload", "tiny", "--num_images", "32", "--sweep_epochs", "2"]
@@ -31,7 +31,7 @@ def point_args(*argv):
 
 def resolved(args, point):
     """What train.py makes of one point's flags."""
-    return train.validate(train.parse_args(sweep.train_flags(args, bench.WORKLOADS["tiny"], point, "shapes", "out")))
+    return config.resolve(config.parse_args(sweep.train_flags(args, bench.WORKLOADS["tiny"], point, "shapes", "out")))
 
 
 def test_a_batch_size_sweep_writes_its_json_table_and_plot(tmp_path, capsys):
