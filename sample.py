@@ -37,7 +37,7 @@ from errors import ConfigError
 SAMPLERS = ("ddpm", "ddim", "dpmsolver")
 # DPM-Solver++ with 25 steps: on the bare `python train.py` model (1024 steps)
 # it gave the data's coloured backgrounds like 1000-step DDPM, where DDIM-50
-# turned every background grey; and it costs half of DDIM-50. README: Samplers.
+# turned every background grey; and it costs half of DDIM-50. docs/sampling.md: Samplers.
 DEFAULT_SAMPLER = "dpmsolver"
 DEFAULT_STEPS = 25
 GRID_IMAGES = 64

@@ -142,7 +142,7 @@ OWN_FLAGS = ("--model", "--image_size", "--output_dir", "--num_epochs", "--max_t
 def add_arguments(p):
     s = p.add_argument_group("sweeps (whole train.py runs; see sweep.py)")
     s.add_argument("--sweep", default=None, choices=tuple(SWEEPS), help="vary this and time whole epochs of train.py")
-    s.add_argument("--values", default=None, help="comma-separated values to sweep (default: by sweep, see README)")
+    s.add_argument("--values", default=None, help="comma-separated values to sweep (default: by sweep, see docs/performance.md)")
     s.add_argument("--sweep_epochs", type=int, default=3, help="epochs per point; the first is warm-up, not timed")
     s.add_argument("--num_images", type=int, default=2048, help="images per epoch (the built-in shapes)")
     s.add_argument("--dataset", default=data.BUILTIN, help="train.py --dataset for every point")

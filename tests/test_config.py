@@ -171,3 +171,7 @@ def test_a_file_never_carries_what_one_command_asked_for_once(tmp_path):
     args = resolved("--config", path)
     assert (args.model, args.overwrite_output_dir, args.resume_from_checkpoint, args.dry_run) == ("tiny", False, None, False)
     assert resolved("--config", path, "--overwrite_output_dir").overwrite_output_dir  # typed: still honoured
+
+
+def test_docs_cli_md_is_the_help_of_these_flags():
+    assert (ROOT / "docs" / "cli.md").read_text() == config.cli_markdown(), "run: python config.py docs/cli.md"
