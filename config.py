@@ -207,9 +207,11 @@ def build_parser(prog="train.py", source=""):
     flag(t, "seed", "seeds the data, the model and the noise", 0, type=at_least(0))
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
 
-    s = p.add_argument_group("speed (bench.py measures each; unset, the switches are on with a CUDA GPU, off with --cpu or none)")
-    flag(s, "channels_last", "keep weights and activations channels_last (NHWC), the layout tensor-core "
-         "convolutions read", action=argparse.BooleanOptionalAction)  # fmt: skip
+    s = p.add_argument_group("speed (bench.py measures each; unset, compile and cudnn_benchmark are on with a CUDA GPU, "
+                             "off with --cpu or none)")
+    flag(s, "channels_last", "keep weights and activations channels_last (NHWC), the layout tensor-core convolutions "
+         "read (default: off, on with --fused_norm; measured on an H100, compiled ref128 took 137 ms/step with it, "
+         "124 ms without: BENCHMARKS.md)", action=argparse.BooleanOptionalAction)  # fmt: skip
     flag(s, "compile", "torch.compile the UNet (the first steps compile; the saved model is the uncompiled one)",
          action=argparse.BooleanOptionalAction)  # fmt: skip
     flag(s, "compile_mode", "auto: reduce-overhead (CUDA graphs) when a step is too small to keep the GPU busy, "
@@ -409,11 +411,13 @@ def _fill_from_machine(args):
     if args.mixed_precision is None:
         args.mixed_precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
     on_gpu = cuda and not args.cpu
-    for name in ("channels_last", "compile", "cudnn_benchmark"):
+    for name in ("compile", "cudnn_benchmark"):
         if getattr(args, name) is None:
             setattr(args, name, on_gpu)
     if args.fused_norm is None:
         args.fused_norm = False  # not measured faster on a GPU yet: off unless asked for
+    if args.channels_last is None:  # measured slower on an H100 (BENCHMARKS.md); the fused kernels need it
+        args.channels_last = args.fused_norm
     if args.fused_norm and not (on_gpu and args.channels_last):
         raise ConfigError(
             "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors): "
