@@ -178,6 +178,10 @@ def build_parser(prog="train.py", source=""):
     flag(m, "loss_weighting", "EDM: uncertainty = lambda(sigma)/e^u(sigma) with u learned (EDM2 eq. 21); "
          "edm = lambda(sigma) alone", "uncertainty", choices=models.LOSS_WEIGHTINGS)  # fmt: skip
     flag(m, "prediction_type", "what the network predicts", "epsilon", choices=("epsilon", "v_prediction", "sample"))
+    flag(m, "snr_gamma", "DDPM: min-SNR-gamma loss weighting (Hang et al. 2023; 5 in their paper; default: off)",
+         type=positive)  # fmt: skip
+    switch(m, "zero_terminal_snr", "DDPM: rescale the betas to zero SNR at t = T (Lin et al. 2024); needs "
+           "--prediction_type v_prediction")  # fmt: skip
 
     t = p.add_argument_group("training")
     flag(t, "train_batch_size", "images per device per micro-batch", 16, type=at_least(1))
@@ -368,6 +372,10 @@ def resolve(args):
             f"--num_inference_steps ({args.num_inference_steps}) cannot exceed --num_train_timesteps "
             f"({args.num_train_timesteps})"
         )
+    if args.zero_terminal_snr and args.prediction_type != "v_prediction":
+        raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
+    if args.objective == "edm" and (args.snr_gamma is not None or args.zero_terminal_snr):
+        raise ConfigError("--snr_gamma and --zero_terminal_snr are DDPM's: EDM weights its loss by --loss_weighting")
     if args.profile_only and args.profile is None:
         args.profile = "kernels"
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:

@@ -308,7 +308,7 @@ def reconstruct_command(args):
     else:
         unet = models.build_unet(config["model"], config["image_size"])
         unet.load_state_dict(state)
-        scheduler = models.make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"])
+        scheduler = models.run_noise_scheduler(config)
         sample.save_network(unet, output, scheduler)
     step = max(u["step"] for u in used)
     (output / "ema.json").write_text(json.dumps(dict(std=args.std, step=step, snapshots=used), indent=2) + "\n")

@@ -188,15 +188,25 @@ def build_unet(name, image_size, device=None):
         return UNet2DModel(sample_size=image_size, in_channels=3, out_channels=3, **preset["unet"])
 
 
-def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon"):
+def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon", zero_terminal_snr=False):
+    """DDPM's forward process. `zero_terminal_snr`: the betas rescaled so that abar_T = 0, x_T pure
+    noise as sampling assumes (Lin et al. 2024, Algorithm 1); it needs v-prediction, as eps says
+    nothing of x_0 at t = T."""
     return DDPMScheduler(
         num_train_timesteps=num_train_timesteps,
         beta_schedule=beta_schedule,
         prediction_type=prediction_type,
+        rescale_betas_zero_snr=zero_terminal_snr,
     )
 
 
-def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_type="epsilon"):
+def run_noise_scheduler(config):
+    """The noise scheduler a run trained with, from its train_config.json."""
+    return make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"],
+                                config.get("zero_terminal_snr", False))  # fmt: skip
+
+
+def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_type="epsilon", snr_gamma=None):
     """The DDPM training loss, Algorithm 1 of Ho et al. (2020), in fp32.
 
     x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps          (their eq. 4)
@@ -206,6 +216,11 @@ def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_
     v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0 ("v_prediction", Salimans & Ho
     2022). `alphas_cumprod` is the scheduler's abar table, already on the
     device, so that no step copies it there again.
+
+    `snr_gamma`: min-SNR-gamma weighting (Hang et al. 2023, eq. 8): each image's
+    loss times min(SNR, gamma) / SNR for eps, / (SNR + 1) for v, and
+    min(SNR, gamma) for x_0, SNR = abar / (1 - abar); as diffusers'
+    train_text_to_image.py computes it.
     """
     abar = alphas_cumprod[timesteps].float().view(-1, 1, 1, 1)
     clean_images, noise = clean_images.float(), noise.float()
@@ -219,7 +234,13 @@ def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_
         target = abar.sqrt() * noise - (1 - abar).sqrt() * clean_images
     else:
         raise ConfigError(f"unknown --prediction_type '{prediction_type}': choose epsilon, v_prediction or sample")
-    return F.mse_loss(prediction.float(), target)
+    if snr_gamma is None:
+        return F.mse_loss(prediction.float(), target)
+    snr = (abar / (1 - abar)).view(-1)
+    clipped = torch.minimum(snr, torch.full_like(snr, snr_gamma))
+    weight = {"epsilon": clipped / snr, "v_prediction": clipped / (snr + 1), "sample": clipped}[prediction_type]
+    per_image = F.mse_loss(prediction.float(), target, reduction="none").mean(dim=(1, 2, 3))
+    return (per_image * weight).mean()
 
 
 class DDPMObjective(torch.nn.Module):
@@ -230,16 +251,17 @@ class DDPMObjective(torch.nn.Module):
     weighting) go through the step alike; this one has none.
     """
 
-    def __init__(self, noise_scheduler):
+    def __init__(self, noise_scheduler, snr_gamma=None):
         super().__init__()
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
         self.prediction_type = noise_scheduler.config.prediction_type
+        self.snr_gamma = snr_gamma
         self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone(), persistent=False)
 
     def loss(self, net, clean_images):
         noise = torch.randn_like(clean_images)
         timesteps = torch.randint(0, self.num_train_timesteps, (clean_images.shape[0],), device=clean_images.device)
-        return ddpm_loss(net, clean_images, noise, timesteps, self.alphas_cumprod, self.prediction_type)
+        return ddpm_loss(net, clean_images, noise, timesteps, self.alphas_cumprod, self.prediction_type, self.snr_gamma)
 
 
 # --- the training step's fast path (shared by train.py and bench.py) ---------------

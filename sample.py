@@ -366,7 +366,7 @@ def load_model(path, ema=True):
                 parameter.copy_(value)
     if config.get("objective", "ddpm") != "ddpm":
         return unet.eval(), None
-    scheduler = models.make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"])
+    scheduler = models.run_noise_scheduler(config)
     return unet.eval(), scheduler.config
 
 

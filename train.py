@@ -209,11 +209,12 @@ class Run:
         unet = models.build_unet(args.model, args.image_size)
         if args.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
-        self.noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type)
+        self.noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
+                                                           args.zero_terminal_snr)  # fmt: skip
         if args.objective == "edm":
             self.objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting).to(device)
         else:
-            self.objective = models.DDPMObjective(self.noise_scheduler).to(device)
+            self.objective = models.DDPMObjective(self.noise_scheduler, args.snr_gamma).to(device)
         self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, self.noise_scheduler.config, args.sigma_data)
         # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and it can skip a
         # step on the device (see NonFiniteGuard), so a NaN costs no host sync per step.

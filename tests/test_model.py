@@ -99,3 +99,54 @@ def test_ddpm_loss_is_fp32_under_bf16_autocast():
     assert loss.dtype == torch.float32
     loss.backward()
     assert all(p.grad is not None for p in unet.parameters() if p.requires_grad)
+
+
+class Echo(torch.nn.Module):
+    """A 'network' whose prediction is a fixed function of its input: the loss is known in closed form."""
+
+    def forward(self, x, t, return_dict=False):
+        return (0.5 * x,)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_min_snr_gamma_weights_each_image_by_its_snr(prediction_type):
+    scheduler = models.make_noise_scheduler(prediction_type=prediction_type)
+    abar = scheduler.alphas_cumprod
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 3, 8, 8, generator=g)
+    t = torch.tensor([0, 100, 500, 999])
+    per_image = torch.stack([models.ddpm_loss(Echo(), x0[i : i + 1], noise[i : i + 1], t[i : i + 1], abar, prediction_type)
+                             for i in range(4)])  # fmt: skip
+    snr = abar[t] / (1 - abar[t])
+    gamma = 5.0
+    weight = {"epsilon": snr.clamp(max=gamma) / snr, "v_prediction": snr.clamp(max=gamma) / (snr + 1),
+              "sample": snr.clamp(max=gamma)}[prediction_type]  # fmt: skip
+    weighted = models.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type, snr_gamma=gamma)
+    torch.testing.assert_close(weighted, (per_image * weight).mean())
+    assert weight.min() < 0.99 * weight.max()  # the weights differ: the check above could fail
+    if prediction_type == "epsilon":  # gamma above every SNR: eps weights are all 1, the plain loss
+        plain = models.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type)
+        torch.testing.assert_close(models.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type, snr_gamma=1e9), plain)
+
+
+def test_zero_terminal_snr_ends_in_pure_noise_and_trains_with_v_prediction():
+    scheduler = models.make_noise_scheduler(prediction_type="v_prediction", zero_terminal_snr=True)
+    assert scheduler.alphas_cumprod[-1] == 0 and models.make_noise_scheduler().alphas_cumprod[-1] > 0
+    x0 = torch.randn(2, 3, 8, 8)
+    loss = models.ddpm_loss(Echo(), x0, torch.randn_like(x0), torch.tensor([999, 999]), scheduler.alphas_cumprod,
+                            "v_prediction", snr_gamma=5.0)  # fmt: skip
+    assert torch.isfinite(loss)
+    assert models.run_noise_scheduler(dict(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction",
+                                           zero_terminal_snr=True)).alphas_cumprod[-1] == 0  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--zero_terminal_snr"], "--zero_terminal_snr needs --prediction_type v_prediction"),
+    (["--model", "edm2tiny", "--image_size", "16", "--snr_gamma", "5"], "are DDPM's"),
+    (["--snr_gamma", "0"], "--snr_gamma must be greater than 0"),
+])  # fmt: skip
+def test_the_loss_weighting_flags_refuse_what_they_cannot_do(flags, message):
+    import config
+
+    with pytest.raises(ConfigError, match=message):
+        config.resolve(config.parse_args(flags))
