@@ -4,6 +4,7 @@
     python bench.py --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
     python bench.py --workload tiny --steps 3 --warmup 1   # seconds on a CPU
     python bench.py --sweep batch_size                 # whole train.py runs, one setting varied: see sweep.py
+    python bench.py --quality                          # whole train.py runs, scored offline: see quality.py
 
 Every row runs the same training step as train.py (uint8 images to [-1, 1]
 with random flips, noise and timesteps drawn on the device, the DDPM loss,
@@ -50,6 +51,7 @@ import data
 import flops
 import model as models
 import profiling
+import quality
 import step as steps
 import sweep
 from errors import ConfigError
@@ -698,6 +700,7 @@ def parse_args(argv=None):
         "--redraw", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON, next to it, and exit"
     )
     sweep.add_arguments(p)
+    quality.add_arguments(p)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
@@ -741,6 +744,8 @@ def main(args):
     """Run the ladder; 0 when every row that ran passed its check, 1 otherwise, 2 on a bad flag."""
     if args.sweep:
         return sweep.main(args, WORKLOADS, draw_chart_if_possible)
+    if args.quality:
+        return quality.main(args)
     try:
         args = validate(args)
     except ConfigError as e:

@@ -1,0 +1,213 @@
+"""The quality ladder: whole train.py runs on the built-in shapes, each scored offline as it trains.
+
+    python bench.py --quality                                   # every row, to --quality_images images each
+    python bench.py --quality --rows ddpm,v_prediction,edm --quality_images 8192
+    python bench.py --quality --rows ddpm --train_args="--compile"   # any speed setting, scored the same way
+
+Every row is the bare `python train.py` (the `small` preset at 32px on the
+built-in shapes, batch 16) with a few flags changed, trained in a process of
+its own to the same number of images, --quality_evals times scored along the
+way by the offline shape score (metrics.py: a Fréchet distance and KID on the
+features of a small network trained on the built-in images, and the fraction
+of samples it recognises as valid shape images). Beside each score stand the
+images seen, the run's images/s and its wall time, so that a row that trains
+faster can be shown to train as good a model, and a row that trains better can
+be weighed against what it costs.
+
+It writes, into --output: the JSON of every row (rewritten after each), the
+printed table (.txt) and a plot of the score against images seen (.png).
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import profiling
+from errors import ConfigError
+
+HERE = Path(__file__).resolve().parent
+
+# The bare run, which every row changes: what `python train.py` trains on a CPU.
+BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16"]
+
+# name -> (what it tests, the flags it changes). The rows of issue 18's list:
+# the objective's parametrisation and weighting, the noise schedule, the
+# optimiser and EMA, the sampler, the objective itself and the network.
+ROWS = {
+    "ddpm": ("today's bare run: DDPM, eps-prediction, linear betas, lr 2e-3, EMA 0.9999 with warm-up, DPM-Solver++ 25", []),
+    "v_prediction": ("v-prediction (Salimans & Ho 2022)", ["--prediction_type", "v_prediction"]),
+    "min_snr": ("min-SNR-5 loss weighting (Hang et al. 2023)", ["--snr_gamma", "5"]),
+    "v_zero_snr": ("v-prediction with zero terminal SNR (Lin et al. 2024)",
+                   ["--prediction_type", "v_prediction", "--zero_terminal_snr"]),
+    "cosine_betas": ("the cosine noise schedule (Nichol & Dhariwal 2021)", ["--beta_schedule", "squaredcos_cap_v2"]),
+    "lr_5e-4": ("a lower learning rate", ["--learning_rate", "5e-4"]),
+    "ema_0.999": ("a shorter EMA", ["--ema_max_decay", "0.999"]),
+    "no_ema": ("no EMA: the raw weights sample", ["--no-use_ema"]),
+    "ddim_50": ("DDIM, 50 steps, for the grids and the score", ["--sampler", "ddim", "--num_inference_steps", "50"]),
+    "edm": ("the EDM objective (Karras et al. 2022, EDM2's weighting) on the same UNet, Heun 18 steps",
+            ["--objective", "edm"]),
+    "edm2tiny": ("an EDM2 network (Config G, 16 channels) with the EDM objective", ["--model", "edm2tiny"]),
+}  # fmt: skip
+
+# What the ladder sets itself: --train_args may not.
+OWN_FLAGS = ("--dataset", "--output_dir", "--num_epochs", "--max_train_steps", "--eval_every_epochs", "--shapes_num_images")
+
+
+def add_arguments(p):
+    q = p.add_argument_group("the quality ladder (whole train.py runs, scored offline; see quality.py)")
+    q.add_argument("--quality", action="store_true", help="train each --rows row and score it as it trains")
+    q.add_argument("--rows", default=None, help=f"comma-separated rows (default: all): {', '.join(ROWS)}")
+    q.add_argument("--quality_images", type=int, default=8192, help="images each row trains on (images seen)")
+    q.add_argument("--quality_evals", type=int, default=2, help="scores along each row, evenly spaced, the last at the end")
+    q.add_argument("--quality_samples", type=int, default=256, help="images generated for each score")
+
+
+def validate(args):
+    """The rows to run, each with its train.py flags; a one-line ConfigError on a bad flag."""
+    import config
+
+    names = list(ROWS) if args.rows is None else [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in names if r not in ROWS]
+    if unknown or not names:
+        raise ConfigError(f"unknown --rows '{','.join(unknown)}': choose from {', '.join(ROWS)}")
+    for name, low in dict(quality_images=16, quality_evals=1, quality_samples=2).items():
+        if getattr(args, name) < low:
+            raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
+    try:
+        args.extra = shlex.split(args.train_args)
+    except ValueError as e:
+        raise ConfigError(f"--train_args is not a valid command line ({e})") from None
+    taken = [f for f in args.extra if f.split("=")[0] in OWN_FLAGS]
+    if taken:
+        raise ConfigError(f"--train_args must not set {taken[0]}: the quality ladder sets it")
+    rows = []
+    for name in names:
+        flags = train_flags(args, name, "unused")
+        resolved = config.resolve(config.parse_args(flags))  # every row's flags checked before the first trains
+        rows.append(dict(name=name, what=ROWS[name][0], flags=ROWS[name][1], model=resolved.model))
+    Path(args.output).mkdir(parents=True, exist_ok=True)
+    return rows
+
+
+def train_flags(args, name, output_dir):
+    """The bare run, the ladder's length and scoring, --train_args, then the row's own flags."""
+    epochs = args.quality_evals
+    return [
+        *BASE, "--shapes_num_images", str(args.quality_images // epochs), "--num_epochs", str(epochs),
+        "--eval_every_epochs", "1", "--eval_num_samples", str(args.quality_samples), "--seed", str(args.seed),
+        "--save_images_epochs", "1", "--checkpointing_steps", str(10**9), "--checkpoints_total_limit", "1",
+        "--output_dir", output_dir, "--no-resume", *args.extra, *ROWS[name][1],
+    ]  # fmt: skip
+
+
+def run_row(args, row, output_dir):
+    """Train one row in its own process; its scores from eval_results.json, its pace from run.json."""
+    cmd = [sys.executable, str(HERE / "train.py"), *train_flags(args, row["name"], str(output_dir))]
+    done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
+    result = dict(row, command=shlex.join(cmd), returncode=done.returncode)
+    manifest, scores = Path(output_dir) / "run.json", Path(output_dir) / "eval_results.json"
+    if done.returncode != 0 or not manifest.is_file() or not scores.is_file():
+        lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+        return result | dict(status="error", reason=lines[-1] if lines else f"exit code {done.returncode}")
+    run = json.loads(manifest.read_text())
+    per_step = run["config"]["global_batch_size"]
+    evals = [dict(images_seen=e["step"] * per_step, **{k: e.get(k) for k in ("step", "fid", "kid_mean", "kid_std", "valid_fraction")})
+             for e in json.loads(scores.read_text())]  # fmt: skip
+    grid = sorted((Path(output_dir) / "samples").glob("*.png"))
+    if grid:  # the last grid, kept beside the results
+        (Path(args.output) / f"{args.tag_prefix}_{row['name']}.png").write_bytes(grid[-1].read_bytes())
+    parts = run["time_breakdown_s"]
+    return result | dict(
+        status="ok",
+        params=run["config"]["params"],
+        images_seen=run["steps"] * per_step,
+        evals=evals,
+        images_per_s=run["images_per_s"],
+        train_wall_s=run["train_wall_s"] - parts.get("evaluation", 0) - parts.get("sampling", 0),
+        final_loss=run["final_loss"],
+    )
+
+
+def format_table(result):
+    lines = [f"quality ladder: {result['images']} images per row at 32px on the built-in shapes, scored "
+             f"{result['evals']} times on {result['samples']} samples (shape FD: lower is better)"]  # fmt: skip
+    header = ["row", "params", "images", "shape FD", "KID x1e3", "valid %", "img/s", "train s", "what it tests"]
+    rows = [header]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            rows.append([r["name"], f"{r['status']}: {r['reason']}"])
+            continue
+        last = r["evals"][-1]
+        rows.append([
+            r["name"], f"{r['params']:,}", str(r["images_seen"]), f"{last['fid']:.4g}", f"{1e3 * last['kid_mean']:.3g}",
+            "n/a" if last["valid_fraction"] is None else f"{100 * last['valid_fraction']:.0f}",
+            "n/a" if r["images_per_s"] is None else f"{r['images_per_s']:.1f}", f"{r['train_wall_s']:.0f}", r["what"],
+        ])  # fmt: skip
+    full = [r for r in rows if len(r) == len(header)]
+    widths = [max(len(r[c]) for r in full) for c in range(len(header))]
+    for r in rows:
+        cells = r if len(r) == len(header) else [r[0], r[1]]
+        lines.append("  ".join(f"{c:<{w}}" for c, w in zip(cells, widths)).rstrip())
+    return lines
+
+
+def draw(result, path):
+    """The shape score against images seen, one line per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in result["rows"]:
+        if r["status"] == "ok":
+            ax.plot([e["images_seen"] for e in r["evals"]], [e["fid"] for e in r["evals"]], "o-", label=r["name"])
+    ax.set_xlabel("images seen")
+    ax.set_ylabel("shape FD (lower is better)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    env = result["environment"]
+    ax.set_title(f"quality ladder, built-in shapes at 32px; {env['device']}, torch {env['torch']}, {env['date'][:10]}",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args):
+    """Run the ladder: 0 when every row trained, 1 when one failed, 2 on a bad flag."""
+    try:
+        rows = validate(args)
+    except ConfigError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+    env = profiling.environment(torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"),
+                                ["python bench.py", *args.argv])  # fmt: skip
+    lines = profiling.environment_lines(env)
+    print("\n".join(lines))
+    out = Path(args.output)
+    tag = args.tag or f"{profiling.device_tag(env)}_quality"
+    args.tag_prefix = tag
+    result = dict(environment=env, images=args.quality_images, evals=args.quality_evals, samples=args.quality_samples,
+                  base=BASE, train_args=args.extra, rows=[])  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as work:
+        for row in rows:
+            print(f"  {row['name']} ...", flush=True)
+            result["rows"].append(run_row(args, row, Path(work) / row["name"]))
+            (out / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")  # after every row
+    table = format_table(result)
+    print("\n".join(table))
+    (out / f"{tag}.txt").write_text("\n".join([*lines, "", *table]) + "\n")
+    draw(result, out / f"{tag}.png")
+    print(f"\nwrote {out / tag}.json, .txt and .png, and each row's last grid as {tag}_ROW.png")
+    failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
+    if failed:
+        print(f"bench.py: {len(failed)} row(s) failed: {', '.join(failed)} (reasons in the table)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,49 @@
+"""bench.py --quality: whole train.py runs on the built-in shapes, scored offline as they train."""
+
+import json
+
+import pytest
+
+import bench
+import quality
+
+# The tiny preset at 16px instead of the bare run's small at 32px: seconds per row.
+TINY = "--model tiny --image_size 16 --num_inference_steps 2 --eval_batch_size 4 --dataloader_num_workers 0"
+
+
+def ladder(tmp_path, *argv):
+    args = ["--quality", "--output", str(tmp_path), "--tag", "q", "--quality_images", "64", "--quality_samples", "8",
+            f"--train_args={TINY}", *map(str, argv)]  # fmt: skip
+    return bench.main(bench.parse_args(args))
+
+
+def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys):
+    assert ladder(tmp_path, "--rows", "ddpm,edm", "--quality_evals", 2) == 0
+    result = json.loads((tmp_path / "q.json").read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["ddpm", "edm"] and all(r["status"] == "ok" for r in rows.values())
+    for r in rows.values():
+        assert [e["images_seen"] for e in r["evals"]] == [32, 64]  # two scores, the last at the end
+        assert all(e["fid"] >= 0 and 0 <= e["valid_fraction"] <= 1 for e in r["evals"])
+        assert r["images_per_s"] > 0 and r["train_wall_s"] > 0
+    assert "--objective edm" in rows["edm"]["command"] and "--objective" not in rows["ddpm"]["command"]
+    table = (tmp_path / "q.txt").read_text()
+    assert "shape FD" in table and "ddpm" in table and "edm" in table
+    assert (tmp_path / "q.png").stat().st_size > 0 and (tmp_path / "q_ddpm.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rows", "nope"], "unknown --rows 'nope'"),
+    (["--quality_evals", "0"], "--quality_evals must be at least 1"),
+    (["--train_args=--max_train_steps 3"], "--train_args must not set --max_train_steps"),
+])  # fmt: skip
+def test_bad_ladder_flags_are_one_line(tmp_path, capsys, argv, message):
+    assert ladder(tmp_path, *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_every_row_is_a_valid_train_py_command(tmp_path):
+    args = bench.parse_args(["--quality", "--output", str(tmp_path)])
+    rows = quality.validate(args)  # resolves every row's flags as train.py would
+    assert [r["name"] for r in rows] == list(quality.ROWS)
