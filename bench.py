@@ -257,9 +257,10 @@ def train_default_variant():
     )
     # --compile_mode auto is 'default' for ref128 and CUDA graphs for adm64 (resolve_settings): compare with 'default'.
     fixed = dict(settings, compile_mode="default") if settings["compile_mode"] == "auto" else settings
-    same = [row["name"] for row in LADDER if row["settings"] == fixed]
+    nearest = min(LADDER, key=lambda row: sum(row["settings"][k] != v for k, v in fixed.items()))
     where = " where --compile_mode auto picks 'default'" if fixed is not settings else ""
-    changed = "what `python train.py` runs by default here" + (f" (the settings of {same[0]}{where})" if same else "")
+    but = ", ".join(f"{k}={v}" for k, v in fixed.items() if nearest["settings"][k] != v)
+    changed = f"what `python train.py` runs by default here (the settings of {nearest['name']}{where}{' but ' + but if but else ''})"
     return dict(name="train_default", changed=changed, settings=settings, predicted_ms=dict(ref128=59.5, adm64=5.8), cuda_only=None)
 
 

@@ -111,8 +111,8 @@ def test_train_default_row_follows_train_py(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     gpu = bench.train_default_variant()
     no_syncs = next(v for v in bench.LADDER if v["name"] == "no_syncs")["settings"]
-    assert gpu["settings"] == dict(no_syncs, compile_mode="auto")
-    assert "(the settings of no_syncs where --compile_mode auto picks 'default')" in gpu["changed"]
+    assert gpu["settings"] == dict(no_syncs, compile_mode="auto", channels_last=False)  # measured slower on an H100
+    assert "(the settings of no_syncs where --compile_mode auto picks 'default' but channels_last=False)" in gpu["changed"]
     cuda = torch.device("cuda")
     for name, mode in (("ref128", "default"), ("adm64", "reduce-overhead")):
         assert bench.resolve_settings(gpu["settings"], bench.WORKLOADS[name], bench.WORKLOADS[name]["batch_size"], cuda)["compile_mode"] == mode

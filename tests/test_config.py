@@ -3,6 +3,7 @@
 import copy
 import glob
 import json
+import time
 
 import pytest
 import yaml
@@ -159,7 +160,11 @@ def test_logger_wandb_logs_offline(tmp_path, monkeypatch):
     run(out, "--max_train_steps", 2, "--logging_steps", 1, "--checkpointing_steps", 100, "--save_images_epochs", 100,
         "--logger", "wandb")  # fmt: skip
     (log,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    records = open(log, "rb").read()
+    for _ in range(60):  # wandb's service may still be writing the file when finish() returns (seen under load)
+        records = open(log, "rb").read()
+        if b"loss" in records and b'"tiny"' in records:
+            break
+        time.sleep(0.5)
     assert b"loss" in records and b'"tiny"' in records  # the scalars and the configuration
     assert not (out / "logs").exists()  # no tensorboard beside it
 
