@@ -36,11 +36,27 @@ def _hsv_to_rgb(h, s, v):
     return v[..., None] - v[..., None] * s[..., None] * (torch.minimum(k, 4 - k).clamp(0, 1))
 
 
-def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4):
+def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, with_labels=False):
     """Coloured circles, squares and triangles on plain backgrounds, as uint8.
 
     Deterministic in `seed`. Shapes are rendered at `supersample` times the
-    size and averaged down, for clean edges.
+    size and averaged down, for clean edges; shape j is drawn over shapes < j.
+
+    With `with_labels`, returns (images, labels): the same images, and a dict
+    of what each one holds (k = `max_shapes` slots per image, the first
+    `count` of them drawn):
+
+        background      (n, 3) float   RGB in [0, 1]
+        count           (n,)   long    shapes drawn, 1..k
+        drawn           (n, k) bool    slot j < count
+        kind            (n, k) long    0 circle, 1 square, 2 triangle; -1 where not drawn
+        color           (n, k, 3) float RGB in [0, 1]
+        radius          (n, k) float   size, as a fraction of the image side
+        center          (n, k, 2) float (x, y), fractions of the image side
+        pixels          (n, k) float   the shape's area in pixels of the image; 0 where not drawn
+        visible_pixels  (n, k) float   of those, the ones not drawn over by a later shape
+        shape_map       (n, S, S) int8 the slot of the shape at the centre of each pixel, -1 for
+                                       the background
     """
     n, k = num_images, max_shapes
     # One row of uniform numbers per image, so the first m images of a larger
@@ -63,10 +79,13 @@ def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4):
     grid = (torch.arange(side) + 0.5) / side
     ys, xs = grid.view(1, side, 1), grid.view(1, 1, side)
     out = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
+    pixels, visible = torch.zeros(n, k), torch.zeros(n, k)
+    shape_map = torch.empty(n, image_size, image_size, dtype=torch.int8) if with_labels else None
     chunk = max(1, 2**22 // side**2)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         img = background[lo:hi, :, None, None].expand(-1, -1, side, side).clone()
+        owner = torch.full((hi - lo, side, side), -1) if with_labels else None  # the slot each subpixel shows
         for j in range(k):
             dx = xs - cx[lo:hi, j, None, None]
             dy = ys - cy[lo:hi, j, None, None]
@@ -81,9 +100,25 @@ def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4):
             pick = kind[lo:hi, j].view(1, -1, 1, 1) == torch.arange(3).view(3, 1, 1, 1)
             mask = (masks & pick).any(0) & (j < count[lo:hi]).view(-1, 1, 1)
             img = torch.where(mask[:, None], color[lo:hi, j, :, None, None], img)
+            if with_labels:
+                owner[mask] = j
+                pixels[lo:hi, j] = mask.flatten(1).sum(1) / supersample**2
         img = F.avg_pool2d(img, supersample)
         out[lo:hi] = (img * 255).round().clamp(0, 255).to(torch.uint8)
-    return out
+        if with_labels:
+            slots = (owner[:, None] == torch.arange(k).view(1, k, 1, 1)).flatten(2).sum(2)
+            visible[lo:hi] = slots / supersample**2
+            centre = supersample // 2
+            shape_map[lo:hi] = owner[:, centre::supersample, centre::supersample]
+    if not with_labels:
+        return out
+    drawn = torch.arange(k) < count[:, None]
+    labels = dict(
+        background=background, count=count, drawn=drawn, kind=torch.where(drawn, kind, -1), color=color,
+        radius=radius, center=torch.stack([cx, cy], -1), pixels=pixels, visible_pixels=visible,
+        shape_map=shape_map,
+    )  # fmt: skip
+    return out, labels
 
 
 # --- files and Hugging Face datasets ------------------------------------------
