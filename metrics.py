@@ -8,6 +8,12 @@ both metrics through a pass-through "feature extractor", so the Inception
 network runs once per image, not once per metric, and a cached reference needs
 no images at all.
 
+Runs on the built-in shapes without `--fid_weights` are scored offline
+instead (`extractor_for`): the same arithmetic on the features of a small
+network trained on the built-in images (shapescore.py), a "shape FD" and KID,
+plus the fraction of generated images it recognises as valid shape images.
+The reference statistics are keyed by the extractor's name, so the two never mix.
+
 Weights: `--fid_weights PATH`, else torch's hub cache, else a download from
 `INCEPTION_URL` at start-up; when none works, a one-line error before anything
 is trained or sampled.
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 
 import data
+import shapescore
 from errors import ConfigError
 
 # torch-fidelity's URL_INCEPTION_V3, the file torchmetrics downloads (a test keeps them equal).
@@ -79,6 +86,20 @@ def feature_extractor(fid_weights=None):
     except Exception as e:
         raise ConfigError(f"cannot load Inception weights from {path} ({type(e).__name__}): pass a valid --fid_weights file") from None
     return network, f"inception-v3-compat:{INCEPTION_FEATURES}:{path.name}"
+
+
+def uses_shape_score(options, fid_weights):
+    """The built-in shapes are scored offline by the shape scorer, unless Inception weights are given."""
+    return options.get("dataset") == data.BUILTIN and fid_weights is None
+
+
+def extractor_for(options, image_size, fid_weights=None, device="cpu", log=print):
+    """(network, name) embedding the images of a run with dataset `options` (train.py's flags):
+    the shape scorer for the built-in shapes (trained once and cached, no download), else Inception."""
+    if uses_shape_score(options, fid_weights):
+        scorer = shapescore.load_or_train(image_size, device=device, log=log)
+        return scorer, scorer.name
+    return feature_extractor(fid_weights)
 
 
 def uint8_batches(images, batch_size, num_workers=0):
@@ -224,10 +245,23 @@ def reference_key(options, image_size, extractor_name):
     return key | dict(image_size=image_size, extractor=extractor_name)
 
 
+def score(reference, extractor, extractor_name, features, device="cpu"):
+    """The scores of generated-image `features` against `reference`, with the extractor's name;
+    from the shape scorer also `valid_fraction`, the share it recognises as valid shape images."""
+    result = reference.scores(features, device) | dict(extractor=extractor_name)
+    if isinstance(extractor, shapescore.ShapeScorer):
+        with torch.no_grad():
+            result["valid_fraction"] = float(extractor.to(device).valid(features.to(device)).float().mean())
+    return result
+
+
 def format_scores(result):
+    """One line: 'FID ...' from Inception, 'shape FD ... | valid ...' from the shape scorer."""
+    shape = "valid_fraction" in result
     return (
-        f"FID {result['fid']:.3f} | KID {result['kid_mean']:.5f} ± {result['kid_std']:.5f} | "
-        f"{result['num_images']} images, {result['sampler']} {result['num_inference_steps']} steps, "
+        f"{'shape FD' if shape else 'FID'} {result['fid']:.3f} | KID {result['kid_mean']:.5f} ± {result['kid_std']:.5f} | "
+        + (f"valid {result['valid_fraction']:.3f} | " if shape else "")
+        + f"{result['num_images']} images, {result['sampler']} {result['num_inference_steps']} steps, "
         f"against {result['reference_images']} reference images"
     )
 
@@ -268,13 +302,14 @@ class TrainingEvaluator:
     """FID and KID of the EMA weights every --eval_every_epochs, for train.py (main process only).
 
     Creating it loads the Inception network, so missing weights stop the run
-    before training. Results go to eval_results.json in the run folder; the
-    best pipeline by FID to best/.
+    before training; on the built-in shapes it loads (or trains, once) the shape
+    scorer instead. Results go to eval_results.json in the run folder; the best
+    pipeline by FID (the shape FD) to best/.
     """
 
     def __init__(self, args, output_dir, device, log=print):
         self.args, self.output_dir, self.device, self.log = args, Path(output_dir), device, log
-        self.extractor, self.extractor_name = feature_extractor(args.fid_weights)
+        self.extractor, self.extractor_name = extractor_for(vars(args), args.image_size, args.fid_weights, device, log)
         self.best = BestCheckpoint(self.output_dir / "best")
         self.reference = None
 
@@ -294,7 +329,8 @@ class TrainingEvaluator:
         """
         features = embed(self.extractor, batches, self.device)
         result = dict(
-            epoch=epoch, step=step, **self.reference.scores(features, self.device), num_images=len(features),
+            epoch=epoch, step=step, **score(self.reference, self.extractor, self.extractor_name, features, self.device),
+            num_images=len(features),
             sampler=sampler, num_inference_steps=num_inference_steps, reference_images=self.reference.num_images,
         )  # fmt: skip
         result["best"] = self.best.offer(result, save_pipeline)
@@ -332,10 +368,10 @@ class SampleEvaluation:
                 dataset=args.dataset, dataset_config=args.dataset_config, split=args.split or "train",
                 image_column=args.image_column, center_crop=True, shapes_num_images=2048, seed=0,
             )  # fmt: skip
-        self.extractor, extractor_name = feature_extractor(args.fid_weights)
         self.device = args.device
+        self.extractor, self.extractor_name = extractor_for(options, image_size, args.fid_weights, self.device, log)
         self.reference = cached_reference(
-            run_folder or run_dir, reference_key(options, image_size, extractor_name),
+            run_folder or run_dir, reference_key(options, image_size, self.extractor_name),
             lambda: reference_images(options, image_size), self.extractor, self.device, args.batch_size, log=log,
         )  # fmt: skip
         self.parts = []
@@ -344,7 +380,7 @@ class SampleEvaluation:
         self.parts.append(embed(self.extractor, [images], self.device))
 
     def result(self):
-        scores = self.reference.scores(torch.cat(self.parts), self.device)
+        scores = score(self.reference, self.extractor, self.extractor_name, torch.cat(self.parts), self.device)
         return scores | dict(reference_images=self.reference.num_images)
 
 

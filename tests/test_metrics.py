@@ -169,14 +169,18 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
             return super().forward(images)
 
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (CountingFeatures(), "tiny-features"))
+    # Inception weights given: the built-in shapes are scored by "Inception" (the stand-in), not the shape scorer
+    weights = tmp_path / "inception.pth"
+    weights.touch()
     out = tmp_path / "run"
     # 2 steps per epoch, 3 epochs, FID every 2 epochs and at the end: after epochs 1 and 2
-    run(out, "--max_train_steps", 6, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_batch_size", 4)
+    run(out, "--max_train_steps", 6, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_batch_size", 4, "--fid_weights", weights)
     stdout = capsys.readouterr().out
 
     results = json.loads((out / "eval_results.json").read_text())
     assert [(r["epoch"], r["step"]) for r in results] == [(1, 4), (2, 6)]
     assert all(r["fid"] > 0 and r["num_images"] == 6 and r["reference_images"] == 16 for r in results)
+    assert all(r["extractor"] == "tiny-features" and "valid_fraction" not in r for r in results)
     lines = [line for line in stdout.splitlines() if line.startswith("eval epoch")]
     assert [line.split(" | ")[1] for line in lines] == [f"FID {r['fid']:.3f}" for r in results]
     logged = scalars(out)
@@ -190,14 +194,24 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
 
     # a second run started afresh in the same folder reads the cached reference statistics
     embedded.clear()
-    run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6, "--overwrite_output_dir")
+    run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6, "--overwrite_output_dir", "--fid_weights", weights)
     assert sum(embedded) == 6
 
 
+def image_folder(folder, n=16, size=16):
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    for i, image in enumerate(data.make_shapes(n, size)):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i:02d}.png")
+    return folder
+
+
 def test_missing_weights_stop_training_at_start_up(tmp_path, no_weights_anywhere, capsys):
+    # (on images of one's own: the built-in shapes need no Inception, tests/test_shapescore.py)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        run(out, "--max_train_steps", 4, "--eval_every_epochs", 1)
+        run(out, "--dataset", image_folder(tmp_path / "images"), "--max_train_steps", 4, "--eval_every_epochs", 1)
     assert exit_info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "--fid_weights PATH" in err[0], err

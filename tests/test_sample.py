@@ -118,7 +118,9 @@ def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, caps
     from test_metrics import TinyFeatures
 
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
-    result = sample_main(tiny_run, "--fid", "--num_images", 6, "--num_inference_steps", 2, "--output", tmp_path)
+    # Inception weights given: "Inception" (the stand-in), not the shape scorer of tests/test_shapescore.py
+    result = sample_main(tiny_run, "--fid", "--num_images", 6, "--num_inference_steps", 2, "--output", tmp_path,
+                         "--fid_weights", "inception.pth")  # fmt: skip
     assert result["fid"] > 0 and result["reference_images"] == 32  # the run's training set
     assert (tiny_run / metrics.REFERENCE_FILE).is_file() and (tmp_path / "fid.json").is_file()
     assert f"FID {result['fid']:.3f} | KID" in capsys.readouterr().out
