@@ -165,7 +165,7 @@ class Run:
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
         self.evaluator = None
         if args.eval_every_epochs and self.is_main:
-            # Loads the Inception network now: missing weights stop the run before any training.
+            # Loads the scoring network now (Inception, or the shape scorer on the built-in data): missing weights stop the run before any training.
             self.evaluator = metrics.TrainingEvaluator(args, args.output_dir, self.device, log=accelerator.print)
 
         # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds.
