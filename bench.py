@@ -38,7 +38,6 @@ named by the device, workload and batch sizes.
 import argparse
 import gc
 import json
-import math
 import statistics
 import sys
 import time

@@ -25,7 +25,6 @@ in least squares to the wanted profile (Algorithm 3).
 Time is the optimizer step, counted from 1.
 """
 
-import argparse
 import json
 import sys
 from copy import deepcopy
