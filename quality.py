@@ -49,6 +49,8 @@ ROWS = {
     "ema_0.999": ("a shorter EMA", ["--ema_max_decay", "0.999"]),
     "no_ema": ("no EMA: the raw weights sample", ["--no-use_ema"]),
     "ddim_50": ("DDIM, 50 steps, for the grids and the score", ["--sampler", "ddim", "--num_inference_steps", "50"]),
+    "small_deep": ("capacity: a 4x4 level and attention at 8x8 and 4x4 (4x the parameters, ~1.3x the cost)",
+                   ["--model", "small_deep"]),
     "edm": ("the EDM objective (Karras et al. 2022, EDM2's weighting) on the same UNet, Heun 18 steps",
             ["--objective", "edm"]),
     "edm2tiny": ("an EDM2 network (Config G, 16 channels) with the EDM objective", ["--model", "edm2tiny"]),
