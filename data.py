@@ -1,7 +1,10 @@
 """Training images: the built-in shapes, a folder, a saved or a Hub dataset.
 
 Every source yields uint8 tensors of shape (3, S, S), already resized and
-cropped. Random flips and the scaling to [-1, 1] happen on whole batches on
+cropped. A class-conditional run (--class_conditional) also gets one class
+label per image: from the subfolder of a folder in ImageFolder layout, from a
+`datasets` column, or, for the built-in shapes, the kind of the one shape each
+image then holds (`load_images`). Random flips and the scaling to [-1, 1] happen on whole batches on
 the training device (`to_model_input`), so a dataset that is decoded once
 (`preload`) never needs decoding again.
 
@@ -25,6 +28,7 @@ from errors import ConfigError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 BUILTIN = "shapes"
+SHAPE_KINDS = ["circle", "square", "triangle"]  # make_shapes' kind 0, 1, 2
 
 
 # --- the built-in dataset ----------------------------------------------------
@@ -121,6 +125,19 @@ def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, wit
     return out, labels
 
 
+def builtin_images(num_images, image_size, seed, class_conditional=False):
+    """The built-in dataset as (images, labels, class_names).
+
+    Unconditional: `make_shapes`' images (up to 3 shapes each), labels and
+    class_names None. Conditional: one shape per image, so that the image has
+    one class, its kind (SHAPE_KINDS).
+    """
+    if not class_conditional:
+        return make_shapes(num_images, image_size, seed=seed), None, None
+    images, labels = make_shapes(num_images, image_size, seed=seed, max_shapes=1, with_labels=True)
+    return images, labels["kind"][:, 0], list(SHAPE_KINDS)
+
+
 # --- files and Hugging Face datasets ------------------------------------------
 
 
@@ -138,10 +155,15 @@ def image_transform(image_size, center_crop=True):
 
 
 class FileImages(torch.utils.data.Dataset):
-    """Image files decoded on demand; an item is (image, None) or (None, error)."""
+    """Image files decoded on demand; an item is (image, None) or (None, error).
 
-    def __init__(self, paths, transform):
+    `labels` (a LongTensor, one per path) and `class_names` are None unless the
+    run is class-conditional.
+    """
+
+    def __init__(self, paths, transform, labels=None, class_names=None):
         self.paths, self.transform = paths, transform
+        self.labels, self.class_names = labels, class_names
 
     def __len__(self):
         return len(self.paths)
@@ -155,10 +177,15 @@ class FileImages(torch.utils.data.Dataset):
 
 
 class HubImages(torch.utils.data.Dataset):
-    """One image column of a `datasets.Dataset`; an item is (image, None) or (None, error)."""
+    """One image column of a `datasets.Dataset`; an item is (image, None) or (None, error).
 
-    def __init__(self, dataset, column, transform):
+    `labels` (a LongTensor, one per row) and `class_names` are None unless the
+    run is class-conditional.
+    """
+
+    def __init__(self, dataset, column, transform, labels=None, class_names=None):
         self.dataset, self.column, self.transform = dataset, column, transform
+        self.labels, self.class_names = labels, class_names
 
     def __len__(self):
         return len(self.dataset)
@@ -207,6 +234,83 @@ def _image_column(dataset, requested, source):
     raise ConfigError(f"dataset {source} has no image column (columns: {', '.join(columns)}); pass --image_column")
 
 
+def _needs_labels(why):
+    """The error of a class-conditional run on data that carries no class labels."""
+    return ConfigError(
+        f"--class_conditional needs class labels, and {why}: put the images of each class in a subfolder of "
+        "--dataset (ImageFolder layout), use a datasets dataset with a ClassLabel column or --label_column, "
+        "or train on the built-in shapes (leave out --dataset)"
+    )
+
+
+def _check_classes(class_names, source):
+    if len(class_names) < 2:
+        found = f"only {class_names[0]!r}" if class_names else "none"
+        raise ConfigError(f"--class_conditional needs at least 2 classes; {source} has {found}")
+
+
+def folder_labels(folder, paths):
+    """(labels, class_names) of image `paths` in ImageFolder layout: the class of an image is the
+    subfolder of `folder` it sits in (at any depth below it), classes sorted by name as
+    torchvision's ImageFolder sorts them. Subfolders without images are not classes."""
+    tops = [Path(p).relative_to(folder).parts for p in paths]
+    loose = [p for p, parts in zip(paths, tops) if len(parts) == 1]
+    if loose:
+        raise _needs_labels(f"{loose[0]} sits directly in {folder}, in no class folder")
+    class_names = sorted({parts[0] for parts in tops})
+    _check_classes(class_names, folder)
+    index = {name: i for i, name in enumerate(class_names)}
+    return torch.tensor([index[parts[0]] for parts in tops], dtype=torch.long), class_names
+
+
+def column_labels(dataset, requested, source):
+    """(labels, class_names) of a `datasets.Dataset`: the column `requested` (--label_column),
+    else the one ClassLabel column. A ClassLabel column keeps its own names and numbers; a plain
+    column of ints or of strings is numbered in the sorted order of its distinct values."""
+    import datasets
+
+    columns = list(dataset.column_names)
+    if requested:
+        if requested not in columns:
+            raise ConfigError(
+                f"dataset {source} has no column '{requested}' (columns: {', '.join(columns)}); fix --label_column"
+            )
+        column = requested
+    else:
+        found = [c for c in columns if isinstance(dataset.features[c], datasets.ClassLabel)]
+        if not found:
+            raise _needs_labels(f"dataset {source} has no ClassLabel column (columns: {', '.join(columns)})")
+        if len(found) > 1:
+            raise ConfigError(
+                f"dataset {source} has several ClassLabel columns ({', '.join(found)}): pick one with --label_column"
+            )
+        column = found[0]
+    values = list(dataset[column])  # only this column is read: no image is decoded
+    feature = dataset.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        class_names = list(feature.names)
+        labels = torch.tensor(values, dtype=torch.long)
+        bad = ((labels < 0) | (labels >= len(class_names))).nonzero()
+        if len(bad):
+            row = int(bad[0])
+            raise ConfigError(
+                f"dataset {source}: row {row} of column '{column}' has no class (label {values[row]}, "
+                f"{len(class_names)} classes); use a split whose rows all have one (--split)"
+            )
+    elif values and (all(isinstance(v, int) for v in values) or all(isinstance(v, str) for v in values)):
+        distinct = sorted(set(values))
+        index = {value: i for i, value in enumerate(distinct)}
+        labels = torch.tensor([index[v] for v in values], dtype=torch.long)
+        class_names = [str(value) for value in distinct]
+    else:
+        raise ConfigError(
+            f"column '{column}' of dataset {source} holds {feature}, not class labels: "
+            "pass a --label_column of ints or strings (or a ClassLabel)"
+        )
+    _check_classes(class_names, f"column '{column}' of dataset {source}")
+    return labels, class_names
+
+
 def _pick_split(dataset, split, source):
     import datasets
 
@@ -241,36 +345,60 @@ def _load_hub(name, config, split):
         hub_logger.setLevel(hub_level)
 
 
-def open_dataset(source, image_size, center_crop=True, config=None, split="train", image_column=None):
+def open_dataset(
+    source, image_size, center_crop=True, config=None, split="train", image_column=None,
+    class_conditional=False, label_column=None,
+):  # fmt: skip
     """The torch Dataset behind `--dataset`: a folder, a saved dataset or a Hub id.
 
-    (The built-in dataset is generated directly as a tensor: `make_shapes`.)
+    With `class_conditional` its `labels` and `class_names` are filled (see
+    `folder_labels` and `column_labels`), or the data's lack of labels is an error.
+    (The built-in dataset is generated directly as a tensor: `builtin_images`.)
     """
     transform = image_transform(image_size, center_crop)
     path = Path(source).expanduser()
+    if path.is_dir() and not _is_saved_dataset(path):
+        paths = find_images(path)
+        if not class_conditional:
+            return FileImages(paths, transform)
+        if label_column:
+            raise ConfigError(
+                f"--label_column names a column of a datasets dataset, and {source} is a folder "
+                "(its classes are its subfolders): drop --label_column"
+            )
+        return FileImages(paths, transform, *folder_labels(path, paths))
     if path.is_dir():
-        if _is_saved_dataset(path):
-            import datasets
+        import datasets
 
-            dataset = _pick_split(datasets.load_from_disk(str(path)), split, source)
-            return HubImages(dataset, _image_column(dataset, image_column, source), transform)
-        return FileImages(find_images(path), transform)
-    if path.exists():
+        dataset = _pick_split(datasets.load_from_disk(str(path)), split, source)
+    elif path.exists():
         raise ConfigError(f"--dataset {source} is a file: point it at a folder of images or a saved dataset")
-    if _looks_like_path(source):
+    elif _looks_like_path(source):
         raise ConfigError(f"--dataset {source}: no such folder; check the path")
-    dataset = _load_hub(source, config, split)
-    return HubImages(dataset, _image_column(dataset, image_column, source), transform)
+    else:
+        dataset = _load_hub(source, config, split)
+    column = _image_column(dataset, image_column, source)
+    if not class_conditional:
+        return HubImages(dataset, column, transform)
+    return HubImages(dataset, column, transform, *column_labels(dataset, label_column, source))
 
 
-def _collate(items):
-    """(stacked images that decoded, errors of those that did not).
+def _collate_decoded(items):
+    """(stacked images that decoded, errors of those that did not, a bool tensor of which items decoded).
 
-    Runs in the loader's worker processes, so it reports instead of raising.
+    The last tells which labels go with the images. Runs in the loader's worker
+    processes, so it reports instead of raising.
     """
     images = [image for image, _ in items if image is not None]
     errors = [error for _, error in items if error is not None]
-    return (torch.stack(images) if images else None), errors
+    decoded = torch.tensor([image is not None for image, _ in items])
+    return (torch.stack(images) if images else None), errors, decoded
+
+
+def _collate(items):
+    """(stacked images that decoded, errors of those that did not)."""
+    images, errors, _ = _collate_decoded(items)
+    return images, errors
 
 
 class Unreadable:
@@ -307,26 +435,30 @@ def check_readable(dataset, unreadable):
     raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
 
 
-def preload(dataset, num_workers=0, progress=False, unreadable=None):
+def preload(dataset, num_workers=0, progress=False, unreadable=None, labels=None):
     """Decode every image once into one uint8 tensor (N, 3, S, S).
 
     Unreadable images are passed to `unreadable` (default: strict, the first
-    one is an error) and left out.
+    one is an error) and left out. With `labels` (one per item of `dataset`)
+    returns (images, the labels of the images kept).
     """
     from tqdm.auto import tqdm
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
-    loader = torch.utils.data.DataLoader(dataset, batch_size=64, num_workers=num_workers, collate_fn=_collate)
-    parts = []
+    loader = torch.utils.data.DataLoader(dataset, batch_size=64, num_workers=num_workers, collate_fn=_collate_decoded)
+    parts, kept = [], []
     with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
-        for images, errors in loader:
+        for images, errors, decoded in loader:
             unreadable.report(errors)
             if images is not None:
                 parts.append(images)
-            bar.update(len(errors) + (0 if images is None else len(images)))
+            kept.append(decoded)
+            bar.update(len(decoded))
     if not parts:
         raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
-    return torch.cat(parts)
+    if labels is None:
+        return torch.cat(parts)
+    return torch.cat(parts), labels[torch.cat(kept)]
 
 
 # --- batches -------------------------------------------------------------------
@@ -357,14 +489,26 @@ class _IndexBatches(torch.utils.data.Sampler):
 
 
 class Batches:
-    """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader."""
+    """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader.
 
-    def __init__(self, source, batch_size, seed, device, rank=0, world_size=1, num_workers=0, unreadable=None):
+    With `labels` (a LongTensor, one per index of `source`: the labels that
+    `load_images` returns, which for a streamed dataset are its `labels`) each
+    batch is (images, labels), the labels on `device` too. The order of the
+    batches is the same with labels or without.
+    """
+
+    def __init__(
+        self, source, batch_size, seed, device, rank=0, world_size=1, num_workers=0, unreadable=None, labels=None,
+    ):  # fmt: skip
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
         self.preloaded = isinstance(source, torch.Tensor)
-        # Streamed images are decoded every epoch; one that fails makes its batch one image smaller.
+        # Streamed images are decoded every epoch; one that fails makes its batch one image smaller (and its labels).
         self.unreadable = Unreadable() if unreadable is None else unreadable
+        if labels is not None and len(labels) != len(source):
+            raise ValueError(f"{len(labels)} labels for {len(source)} images")
+        # Preloaded labels sit where the images do, so that one index picks both.
+        self.labels = labels.to(source.device) if labels is not None and self.preloaded else labels
 
     def __len__(self):
         return len(self.source)
@@ -381,21 +525,29 @@ class Batches:
             # copy per batch would make the host wait for the GPU at every step.
             order = torch.stack(batches).to(self.source.device) if batches else []
             for index in order:
-                yield self.source[index].to(self.device, non_blocking=True)
+                images = self.source[index].to(self.device, non_blocking=True)
+                if self.labels is None:
+                    yield images
+                else:
+                    yield images, self.labels[index].to(self.device, non_blocking=True)
             return
         loader = torch.utils.data.DataLoader(
             self.source,
             batch_sampler=_IndexBatches(batches),
             num_workers=self.num_workers,
-            collate_fn=_collate,
+            collate_fn=_collate_decoded,
             pin_memory=self.device.type == "cuda",
             persistent_workers=False,
         )
-        for images, errors in loader:
+        for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)
             if images is None:
                 raise ConfigError(f"every image of a batch was unreadable ({errors[0]}): check the dataset")
-            yield images.to(self.device, non_blocking=True)
+            images = images.to(self.device, non_blocking=True)
+            if self.labels is None:
+                yield images
+            else:
+                yield images, self.labels[index[decoded]].to(self.device, non_blocking=True)
 
 
 def to_model_input(images, random_flip=True):
@@ -408,13 +560,32 @@ def to_model_input(images, random_flip=True):
 
 
 def load_images(args, unreadable):
-    """The training images of the run's flags: a uint8 tensor (generated or preloaded), or a
-    Dataset to stream when preloading is off, needs random crops, or would pass --preload_max_gib."""
+    """The training data of the run's flags: (images, labels, class_names).
+
+    images: a uint8 tensor (generated or preloaded), or a Dataset to stream when
+    preloading is off, needs random crops, or would pass --preload_max_gib.
+    labels: None, or with --class_conditional a LongTensor of class indices, one
+    per index of images (a preloaded dataset's unreadable images lose theirs).
+    class_names: None, or the name of each class index.
+    """
     if args.dataset == BUILTIN:
-        return make_shapes(args.shapes_num_images, args.image_size, seed=args.seed)
-    dataset = open_dataset(args.dataset, args.image_size, args.center_crop, args.dataset_config, args.split, args.image_column)
+        if args.class_conditional and args.label_column:
+            raise ConfigError(
+                "--label_column names a column of a datasets dataset; the built-in shapes are labelled by kind: "
+                "drop --label_column"
+            )
+        return builtin_images(args.shapes_num_images, args.image_size, args.seed, args.class_conditional)
+    dataset = open_dataset(
+        args.dataset, args.image_size, args.center_crop, args.dataset_config, args.split, args.image_column,
+        args.class_conditional, args.label_column,
+    )  # fmt: skip
+    labels, class_names = dataset.labels, dataset.class_names
     gib = len(dataset) * 3 * args.image_size**2 / 2**30
     if not args.preload_data or not args.center_crop or gib > args.preload_max_gib:
         check_readable(dataset, unreadable)
-        return dataset
-    return preload(dataset, args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)
+        return dataset, labels, class_names
+    decode = dict(num_workers=args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)
+    if labels is None:
+        return preload(dataset, **decode), None, None
+    images, labels = preload(dataset, **decode, labels=labels)
+    return images, labels, class_names
