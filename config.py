@@ -46,7 +46,7 @@ DEFAULT_LR_REF_STEPS = 70_000
 DERIVED_KEYS = (
     "config", "num_processes", "num_images", "data_path", "global_batch_size", "steps_per_epoch",
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
-    "step_compile_mode", "device",
+    "step_compile_mode", "device", "num_classes", "class_names", "class_counts",
 )  # fmt: skip
 
 # What one command asks for once, not what a run is: a file read with --config never
@@ -154,6 +154,12 @@ def build_parser(prog="train.py", source=""):
     flag(d, "split", "dataset split to train on", "train")
     flag(d, "image_column", "column holding the images (default: found by type)")
     flag(d, "shapes_num_images", "size of the built-in dataset", 2048, type=at_least(1))
+    switch(d, "class_conditional", "train with the data's class labels (folders with one subfolder per class, a "
+           "datasets ClassLabel column or --label_column, or the built-in shapes: one shape per image, labelled by "
+           "its kind), for classifier-free guidance (--guidance_scale)")  # fmt: skip
+    flag(d, "label_column", "column holding the class labels (default: the ClassLabel column)")
+    flag(d, "label_dropout", "conditional: probability that a training label is replaced by the null label "
+         "(classifier-free guidance learns the unconditional model from these)", 0.1, type=unit_interval)  # fmt: skip
     flag(d, "image_size", "train on square images of this side", 32, type=at_least(8))
     switch(d, "center_crop", "crop the centre after resizing (--no-center_crop: a random crop, decoded every epoch)", True)
     switch(d, "random_flip", "random left-right flips", True)
@@ -240,6 +246,11 @@ def build_parser(prog="train.py", source=""):
     flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {sample.DEFAULT_STEPS}; "
          f"{sample.EDM_STEPS} for EDM's Heun sampler, {2 * sample.EDM_STEPS - 1} network evaluations)",
          type=at_least(1))  # fmt: skip
+    flag(o, "guidance_scale", "grids and evaluation: w in D = D_uncond + w (D_cond - D_uncond) for a conditional "
+         "run (classifier-free guidance), or D = D_guide + w (D - D_guide) with --guide; 1: no guidance", 1.0,
+         type=non_negative)  # fmt: skip
+    flag(o, "guide", "grids and evaluation: guide the model with another run's (autoguidance, Karras et al. 2024): "
+         "its --output_dir, pipeline or checkpoint folder")  # fmt: skip
     flag(o, "checkpointing_steps", "save a checkpoint every N steps", 500, type=at_least(1))
     flag(o, "checkpoints_total_limit", "keep at most this many checkpoints (default: all)", type=at_least(1))
     switch(o, "resume", "continue from the newest checkpoint in --output_dir when there is one (--no-resume: "
@@ -384,6 +395,11 @@ def resolve(args):
         raise ConfigError("--ema power needs an EMA: drop --no-use_ema")
     if isinstance(args.ema_stds, str):
         args.ema_stds = posthoc_ema.parse_stds(args.ema_stds)
+    if args.guide is not None and not Path(args.guide).exists():
+        raise ConfigError(f"--guide {args.guide}: no such folder; point it at a run of the same data (its --output_dir)")
+    if args.guidance_scale != 1 and not (args.class_conditional or args.guide):
+        raise ConfigError("--guidance_scale guides a --class_conditional run (or one with --guide): add one of them, "
+                          "or leave it at 1")  # fmt: skip
     if args.fid_weights is not None and not Path(args.fid_weights).is_file():
         raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     return args

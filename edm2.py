@@ -377,7 +377,8 @@ class EDM2UNet(ModelMixin, ConfigMixin):
         """F(c_in x; c_noise): `timestep` is c_noise = ln(sigma) / 4, [B] or a scalar.
 
         `class_labels`: integer labels [B] or one-hot/soft labels [B, num_classes];
-        required when num_classes > 0.
+        required when num_classes > 0. The integer label num_classes is the null
+        label of classifier-free guidance: an all-zero one-hot, as EDM2 drops labels.
         """
         x = sample
         emb = self.emb_fourier(self._c_noise(timestep, x.shape[0], x.device))
@@ -387,7 +388,7 @@ class EDM2UNet(ModelMixin, ConfigMixin):
                 if class_labels is None:
                     raise ValueError("this network is class-conditional: pass class_labels")
                 if class_labels.ndim == 1:
-                    class_labels = F.one_hot(class_labels.long(), self.config.num_classes)
+                    class_labels = F.one_hot(class_labels.long(), self.config.num_classes + 1)[:, :-1]
                 labels = class_labels.to(emb.dtype) * math.sqrt(self.config.num_classes)
                 emb = add(emb, self.emb_label(labels), self.label_balance, self.mp)
             emb = self.act(emb)

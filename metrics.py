@@ -103,15 +103,18 @@ def extractor_for(options, image_size, fid_weights=None, device="cpu", log=print
 
 
 def uint8_batches(images, batch_size, num_workers=0):
-    """uint8 batches from a (N, 3, S, S) tensor or from a dataset of such images."""
+    """uint8 batches from a (N, 3, S, S) tensor or from a dataset of such images; an image that
+    cannot be decoded is left out with a warning, as training skips it."""
     if isinstance(images, torch.Tensor):
         for start in range(0, len(images), batch_size):
             yield images[start : start + batch_size]
         return
+    unreadable = data.Unreadable()
     loader = torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers, collate_fn=data._collate)
     for batch, errors in loader:
-        data._check_decoded(errors)
-        yield batch
+        unreadable.report(errors)
+        if batch is not None:
+            yield batch
 
 
 @torch.no_grad()
@@ -241,17 +244,24 @@ def reference_key(options, image_size, extractor_name):
     """What the reference statistics depend on: the dataset options, the size, the network."""
     key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column", "center_crop")}
     if options.get("dataset") == data.BUILTIN:
-        key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"))
+        key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"),
+                    class_conditional=bool(options.get("class_conditional")))  # one shape per image when conditional
     return key | dict(image_size=image_size, extractor=extractor_name)
 
 
-def score(reference, extractor, extractor_name, features, device="cpu"):
+def score(reference, extractor, extractor_name, features, device="cpu", labels=None):
     """The scores of generated-image `features` against `reference`, with the extractor's name;
-    from the shape scorer also `valid_fraction`, the share it recognises as valid shape images."""
+    from the shape scorer also `valid_fraction`, the share it recognises as valid shape images,
+    and with the `labels` the images were asked for (a conditional run on the built-in shapes,
+    whose label is the kind of its one shape), `class_match`: the share recognised as showing
+    that kind and no other."""
     result = reference.scores(features, device) | dict(extractor=extractor_name)
     if isinstance(extractor, shapescore.ShapeScorer):
         with torch.no_grad():
-            result["valid_fraction"] = float(extractor.to(device).valid(features.to(device)).float().mean())
+            scorer, features = extractor.to(device), features.to(device)
+            result["valid_fraction"] = float(scorer.valid(features).float().mean())
+            if labels is not None:
+                result["class_match"] = float((scorer.single_kind(features).cpu() == labels.cpu()).float().mean())
     return result
 
 
@@ -261,6 +271,7 @@ def format_scores(result):
     return (
         f"{'shape FD' if shape else 'FID'} {result['fid']:.3f} | KID {result['kid_mean']:.5f} ± {result['kid_std']:.5f} | "
         + (f"valid {result['valid_fraction']:.3f} | " if shape else "")
+        + (f"class match {result['class_match']:.3f} | " if "class_match" in result else "")
         + f"{result['num_images']} images, {result['sampler']} {result['num_inference_steps']} steps, "
         f"against {result['reference_images']} reference images"
     )
@@ -321,7 +332,7 @@ class TrainingEvaluator:
             self.args.dataloader_num_workers, self.log,
         )  # fmt: skip
 
-    def evaluate(self, batches, sampler, num_inference_steps, epoch, step, save_pipeline):
+    def evaluate(self, batches, sampler, num_inference_steps, epoch, step, save_pipeline, labels=None):
         """Score the generated uint8 `batches` (--eval_num_samples images), record them; returns the result dict.
 
         The caller generates them (train.py, through sample.generate_batches), so that
@@ -329,7 +340,7 @@ class TrainingEvaluator:
         """
         features = embed(self.extractor, batches, self.device)
         result = dict(
-            epoch=epoch, step=step, **score(self.reference, self.extractor, self.extractor_name, features, self.device),
+            epoch=epoch, step=step, **score(self.reference, self.extractor, self.extractor_name, features, self.device, labels),
             num_images=len(features),
             sampler=sampler, num_inference_steps=num_inference_steps, reference_images=self.reference.num_images,
         )  # fmt: skip
@@ -376,18 +387,25 @@ class SampleEvaluation:
         )  # fmt: skip
         self.parts = []
 
-    def add(self, images):
-        self.parts.append(embed(self.extractor, [images], self.device))
+    def add(self, images, labels=None):
+        self.parts.append((embed(self.extractor, [images], self.device), labels))
 
     def result(self):
-        scores = score(self.reference, self.extractor, self.extractor_name, torch.cat(self.parts), self.device)
+        """The scores of the images added since the last result."""
+        features = torch.cat([f for f, _ in self.parts])
+        labels = None if self.parts[0][1] is None else torch.cat([l for _, l in self.parts])
+        self.parts = []
+        scores = score(self.reference, self.extractor, self.extractor_name, features, self.device, labels)
         return scores | dict(reference_images=self.reference.num_images)
 
 
 def reference_images(options, image_size):
-    """The images `options` (train.py's dataset flags) name, at `image_size`: a tensor or a dataset."""
+    """The images `options` (train.py's dataset flags) name, at `image_size`: a tensor or a dataset.
+
+    A conditional run on the built-in data trains on one shape per image: those are its reference."""
     if options["dataset"] == data.BUILTIN:
-        return data.make_shapes(options["shapes_num_images"], image_size, seed=options["seed"])
+        conditional = bool(options.get("class_conditional"))
+        return data.builtin_images(options["shapes_num_images"], image_size, options["seed"], conditional)[0]
     return data.open_dataset(
         options["dataset"], image_size, options.get("center_crop", True), options.get("dataset_config"),
         options.get("split") or "train", options.get("image_column"),

@@ -186,15 +186,36 @@ def check_image_size(name, image_size):
         )
 
 
-def build_unet(name, image_size, device=None):
+def build_unet(name, image_size, device=None, num_classes=0):
     """A fresh network of preset `name` for square images of side `image_size`:
-    a UNet2DModel, or an EDM2UNet for the `network="edm2"` presets."""
+    a UNet2DModel, or an EDM2UNet for the `network="edm2"` presets.
+
+    `num_classes` > 0: class-conditional, `class_labels` 0..num_classes-1, and
+    num_classes itself the null label that classifier-free guidance trains
+    with (`null_label`): a UNet2DModel gets a class embedding with one entry
+    more, added to its time embedding; an EDM2UNet gets EDM2's one-hot label
+    input, the null label an all-zero one.
+    """
     check_image_size(name, image_size)
     preset = PRESETS[name]
     with torch.device(device or "cpu"):
         if preset.get("network") == "edm2":
-            return EDM2UNet(sample_size=image_size, in_channels=3, out_channels=3, **preset["edm2"])
-        return UNet2DModel(sample_size=image_size, in_channels=3, out_channels=3, **preset["unet"])
+            return EDM2UNet(sample_size=image_size, in_channels=3, out_channels=3, num_classes=num_classes, **preset["edm2"])
+        classes = dict(num_class_embeds=num_classes + 1) if num_classes else {}
+        return UNet2DModel(sample_size=image_size, in_channels=3, out_channels=3, **preset["unet"], **classes)
+
+
+def num_classes_of(net):
+    """The classes a network was built for (0: unconditional), read from its config."""
+    config = net.config
+    if "num_class_embeds" in config:  # UNet2DModel: one embedding more, the null label
+        return (config["num_class_embeds"] or 1) - 1
+    return config.get("num_classes", 0) or 0
+
+
+def null_label(num_classes):
+    """The label that stands for "no class": the last embedding (build_unet)."""
+    return num_classes
 
 
 def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon", zero_terminal_snr=False):
@@ -347,6 +368,7 @@ def c_noise_scale_for(net):
 
     EDM2's networks take c_noise = ln(σ)/4 itself into their Fourier features.
     """
+    net = getattr(net, "func", net)  # functools.partial, which passes the class labels
     net = getattr(net, "_orig_mod", net)  # torch.compile's wrapper
     net = getattr(net, "module", net)  # DistributedDataParallel's
     return UNET_C_NOISE_SCALE if isinstance(net, UNet2DModel) else 1.0

@@ -181,8 +181,103 @@ def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_
     return make_scheduler(name, training_config)
 
 
+# --- guidance -----------------------------------------------------------------------------
+
+
+class Guided(torch.nn.Module):
+    """A network as the samplers call one, net(x, t, return_dict=False), its output guided.
+
+    Classifier-free guidance (Ho & Salimans 2022), `guide` None: the network
+    evaluated with the images' labels and with the null label,
+        out = out(null) + w (out(labels) - out(null)).
+    Autoguidance (Karras et al. 2024), `guide` a second network (a smaller or
+    less-trained one of the same data):
+        out = guide(labels) + w (out(labels) - guide(labels)),
+    with labels for conditional networks and none for unconditional ones. w = 1
+    is the network alone, w = 0 the unconditional model or the guide.
+
+    The combination is linear in what the network outputs: for DDPM the
+    eps/v/x0 prediction the sampler reads; for EDM, F of D = c_skip x + c_out F,
+    whose coefficients both networks share, so it is the same combination of
+    the denoisers D. `edm` tells it that t is EDM's c_noise = ln(σ)/4, which each
+    network takes at its own scale (model.c_noise_scale_for).
+    """
+
+    def __init__(self, net, scale=1.0, labels=None, null_label=None, guide=None, edm=False):
+        super().__init__()
+        self.net, self.guide, self.scale = net, guide, float(scale)
+        self.labels, self.null_label, self.edm = labels, null_label, edm
+        self.config = net.config
+
+    def _call(self, net, x, t, labels):
+        if self.edm:
+            t = t * models.c_noise_scale_for(net)
+        kwargs = {} if labels is None else dict(class_labels=labels)
+        return net(x, t, return_dict=False, **kwargs)[0].float()
+
+    def forward(self, x, t, return_dict=False):
+        w, labels = self.scale, self.labels
+        if self.guide is not None:
+            guide_labels = labels if models.num_classes_of(self.guide) else None
+            guided = self._call(self.guide, x, t, guide_labels)
+            main = guided if w == 0 else self._call(self.net, x, t, labels)
+        elif w == 1 or labels is None:
+            return (self._call(self.net, x, t, labels),)
+        else:  # the conditional and unconditional outputs in one batch
+            both = self._call(self.net, torch.cat([x, x]), torch.cat([t, t]) if torch.is_tensor(t) and t.ndim else t,
+                              torch.cat([labels, torch.full_like(labels, self.null_label)]))  # fmt: skip
+            main, guided = both.chunk(2)
+        return (guided + w * (main - guided),)
+
+
+def guided_network(net, objective, labels=None, scale=1.0, guide=None):
+    """`net` as `generate` calls it: itself when there is nothing to guide or condition, else Guided."""
+    if labels is None and guide is None:
+        return net
+    num_classes = models.num_classes_of(net)
+    return Guided(net, scale, labels, models.null_label(num_classes), guide, edm=objective == "edm")
+
+
+def spread_labels(num_classes, count):
+    """Labels for `count` images in contiguous runs over the classes: a grid's rows by class."""
+    return torch.tensor([i * num_classes // count for i in range(count)]) if num_classes else None
+
+
+def grid_labels(num_classes, count):
+    """A conditional run's grid: row r shows class r (mod the classes), or with more classes than
+    rows, classes spread over the rows."""
+    if not num_classes:
+        return None
+    rows = math.ceil(math.sqrt(count))  # save_grid's row length
+    row = [i // rows for i in range(count)]
+    num_rows = row[-1] + 1
+    return torch.tensor([r % num_classes if num_classes <= num_rows else r * num_classes // num_rows for r in row])
+
+
+def labels_as_in_data(class_counts, count, seed):
+    """`count` labels drawn with the data's class frequencies (for FID), seeded by `seed`."""
+    weights = torch.tensor(class_counts, dtype=torch.float)
+    return torch.multinomial(weights, count, replacement=True, generator=torch.Generator().manual_seed(seed))
+
+
+def check_guide(main, guide):
+    """A one-line ConfigError unless the run configs `main` and `guide` can be combined:
+    the same objective, image size and classes (and for DDPM the same noise schedule
+    and prediction, since their outputs are combined as they are)."""
+    keys = ["objective", "image_size", "class_names"]
+    if main.get("objective", "ddpm") == "ddpm":
+        keys += ["prediction_type", "beta_schedule", "num_train_timesteps", "zero_terminal_snr"]
+    for key in keys:
+        a, b = main.get(key), guide.get(key)
+        if key == "objective":
+            a, b = a or "ddpm", b or "ddpm"
+        if a != b:
+            raise ConfigError(f"the guide was trained with {key} {b!r}, the model with {a!r}: "
+                              f"guide with a run of the same {key.replace('_', ' ')}")  # fmt: skip
+
+
 def network_device(net):
-    return next(net.parameters()).device
+    return next(iter([*net.parameters(), *net.buffers()])).device
 
 
 def image_shape(net):
@@ -204,13 +299,19 @@ def to_uint8(images):
 
 
 @torch.no_grad()
-def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nullcontext):
+def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nullcontext, labels=None,
+             guidance_scale=1.0, guide=None):  # fmt: skip
     """uint8 images (len(seeds), C, S, S); image i starts from noise drawn with seed seeds[i].
 
     `scheduler` is one of make_scheduler's, or an EDMHeunSampler for a network
     trained with the EDM objective (`make_sampler` picks by the run's objective).
+    `labels`: image i's class (a conditional network); `guidance_scale` and
+    `guide`: classifier-free guidance or autoguidance (Guided).
     """
     device = network_device(unet)
+    objective = "edm" if isinstance(scheduler, EDMHeunSampler) else "ddpm"
+    labels = None if labels is None else torch.as_tensor(labels).to(device)
+    unet = guided_network(unet, objective, labels, guidance_scale, guide)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     x = torch.stack([torch.randn(image_shape(unet), generator=g) for g in generators]).to(device)
     if isinstance(scheduler, EDMHeunSampler):
@@ -219,17 +320,20 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
     x = x * scheduler.init_noise_sigma
     for t in scheduler.timesteps:
         with autocast():
-            model_output = unet(scheduler.scale_model_input(x, t), t).sample
+            model_output = unet(scheduler.scale_model_input(x, t), t, return_dict=False)[0]
         # the DDPM sampler's fresh noise comes from the same per-image generators
         x = scheduler.step(model_output.float(), t, x, generator=generators).prev_sample
     return to_uint8(x)
 
 
-def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inference_steps, autocast=contextlib.nullcontext):
-    """Yield uint8 batches of `num_images` images in all; image i depends only on (seed, i)."""
+def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inference_steps, autocast=contextlib.nullcontext,
+                     labels=None, guidance_scale=1.0, guide=None):  # fmt: skip
+    """Yield uint8 batches of `num_images` images in all; image i depends only on (seed, i) (and its label)."""
     seeds = image_seeds(seed, num_images)
     for start in range(0, num_images, batch_size):
-        yield generate(unet, scheduler, seeds[start : start + batch_size], num_inference_steps, autocast)
+        part = None if labels is None else labels[start : start + batch_size]
+        yield generate(unet, scheduler, seeds[start : start + batch_size], num_inference_steps, autocast, part,
+                       guidance_scale, guide)  # fmt: skip
 
 
 def save_grid(images, path):
@@ -352,7 +456,7 @@ def load_model(path, ema=True):
     config = find_run_config(folder)
     if config is None:
         raise ConfigError(f"{folder}: no train_config.json in the run folder above it, so the model is unknown")
-    unet = models.build_unet(config["model"], config["image_size"])
+    unet = models.build_unet(config["model"], config["image_size"], num_classes=config.get("num_classes") or 0)
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{folder}: no model.safetensors in the checkpoint")
@@ -393,6 +497,17 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
 
+    g = p.add_argument_group("classes and guidance")
+    g.add_argument("--class_labels", default=None,
+                   help="a conditional run: comma-separated class names or numbers, taken in turn by image i "
+                        "(default: spread over the classes in runs; with --fid, drawn as in the data)")  # fmt: skip
+    g.add_argument("--guidance_scale", default="1",
+                   help="w: classifier-free guidance of a conditional run, or autoguidance with --guide (1: none); "
+                        "with --fid a comma-separated list, scored in turn")  # fmt: skip
+    g.add_argument("--guide", default=None,
+                   help="autoguidance: a run (pipeline or checkpoint folder) of the same data, objective and classes, "
+                        "smaller or trained less, that guides this one (Karras et al. 2024)")  # fmt: skip
+
     f = p.add_argument_group("FID and KID")
     f.add_argument("--fid", action=argparse.BooleanOptionalAction, default=False, help="measure FID and KID")
     f.add_argument(
@@ -417,7 +532,54 @@ def validate(args):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if not Path(args.run_dir).exists():
         raise ConfigError(f"{args.run_dir}: no such folder")
+    if args.guide is not None and not Path(args.guide).exists():
+        raise ConfigError(f"--guide {args.guide}: no such folder")
+    try:
+        args.guidance_scales = [float(w) for w in str(args.guidance_scale).split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--guidance_scale takes numbers, comma-separated with --fid (got {args.guidance_scale!r})") from None
+    if not args.guidance_scales or min(args.guidance_scales) < 0:
+        raise ConfigError(f"--guidance_scale must be at least 0 (got {args.guidance_scale!r})")
+    if len(args.guidance_scales) > 1 and not args.fid:
+        raise ConfigError("several --guidance_scale values are for --fid: give one to write images")
     return args
+
+
+def class_labels_for(spec, config, num_classes, count, seed, as_in_data):
+    """Image i's label for a run with `num_classes` classes (None for an unconditional one).
+
+    `spec`: --class_labels, names (the run's class_names) or numbers, taken in
+    turn; None: spread over the classes, or with `as_in_data` drawn with the
+    data's class frequencies (what FID compares with).
+    """
+    if not num_classes:
+        if spec is not None:
+            raise ConfigError("--class_labels is for a class-conditional run: this one was trained without labels")
+        return None
+    names = (config or {}).get("class_names") or [str(i) for i in range(num_classes)]
+    if spec is None:
+        counts = (config or {}).get("class_counts")
+        return labels_as_in_data(counts, count, seed) if as_in_data and counts else spread_labels(num_classes, count)
+    wanted = []
+    for item in (w.strip() for w in spec.split(",") if w.strip()):
+        if item in names:
+            wanted.append(names.index(item))
+        elif item.isdigit() and int(item) < num_classes:
+            wanted.append(int(item))
+        else:
+            raise ConfigError(f"--class_labels: no class {item!r} (the classes: {', '.join(names)}, or 0..{num_classes - 1})")
+    if not wanted:
+        raise ConfigError("--class_labels is empty: name at least one class")
+    return torch.tensor([wanted[i % len(wanted)] for i in range(count)])
+
+
+def load_guide(path, run_dir, device):
+    """The guiding network of --guide, checked against the run's (check_guide)."""
+    main, guide = find_run_config(Path(run_dir)), find_run_config(Path(path))
+    if main is not None and guide is not None:
+        check_guide(main, guide)
+    net, _ = load_model(path)
+    return net.to(device)
 
 
 def main(args):
@@ -447,41 +609,53 @@ def run(args):
                 f"{training_config['num_train_timesteps']} training timesteps"
             )
         scheduler, sampler_name = make_scheduler(args.sampler, training_config), args.sampler
+    config = find_run_config(run_dir)
+    labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
+    guide = load_guide(args.guide, run_dir, args.device) if args.guide else None
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
     evaluation = None
     if args.fid:
-        config = find_run_config(run_dir)
         evaluation = metrics.SampleEvaluation(run_dir, find_run_folder(run_dir), config, args, image_shape(unet)[-1])
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
 
-    grid, done = [], 0
-    batches = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps)
-    for images in batches:
-        if evaluation is not None:
-            evaluation.add(images)
-        if output is not None:
-            for i, image in enumerate(images):
-                save_png(image, output / f"{done + i:06d}.png")
-            grid.extend(images[: max(0, GRID_IMAGES - len(grid))])
-        done += len(images)
-        print(f"generated {done}/{args.num_images}", end="\r", file=sys.stderr)
-    print(file=sys.stderr)
-
-    result = dict(
+    base = dict(
         run=str(run_dir), num_images=args.num_images, seed=args.seed, sampler=sampler_name,
-        num_inference_steps=steps, ema=args.ema,
+        num_inference_steps=steps, ema=args.ema, guide=args.guide,
     )  # fmt: skip
+    results = []
+    for w in args.guidance_scales:
+        grid, done = [], 0
+        batches = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
+                                   labels=labels, guidance_scale=w, guide=guide)  # fmt: skip
+        for images in batches:
+            if evaluation is not None:
+                evaluation.add(images, None if labels is None else labels[done : done + len(images)])
+            if output is not None and len(args.guidance_scales) == 1:
+                for i, image in enumerate(images):
+                    save_png(image, output / f"{done + i:06d}.png")
+                grid.extend(images[: max(0, GRID_IMAGES - len(grid))])
+            done += len(images)
+            print(f"generated {done}/{args.num_images}", end="\r", file=sys.stderr)
+        print(file=sys.stderr)
+        result = dict(base, guidance_scale=w)
+        if grid:
+            save_grid(torch.stack(grid), output / "grid.png")
+            print(f"wrote {args.num_images} images and grid.png to {output}")
+        if evaluation is not None:
+            result |= evaluation.result()
+            print(f"guidance scale {w:g}: {metrics.format_scores(result)}")
+        results.append(result)
+    if evaluation is None:
+        return results[0]
+    best = min(results, key=lambda r: r["fid"])
+    summary = dict(best, scales=results) if len(results) > 1 else best
+    if len(results) > 1:
+        print(f"best guidance scale: {best['guidance_scale']:g}")
     if output is not None:
-        save_grid(torch.stack(grid), output / "grid.png")
-        print(f"wrote {args.num_images} images and grid.png to {output}")
-    if evaluation is not None:
-        result |= evaluation.result()
-        print(metrics.format_scores(result))
-        if output is not None:
-            (output / "fid.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+        (output / "fid.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def save_png(image, path):

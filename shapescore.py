@@ -170,6 +170,12 @@ class ShapeScorer(nn.Module):
         features = features.float()
         return dict(count=self.count(features).softmax(1), kinds=self.kinds(features).sigmoid(), colors=self.colors(features))
 
+    def single_kind(self, features):
+        """(N,) the one kind of shape the image shows (0 circle, 1 square, 2 triangle), -1 when it
+        shows none or several: what a class-conditional run on one-shape images is checked by."""
+        shows = self.heads(features)["kinds"] > 0.5
+        return torch.where(shows.sum(1) == 1, shows.float().argmax(1), torch.full_like(shows[:, 0], -1, dtype=torch.long))
+
     def sureness(self, features):
         """(N,) the probability of its least sure answer: the count's top class, each kind's yes or no."""
         p = self.heads(features)

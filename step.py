@@ -22,6 +22,7 @@ How it runs on a GPU is `--compile_mode`:
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import math
@@ -149,16 +150,23 @@ class TrainStep:
     With an `accelerator`, it accumulates gradients, scales fp16 losses and
     syncs DDP; without one (bench.py), `autocast` gives the precision.
     `mark(phase)` is called at each phase boundary (train.py's Breakdown).
+
+    A micro-batch is a uint8 image tensor, or (images, labels) for a
+    class-conditional run: each label is replaced by `null_label` with
+    probability `label_dropout` (drawn on the device), so that the network
+    learns the unconditional model classifier-free guidance needs beside the
+    conditional one (Ho & Salimans 2022).
     """
 
     def __init__(self, net, model, objective, optimizer, lr_scheduler, ema, guard, max_grad_norm, random_flip,
-                 accelerator=None, autocast=contextlib.nullcontext, mark=None):  # fmt: skip
+                 accelerator=None, autocast=contextlib.nullcontext, mark=None, label_dropout=0.0, null_label=None):  # fmt: skip
         self.net, self.model, self.objective = net, model, objective
         self.optimizer, self.lr_scheduler, self.ema, self.guard = optimizer, lr_scheduler, ema, guard
         self.max_grad_norm = max_grad_norm or math.inf
         self.random_flip = random_flip
         self.accelerator, self.autocast = accelerator, autocast
         self.mark = mark or (lambda phase: None)
+        self.label_dropout, self.null_label = label_dropout, null_label
         self.trained = [p for group in optimizer.param_groups for p in group["params"]]  # network and objective
 
     def __call__(self, micro_batches, step_number=None):
@@ -172,11 +180,13 @@ class TrainStep:
     def descend(self, micro_batches, step_number=None):
         """Forward, backward, clipping, the non-finite guard and the optimizer, for every micro-batch."""
         losses = []
-        for images in micro_batches:
+        for batch in micro_batches:
+            images, labels = batch if isinstance(batch, (tuple, list)) else (batch, None)
             with self._accumulate():
                 x0 = data.to_model_input(images, self.random_flip)
+                net = self.net if labels is None else functools.partial(self.net, class_labels=self.drop_labels(labels))
                 with self.autocast():
-                    loss = self.objective.loss(self.net, x0)
+                    loss = self.objective.loss(net, x0)
                 self.mark("forward")
                 self._backward(loss)
                 self.mark("backward")
@@ -190,6 +200,13 @@ class TrainStep:
             losses.append(loss.detach())
             self.mark("optimizer")
         return losses
+
+    def drop_labels(self, labels):
+        """`labels` with each replaced by the null label with probability label_dropout."""
+        if not self.label_dropout:
+            return labels
+        dropped = torch.rand(labels.shape, device=labels.device) < self.label_dropout
+        return torch.where(dropped, torch.full_like(labels, self.null_label), labels)
 
     def _accumulate(self):
         return self.accelerator.accumulate(self.model) if self.accelerator else contextlib.nullcontext()
@@ -247,7 +264,8 @@ class StepGraph:
         if self.static_batches is None:
             self._prepare(micro_batches)
         for static, batch in zip(self.static_batches, micro_batches, strict=True):
-            static.copy_(batch, non_blocking=True)
+            for buffer, tensor in zip(_tensors(static), _tensors(batch), strict=True):  # images, and labels
+                buffer.copy_(tensor, non_blocking=True)
         if self.ema is not None:
             self.ema.advance()
         if self.graph is not None:
@@ -275,9 +293,9 @@ class StepGraph:
 
     def _prepare(self, micro_batches):
         """Static inputs, tensor learning rates, then (on a GPU) the capture."""
-        self.static_batches = [b.clone() for b in micro_batches]
+        self.static_batches = [tuple(t.clone() for t in b) if isinstance(b, (tuple, list)) else b.clone() for b in micro_batches]
         optimizer = getattr(self.step.optimizer, "optimizer", self.step.optimizer)  # accelerate wraps it
-        device = self.static_batches[0].device
+        device = _tensors(self.static_batches[0])[0].device
         for group in optimizer.param_groups:
             # On the step's device, whatever it was: accelerate loads a resumed optimizer's
             # state with map_location="cpu", and a fused CUDA AdamW reads a CPU learning
@@ -306,6 +324,11 @@ class StepGraph:
             result = work()
         torch.cuda.current_stream().wait_stream(self.side_stream)
         return result
+
+
+def _tensors(batch):
+    """A micro-batch's tensors: (images,) or (images, labels)."""
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
 class GraphEMA:

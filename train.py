@@ -170,7 +170,7 @@ class Run:
 
         # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds.
         self.unreadable = data.Unreadable(strict=args.strict_data, verbose=self.is_main)
-        images = data.load_images(args, self.unreadable)
+        images, labels, class_names = data.load_images(args, self.unreadable)
         self.images_per_step = args.train_batch_size * self.world * args.gradient_accumulation_steps
         if len(images) < self.images_per_step:
             raise ConfigError(
@@ -180,6 +180,10 @@ class Run:
             )
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
         self.config["data_path"] = "preloaded" if isinstance(images, torch.Tensor) else "streamed"
+        # The classes of a conditional run, kept with it: sample.py takes their names.
+        self.num_classes = len(class_names) if class_names else 0
+        self.config |= dict(num_classes=self.num_classes, class_names=class_names,
+                            class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
         start_from = checkpoint.choose_start(
             args.output_dir, self.config, args.resume, args.resume_from_checkpoint, args.overwrite_output_dir
@@ -191,7 +195,8 @@ class Run:
         if isinstance(images, torch.Tensor) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: preload_max_gib
         self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
-                                    self.world, args.dataloader_num_workers, self.unreadable)  # fmt: skip
+                                    self.world, args.dataloader_num_workers, self.unreadable, labels)  # fmt: skip
+        self.guide = self._load_guide() if args.guide else None
         self.num_images = len(images)
         self._build_training()
         self.step, self.skipped_before = 0, 0
@@ -206,7 +211,7 @@ class Run:
     def _build_training(self):
         """Network, objective, optimizer, learning-rate schedule and EMA, registered for checkpoints."""
         args, accelerator, device = self.args, self.accelerator, self.device
-        unet = models.build_unet(args.model, args.image_size)
+        unet = models.build_unet(args.model, args.image_size, num_classes=self.num_classes)
         if args.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         self.noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
@@ -242,6 +247,14 @@ class Run:
         self.guard = steps.NonFiniteGuard(self.optimizer, args.on_nonfinite, device)
         self.model.train()
 
+    def _load_guide(self):
+        """--guide: the network that guides this run's in its grids and evaluation (autoguidance)."""
+        guide_config = sample.find_run_config(Path(self.args.guide))
+        if guide_config is not None:
+            sample.check_guide(self.config, guide_config)
+        network, _ = sample.load_model(self.args.guide)
+        return network.to(self.device)
+
     def _resume(self, start_from):
         self.accelerator.load_state(str(start_from))
         if self.ema is not None:
@@ -272,7 +285,8 @@ class Run:
         mode = None if self.config["step_compile_mode"] == "eager" else self.config["step_compile_mode"]
         step = steps.TrainStep(self.model, self.model, self.objective, self.optimizer, self.lr_scheduler, self.ema,
                                self.guard, self.args.max_grad_norm, self.args.random_flip, accelerator=self.accelerator,
-                               mark=meter.breakdown.phase_done)  # fmt: skip
+                               mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
+                               null_label=models.null_label(self.num_classes))  # fmt: skip
         fast = steps.FastStep(step, mode, self.device, say=meter.write)
         if mode is not None and self.step < self.total_steps:
             loaded = steps.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
@@ -359,11 +373,13 @@ class Run:
         self.accelerator.print(f"saved the pipeline to {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
 
     def write_samples(self, epoch):
-        """A grid of --eval_batch_size images from the EMA weights, from the same noise every time."""
-        path = self.output_dir / "samples" / f"{epoch:04d}.png"
-        seeds = sample.image_seeds(self.args.seed, self.args.eval_batch_size)
-        images = sample.generate(self.averaged_network(), self.sampling_scheduler, seeds, self.args.num_inference_steps,
-                                 self.accelerator.autocast)  # fmt: skip
+        """A grid of --eval_batch_size images from the EMA weights, from the same noise every time;
+        a conditional run's rows go through the classes in turn."""
+        args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
+        seeds = sample.image_seeds(args.seed, args.eval_batch_size)
+        labels = sample.grid_labels(self.num_classes, args.eval_batch_size)
+        images = sample.generate(self.averaged_network(), self.sampling_scheduler, seeds, args.num_inference_steps,
+                                 self.accelerator.autocast, labels, args.guidance_scale, self.guide)  # fmt: skip
         try:
             sample.save_grid(images, path)
         except OSError as e:
@@ -372,11 +388,14 @@ class Run:
     def evaluate(self, epoch):
         """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
         args, network = self.args, self.averaged_network()
+        counts = self.config["class_counts"]  # a conditional run: labels drawn as in the data
+        labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
         batches = sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples, args.fid_batch_size,
-                                          args.seed, args.num_inference_steps, self.accelerator.autocast)  # fmt: skip
+                                          args.seed, args.num_inference_steps, self.accelerator.autocast, labels,
+                                          args.guidance_scale, self.guide)  # fmt: skip
         sampler = getattr(self.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731
-        result = self.evaluator.evaluate(batches, sampler, args.num_inference_steps, epoch, self.step, save)
+        result = self.evaluator.evaluate(batches, sampler, args.num_inference_steps, epoch, self.step, save, labels)
         self.accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=self.step)
         best = " (best so far: saved to best/)" if result["best"] else ""
         self.meter.write(f"eval epoch {epoch} step {self.step} | {metrics.format_scores(result)}{best}")

@@ -232,3 +232,15 @@ def test_bad_eval_flags_are_one_line_and_exit_code_2(tmp_path, capsys, flags, me
     assert exit_info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_streamed_reference_skips_an_unreadable_image_with_a_warning(tmp_path, capsys):
+    from PIL import Image
+
+    for i in range(3):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    dataset = data.open_dataset(str(tmp_path), 8)
+    batches = list(metrics.uint8_batches(dataset, 2))
+    assert sum(len(b) for b in batches) == 3
+    assert "broken.png" in capsys.readouterr().err

@@ -1,0 +1,215 @@
+"""Classifier-free guidance and autoguidance (sample.Guided), label dropout, class labels for sampling.
+
+The combination is checked on a Gaussian toy whose exact denoisers are known:
+data x0 ~ N(mu_c, s^2 I) for class c (and N(mu_null, s_null^2 I) for the null
+label), whose EDM denoiser is D(x; sigma) = mu + s^2 / (s^2 + sigma^2) (x - mu).
+"""
+
+import math
+
+import pytest
+import torch
+
+import model as models
+import sample
+from errors import ConfigError
+
+
+class GaussianDenoiser(torch.nn.Module):
+    """An 'EDM network' F whose preconditioned denoiser c_skip x + c_out F is the exact
+    denoiser of Gaussian data: per class `means[c]` and std `stds[c]` (the last entry
+    is the null label's). Unconditional (no labels) with one entry."""
+
+    def __init__(self, means, stds, size=4):
+        super().__init__()
+        self.register_buffer("means", torch.tensor(means, dtype=torch.float64))
+        self.register_buffer("stds", torch.tensor(stds, dtype=torch.float64))
+        classes = len(means) - 1
+        self.config = dict(in_channels=1, sample_size=size, num_classes=classes)
+
+    def exact(self, x, sigma, labels=None):
+        index = torch.zeros(len(x), dtype=torch.long) if labels is None else labels
+        mu, s = self.means[index].view(-1, 1, 1, 1), self.stds[index].view(-1, 1, 1, 1)
+        sigma = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1, 1, 1, 1)
+        return mu + s**2 / (s**2 + sigma**2) * (x.double() - mu)
+
+    def forward(self, x_in, c_noise, class_labels=None, return_dict=False):
+        sigma = (4 * torch.as_tensor(c_noise, dtype=torch.float64)).exp().reshape(-1, 1, 1, 1).expand(len(x_in), 1, 1, 1)
+        sd = models.SIGMA_DATA
+        c_in = 1 / (sigma**2 + sd**2).sqrt()
+        x = x_in.double() / c_in
+        c_skip, c_out = sd**2 / (sigma**2 + sd**2), sigma * sd / (sigma**2 + sd**2).sqrt()
+        return (((self.exact(x, sigma, class_labels) - c_skip * x) / c_out).float(),)
+
+
+def denoise(net, x, sigma):
+    return models.edm_precondition(net, x, sigma).double()
+
+
+@pytest.mark.parametrize("w", [0.0, 1.0, 2.5])
+def test_classifier_free_guidance_combines_the_exact_denoisers(w):
+    net = GaussianDenoiser(means=[-0.5, 0.7, 0.1], stds=[0.3, 0.4, 0.6])  # classes 0, 1; null 2
+    x, sigma = torch.randn(6, 1, 4, 4), 1.3
+    labels = torch.tensor([0, 1, 0, 1, 1, 0])
+    guided = sample.guided_network(net, "edm", labels, w)
+    cond, uncond = net.exact(x, sigma, labels), net.exact(x, sigma, torch.full_like(labels, 2))
+    torch.testing.assert_close(denoise(guided, x, sigma), uncond + w * (cond - uncond), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("w", [0.0, 1.0, 2.0])
+def test_autoguidance_combines_the_exact_denoisers(w):
+    main = GaussianDenoiser(means=[0.2], stds=[0.5])
+    guide = GaussianDenoiser(means=[0.0], stds=[0.9])  # a worse model: too wide, off-centre
+    x, sigma = torch.randn(5, 1, 4, 4), 0.7
+    guided = sample.guided_network(main, "edm", None, w, guide)
+    expected = main.exact(x, sigma) * w + guide.exact(x, sigma) * (1 - w)
+    torch.testing.assert_close(denoise(guided, x, sigma), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_autoguidance_pulls_samples_away_from_the_guide():
+    """Sampled with EDM's Heun sampler, w = 1 reproduces the main model's spread; guided away from a
+    wider guide (w = 2) the samples come out narrower, as autoguidance sharpens."""
+    main, guide = GaussianDenoiser([0.0], [0.5], size=16), GaussianDenoiser([0.0], [1.0], size=16)
+    seeds = list(range(8))
+    spread = {}
+    for w in (1.0, 2.0):
+        images = sample.generate(main, sample.EDMHeunSampler(), seeds, 32, guidance_scale=w, guide=guide)
+        spread[w] = (images.float() / 127.5 - 1).std().item()
+    assert abs(spread[1.0] - 0.5) < 0.05, spread
+    assert spread[2.0] < spread[1.0] - 0.05, spread
+
+
+def tiny_conditional_unet(num_classes=3):
+    torch.manual_seed(0)
+    return models.build_unet("tiny", 16, num_classes=num_classes).eval()
+
+
+def test_ddpm_guidance_one_is_the_conditional_model_and_zero_the_unconditional():
+    unet, seeds = tiny_conditional_unet(), [1, 2, 3, 4]
+    labels = torch.tensor([0, 1, 2, 0])
+    null = torch.full_like(labels, models.null_label(3))
+    scheduler = sample.make_scheduler("ddim", models.make_noise_scheduler().config)
+
+    def run(labels, w):
+        return sample.generate(unet, scheduler, seeds, 4, labels=labels, guidance_scale=w)
+
+    conditional, unconditional = run(labels, 1.0), run(null, 1.0)
+    assert torch.equal(run(labels, 0.0), unconditional)
+    assert not torch.equal(conditional, unconditional)  # the labels reach the network
+    assert not torch.equal(run(labels, 3.0), conditional)
+
+
+def test_the_null_label_of_an_edm2_network_is_the_all_zero_one_hot():
+    torch.manual_seed(0)
+    net = models.build_unet("edm2tiny", 16, num_classes=3).eval()
+    x, c_noise = torch.randn(2, 3, 16, 16), torch.zeros(2)
+    with torch.no_grad():
+        by_index = net(x, c_noise, class_labels=torch.tensor([3, 1]), return_dict=False)[0]
+        by_vector = net(x, c_noise, class_labels=torch.tensor([[0.0, 0, 0], [0, 1, 0]]), return_dict=False)[0]
+    torch.testing.assert_close(by_index, by_vector)
+    assert models.num_classes_of(net) == 3 and models.num_classes_of(tiny_conditional_unet(4)) == 4
+
+
+def test_label_dropout_replaces_labels_by_the_null_label_at_its_rate():
+    import step as steps
+
+    labels = torch.randint(0, 5, (200_000,))
+    for p in (0.0, 0.1, 0.5):
+        trainer = steps.TrainStep.__new__(steps.TrainStep)
+        trainer.label_dropout, trainer.null_label = p, 5
+        dropped = trainer.drop_labels(labels)
+        rate = (dropped == 5).float().mean().item()
+        assert abs(rate - p) < 4 * math.sqrt(p * (1 - p) / len(labels)) + 1e-9, (p, rate)
+        assert torch.equal(dropped[dropped != 5], labels[dropped != 5])
+
+
+def test_class_labels_by_name_number_spread_and_as_in_the_data():
+    config = dict(class_names=["circle", "square", "triangle"], class_counts=[10, 0, 30])
+    by_name = sample.class_labels_for("triangle,0", config, 3, 5, seed=0, as_in_data=False)
+    assert by_name.tolist() == [2, 0, 2, 0, 2]
+    assert sample.class_labels_for(None, config, 3, 6, 0, as_in_data=False).tolist() == [0, 0, 1, 1, 2, 2]
+    drawn = sample.class_labels_for(None, config, 3, 400, 0, as_in_data=True)
+    assert 1 not in drawn.tolist() and 0.65 < (drawn == 2).float().mean() < 0.85
+    with pytest.raises(ConfigError, match="no class 'hexagon'"):
+        sample.class_labels_for("hexagon", config, 3, 4, 0, False)
+    with pytest.raises(ConfigError, match="class-conditional"):
+        sample.class_labels_for("0", {}, 0, 4, 0, False)
+    assert sample.grid_labels(3, 16).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 4  # one row per class
+
+
+def test_a_guide_must_match_the_run():
+    main = dict(objective="ddpm", image_size=32, class_names=None, prediction_type="epsilon", beta_schedule="linear",
+                num_train_timesteps=1000, zero_terminal_snr=False)  # fmt: skip
+    sample.check_guide(main, dict(main))
+    for key, value in dict(image_size=16, objective="edm", prediction_type="v_prediction", class_names=["a", "b"]).items():
+        with pytest.raises(ConfigError, match=key.replace("_", " ")):
+            sample.check_guide(main, main | {key: value})
+
+
+# --- a conditional run through train.py and sample.py -------------------------------------------
+
+TINY_RUN = [
+    "--model", "tiny", "--image_size", "16", "--shapes_num_images", "48", "--train_batch_size", "8",
+    "--num_inference_steps", "3", "--eval_batch_size", "9", "--lr_warmup_steps", "2",
+    "--dataloader_num_workers", "0", "--timing_warmup_steps", "1", "--class_conditional",
+    "--max_train_steps", "8", "--checkpointing_steps", "4", "--save_images_epochs", "100",
+]  # fmt: skip
+
+
+def conditional_run(output_dir, *flags):
+    import train
+
+    return train.main(train.parse_args([*TINY_RUN, "--output_dir", str(output_dir), *map(str, flags)]))
+
+
+@pytest.mark.parametrize("objective", ["ddpm", "edm"])
+def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_name(tmp_path, objective):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    config = conditional_run(straight, "--objective", objective, "--guidance_scale", 2)
+    assert config["class_names"] == ["circle", "square", "triangle"] and sum(config["class_counts"]) == 48
+    grid = sorted((straight / "samples").glob("*.png"))
+    assert grid, "no per-class grid written"
+
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
+    conditional_run(resumed, "--objective", objective, "--guidance_scale", 2, "--resume_from_checkpoint", "latest")
+    a = load_file(str(straight / "checkpoints" / "checkpoint-8" / "model.safetensors"))
+    b = load_file(str(resumed / "checkpoints" / "checkpoint-8" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any("class_embedding" in k or "emb_label" in k for k in a)  # the labels reach the network
+
+    out = tmp_path / "gen"
+    args = [str(straight), "--num_images", "4", "--num_inference_steps", "2", "--class_labels", "square,triangle",
+            "--guidance_scale", "3", "--output", str(out)]  # fmt: skip
+    result = sample.main(sample.parse_args(args))
+    assert result["guidance_scale"] == 3.0 and (out / "000003.png").is_file()
+    # by name or by number: the same images
+    again = tmp_path / "again"
+    args[args.index("square,triangle")] = "1,2"
+    sample.main(sample.parse_args([*args[:-1], str(again)]))
+    assert (out / "000003.png").read_bytes() == (again / "000003.png").read_bytes()
+
+
+def test_a_conditional_run_on_data_without_labels_is_one_line(tmp_path, capsys):
+    from PIL import Image
+
+    folder = tmp_path / "flat"
+    folder.mkdir()
+    for i in range(8):
+        Image.new("RGB", (16, 16), (30 * i, 0, 0)).save(folder / f"{i}.png")
+    with pytest.raises(SystemExit) as stop:
+        conditional_run(tmp_path / "run", "--dataset", str(folder))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and "ImageFolder" in err[0] and "ClassLabel" in err[0]
+
+
+def test_guidance_without_labels_or_a_guide_is_one_line(tmp_path, capsys):
+    import train
+
+    with pytest.raises(SystemExit):
+        train.main(train.parse_args(["--guidance_scale", "2", "--dry_run"]))
+    assert "--guidance_scale guides a --class_conditional run" in capsys.readouterr().err
