@@ -15,7 +15,9 @@ faster can be shown to train as good a model, and a row that trains better can
 be weighed against what it costs.
 
 It writes, into --output: the JSON of every row (rewritten after each), the
-printed table (.txt) and a plot of the score against images seen (.png).
+printed table (.txt) and a plot of the score against images seen (.png). Run
+again with the same settings, it keeps the rows that JSON already holds and
+trains the others, so a ladder stopped part-way goes on where it was.
 """
 
 import json
@@ -135,6 +137,16 @@ def run_row(args, row, output_dir):
     )
 
 
+def finished_rows(path, result):
+    """{name: row} of the rows an earlier ladder in `path` trained with the same settings (the
+    same images, scores, samples, base and --train_args, and the same row flags)."""
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    same = all(earlier.get(k) == result[k] for k in ("images", "evals", "samples", "base", "train_args"))
+    return {r["name"]: r for r in earlier["rows"] if same and r["status"] == "ok" and r["flags"] == ROWS[r["name"]][1]} if same else {}
+
+
 def format_table(result):
     lines = [f"quality ladder: {result['images']} images per row at 32px on the built-in shapes, scored "
              f"{result['evals']} times on {result['samples']} samples (shape FD: lower is better)"]  # fmt: skip
@@ -198,8 +210,13 @@ def main(args):
     args.tag_prefix = tag
     result = dict(environment=env, images=args.quality_images, evals=args.quality_evals, samples=args.quality_samples,
                   base=BASE, train_args=args.extra, rows=[])  # fmt: skip
+    done = finished_rows(out / f"{tag}.json", result)
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as work:
         for row in rows:
+            if row["name"] in done:  # a ladder stopped part-way goes on where it was
+                print(f"  {row['name']}: kept from {out / tag}.json", flush=True)
+                result["rows"].append(done[row["name"]])
+                continue
             print(f"  {row['name']} ...", flush=True)
             result["rows"].append(run_row(args, row, Path(work) / row["name"]))
             (out / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")  # after every row

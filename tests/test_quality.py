@@ -48,3 +48,15 @@ def test_every_row_is_a_valid_train_py_command(tmp_path):
     args = bench.parse_args(["--quality", "--output", str(tmp_path)])
     rows = quality.validate(args)  # resolves every row's flags as train.py would
     assert [r["name"] for r in rows] == list(quality.ROWS)
+
+
+def test_a_ladder_run_again_keeps_the_rows_it_trained_with_the_same_settings(tmp_path):
+    settings = dict(images=64, evals=2, samples=8, base=quality.BASE, train_args=[])
+    ok = dict(name="edm", status="ok", flags=quality.ROWS["edm"][1])
+    failed = dict(name="ddpm", status="error", flags=[])
+    changed = dict(name="min_snr", status="ok", flags=["--snr_gamma", "1"])  # the row's flags have changed since
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(settings | dict(rows=[ok, failed, changed])))
+    assert list(quality.finished_rows(path, settings | dict(rows=[]))) == ["edm"]
+    assert quality.finished_rows(path, settings | dict(images=128, rows=[])) == {}  # another length: train afresh
+    assert quality.finished_rows(tmp_path / "none.json", settings) == {}

@@ -134,34 +134,6 @@ def test_resume_is_bit_identical(tmp_path, accumulation):
             assert all(torch.equal(x, y) for x, y in zip(a_ema["shadow_params"], b_ema["shadow_params"]))
 
 
-def tv(images):
-    """Mean absolute difference of neighbouring pixels: low for flat shapes, high for noise."""
-    images = images.float()
-    return ((images[..., 1:] - images[..., :-1]).abs().mean() + (images[..., 1:, :] - images[..., :-1, :]).abs().mean()).item() / 2
-
-
-def test_a_small_model_learns_the_built_in_data(tmp_path):
-    import data
-
-    flags = ["--shapes_num_images", 512, "--train_batch_size", 32, "--learning_rate", 2e-3, "--lr_warmup_steps", 20,
-             "--max_train_steps", 400, "--eval_batch_size", 16, "--num_inference_steps", 20,
-             "--checkpointing_steps", 1000, "--save_images_epochs", 1000, "--logging_steps", 50]  # fmt: skip
-    run(tmp_path / "trained", *flags)
-    run(tmp_path / "untrained", *flags[:-8], "--max_train_steps", 1, "--checkpointing_steps", 1000,
-        "--save_images_epochs", 1000, "--logging_steps", 1, "--learning_rate", 1e-12)  # fmt: skip
-
-    losses = [v for _, v in scalars(tmp_path / "trained")["loss"]]
-    assert losses[-1] < 0.5 * losses[0], losses
-
-    def grid_tv(run_dir):
-        with Image.open(next((run_dir / "samples").iterdir())) as grid:
-            return tv(torch.from_numpy(np.array(grid)).permute(2, 0, 1) / 255)
-
-    real = tv(data.make_shapes(16, 16, seed=1).float() / 255)
-    trained, untrained = grid_tv(tmp_path / "trained"), grid_tv(tmp_path / "untrained")
-    assert abs(trained - real) < 0.5 * abs(untrained - real), (real, trained, untrained)
-
-
 def visible(stream):
     """The lines a terminal shows: progress bars redraw themselves with carriage returns."""
     return [line.split("\r")[-1] for line in stream.split("\n") if line.split("\r")[-1].strip()]
