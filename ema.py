@@ -305,7 +305,7 @@ def reconstruct_command(args):
             raise ConfigError(f"{run_dir}: the EMA snapshots do not match the saved network")
         sample.save_network(unet, output)
     else:
-        unet = models.build_unet(config["model"], config["image_size"])
+        unet = models.build_unet(config["model"], config["image_size"], num_classes=config.get("num_classes") or 0)
         unet.load_state_dict(state)
         scheduler = models.run_noise_scheduler(config)
         sample.save_network(unet, output, scheduler)

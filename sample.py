@@ -4,6 +4,9 @@
     python sample.py ddpm-output --num_images 16 --sampler ddpm --num_inference_steps 1000 --output slow/
     python sample.py ddpm-output --fid --num_images 10000                  # against the run's training set
     python sample.py ddpm-output/best --fid --dataset path/to/images --fid_weights weights-inception.pth
+    python sample.py ddpm-output --class_labels circle,square --guidance_scale 2 --output cfg/     # a conditional run
+    python sample.py ddpm-output --guide small-run --guidance_scale 2 --output auto/            # autoguidance
+    python sample.py ddpm-output --fid --num_images 1024 --guidance_scale 1,1.5,2,3             # one score per w
 
 RUN_DIR is a training run's --output_dir (its saved pipeline, or its newest
 checkpoint while it has none), a pipeline folder (`best/`, a reconstructed
@@ -18,6 +21,8 @@ The samplers are diffusers schedulers built from the training schedule
 (`make_scheduler`); train.py uses the same ones for its grids and FID. A run
 whose train_config.json says "objective": "edm" samples with EDM's
 deterministic Heun sampler instead (`edm_heun_sample`, 18 steps by default).
+Every sampler takes classifier-free guidance and autoguidance through
+`Guided`, which combines the network's outputs (docs/conditional.md).
 """
 
 import argparse
@@ -217,12 +222,12 @@ class Guided(torch.nn.Module):
 
     def forward(self, x, t, return_dict=False):
         w, labels = self.scale, self.labels
+        if w == 1 or (self.guide is None and labels is None):  # nothing to guide by
+            return (self._call(self.net, x, t, labels),)
         if self.guide is not None:
             guide_labels = labels if models.num_classes_of(self.guide) else None
             guided = self._call(self.guide, x, t, guide_labels)
             main = guided if w == 0 else self._call(self.net, x, t, labels)
-        elif w == 1 or labels is None:
-            return (self._call(self.net, x, t, labels),)
         else:  # the conditional and unconditional outputs in one batch
             both = self._call(self.net, torch.cat([x, x]), torch.cat([t, t]) if torch.is_tensor(t) and t.ndim else t,
                               torch.cat([labels, torch.full_like(labels, self.null_label)]))  # fmt: skip

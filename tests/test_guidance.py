@@ -169,14 +169,15 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
     from safetensors.torch import load_file
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    config = conditional_run(straight, "--objective", objective, "--guidance_scale", 2)
+    ema = ["--ema", "power", "--ema_snapshot_every", "4"] if objective == "ddpm" else []  # post-hoc EMA too
+    config = conditional_run(straight, "--objective", objective, "--guidance_scale", 2, *ema)
     assert config["class_names"] == ["circle", "square", "triangle"] and sum(config["class_counts"]) == 48
     grid = sorted((straight / "samples").glob("*.png"))
     assert grid, "no per-class grid written"
 
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
-    conditional_run(resumed, "--objective", objective, "--guidance_scale", 2, "--resume_from_checkpoint", "latest")
+    conditional_run(resumed, "--objective", objective, "--guidance_scale", 2, *ema, "--resume_from_checkpoint", "latest")
     a = load_file(str(straight / "checkpoints" / "checkpoint-8" / "model.safetensors"))
     b = load_file(str(resumed / "checkpoints" / "checkpoint-8" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -192,6 +193,12 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
     args[args.index("square,triangle")] = "1,2"
     sample.main(sample.parse_args([*args[:-1], str(again)]))
     assert (out / "000003.png").read_bytes() == (again / "000003.png").read_bytes()
+    if ema:  # a post-hoc EMA of a conditional run samples by class too
+        import ema as posthoc_ema
+
+        rebuilt = posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(straight), "--std", "0.08"]))
+        sample.main(sample.parse_args([str(rebuilt), "--num_images", "1", "--num_inference_steps", "2",
+                                       "--class_labels", "circle", "--output", str(tmp_path / "posthoc")]))  # fmt: skip
 
 
 def test_a_conditional_run_on_data_without_labels_is_one_line(tmp_path, capsys):
