@@ -712,7 +712,7 @@ def validate(args):
             result = json.loads(Path(args.redraw).read_text())
         except (OSError, ValueError):
             result = None
-        kinds = ({"environment", "results"}, {"environment", "sweep", "points"})  # the ladder's, a sweep's
+        kinds = ({"environment", "results"}, {"environment", "sweep", "points"}, {"environment", "rows", "images"})  # the ladder's, a sweep's, the quality ladder's
         if not isinstance(result, dict) or not any(kind <= set(result) for kind in kinds):
             raise ConfigError(f"--redraw {args.redraw}: not the JSON of a bench.py run")
         args.redraw_result = result
@@ -813,6 +813,10 @@ def draw_chart_if_possible(result, path):
         return f"no chart: matplotlib is not installed (python bench.py --redraw {path.with_suffix('.json')})"
     if "sweep" in result:
         sweep.draw(result, path)
+    elif "rows" in result:  # the quality ladder, stopped before its end: its table too
+        quality.draw(result, path)
+        path.with_suffix(".txt").write_text("\n".join([*profiling.environment_lines(result["environment"]), "",
+                                                        *quality.format_table(result)]) + "\n")  # fmt: skip
     else:
         draw_chart(result["results"], result["environment"], path)
     return f"chart {path}"

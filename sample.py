@@ -650,7 +650,8 @@ def run(args):
             print(f"wrote {args.num_images} images and grid.png to {output}")
         if evaluation is not None:
             result |= evaluation.result()
-            print(f"guidance scale {w:g}: {metrics.format_scores(result)}")
+            guided = len(args.guidance_scales) > 1 or w != 1 or guide is not None
+            print(f"guidance scale {w:g}: " * guided + metrics.format_scores(result))
         results.append(result)
     if evaluation is None:
         return results[0]

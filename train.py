@@ -212,6 +212,7 @@ class Run:
         """Network, objective, optimizer, learning-rate schedule and EMA, registered for checkpoints."""
         args, accelerator, device = self.args, self.accelerator, self.device
         unet = models.build_unet(args.model, args.image_size, num_classes=self.num_classes)
+        self.config["params"] = sum(p.numel() for p in unet.parameters())  # with a conditional run's class embedding
         if args.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         self.noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,

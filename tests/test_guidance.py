@@ -172,6 +172,7 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
     ema = ["--ema", "power", "--ema_snapshot_every", "4"] if objective == "ddpm" else []  # post-hoc EMA too
     config = conditional_run(straight, "--objective", objective, "--guidance_scale", 2, *ema)
     assert config["class_names"] == ["circle", "square", "triangle"] and sum(config["class_counts"]) == 48
+    assert config["params"] == sum(p.numel() for p in models.build_unet("tiny", 16, num_classes=3).parameters())
     grid = sorted((straight / "samples").glob("*.png"))
     assert grid, "no per-class grid written"
 

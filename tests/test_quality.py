@@ -31,6 +31,11 @@ def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys, mon
     table = (tmp_path / "q.txt").read_text()
     assert "shape FD" in table and "edm" in table
     assert (tmp_path / "q.png").stat().st_size > 0 and (tmp_path / "q_edm.png").stat().st_size > 0
+    # a ladder's JSON (one stopped part-way too) draws its plot and table again
+    (tmp_path / "q.png").unlink()
+    (tmp_path / "q.txt").unlink()
+    assert bench.main(bench.parse_args(["--redraw", str(tmp_path / "q.json")])) == 0
+    assert (tmp_path / "q.png").stat().st_size > 0 and "shape FD" in (tmp_path / "q.txt").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
