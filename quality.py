@@ -151,7 +151,7 @@ def finished_rows(path, result):
 def format_table(result):
     lines = [f"quality ladder: {result['images']} images per row at 32px on the built-in shapes, scored "
              f"{result['evals']} times on {result['samples']} samples (shape FD: lower is better)"]  # fmt: skip
-    header = ["row", "params", "images", "shape FD", "KID x1e3", "valid %", "img/s", "train s", "what it tests"]
+    header = ["row", "params", "images", "shape FD", "KID", "valid %", "img/s", "train s", "what it tests"]
     rows = [header]
     for r in result["rows"]:
         if r["status"] != "ok":
@@ -159,7 +159,7 @@ def format_table(result):
             continue
         last = r["evals"][-1]
         rows.append([
-            r["name"], f"{r['params']:,}", str(r["images_seen"]), f"{last['fid']:.4g}", f"{1e3 * last['kid_mean']:.3g}",
+            r["name"], f"{r['params']:,}", str(r["images_seen"]), f"{last['fid']:.4g}", f"{last['kid_mean']:.4g}",
             "n/a" if last["valid_fraction"] is None else f"{100 * last['valid_fraction']:.0f}",
             "n/a" if r["images_per_s"] is None else f"{r['images_per_s']:.1f}", f"{r['train_wall_s']:.0f}", r["what"],
         ])  # fmt: skip
