@@ -68,6 +68,13 @@ PRESETS = {
         learning_rate=2e-3,
         unet=_unet((32, 64, 64), attention_at=(), layers_per_block=1, norm_num_groups=8),
     ),
+    # For tests and smoke runs: a few hundred thousand parameters.
+    "tiny": dict(
+        description="test-sized UNet",
+        image_size=16,
+        learning_rate=2e-3,
+        unet=_unet((16, 32), attention_at=(1,), layers_per_block=1, norm_num_groups=8, attention_head_dim=8),
+    ),
     # `small` with a fourth level (4x4) and attention at the two lowest: 4x the
     # parameters for ~1.3x the cost per image on a CPU. A row of the quality ladder.
     "small_deep": dict(
@@ -76,13 +83,6 @@ PRESETS = {
         learning_rate=2e-3,
         unet=_unet((32, 64, 128, 128), attention_at=(2, 3), layers_per_block=1, norm_num_groups=8,
                    attention_head_dim=32),  # fmt: skip
-    ),
-    # For tests and smoke runs: a few hundred thousand parameters.
-    "tiny": dict(
-        description="test-sized UNet",
-        image_size=16,
-        learning_rate=2e-3,
-        unet=_unet((16, 32), attention_at=(1,), layers_per_block=1, norm_num_groups=8, attention_head_dim=8),
     ),
     # Ho et al. (2020)'s CIFAR-10 network, as in google/ddpm-cifar10-32.
     "ddpm32": dict(
