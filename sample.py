@@ -578,11 +578,12 @@ def class_labels_for(spec, config, num_classes, count, seed, as_in_data):
     return torch.tensor([wanted[i % len(wanted)] for i in range(count)])
 
 
-def load_guide(path, run_dir, device):
-    """The guiding network of --guide, checked against the run's (check_guide)."""
-    main, guide = find_run_config(Path(run_dir)), find_run_config(Path(path))
-    if main is not None and guide is not None:
-        check_guide(main, guide)
+def load_guide(path, main_config, device):
+    """The guiding network of --guide on `device`, checked against the run config
+    `main_config` of the model it guides (check_guide; None: not checked)."""
+    guide = find_run_config(Path(path))
+    if main_config is not None and guide is not None:
+        check_guide(main_config, guide)
     net, _ = load_model(path)
     return net.to(device)
 
@@ -616,7 +617,7 @@ def run(args):
         scheduler, sampler_name = make_scheduler(args.sampler, training_config), args.sampler
     config = find_run_config(run_dir)
     labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
-    guide = load_guide(args.guide, run_dir, args.device) if args.guide else None
+    guide = load_guide(args.guide, config, args.device) if args.guide else None
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
     evaluation = None
     if args.fid:

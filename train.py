@@ -196,7 +196,7 @@ class Run:
             images = images.to(self.device)  # small enough to sit on the GPU: preload_max_gib
         self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
                                     self.world, args.dataloader_num_workers, self.unreadable, labels)  # fmt: skip
-        self.guide = self._load_guide() if args.guide else None
+        self.guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None  # autoguidance
         self.num_images = len(images)
         self._build_training()
         self.step, self.skipped_before = 0, 0
@@ -247,14 +247,6 @@ class Run:
             accelerator.register_for_checkpointing(self.ema)
         self.guard = steps.NonFiniteGuard(self.optimizer, args.on_nonfinite, device)
         self.model.train()
-
-    def _load_guide(self):
-        """--guide: the network that guides this run's in its grids and evaluation (autoguidance)."""
-        guide_config = sample.find_run_config(Path(self.args.guide))
-        if guide_config is not None:
-            sample.check_guide(self.config, guide_config)
-        network, _ = sample.load_model(self.args.guide)
-        return network.to(self.device)
 
     def _resume(self, start_from):
         self.accelerator.load_state(str(start_from))

@@ -194,6 +194,11 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
     args[args.index("square,triangle")] = "1,2"
     sample.main(sample.parse_args([*args[:-1], str(again)]))
     assert (out / "000003.png").read_bytes() == (again / "000003.png").read_bytes()
+    # autoguidance through sample.py: the resumed run (the same classes) guides the straight one
+    guided = sample.main(sample.parse_args([str(straight), "--num_images", "2", "--num_inference_steps", "2",
+                                            "--guide", str(resumed), "--guidance_scale", "2",
+                                            "--output", str(tmp_path / "auto")]))  # fmt: skip
+    assert guided["guide"] == str(resumed) and (tmp_path / "auto" / "000001.png").is_file()
     if ema:  # a post-hoc EMA of a conditional run samples by class too
         import ema as posthoc_ema
 
