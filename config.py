@@ -270,6 +270,8 @@ def build_parser(prog="train.py", source=""):
     flag(q, "ema_stds", "power EMA: relative widths tracked; the first gives grids, FID and the pipeline", "0.05,0.10")
     flag(q, "ema_snapshot_every", "power EMA: snapshot every N steps and at the end", 1000, type=at_least(1))
     flag(q, "eval_every_epochs", "FID and KID every N epochs and at the end (default: off)", type=at_least(1))
+    flag(q, "eval_guidance_scales", "guidance scales to evaluate, comma-separated: one score each, and the best "
+         "one's picks best/ (default: --guidance_scale)")  # fmt: skip
     flag(q, "eval_num_samples", "images generated for each FID/KID", 10000, type=at_least(2))
     flag(q, "fid_batch_size", "images per batch when generating and embedding for FID", 64, type=at_least(1))
     flag(q, "fid_weights", "Inception weights file for machines without internet (default: downloaded)")
@@ -397,9 +399,12 @@ def resolve(args):
         args.ema_stds = posthoc_ema.parse_stds(args.ema_stds)
     if args.guide is not None and not Path(args.guide).exists():
         raise ConfigError(f"--guide {args.guide}: no such folder; point it at a run of the same data (its --output_dir)")
-    if args.guidance_scale != 1 and not (args.class_conditional or args.guide):
-        raise ConfigError("--guidance_scale guides a --class_conditional run (or one with --guide): add one of them, "
-                          "or leave it at 1")  # fmt: skip
+    if args.eval_guidance_scales is None:
+        args.eval_guidance_scales = [args.guidance_scale]
+    args.eval_guidance_scales = sample.parse_scales(args.eval_guidance_scales, "--eval_guidance_scales")
+    if any(w != 1 for w in [args.guidance_scale, *args.eval_guidance_scales]) and not (args.class_conditional or args.guide):
+        raise ConfigError("--guidance_scale and --eval_guidance_scales guide a --class_conditional run (or one with "
+                          "--guide): add one of them, or leave them at 1")  # fmt: skip
     if args.fid_weights is not None and not Path(args.fid_weights).is_file():
         raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     return args

@@ -20,6 +20,7 @@ is trained or sampled.
 """
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -332,18 +333,26 @@ class TrainingEvaluator:
             self.args.dataloader_num_workers, self.log,
         )  # fmt: skip
 
-    def evaluate(self, batches, sampler, num_inference_steps, epoch, step, save_pipeline, labels=None):
-        """Score the generated uint8 `batches` (--eval_num_samples images), record them; returns the result dict.
+    def evaluate(self, batches_for, scales, sampler, num_inference_steps, epoch, step, save_pipeline, labels=None):
+        """Score the uint8 batches `batches_for(w)` generates (--eval_num_samples images) at each guidance
+        scale w of `scales`, record them; returns the result dict: the best scale's scores, and with
+        several scales, every scale's under "scales".
 
         The caller generates them (train.py, through sample.generate_batches), so that
         this module needs nothing of the samplers.
         """
-        features = embed(self.extractor, batches, self.device)
+        scores = []
+        for w in scales:
+            features = embed(self.extractor, batches_for(w), self.device)
+            found = score(self.reference, self.extractor, self.extractor_name, features, self.device, labels)
+            scores.append(dict(guidance_scale=w, **found, num_images=len(features)))
+        best = min(scores, key=lambda r: (math.isnan(r["fid"]), r["fid"]))
         result = dict(
-            epoch=epoch, step=step, **score(self.reference, self.extractor, self.extractor_name, features, self.device, labels),
-            num_images=len(features),
+            epoch=epoch, step=step, **best,
             sampler=sampler, num_inference_steps=num_inference_steps, reference_images=self.reference.num_images,
         )  # fmt: skip
+        if len(scores) > 1:
+            result["scales"] = scores
         result["best"] = self.best.offer(result, save_pipeline)
         self._record(result)
         return result

@@ -235,6 +235,18 @@ class Guided(torch.nn.Module):
         return (guided + w * (main - guided),)
 
 
+def parse_scales(text, flag):
+    """'1,1.5,2' (or a list, from a run's train_config.json) -> [1.0, 1.5, 2.0]: guidance scales, each at least 0."""
+    words = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    try:
+        scales = [float(w) for w in words if str(w).strip()]
+    except ValueError:
+        scales = None
+    if not scales or min(scales) < 0:
+        raise ConfigError(f"{flag} takes numbers of at least 0, comma-separated (got {text!r})")
+    return scales
+
+
 def guided_network(net, objective, labels=None, scale=1.0, guide=None):
     """`net` as `generate` calls it: itself when there is nothing to guide or condition, else Guided."""
     if labels is None and guide is None:
@@ -539,12 +551,7 @@ def validate(args):
         raise ConfigError(f"{args.run_dir}: no such folder")
     if args.guide is not None and not Path(args.guide).exists():
         raise ConfigError(f"--guide {args.guide}: no such folder")
-    try:
-        args.guidance_scales = [float(w) for w in str(args.guidance_scale).split(",") if w.strip()]
-    except ValueError:
-        raise ConfigError(f"--guidance_scale takes numbers, comma-separated with --fid (got {args.guidance_scale!r})") from None
-    if not args.guidance_scales or min(args.guidance_scales) < 0:
-        raise ConfigError(f"--guidance_scale must be at least 0 (got {args.guidance_scale!r})")
+    args.guidance_scales = parse_scales(args.guidance_scale, "--guidance_scale")
     if len(args.guidance_scales) > 1 and not args.fid:
         raise ConfigError("several --guidance_scale values are for --fid: give one to write images")
     return args

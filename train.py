@@ -379,19 +379,28 @@ class Run:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 
     def evaluate(self, epoch):
-        """FID/KID of the EMA weights (main process); the best pipeline by FID goes to best/."""
+        """FID/KID of the EMA weights (main process) at each --eval_guidance_scales; the best
+        pipeline by FID (at its best scale) goes to best/."""
         args, network = self.args, self.averaged_network()
         counts = self.config["class_counts"]  # a conditional run: labels drawn as in the data
         labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
-        batches = sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples, args.fid_batch_size,
-                                          args.seed, args.num_inference_steps, self.accelerator.autocast, labels,
-                                          args.guidance_scale, self.guide)  # fmt: skip
+
+        def batches_for(w):
+            return sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples, args.fid_batch_size,
+                                           args.seed, args.num_inference_steps, self.accelerator.autocast, labels, w,
+                                           self.guide)  # fmt: skip
+
         sampler = getattr(self.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731
-        result = self.evaluator.evaluate(batches, sampler, args.num_inference_steps, epoch, self.step, save, labels)
+        result = self.evaluator.evaluate(batches_for, args.eval_guidance_scales, sampler, args.num_inference_steps,
+                                         epoch, self.step, save, labels)  # fmt: skip
         self.accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=self.step)
+        at = f"eval epoch {epoch} step {self.step}"
+        for scale in result.get("scales", []):
+            self.meter.write(f"{at} | guidance scale {scale['guidance_scale']:g}: {metrics.format_scores(dict(result, **scale))}")
         best = " (best so far: saved to best/)" if result["best"] else ""
-        self.meter.write(f"eval epoch {epoch} step {self.step} | {metrics.format_scores(result)}{best}")
+        scale = f"best guidance scale {result['guidance_scale']:g}: " if "scales" in result else ""
+        self.meter.write(f"{at} | {scale}{metrics.format_scores(result)}{best}")
 
     def skipped(self):
         return self.skipped_before + self.guard.count()

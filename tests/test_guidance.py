@@ -5,6 +5,7 @@ data x0 ~ N(mu_c, s^2 I) for class c (and N(mu_null, s_null^2 I) for the null
 label), whose EDM denoiser is D(x; sigma) = mu + s^2 / (s^2 + sigma^2) (x - mu).
 """
 
+import json
 import math
 
 import pytest
@@ -170,8 +171,19 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     ema = ["--ema", "power", "--ema_snapshot_every", "4"] if objective == "ddpm" else []  # post-hoc EMA too
+    if objective == "ddpm":  # evaluated at two guidance scales: one table, the best picks best/
+        ema += ["--eval_every_epochs", "1", "--eval_num_samples", "6", "--fid_batch_size", "6",
+                "--eval_guidance_scales", "1,2.5"]  # fmt: skip
     config = conditional_run(straight, "--objective", objective, "--guidance_scale", 2, *ema)
     assert config["class_names"] == ["circle", "square", "triangle"] and sum(config["class_counts"]) == 48
+    if objective == "ddpm":
+        evals = json.loads((straight / "eval_results.json").read_text())
+        for e in evals:
+            assert [s["guidance_scale"] for s in e["scales"]] == [1.0, 2.5]
+            assert e["fid"] == min(s["fid"] for s in e["scales"]) and "class_match" in e
+            assert e["guidance_scale"] == min(e["scales"], key=lambda s: s["fid"])["guidance_scale"]
+        assert json.loads((straight / "best" / "eval.json").read_text())["fid"] == min(e["fid"] for e in evals)
+        assert evals[0]["scales"][0]["fid"] != evals[0]["scales"][1]["fid"]  # the scales did sample differently
     assert config["params"] == sum(p.numel() for p in models.build_unet("tiny", 16, num_classes=3).parameters())
     grid = sorted((straight / "samples").glob("*.png"))
     assert grid, "no per-class grid written"
@@ -225,4 +237,8 @@ def test_guidance_without_labels_or_a_guide_is_one_line(tmp_path, capsys):
 
     with pytest.raises(SystemExit):
         train.main(train.parse_args(["--guidance_scale", "2", "--dry_run"]))
-    assert "--guidance_scale guides a --class_conditional run" in capsys.readouterr().err
+    assert "--guidance_scale and --eval_guidance_scales guide a --class_conditional run" in capsys.readouterr().err
+    for bad in ("1,x", "-1", ","):
+        with pytest.raises(SystemExit):
+            train.main(train.parse_args(["--class_conditional", "--eval_guidance_scales", bad, "--dry_run"]))
+        assert "--eval_guidance_scales takes numbers of at least 0" in capsys.readouterr().err
