@@ -266,7 +266,8 @@ def run_two_processes(*flags, timeout=600):
 
 def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     out = tmp_path / "run"
-    common = [*flags(out), "--save_images_epochs", 1, "--logging_steps", 2]
+    # class-conditional: the labels are split between the processes with their images (tests/test_labels.py)
+    common = [*flags(out), "--save_images_epochs", 1, "--logging_steps", 2, "--class_conditional"]
     first = run_two_processes(*common, "--max_train_steps", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_two_processes(*common)
@@ -275,6 +276,7 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     # global batch: 4 per process x 2 processes -> 32 images make 4 steps an epoch
     config = json.loads((out / "train_config.json").read_text())
     assert config["num_processes"] == 2 and config["global_batch_size"] == 8 and config["steps_per_epoch"] == 4
+    assert config["class_names"] == ["circle", "square", "triangle"] and sum(config["class_counts"]) == 32
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["0000.png", "0001.png"]
     assert (out / "checkpoints" / "checkpoint-6" / "random_states_1.pkl").is_file()  # both processes' RNGs

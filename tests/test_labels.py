@@ -168,3 +168,10 @@ def test_labelled_batches_keep_the_unconditional_order(tmp_path, preloaded):
     for images, (same, labels) in zip(plain, labelled):
         assert torch.equal(images, same)
         assert labels.tolist() == [int(red) // 20 % 3 for red in images[:, 0, 0, 0]]
+    # Two processes: each rank's half of every global batch, its labels still its images'
+    ranks = [list(data.Batches(source, 2, seed=1, device=CPU, rank=r, world_size=2, labels=dataset.labels).epoch(2, start=1))
+             for r in (0, 1)]  # fmt: skip
+    for images, (zero, one) in zip(plain, zip(*ranks)):
+        assert torch.equal(torch.cat([zero[0], one[0]]), images)
+        for shard, labels in (zero, one):
+            assert labels.tolist() == [int(red) // 20 % 3 for red in shard[:, 0, 0, 0]]
