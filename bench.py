@@ -328,7 +328,7 @@ class TrainingStep:
             foreach=settings["ema_foreach"],
         )
         scheduler = models.make_noise_scheduler(t.num_train_timesteps, t.beta_schedule, t.prediction_type, t.zero_terminal_snr)
-        self.objective = models.DDPMObjective(scheduler, t.snr_gamma).to(device)
+        self.objective = models.ddpm_objective(scheduler, t).to(device)
         lr_scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=t.lr_warmup_steps, num_training_steps=10**6)
         # train.py's accelerator autocasts the model's forward; the loss is fp32 either way.
         self.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=settings["precision"] == "bf16")

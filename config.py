@@ -177,9 +177,12 @@ def build_parser(prog="train.py", source=""):
     flag(m, "objective", "ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with "
          "EDM2's learned loss weighting, sampled with EDM's Heun sampler (default: edm for the EDM2 presets, "
          "else ddpm)", choices=("ddpm", "edm"))  # fmt: skip
-    flag(m, "P_mean", "EDM: mean of ln(sigma) in training (EDM's CIFAR-10 value, as the EDM2 seed's configs; "
+    flag(m, "timestep_sampling", "DDPM: how training draws t: uniform (Ho et al. 2020), or lognormal: t such that "
+         "ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's timesteps", "uniform",
+         choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
+    flag(m, "P_mean", "EDM and DDPM's --timestep_sampling lognormal: mean of ln(sigma) in training (EDM's CIFAR-10 value, as the EDM2 seed's configs; "
          "EDM2 used -0.8 for ImageNet-64, -0.4 for ImageNet-512 latents)", models.P_MEAN, type=float)  # fmt: skip
-    flag(m, "P_std", "EDM: std of ln(sigma) (EDM2: 1.6 for ImageNet-64, 1.0 for 512)", models.P_STD, type=positive)
+    flag(m, "P_std", "EDM and --timestep_sampling lognormal: std of ln(sigma) (EDM2: 1.6 for ImageNet-64, 1.0 for 512)", models.P_STD, type=positive)
     flag(m, "sigma_data", "EDM: std of the data in [-1, 1]", models.SIGMA_DATA, type=positive)
     flag(m, "loss_weighting", "EDM: uncertainty = lambda(sigma)/e^u(sigma) with u learned (EDM2 eq. 21); "
          "edm = lambda(sigma) alone", "uncertainty", choices=models.LOSS_WEIGHTINGS)  # fmt: skip
@@ -389,6 +392,8 @@ def resolve(args):
         raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
     if args.objective == "edm" and (args.snr_gamma is not None or args.zero_terminal_snr):
         raise ConfigError("--snr_gamma and --zero_terminal_snr are DDPM's: EDM weights its loss by --loss_weighting")
+    if args.objective == "edm" and args.timestep_sampling != "uniform":
+        raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean and --P_std")
     if args.profile_only and args.profile is None:
         args.profile = "kernels"
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:

@@ -273,25 +273,65 @@ def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_
     return (per_image * weight).mean()
 
 
+# EDM's noise levels, and DDPM's with --timestep_sampling lognormal: ln σ ~ N(P_mean, P_std²) (EDM Table 1). The defaults are EDM's CIFAR-10 values,
+# which the seed repository (FutureXiang/edm2, config/cifar10/*.yaml) keeps for its
+# EDM2 networks; EDM2 used -0.8/1.6 for ImageNet-64 and -0.4/1.0 for ImageNet-512
+# latents (NVlabs/edm2 train_edm2.py, config_presets).
+P_MEAN, P_STD = -1.2, 1.2
+TIMESTEP_SAMPLINGS = ("uniform", "lognormal")
+
+
+def lognormal_timestep_cdf(alphas_cumprod, P_mean, P_std):
+    """The cumulative probabilities of timesteps t = 0..T-1 such that ln σ_t ~ N(P_mean, P_std²),
+    σ_t = sqrt((1 - abar_t) / abar_t): EDM's noise distribution (Karras et al. 2022, Table 1)
+    on DDPM's timesteps. Timestep t takes the normal's mass between the midpoints of its
+    ln σ and its neighbours' (t = 0 all below, t = T-1 all above)."""
+    abar = alphas_cumprod.double()
+    log_sigma = 0.5 * (torch.log1p(-abar) - torch.log(abar))
+    edges = (log_sigma[1:] + log_sigma[:-1]) / 2  # increasing in t
+    below = torch.distributions.Normal(P_mean, P_std).cdf(edges)
+    return torch.cat([below, torch.ones(1, dtype=below.dtype)]).float()
+
+
 class DDPMObjective(torch.nn.Module):
     """The DDPM objective as the training step calls it: `loss(net, x0)` draws the noise and
     the timesteps on x0's device (no host sync) and returns `ddpm_loss`.
+
+    Timesteps are uniform (Ho et al. 2020), or with `timestep_sampling="lognormal"`
+    drawn so that ln σ_t ~ N(P_mean, P_std²), as EDM draws σ: most training then
+    goes to the middle noise levels, where shapes form, instead of the half of
+    the uniform draws (linear betas) at σ > 3, which teach little more than
+    the colour of the image. The draw inverts the CDF with `searchsorted`, so
+    it is capturable in a CUDA graph.
 
     A module so that objectives with trained parts (EDM's learned loss
     weighting) go through the step alike; this one has none.
     """
 
-    def __init__(self, noise_scheduler, snr_gamma=None):
+    def __init__(self, noise_scheduler, snr_gamma=None, timestep_sampling="uniform", P_mean=P_MEAN, P_std=P_STD):
         super().__init__()
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
         self.prediction_type = noise_scheduler.config.prediction_type
         self.snr_gamma = snr_gamma
         self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone(), persistent=False)
+        cdf = lognormal_timestep_cdf(self.alphas_cumprod, P_mean, P_std) if timestep_sampling == "lognormal" else None
+        self.register_buffer("timestep_cdf", cdf, persistent=False)
+
+    def timesteps(self, n, device):
+        if self.timestep_cdf is None:
+            return torch.randint(0, self.num_train_timesteps, (n,), device=device)
+        u = torch.rand(n, device=device)
+        return torch.searchsorted(self.timestep_cdf, u, right=True).clamp_(max=self.num_train_timesteps - 1)
 
     def loss(self, net, clean_images):
         noise = torch.randn_like(clean_images)
-        timesteps = torch.randint(0, self.num_train_timesteps, (clean_images.shape[0],), device=clean_images.device)
+        timesteps = self.timesteps(clean_images.shape[0], clean_images.device)
         return ddpm_loss(net, clean_images, noise, timesteps, self.alphas_cumprod, self.prediction_type, self.snr_gamma)
+
+
+def ddpm_objective(noise_scheduler, args):
+    """train.py's and bench.py's DDPMObjective: from the flags --snr_gamma, --timestep_sampling, --P_mean, --P_std."""
+    return DDPMObjective(noise_scheduler, args.snr_gamma, args.timestep_sampling, args.P_mean, args.P_std)
 
 
 # --- the training step's fast path (shared by train.py and bench.py) ---------------
@@ -326,11 +366,6 @@ def prepare_for_training(unet, channels_last=False, fused_adam=False, also=(), *
 # --- the EDM objective (Karras et al. 2022, "EDM"; Karras et al. 2024, "EDM2") -------
 
 SIGMA_DATA = 0.5  # EDM Table 1: the data's standard deviation, for images in [-1, 1]
-# ln σ ~ N(P_mean, P_std²) (EDM Table 1). The defaults are EDM's CIFAR-10 values,
-# which the seed repository (FutureXiang/edm2, config/cifar10/*.yaml) keeps for its
-# EDM2 networks; EDM2 used -0.8/1.6 for ImageNet-64 and -0.4/1.0 for ImageNet-512
-# latents (NVlabs/edm2 train_edm2.py, config_presets).
-P_MEAN, P_STD = -1.2, 1.2
 LOSS_WEIGHTINGS = ("uncertainty", "edm")
 
 # What a UNet2DModel gets as its timestep: UNET_C_NOISE_SCALE * c_noise, c_noise = ln(σ)/4.

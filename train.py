@@ -220,7 +220,7 @@ class Run:
         if args.objective == "edm":
             self.objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting).to(device)
         else:
-            self.objective = models.DDPMObjective(self.noise_scheduler, args.snr_gamma).to(device)
+            self.objective = models.ddpm_objective(self.noise_scheduler, args).to(device)
         self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, self.noise_scheduler.config, args.sigma_data)
         # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and it can skip a
         # step on the device (see NonFiniteGuard), so a NaN costs no host sync per step.

@@ -140,8 +140,26 @@ def test_zero_terminal_snr_ends_in_pure_noise_and_trains_with_v_prediction():
                                            zero_terminal_snr=True)).alphas_cumprod[-1] == 0  # fmt: skip
 
 
+@pytest.mark.parametrize("zero_terminal_snr", [False, True])
+def test_lognormal_timesteps_give_edms_noise_levels(zero_terminal_snr):
+    scheduler = models.make_noise_scheduler(prediction_type="v_prediction", zero_terminal_snr=zero_terminal_snr)
+    torch.manual_seed(0)
+    drawn = {}
+    for sampling in ("uniform", "lognormal"):
+        objective = models.DDPMObjective(scheduler, timestep_sampling=sampling, P_mean=-0.5, P_std=0.8)
+        t = objective.timesteps(50_000, "cpu")
+        assert t.dtype == torch.long and 0 <= t.min() and t.max() <= 999
+        abar = scheduler.alphas_cumprod[t].double()
+        drawn[sampling] = (t, 0.5 * (torch.log1p(-abar) - abar.log()))
+    t, log_sigma = drawn["lognormal"]
+    assert abs(log_sigma.mean() - -0.5) < 0.03 and abs(log_sigma.std() - 0.8) < 0.03  # ln sigma_t ~ N(P_mean, P_std^2)
+    t, _ = drawn["uniform"]
+    assert abs(t.float().mean() - 499.5) < 5 and abs(t.float().std() - 288.7) < 5  # uniform, as before
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--zero_terminal_snr"], "--zero_terminal_snr needs --prediction_type v_prediction"),
+    (["--objective", "edm", "--timestep_sampling", "lognormal"], "--timestep_sampling is DDPM's"),
     (["--model", "edm2tiny", "--image_size", "16", "--snr_gamma", "5"], "are DDPM's"),
     (["--snr_gamma", "0"], "--snr_gamma must be greater than 0"),
 ])  # fmt: skip
