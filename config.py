@@ -178,15 +178,18 @@ def build_parser(prog="train.py", source=""):
          "EDM2's learned loss weighting, sampled with EDM's Heun sampler (default: edm for the EDM2 presets, "
          "else ddpm)", choices=("ddpm", "edm"))  # fmt: skip
     flag(m, "timestep_sampling", "DDPM: how training draws t: uniform (Ho et al. 2020), or lognormal: t such that "
-         "ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's timesteps", "uniform",
-         choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
-    flag(m, "P_mean", "EDM and DDPM's --timestep_sampling lognormal: mean of ln(sigma) in training (EDM's CIFAR-10 value, as the EDM2 seed's configs; "
-         "EDM2 used -0.8 for ImageNet-64, -0.4 for ImageNet-512 latents)", models.P_MEAN, type=float)  # fmt: skip
-    flag(m, "P_std", "EDM and --timestep_sampling lognormal: std of ln(sigma) (EDM2: 1.6 for ImageNet-64, 1.0 for 512)", models.P_STD, type=positive)
+         "ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's timesteps (default: the preset's; "
+         "lognormal for small, else uniform)", choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
+    flag(m, "P_mean", "EDM, and DDPM's --timestep_sampling lognormal: mean of ln(sigma) in training (default: "
+         f"the preset's, else {models.P_MEAN}: EDM's CIFAR-10 value, as the EDM2 seed's configs; EDM2 used -0.8 for "
+         "ImageNet-64, -0.4 for ImageNet-512 latents)", type=float)  # fmt: skip
+    flag(m, "P_std", "EDM, and --timestep_sampling lognormal: std of ln(sigma) (default: the preset's, else "
+         f"{models.P_STD}; EDM2: 1.6 for ImageNet-64, 1.0 for 512)", type=positive)  # fmt: skip
     flag(m, "sigma_data", "EDM: std of the data in [-1, 1]", models.SIGMA_DATA, type=positive)
     flag(m, "loss_weighting", "EDM: uncertainty = lambda(sigma)/e^u(sigma) with u learned (EDM2 eq. 21); "
          "edm = lambda(sigma) alone", "uncertainty", choices=models.LOSS_WEIGHTINGS)  # fmt: skip
-    flag(m, "prediction_type", "what the network predicts", "epsilon", choices=("epsilon", "v_prediction", "sample"))
+    flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; v_prediction for small, "
+         "else epsilon)", choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
     flag(m, "snr_gamma", "DDPM: min-SNR-gamma loss weighting (Hang et al. 2023; 5 in their paper; default: off)",
          type=positive)  # fmt: skip
     switch(m, "zero_terminal_snr", "DDPM: rescale the betas to zero SNR at t = T (Lin et al. 2024); needs "
@@ -373,7 +376,8 @@ def _words(action, key, value, path):
 def resolve(args):
     """Check every range, fill every value left unset, check the combinations; returns `args`.
 
-    Filled: --model auto; the preset's objective, learning rate, lr_scheduler and
+    Filled: --model auto; the preset's objective, DDPM settings (prediction type, timestep
+    sampling and its P_mean/P_std), learning rate, lr_scheduler and
     (inverse_sqrt) lr_ref_steps; num_inference_steps by the objective's sampler;
     mixed_precision and the speed switches (channels_last, compile, cudnn_benchmark,
     fused_norm) by the machine; --profile by --profile_only; ema_stds as numbers.
@@ -392,8 +396,6 @@ def resolve(args):
         raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
     if args.objective == "edm" and (args.snr_gamma is not None or args.zero_terminal_snr):
         raise ConfigError("--snr_gamma and --zero_terminal_snr are DDPM's: EDM weights its loss by --loss_weighting")
-    if args.objective == "edm" and args.timestep_sampling != "uniform":
-        raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean and --P_std")
     if args.profile_only and args.profile is None:
         args.profile = "kernels"
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:
@@ -425,6 +427,15 @@ def _fill_from_preset(args):
         args.objective = "edm" if edm2_network else "ddpm"
     if edm2_network and args.objective != "edm":
         raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm: drop --objective ddpm")
+    if args.objective == "edm" and args.timestep_sampling not in (None, "uniform"):
+        raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean and --P_std")
+    # DDPM's parametrisation and noise levels: the preset's (chosen by the quality ladder), else Ho et al.'s
+    ddpm = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean=models.P_MEAN, P_std=models.P_STD)
+    if args.objective == "ddpm":
+        ddpm |= preset.get("ddpm", {})
+    for name, value in ddpm.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.learning_rate is None:
         args.learning_rate = preset["learning_rate"]
     decay = preset.get("lr_decay")

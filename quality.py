@@ -40,18 +40,34 @@ BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--trai
 # name -> (what it tests, the flags it changes). The rows of issue 18's list:
 # the objective's parametrisation and weighting, the noise schedule, the
 # optimiser and EMA, the sampler, the objective itself and the network.
+# Since 2026-11-23 the bare run is `lognormal_t_v` (the small preset's DDPM
+# settings, chosen by this ladder); the rows before it are Ho et al.'s DDPM
+# (HO: eps-prediction, uniform timesteps: the bare run until then) with one
+# thing changed, the rows after it change the bare run as it is now.
+HO = ["--prediction_type", "epsilon", "--timestep_sampling", "uniform"]
 ROWS = {
-    "ddpm": ("today's bare run: DDPM, eps-prediction, linear betas, lr 2e-3, EMA 0.9999 with warm-up, DPM-Solver++ 25", []),
-    "v_prediction": ("v-prediction (Salimans & Ho 2022)", ["--prediction_type", "v_prediction"]),
-    "min_snr": ("min-SNR-5 loss weighting (Hang et al. 2023)", ["--snr_gamma", "5"]),
+    "ddpm": ("Ho et al.'s DDPM: eps-prediction, uniform t, linear betas, lr 2e-3, EMA 0.9999 with warm-up, DPM-Solver++ 25 "
+             "(the bare run until 2026-11-23)", HO),
+    "v_prediction": ("v-prediction (Salimans & Ho 2022)", [*HO, "--prediction_type", "v_prediction"]),
+    "min_snr": ("min-SNR-5 loss weighting (Hang et al. 2023)", [*HO, "--snr_gamma", "5"]),
     "v_zero_snr": ("v-prediction with zero terminal SNR (Lin et al. 2024)",
-                   ["--prediction_type", "v_prediction", "--zero_terminal_snr"]),
-    "cosine_betas": ("the cosine noise schedule (Nichol & Dhariwal 2021)", ["--beta_schedule", "squaredcos_cap_v2"]),
+                   [*HO, "--prediction_type", "v_prediction", "--zero_terminal_snr"]),
+    "cosine_betas": ("the cosine noise schedule (Nichol & Dhariwal 2021)", [*HO, "--beta_schedule", "squaredcos_cap_v2"]),
     "cosine_min_snr": ("the cosine schedule with min-SNR-5 weighting",
-                       ["--beta_schedule", "squaredcos_cap_v2", "--snr_gamma", "5"]),
-    "v_min_snr": ("v-prediction with min-SNR-5 weighting", ["--prediction_type", "v_prediction", "--snr_gamma", "5"]),
-    "lognormal_t": ("EDM's noise levels on DDPM's timesteps: ln sigma_t ~ N(-1.2, 1.2^2)", ["--timestep_sampling", "lognormal"]),
-    "lognormal_t_v": ("lognormal_t with v-prediction", ["--timestep_sampling", "lognormal", "--prediction_type", "v_prediction"]),
+                       [*HO, "--beta_schedule", "squaredcos_cap_v2", "--snr_gamma", "5"]),
+    "v_min_snr": ("v-prediction with min-SNR-5 weighting", [*HO, "--prediction_type", "v_prediction", "--snr_gamma", "5"]),
+    "lognormal_t": ("EDM's noise levels on DDPM's timesteps: ln sigma_t ~ N(-1.2, 1.2^2)", [*HO, "--timestep_sampling", "lognormal"]),
+    "lognormal_t_v": ("lognormal_t with v-prediction: the bare run since 2026-11-23",
+                      ["--timestep_sampling", "lognormal", "--prediction_type", "v_prediction"]),
+    "lognormal_t_v_wide": ("lognormal_t_v with EDM2's ImageNet-64 noise levels: ln sigma_t ~ N(-0.8, 1.6^2)",
+                           ["--timestep_sampling", "lognormal", "--prediction_type", "v_prediction",
+                            "--P_mean", "-0.8", "--P_std", "1.6"]),
+    "small_deep": ("capacity: a 4x4 level and attention at 8x8 and 4x4 (4x the parameters, ~1.3x the cost)",
+                   [*HO, "--model", "small_deep"]),
+    "edm": ("the EDM objective (Karras et al. 2022, EDM2's weighting) on the same UNet, Heun 18 steps",
+            ["--objective", "edm"]),
+    "edm2tiny": ("an EDM2 network (Config G, 16 channels) with the EDM objective", ["--model", "edm2tiny"]),
+    # On the bare run as it is now:
     "lr_5e-4": ("a lower learning rate", ["--learning_rate", "5e-4"]),
     "batch_8": ("batch 8: twice the optimizer steps for the same images", ["--train_batch_size", "8"]),
     "adam_beta2_0.99": ("AdamW beta2 0.99: second moments that follow a short run", ["--adam_beta2", "0.99"]),
@@ -59,11 +75,6 @@ ROWS = {
     "ema_short": ("a shorter EMA: warm-up power 0.5, decay 0.956 at step 512 (0.991 by default)", ["--ema_power", "0.5"]),
     "no_ema": ("no EMA: the raw weights sample", ["--no-use_ema"]),
     "ddim_50": ("DDIM, 50 steps, for the grids and the score", ["--sampler", "ddim", "--num_inference_steps", "50"]),
-    "small_deep": ("capacity: a 4x4 level and attention at 8x8 and 4x4 (4x the parameters, ~1.3x the cost)",
-                   ["--model", "small_deep"]),
-    "edm": ("the EDM objective (Karras et al. 2022, EDM2's weighting) on the same UNet, Heun 18 steps",
-            ["--objective", "edm"]),
-    "edm2tiny": ("an EDM2 network (Config G, 16 channels) with the EDM objective", ["--model", "edm2tiny"]),
 }  # fmt: skip
 
 # What the ladder sets itself: --train_args may not.

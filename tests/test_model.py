@@ -157,8 +157,22 @@ def test_lognormal_timesteps_give_edms_noise_levels(zero_terminal_snr):
     assert abs(t.float().mean() - 499.5) < 5 and abs(t.float().std() - 288.7) < 5  # uniform, as before
 
 
+def test_the_presets_ddpm_settings_fill_what_is_unset():
+    import config
+
+    def settings(*flags):
+        args = config.resolve(config.parse_args(list(flags)))
+        return args.prediction_type, args.timestep_sampling, args.P_mean, args.P_std
+
+    assert settings() == ("v_prediction", "lognormal", -1.2, 1.2)  # the bare run: the small preset's
+    assert settings("--model", "tiny", "--image_size", "16") == ("epsilon", "uniform", -1.2, 1.2)  # Ho et al.'s
+    assert settings("--prediction_type", "epsilon", "--timestep_sampling", "uniform", "--P_mean", "-0.5")[:3] == (
+        "epsilon", "uniform", -0.5)  # typed flags win
+    assert settings("--objective", "edm")[:2] == ("epsilon", "uniform")  # EDM ignores both; --timestep_sampling is refused
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--zero_terminal_snr"], "--zero_terminal_snr needs --prediction_type v_prediction"),
+    (["--zero_terminal_snr", "--prediction_type", "epsilon"], "--zero_terminal_snr needs --prediction_type v_prediction"),
     (["--objective", "edm", "--timestep_sampling", "lognormal"], "--timestep_sampling is DDPM's"),
     (["--model", "edm2tiny", "--image_size", "16", "--snr_gamma", "5"], "are DDPM's"),
     (["--snr_gamma", "0"], "--snr_gamma must be greater than 0"),
