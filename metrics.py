@@ -262,8 +262,19 @@ def score(reference, extractor, extractor_name, features, device="cpu", labels=N
             scorer, features = extractor.to(device), features.to(device)
             result["valid_fraction"] = float(scorer.valid(features).float().mean())
             if labels is not None:
-                result["class_match"] = float((scorer.single_kind(features).cpu() == labels.cpu()).float().mean())
+                kinds, labels = scorer.single_kind(features).cpu(), labels.cpu()
+                result["class_match"] = float((kinds == labels).float().mean())
+                result["class_match_chance"] = chance_match(kinds, labels)
     return result
+
+
+def chance_match(kinds, labels):
+    """The class match that samples blind to their labels would get: sum over classes k of
+    P(asked for k) P(recognised as k), each frequency from these samples."""
+    classes = int(max(kinds.max(), labels.max())) + 1
+    asked = torch.bincount(labels, minlength=classes).float() / len(labels)
+    shown = torch.bincount(kinds[kinds >= 0], minlength=classes).float() / len(kinds)
+    return float((asked * shown).sum())
 
 
 def format_scores(result):
@@ -272,7 +283,8 @@ def format_scores(result):
     return (
         f"{'shape FD' if shape else 'FID'} {result['fid']:.3f} | KID {result['kid_mean']:.5f} ± {result['kid_std']:.5f} | "
         + (f"valid {result['valid_fraction']:.3f} | " if shape else "")
-        + (f"class match {result['class_match']:.3f} | " if "class_match" in result else "")
+        + (f"class match {result['class_match']:.3f} (blind to the labels: {result['class_match_chance']:.3f}) | "
+           if "class_match" in result else "")
         + f"{result['num_images']} images, {result['sampler']} {result['num_inference_steps']} steps, "
         f"against {result['reference_images']} reference images"
     )

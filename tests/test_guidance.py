@@ -242,3 +242,13 @@ def test_guidance_without_labels_or_a_guide_is_one_line(tmp_path, capsys):
         with pytest.raises(SystemExit):
             train.main(train.parse_args(["--class_conditional", "--eval_guidance_scales", bad, "--dry_run"]))
         assert "--eval_guidance_scales takes numbers of at least 0" in capsys.readouterr().err
+
+
+def test_class_match_has_a_baseline_of_samples_blind_to_their_labels():
+    import metrics
+
+    kinds, labels = torch.tensor([0, 0, 1, -1]), torch.tensor([0, 1, 1, 2])  # -1: no single kind recognised
+    assert metrics.chance_match(kinds, labels) == pytest.approx(0.25 * 0.5 + 0.5 * 0.25)
+    labels = torch.arange(300) % 3
+    assert metrics.chance_match(labels, labels) == pytest.approx(1 / 3)  # a perfect match, against a third by chance
+    assert metrics.chance_match(labels[torch.randperm(300)], labels) == pytest.approx(1 / 3)
