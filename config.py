@@ -196,8 +196,9 @@ def build_parser(prog="train.py", source=""):
            "--prediction_type v_prediction")  # fmt: skip
 
     t = p.add_argument_group("training")
-    flag(t, "train_batch_size", "images per device per micro-batch", 16, type=at_least(1))
-    flag(t, "num_epochs", "passes over the dataset", 8, type=at_least(1))
+    flag(t, "train_batch_size", "images per device per micro-batch (default: the preset's; 8 for small, else 16)",
+         type=at_least(1))  # fmt: skip
+    flag(t, "num_epochs", "passes over the dataset (default: the preset's; 6 for small, else 8)", type=at_least(1))
     flag(t, "max_train_steps", "optimizer steps; overrides --num_epochs", type=at_least(1))
     flag(t, "gradient_accumulation_steps", "micro-batches per optimizer step", 1, type=at_least(1))
     flag(t, "learning_rate", "peak AdamW learning rate (default: the preset's)", type=positive)
@@ -377,7 +378,7 @@ def resolve(args):
     """Check every range, fill every value left unset, check the combinations; returns `args`.
 
     Filled: --model auto; the preset's objective, DDPM settings (prediction type, timestep
-    sampling and its P_mean/P_std), learning rate, lr_scheduler and
+    sampling and its P_mean/P_std), batch size, epochs, learning rate, lr_scheduler and
     (inverse_sqrt) lr_ref_steps; num_inference_steps by the objective's sampler;
     mixed_precision and the speed switches (channels_last, compile, cudnn_benchmark,
     fused_norm) by the machine; --profile by --profile_only; ema_stds as numbers.
@@ -433,7 +434,7 @@ def _fill_from_preset(args):
     ddpm = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean=models.P_MEAN, P_std=models.P_STD)
     if args.objective == "ddpm":
         ddpm |= preset.get("ddpm", {})
-    for name, value in ddpm.items():
+    for name, value in (ddpm | dict(train_batch_size=16, num_epochs=8) | preset.get("flags", {})).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.learning_rate is None:

@@ -55,7 +55,9 @@ def _edm2(config, dropout):
 
 # name -> description, the image size it was made for, the learning rate
 # config.resolve fills in unless --learning_rate is given, and the network's kwargs:
-# `unet` for UNet2DModel, or `network="edm2"` and `edm2` for EDM2UNet.
+# `unet` for UNet2DModel, or `network="edm2"` and `edm2` for EDM2UNet. Optional:
+# `ddpm` (DDPM settings: prediction type, timestep sampling) and `flags` (other
+# train.py defaults), filled in where the command line leaves them unset.
 # Parameter counts and FLOPs are in the README (from `python flops.py`).
 PRESETS = {
     # The bare `python train.py`: small enough to learn the built-in shapes on a
@@ -70,6 +72,10 @@ PRESETS = {
         # the quality ladder's best row at 8,192 images, shape FD 217 against 447 for
         # eps-prediction with uniform timesteps and 333 for the EDM objective (BENCHMARKS.md).
         ddpm=dict(prediction_type="v_prediction", timestep_sampling="lognormal"),
+        # Batch 8: twice the steps for the same images, and fewer images/s on a CPU;
+        # on the ladder, shape FD 184 against 217 at batch 16 (BENCHMARKS.md). Six
+        # epochs of it (1,536 steps) keep the bare run within ~9 minutes on 2 cores.
+        flags=dict(train_batch_size=8, num_epochs=6),
         unet=_unet((32, 64, 64), attention_at=(), layers_per_block=1, norm_num_groups=8),
     ),
     # For tests and smoke runs: a few hundred thousand parameters.
