@@ -198,7 +198,7 @@ def build_parser(prog="train.py", source=""):
     t = p.add_argument_group("training")
     flag(t, "train_batch_size", "images per device per micro-batch (default: the preset's; 8 for small, else 16)",
          type=at_least(1))  # fmt: skip
-    flag(t, "num_epochs", "passes over the dataset (default: the preset's; 6 for small, else 8)", type=at_least(1))
+    flag(t, "num_epochs", "passes over the dataset (default: the preset's; 5 for small, else 8)", type=at_least(1))
     flag(t, "max_train_steps", "optimizer steps; overrides --num_epochs", type=at_least(1))
     flag(t, "gradient_accumulation_steps", "micro-batches per optimizer step", 1, type=at_least(1))
     flag(t, "learning_rate", "peak AdamW learning rate (default: the preset's)", type=positive)
