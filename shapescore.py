@@ -9,7 +9,7 @@ runs on the built-in shapes (`--dataset shapes` without `--fid_weights`):
 
     python train.py --eval_every_epochs 2 --eval_num_samples 2048   # "shape FD ... | valid 0.87"
     python sample.py ddpm-output --fid --num_images 2048             # the same score, afterwards
-    python shapescore.py --image_size 32 --num_images 2048 samples/shapes-small-cpu.png   # how far to trust it
+    python shapescore.py --image_size 32 --num_images 2048 samples/shapes-small-cpu-eps.png   # how far to trust it
 
 What the network predicts, and why. A shape "shows" when at least 40% of it is
 not drawn over by a later one, not at all below 10%, and by a linear ramp in
