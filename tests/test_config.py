@@ -148,7 +148,9 @@ def test_every_range_is_checked_with_the_flags_name():
         resolved("--weight_decay=-1")
     with pytest.raises(ConfigError, match=r"^--P_std must be greater than 0 \(got 0.0\)$"):
         resolved("--P_std", 0)
-    assert "images per device per micro-batch (at least 1; default: 16)" in " ".join(config.build_parser().format_help().split())
+    text = " ".join(config.build_parser().format_help().split())
+    assert "images per device per micro-batch (at least 1; default: the preset's; 8 for small, else 16)" in text
+    assert "AdamW weight decay (at least 0; default: 1e-06)" in text
 
 
 def test_logger_wandb_logs_offline(tmp_path, monkeypatch):
