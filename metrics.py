@@ -268,6 +268,11 @@ def score(reference, extractor, extractor_name, features, device="cpu", labels=N
     return result
 
 
+def lowest_fid(results):
+    """The result with the lowest FID of several (one per guidance scale); a NaN FID never wins."""
+    return min(results, key=lambda r: (math.isnan(r["fid"]), r["fid"]))
+
+
 def chance_match(kinds, labels):
     """The class match that samples blind to their labels would get: sum over classes k of
     P(asked for k) P(recognised as k), each frequency from these samples."""
@@ -358,7 +363,7 @@ class TrainingEvaluator:
             features = embed(self.extractor, batches_for(w), self.device)
             found = score(self.reference, self.extractor, self.extractor_name, features, self.device, labels)
             scores.append(dict(guidance_scale=w, **found, num_images=len(features)))
-        best = min(scores, key=lambda r: (math.isnan(r["fid"]), r["fid"]))
+        best = lowest_fid(scores)
         result = dict(
             epoch=epoch, step=step, **best,
             sampler=sampler, num_inference_steps=num_inference_steps, reference_images=self.reference.num_images,

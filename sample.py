@@ -663,7 +663,7 @@ def run(args):
         results.append(result)
     if evaluation is None:
         return results[0]
-    best = min(results, key=lambda r: r["fid"])
+    best = metrics.lowest_fid(results)
     summary = dict(best, scales=results) if len(results) > 1 else best
     if len(results) > 1:
         print(f"best guidance scale: {best['guidance_scale']:g}")
