@@ -40,6 +40,13 @@ PROFILE_LEVELS = ("kernels", "operators")
 # EDM2's t_ref for ImageNet-512 (70k steps of 2048 images), when the preset has none.
 DEFAULT_LR_REF_STEPS = 70_000
 
+# What config.resolve fills where neither the command line nor the preset sets it
+# (a preset's `ddpm` and `flags` in model.PRESETS come first): Ho et al.'s DDPM,
+# EDM's noise levels for --timestep_sampling lognormal, diffusers' example's batch.
+PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean=models.P_MEAN,
+                        P_std=models.P_STD, train_batch_size=16, num_epochs=8)  # fmt: skip
+SMALL = models.PRESETS["small"]
+
 # What a run's train_config.json holds beside its flags: facts of the run (the
 # data, the machine, the FLOPs), recomputed by every run, and the --config it was
 # read from (files do not include each other). --config skips them.
@@ -179,7 +186,8 @@ def build_parser(prog="train.py", source=""):
          "else ddpm)", choices=("ddpm", "edm"))  # fmt: skip
     flag(m, "timestep_sampling", "DDPM: how training draws t: uniform (Ho et al. 2020), or lognormal: t such that "
          "ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's timesteps (default: the preset's; "
-         "lognormal for small, else uniform)", choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
+         f"{SMALL['ddpm']['timestep_sampling']} for small, else {PRESET_FALLBACKS['timestep_sampling']})",
+         choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
     flag(m, "P_mean", "EDM, and DDPM's --timestep_sampling lognormal: mean of ln(sigma) in training (default: "
          f"the preset's, else {models.P_MEAN}: EDM's CIFAR-10 value, as the EDM2 seed's configs; EDM2 used -0.8 for "
          "ImageNet-64, -0.4 for ImageNet-512 latents)", type=float)  # fmt: skip
@@ -188,17 +196,20 @@ def build_parser(prog="train.py", source=""):
     flag(m, "sigma_data", "EDM: std of the data in [-1, 1]", models.SIGMA_DATA, type=positive)
     flag(m, "loss_weighting", "EDM: uncertainty = lambda(sigma)/e^u(sigma) with u learned (EDM2 eq. 21); "
          "edm = lambda(sigma) alone", "uncertainty", choices=models.LOSS_WEIGHTINGS)  # fmt: skip
-    flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; v_prediction for small, "
-         "else epsilon)", choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
+    flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; "
+         f"{SMALL['ddpm']['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']})",
+         choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
     flag(m, "snr_gamma", "DDPM: min-SNR-gamma loss weighting (Hang et al. 2023; 5 in their paper; default: off)",
          type=positive)  # fmt: skip
     switch(m, "zero_terminal_snr", "DDPM: rescale the betas to zero SNR at t = T (Lin et al. 2024); needs "
            "--prediction_type v_prediction")  # fmt: skip
 
     t = p.add_argument_group("training")
-    flag(t, "train_batch_size", "images per device per micro-batch (default: the preset's; 8 for small, else 16)",
+    flag(t, "train_batch_size", "images per device per micro-batch (default: the preset's; "
+         f"{SMALL['flags']['train_batch_size']} for small, else {PRESET_FALLBACKS['train_batch_size']})",
          type=at_least(1))  # fmt: skip
-    flag(t, "num_epochs", "passes over the dataset (default: the preset's; 5 for small, else 8)", type=at_least(1))
+    flag(t, "num_epochs", f"passes over the dataset (default: the preset's; {SMALL['flags']['num_epochs']} for "
+         f"small, else {PRESET_FALLBACKS['num_epochs']})", type=at_least(1))  # fmt: skip
     flag(t, "max_train_steps", "optimizer steps; overrides --num_epochs", type=at_least(1))
     flag(t, "gradient_accumulation_steps", "micro-batches per optimizer step", 1, type=at_least(1))
     flag(t, "learning_rate", "peak AdamW learning rate (default: the preset's)", type=positive)
@@ -430,11 +441,9 @@ def _fill_from_preset(args):
         raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm: drop --objective ddpm")
     if args.objective == "edm" and args.timestep_sampling not in (None, "uniform"):
         raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean and --P_std")
-    # DDPM's parametrisation and noise levels: the preset's (chosen by the quality ladder), else Ho et al.'s
-    ddpm = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean=models.P_MEAN, P_std=models.P_STD)
-    if args.objective == "ddpm":
-        ddpm |= preset.get("ddpm", {})
-    for name, value in (ddpm | dict(train_batch_size=16, num_epochs=8) | preset.get("flags", {})).items():
+    # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
+    ddpm = preset.get("ddpm", {}) if args.objective == "ddpm" else {}
+    for name, value in (PRESET_FALLBACKS | ddpm | preset.get("flags", {})).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.learning_rate is None:
