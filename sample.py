@@ -11,7 +11,9 @@
 RUN_DIR is a training run's --output_dir (its saved pipeline, or its newest
 checkpoint while it has none), a pipeline folder (`best/`, a reconstructed
 EMA from `ema.py reconstruct`) or one checkpoint folder. A checkpoint gives
-the EMA weights unless --no-ema; a pipeline holds the EMA weights only.
+the EMA weights unless --no-ema; a pipeline holds the EMA weights only. A run
+trained without an EMA (--no-use_ema) has its raw weights only: its pipeline
+holds them, and both give them.
 
 Into --output it writes 000000.png, 000001.png, ... and grid.png (the first
 64 images). Image i starts from noise drawn from its own generator, seeded by
@@ -448,18 +450,29 @@ def save_network(unet, folder, noise_scheduler=None):
         unet.save_pretrained(str(Path(folder) / "unet"))
 
 
-def load_model(path, ema=True):
+def run_kept_ema(path):
+    """Whether the run that `path` belongs to kept an EMA of its weights (its --use_ema; True when unknown)."""
+    return (find_run_config(Path(path)) or {}).get("use_ema", True)
+
+
+def load_model(path, ema=None):
     """(network in eval mode, training-scheduler config or None) from a pipeline or checkpoint folder.
 
-    The config is None for a network saved without a DDPMPipeline (EDM runs:
-    model.load_network reads unet/, a UNet2DModel or an EDM2 network).
+    `ema`: the EMA weights (True), the raw weights (False, checkpoints only), or
+    None: the EMA where the run kept one (a run trained with --no-use_ema has
+    only its raw weights, and its pipeline holds them). The config is None for a
+    network saved without a DDPMPipeline (EDM runs: model.load_network reads
+    unet/, a UNet2DModel or an EDM2 network).
     """
     from diffusers import DDPMPipeline
     from safetensors.torch import load_file
 
     kind, folder = resolve_source(Path(path))
+    kept_ema = run_kept_ema(folder)
+    if ema and not kept_ema:
+        raise ConfigError(f"{folder}: the run kept no EMA (trained with --no-use_ema), so it has raw weights only: drop --ema")
     if kind == "pipeline":
-        if not ema:
+        if ema is False and kept_ema:
             raise ConfigError(
                 f"{folder} is a saved pipeline, which holds the EMA weights only: "
                 "for the raw weights pass a checkpoint folder (RUN_DIR/checkpoints/checkpoint-STEP) with --no-ema"
@@ -478,10 +491,10 @@ def load_model(path, ema=True):
     if not weights.is_file():
         raise ConfigError(f"{folder}: no model.safetensors in the checkpoint")
     unet.load_state_dict(load_file(str(weights)))
-    if ema:
+    if kept_ema and ema is not False:
         shadow = ema_weights_from_checkpoint(folder)
         if shadow is None:
-            raise ConfigError(f"{folder}: the checkpoint has no EMA weights (trained with --no-use_ema): add --no-ema")
+            raise ConfigError(f"{folder}: the checkpoint has no EMA weights: add --no-ema for its raw weights")
         with torch.no_grad():
             for parameter, value in zip(unet.parameters(), shadow, strict=True):
                 parameter.copy_(value)
@@ -510,7 +523,8 @@ def parse_args(argv=None):
         help=f"sampling steps (default: {DEFAULT_STEPS}; an EDM run {EDM_STEPS} Heun steps, {2 * EDM_STEPS - 1} evaluations)",
     )  # fmt: skip
     p.add_argument(
-        "--ema", action=argparse.BooleanOptionalAction, default=True, help="EMA weights (--no-ema: raw, checkpoints only)"
+        "--ema", action=argparse.BooleanOptionalAction, default=None,
+        help="EMA weights (--no-ema: raw, checkpoints only; default: the EMA where the run kept one)",
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
 
@@ -635,7 +649,7 @@ def run(args):
 
     base = dict(
         run=str(run_dir), num_images=args.num_images, seed=args.seed, sampler=sampler_name,
-        num_inference_steps=steps, ema=args.ema, guide=args.guide,
+        num_inference_steps=steps, ema=run_kept_ema(run_dir) if args.ema is None else args.ema, guide=args.guide,
     )  # fmt: skip
     results = []
     for w in args.guidance_scales:

@@ -172,9 +172,9 @@ class TrainStep:
     def __call__(self, micro_batches, step_number=None):
         losses = self.descend(micro_batches, step_number)
         self.lr_scheduler.step()
-        if self.ema is not None:
+        if self.ema is not None:  # without one, "where the time went" shows no ema part
             self.ema.step(self.model.parameters())
-        self.mark("ema")
+            self.mark("ema")
         return losses
 
     def descend(self, micro_batches, step_number=None):

@@ -113,6 +113,19 @@ def test_a_checkpoint_gives_its_ema_weights_by_default_and_raw_ones_with_no_ema(
     assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw)
 
 
+def test_a_run_without_an_ema_samples_its_raw_weights_by_default_and_refuses_ema(tiny_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(train.parse_args([*TINY, "--output_dir", str(out), "--no-use_ema"]))
+    checkpoint = out / "checkpoints" / "checkpoint-4"
+    raw = load_file(str(checkpoint / "model.safetensors"))
+    for source in (out, checkpoint):  # the pipeline holds the raw weights, and a checkpoint gives them
+        unet, _ = sample.load_model(source)
+        assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw), source
+    with pytest.raises(SystemExit):
+        sample_main(out, "--ema", "--num_images", 1, "--output", tmp_path / "x")
+    assert "kept no EMA" in capsys.readouterr().err
+
+
 def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, capsys):
     import metrics
     from test_metrics import TinyFeatures

@@ -85,6 +85,12 @@ def test_the_step_gives_the_loss_weights_and_ema_of_the_loop_it_replaced():
     assert phases[:4] == ["forward", "backward", "optimizer", "ema"]
     assert guard.count() == 0
 
+    without_ema = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, None, guard, 1.0, True)
+    phases.clear()
+    without_ema.mark = phases.append
+    without_ema([images[0]], 4)
+    assert phases == ["forward", "backward", "optimizer"]  # no ema part in "where the time went"
+
 
 def test_a_non_finite_step_is_skipped_inside_the_fused_optimizer():
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
