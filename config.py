@@ -44,7 +44,7 @@ DEFAULT_LR_REF_STEPS = 70_000
 # (a preset's `ddpm` and `flags` in model.PRESETS come first): Ho et al.'s DDPM,
 # EDM's noise levels for --timestep_sampling lognormal, diffusers' example's batch.
 PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean=models.P_MEAN,
-                        P_std=models.P_STD, train_batch_size=16, num_epochs=8)  # fmt: skip
+                        P_std=models.P_STD, train_batch_size=16, num_epochs=8, use_ema=True)  # fmt: skip
 SMALL = models.PRESETS["small"]
 
 # What a run's train_config.json holds beside its flags: facts of the run (the
@@ -224,7 +224,9 @@ def build_parser(prog="train.py", source=""):
     flag(t, "weight_decay", "AdamW weight decay", 1e-6, type=non_negative)
     flag(t, "adam_epsilon", "AdamW epsilon", 1e-8, type=positive)
     flag(t, "max_grad_norm", "clip gradients to this norm (0: off)", 1.0, type=non_negative)
-    switch(t, "use_ema", "keep an EMA of the weights", True)
+    switch(t, "use_ema", "keep an EMA of the weights; it samples, is saved and is scored (default: the preset's; "
+           f"{'on' if SMALL['flags'].get('use_ema', True) else 'off'} for small, else "
+           f"{'on' if PRESET_FALLBACKS['use_ema'] else 'off'}; on with --ema power)", None)  # fmt: skip
     flag(t, "ema_max_decay", "EMA decay after warm-up", 0.9999, type=unit_interval)
     flag(t, "ema_inv_gamma", "EMA warm-up: decay = 1 - (1 + step/inv_gamma)^-power", 1.0, type=positive)
     flag(t, "ema_power", "EMA warm-up power", 0.75, type=non_negative)
@@ -443,6 +445,8 @@ def _fill_from_preset(args):
         raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean and --P_std")
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
     ddpm = preset.get("ddpm", {}) if args.objective == "ddpm" else {}
+    if args.use_ema is None and args.ema == "power":
+        args.use_ema = True  # asking for the power EMA asks for an EMA
     for name, value in (PRESET_FALLBACKS | ddpm | preset.get("flags", {})).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -35,14 +35,16 @@ from errors import ConfigError
 HERE = Path(__file__).resolve().parent
 
 # The bare run, which every row changes: what `python train.py` trains on a CPU, at
-# batch 16 (its batch until 2026-11-23; it trains at 8 since, the batch_8 row).
-BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16"]
+# batch 16 and with an EMA (its batch and EMA until 2026-11-23; it trains at 8 and
+# samples the raw weights since: the batch_8 and no_ema rows).
+BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16", "--use_ema"]
 
 # name -> (what it tests, the flags it changes). The rows of issue 18's list:
 # the objective's parametrisation and weighting, the noise schedule, the
 # optimiser and EMA, the sampler, the objective itself and the network.
-# Since 2026-11-23 the small preset trains DDPM as `lognormal_t_v` does, at
-# batch 8 (`batch_8`), both chosen by this ladder. The rows before those are
+# Since 2026-11-23 the small preset trains DDPM as `lognormal_t_v` does, with
+# smaller batches (`batch_8`, `batch_4`) and no EMA (`no_ema`), chosen by this
+# ladder and by the bare run's own variations (BENCHMARKS.md). The rows before those are
 # Ho et al.'s DDPM (HO: eps-prediction, uniform timesteps: the bare run until
 # then) with one thing changed; the last rows change `lognormal_t_v`.
 HO = ["--prediction_type", "epsilon", "--timestep_sampling", "uniform"]
@@ -68,14 +70,15 @@ ROWS = {
     "edm": ("the EDM objective (Karras et al. 2022, EDM2's weighting) on the same UNet, Heun 18 steps",
             ["--objective", "edm"]),
     "edm2tiny": ("an EDM2 network (Config G, 16 channels) with the EDM objective", ["--model", "edm2tiny"]),
-    # On lognormal_t_v (the bare run since 2026-11-23 trains it at batch 8):
+    # On lognormal_t_v (the bare run since 2026-11-23 trains it at batch 4, without an EMA):
     "lr_5e-4": ("a lower learning rate", ["--learning_rate", "5e-4"]),
-    "batch_8": ("batch 8: twice the optimizer steps for the same images (the bare run since 2026-11-23)",
-                ["--train_batch_size", "8"]),
+    "batch_8": ("batch 8: twice the optimizer steps for the same images", ["--train_batch_size", "8"]),
+    "batch_4": ("batch 4: four times the optimizer steps for the same images (the bare run's batch since 2026-11-23)",
+                ["--train_batch_size", "4"]),
     "adam_beta2_0.99": ("AdamW beta2 0.99: second moments that follow a short run", ["--adam_beta2", "0.99"]),
     # (--ema_max_decay does nothing here: the warm-up keeps the decay below 0.991 for the first 512 steps.)
     "ema_short": ("a shorter EMA: warm-up power 0.5, decay 0.956 at step 512 (0.991 by default)", ["--ema_power", "0.5"]),
-    "no_ema": ("no EMA: the raw weights sample", ["--no-use_ema"]),
+    "no_ema": ("no EMA: the raw weights sample (the bare run since 2026-11-23)", ["--no-use_ema"]),
     "ddim_50": ("DDIM, 50 steps, for the grids and the score", ["--sampler", "ddim", "--num_inference_steps", "50"]),
 }  # fmt: skip
 

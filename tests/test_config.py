@@ -149,7 +149,7 @@ def test_every_range_is_checked_with_the_flags_name():
     with pytest.raises(ConfigError, match=r"^--P_std must be greater than 0 \(got 0.0\)$"):
         resolved("--P_std", 0)
     text = " ".join(config.build_parser().format_help().split())
-    assert "images per device per micro-batch (at least 1; default: the preset's; 8 for small, else 16)" in text
+    assert "images per device per micro-batch (at least 1; default: the preset's; 4 for small, else 16)" in text
     assert "AdamW weight decay (at least 0; default: 1e-06)" in text
 
 
