@@ -35,8 +35,8 @@ from errors import ConfigError
 HERE = Path(__file__).resolve().parent
 
 # The bare run, which every row changes: what `python train.py` trains on a CPU, at
-# batch 16 and with an EMA (its batch and EMA until 2026-11-23; it trains at 8 and
-# samples the raw weights since: the batch_8 and no_ema rows).
+# batch 16 and with an EMA (its batch and EMA until 2026-11-23; it trains at 4
+# without an EMA since: the batch_8, batch_4 and no_ema rows).
 BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16", "--use_ema"]
 
 # name -> (what it tests, the flags it changes). The rows of issue 18's list:

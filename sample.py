@@ -621,7 +621,8 @@ def run(args):
     import metrics
 
     run_dir = Path(args.run_dir)
-    unet, training_config = load_model(run_dir, ema=args.ema)
+    ema = run_kept_ema(run_dir) if args.ema is None else args.ema  # which weights sample, as recorded below
+    unet, training_config = load_model(run_dir, ema=ema)
     unet.to(args.device)
     objective = run_objective(run_dir)
     if objective == "edm":
@@ -649,7 +650,7 @@ def run(args):
 
     base = dict(
         run=str(run_dir), num_images=args.num_images, seed=args.seed, sampler=sampler_name,
-        num_inference_steps=steps, ema=run_kept_ema(run_dir) if args.ema is None else args.ema, guide=args.guide,
+        num_inference_steps=steps, ema=ema, guide=args.guide,
     )  # fmt: skip
     results = []
     for w in args.guidance_scales:
