@@ -48,6 +48,16 @@ def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(traini
         if name != "ddpm":
             assert scheduler.timesteps[0] == training_config.num_train_timesteps - 1, name
     assert sample.make_scheduler("dpmsolver", training_config).config.algorithm_type == "dpmsolver++"
+    assert sample.make_scheduler("dpmsolver_sde", training_config).config.algorithm_type == "sde-dpmsolver++"
+
+
+def test_the_sde_sampler_draws_fresh_noise_along_the_way(tiny_unet, training_config):
+    """Same starting noise, same model: the SDE form ends elsewhere than the ODE form (and than
+    itself with other per-image generators), because it adds noise at each step."""
+    seeds = sample.image_seeds(0, 2)
+    ode = sample.generate(tiny_unet, sample.make_scheduler("dpmsolver", training_config), seeds, 4)
+    sde = sample.generate(tiny_unet, sample.make_scheduler("dpmsolver_sde", training_config), seeds, 4)
+    assert (ode.int() - sde.int()).abs().float().mean() > 2
 
 
 def test_sampling_scheduler_in_train_is_the_same(training_config):
