@@ -211,6 +211,12 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
                                             "--guide", str(resumed), "--guidance_scale", "2",
                                             "--output", str(tmp_path / "auto")]))  # fmt: skip
     assert guided["guide"] == str(resumed) and (tmp_path / "auto" / "000001.png").is_file()
+    # The resumed run's weights are the straight run's, so that guide changes nothing; the run's own
+    # earlier checkpoint (the README's recipe) is a weaker model, and guiding by it changes the images.
+    early = straight / "checkpoints" / "checkpoint-4"
+    sample.main(sample.parse_args([str(straight), "--num_images", "2", "--num_inference_steps", "2", "--guide", str(early),
+                                   "--guidance_scale", "2", "--output", str(tmp_path / "early")]))  # fmt: skip
+    assert (tmp_path / "early" / "000001.png").read_bytes() != (tmp_path / "auto" / "000001.png").read_bytes()
     if ema:  # a post-hoc EMA of a conditional run samples by class too
         import ema as posthoc_ema
 
