@@ -66,7 +66,7 @@ PRESETS = {
         description="CPU-sized UNet for the built-in dataset",
         image_size=32,
         # A 1M-parameter UNet tolerates a high rate, and the bare command has
-        # only ~1000 steps to show the shapes.
+        # only a few thousand steps to show the shapes.
         learning_rate=2e-3,
         # DDPM with v-prediction and EDM's noise levels (--timestep_sampling lognormal):
         # the quality ladder's best row at 8,192 images, shape FD 217 against 447 for
@@ -74,11 +74,14 @@ PRESETS = {
         ddpm=dict(prediction_type="v_prediction", timestep_sampling="lognormal"),
         # Batch 4: this run is short of optimizer steps, not of images. At the same
         # images, batch 8 scored 184 against 217 for batch 16 on the ladder, and five
-        # epochs of batch 4 (2,560 steps, about 7 minutes on 2 cores) 85 against 112
-        # for batch 8, for 15% fewer images/s (BENCHMARKS.md).
+        # epochs of batch 4 (2,560 steps) 85 against 112 for batch 8, for 15% fewer
+        # images/s; batch 2 scored worse again (BENCHMARKS.md).
         # No EMA: the cosine decay to zero already averages the last steps, and the
         # raw weights scored better than the EMA in every comparison (BENCHMARKS.md).
-        flags=dict(train_batch_size=4, num_epochs=5, use_ema=False),
+        # 12 epochs (6,144 steps, 7.5 minutes on the 2-core machine of 2026-11-24):
+        # shape FD 35 against 59 for 5 epochs, and the first grid with triangles and
+        # squares in it; the conditional run needs 15 for its class-match target.
+        flags=dict(train_batch_size=4, num_epochs=12, use_ema=False),
         unet=_unet((32, 64, 64), attention_at=(), layers_per_block=1, norm_num_groups=8),
     ),
     # For tests and smoke runs: a few hundred thousand parameters.

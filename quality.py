@@ -37,7 +37,10 @@ HERE = Path(__file__).resolve().parent
 # The bare run, which every row changes: what `python train.py` trains on a CPU, at
 # batch 16 and with an EMA (its batch and EMA until 2026-11-23; it trains at 4
 # without an EMA since: the batch_8, batch_4 and no_ema rows).
-BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16", "--use_ema"]
+# The sampler stays the deterministic DPM-Solver++ the ladder was measured with (the
+# default is its SDE form since 2026-11-24: the `sde_sampler` row).
+BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16", "--use_ema",
+        "--sampler", "dpmsolver"]
 
 # name -> (what it tests, the flags it changes). The rows of issue 18's list:
 # the objective's parametrisation and weighting, the noise schedule, the
@@ -79,6 +82,8 @@ ROWS = {
     # (--ema_max_decay does nothing here: the warm-up keeps the decay below 0.991 for the first 512 steps.)
     "ema_short": ("a shorter EMA: warm-up power 0.5, decay 0.956 at step 512 (0.991 by default)", ["--ema_power", "0.5"]),
     "no_ema": ("no EMA: the raw weights sample (the bare run since 2026-11-23)", ["--no-use_ema"]),
+    "sde_sampler": ("SDE-DPM-Solver++, 25 steps, for the grids and the score (the default since 2026-11-24)",
+                    ["--sampler", "dpmsolver_sde"]),
     "ddim_50": ("DDIM, 50 steps, for the grids and the score", ["--sampler", "ddim", "--num_inference_steps", "50"]),
 }  # fmt: skip
 

@@ -165,7 +165,7 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
         return (args.prediction_type, args.timestep_sampling, args.P_mean, args.P_std, args.train_batch_size,
                 args.num_epochs, args.use_ema)  # fmt: skip
 
-    assert settings() == ("v_prediction", "lognormal", -1.2, 1.2, 4, 5, False)  # the bare run: the small preset's
+    assert settings() == ("v_prediction", "lognormal", -1.2, 1.2, 4, 12, False)  # the bare run: the small preset's
     assert settings("--model", "tiny", "--image_size", "16") == ("epsilon", "uniform", -1.2, 1.2, 16, 8, True)  # Ho et al.'s
     assert settings("--use_ema")[-1] is True and settings("--ema", "power")[-1] is True  # asking for an EMA keeps one
     assert settings("--train_batch_size", "32", "--num_epochs", "2")[4:6] == (32, 2)
