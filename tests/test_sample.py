@@ -52,8 +52,8 @@ def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(traini
 
 
 def test_the_sde_sampler_draws_fresh_noise_along_the_way(tiny_unet, training_config):
-    """Same starting noise, same model: the SDE form ends elsewhere than the ODE form (and than
-    itself with other per-image generators), because it adds noise at each step."""
+    """Same starting noise, same model: the SDE form ends elsewhere than the ODE form, because it
+    adds noise at each step (that the noise follows the seeds: the parametrised test above)."""
     seeds = sample.image_seeds(0, 2)
     ode = sample.generate(tiny_unet, sample.make_scheduler("dpmsolver", training_config), seeds, 4)
     sde = sample.generate(tiny_unet, sample.make_scheduler("dpmsolver_sde", training_config), seeds, 4)

@@ -1,23 +1,29 @@
-# Score a run with a sampler variant: SAMPLER_VARIANT=karras|sde|sde_karras|noclip python sampler_variant.py RUN [sample.py args]
-import os, sys
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', '..'))  # the repository root
-import sample
-orig = sample.make_scheduler
-def patched(name, cfg):
-    from diffusers import DPMSolverMultistepScheduler, DDPMScheduler, EulerAncestralDiscreteScheduler, DPMSolverSDEScheduler
-    v = os.environ.get('SAMPLER_VARIANT', '')
-    if v == 'karras':
-        return DPMSolverMultistepScheduler.from_config(cfg, algorithm_type="dpmsolver++", solver_order=2, thresholding=True,
-            sample_max_value=1.0, use_karras_sigmas=True, lower_order_final=True, final_sigmas_type="zero")
-    if v == 'sde':
-        return DPMSolverMultistepScheduler.from_config(cfg, algorithm_type="sde-dpmsolver++", solver_order=2, thresholding=True,
-            sample_max_value=1.0, timestep_spacing="trailing", lower_order_final=True, final_sigmas_type="zero")
-    if v == 'sde_karras':
-        return DPMSolverMultistepScheduler.from_config(cfg, algorithm_type="sde-dpmsolver++", solver_order=2, thresholding=True,
-            sample_max_value=1.0, use_karras_sigmas=True, lower_order_final=True, final_sigmas_type="zero")
-    if v == 'noclip':
-        return DPMSolverMultistepScheduler.from_config(cfg, algorithm_type="dpmsolver++", solver_order=2, thresholding=False,
-            timestep_spacing="trailing", lower_order_final=True, final_sigmas_type="zero")
-    return orig(name, cfg)
-sample.make_scheduler = patched
+# Score a run with a sampler variant that sample.py has no flag for (samplers.txt):
+#   SAMPLER_VARIANT=karras|sde|sde_karras python sampler_variant.py RUN [sample.py args]
+# Each variant is sample.make_scheduler's DPM-Solver++ with one setting changed; `sde` is
+# what `--sampler dpmsolver_sde` builds since (this script predates that flag).
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+import sample  # noqa: E402
+
+VARIANTS = {  # variant -> (the sampler it changes, the settings it changes)
+    "karras": ("dpmsolver", dict(use_karras_sigmas=True)),
+    "sde": ("dpmsolver_sde", {}),
+    "sde_karras": ("dpmsolver_sde", dict(use_karras_sigmas=True)),
+}
+make_scheduler = sample.make_scheduler
+
+
+def variant_scheduler(name, training_config):
+    variant = os.environ.get("SAMPLER_VARIANT")
+    if variant not in VARIANTS:
+        return make_scheduler(name, training_config)
+    base, changes = VARIANTS[variant]
+    scheduler = make_scheduler(base, training_config)
+    return type(scheduler).from_config(scheduler.config, **changes)
+
+
+sample.make_scheduler = variant_scheduler
 sys.exit(sample.main(sample.parse_args(sys.argv[1:])))
