@@ -73,6 +73,8 @@ ROWS = {
     "edm": ("the EDM objective (Karras et al. 2022, EDM2's weighting) on the same UNet, Heun 18 steps",
             ["--objective", "edm"]),
     "edm2tiny": ("an EDM2 network (Config G, 16 channels) with the EDM objective", ["--model", "edm2tiny"]),
+    "edm2small": ("an EDM2 network of the UNet's cost (Config G, 32 channels, 1.26M) with the EDM objective",
+                  ["--model", "edm2small"]),
     # On lognormal_t_v (the bare run since 2026-11-23 trains it at batch 4, without an EMA):
     "lr_5e-4": ("a lower learning rate", ["--learning_rate", "5e-4"]),
     "batch_8": ("batch 8: twice the optimizer steps for the same images", ["--train_batch_size", "8"]),
