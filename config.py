@@ -263,6 +263,7 @@ def build_parser(prog="train.py", source=""):
     flag(o, "save_images_epochs", "write a sample grid every N epochs", 2, type=at_least(1))
     flag(o, "eval_batch_size", "images in a sample grid", 16, type=at_least(1))
     flag(o, "sampler", "sampler for the grids and FID", sample.DEFAULT_SAMPLER, choices=sample.SAMPLERS)
+    flag(o, "churn", sample.CHURN_HELP, sample.EDM_CHURN, type=non_negative)
     flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {sample.DEFAULT_STEPS}; "
          f"{sample.EDM_STEPS} for EDM's Heun sampler, {2 * sample.EDM_STEPS - 1} network evaluations)",
          type=at_least(1))  # fmt: skip

@@ -37,10 +37,10 @@ HERE = Path(__file__).resolve().parent
 # The bare run, which every row changes: what `python train.py` trains on a CPU, at
 # batch 16 and with an EMA (its batch and EMA until 2026-11-23; it trains at 4
 # without an EMA since: the batch_8, batch_4 and no_ema rows).
-# The sampler stays the deterministic DPM-Solver++ the ladder was measured with (the
-# default is its SDE form since 2026-11-24: the `sde_sampler` row).
+# The samplers stay the deterministic DPM-Solver++ and Heun the ladder was measured with (the
+# defaults are their stochastic forms since 2026-11-24 and -25: the `sde_sampler` row, --churn).
 BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16", "--use_ema",
-        "--sampler", "dpmsolver"]
+        "--sampler", "dpmsolver", "--churn", "0"]
 
 # name -> (what it tests, the flags it changes). The rows of issue 18's list:
 # the objective's parametrisation and weighting, the noise schedule, the

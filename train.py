@@ -221,7 +221,8 @@ class Run:
             self.objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting).to(device)
         else:
             self.objective = models.ddpm_objective(self.noise_scheduler, args).to(device)
-        self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, self.noise_scheduler.config, args.sigma_data)
+        self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, self.noise_scheduler.config, args.sigma_data,
+                                                     args.churn)
         # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and it can skip a
         # step on the device (see NonFiniteGuard), so a NaN costs no host sync per step.
         # channels_last converts the UNet in place first.
