@@ -6,3 +6,4 @@ run bare
 run e2s_b4 --model edm2small --train_batch_size 4 --num_epochs 7
 run deep_b4 --model small_deep --train_batch_size 4 --num_epochs 7 --prediction_type v_prediction --timestep_sampling lognormal --no-use_ema
 echo alldone > /tmp/runs/exp.done
+run data8k --shapes_num_images 8192 --num_epochs 3   # scored again with --dataset shapes
