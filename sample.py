@@ -133,7 +133,7 @@ def karras_sigmas(num_steps, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO):
     return torch.cat([sigmas, sigmas.new_zeros(1)])
 
 
-def heun_sample(denoise, noise, sigmas, euler=False, churn=0.0, generators=None, s_noise=1.0):
+def heun_sample(denoise, noise, sigmas, euler=False, churn=0.0, generators=None):
     """Integrate the probability-flow ODE from x = noise σ_0 down `sigmas` (ending at 0) with D = denoise(x, σ).
 
     EDM Algorithm 1, lines 3-8 (deterministic): an Euler step, then the
@@ -142,8 +142,8 @@ def heun_sample(denoise, noise, sigmas, euler=False, churn=0.0, generators=None,
 
     `churn` > 0 is EDM's stochastic sampler (Algorithm 2, S_churn): before each
     step, fresh noise raises σ_i to σ̂ = (1 + γ) σ_i, γ = min(churn / N, √2 - 1),
-    x̂ = x + √(σ̂² - σ_i²) S_noise ε, and the step runs from σ̂. The noise of image
-    k comes from `generators[k]`, so that an image depends only on its own seed.
+    x̂ = x + √(σ̂² - σ_i²) ε (S_noise = 1), and the step runs from σ̂. The noise of
+    image k comes from `generators[k]`, so that an image depends only on its own seed.
     """
     sigmas = [float(s) for s in sigmas]  # Python numbers: no device sync in the loop
     gamma = min(churn / (len(sigmas) - 1), math.sqrt(2) - 1)
@@ -151,8 +151,7 @@ def heun_sample(denoise, noise, sigmas, euler=False, churn=0.0, generators=None,
     for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
         if gamma > 0:
             sigma_hat = sigma * (1 + gamma)
-            fresh = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)
-            x = x + math.sqrt(sigma_hat**2 - sigma**2) * s_noise * fresh
+            x = x + math.sqrt(sigma_hat**2 - sigma**2) * image_noise(generators, x.shape[1:], x.device)
             sigma = sigma_hat
         d = (x - denoise(x, sigma)) / sigma
         x_next = x + (sigma_next - sigma) * d
@@ -176,7 +175,7 @@ def edm_heun_sample(
     clean image to [-1, 1], as the seed repository's sampler and every
     make_scheduler sampler do (it keeps an under-trained model out of saturation).
     c_noise_scale None: models.c_noise_scale_for(net). `churn` > 0: EDM's stochastic
-    sampler, its fresh noise from `generators` (one per image; heun_sample).
+    sampler, its fresh noise from `generators` (one per image, required; heun_sample).
     """
     if not isinstance(noise, torch.Tensor):
         noise = torch.randn(tuple(noise), generator=generator, device=device or "cpu")
@@ -188,9 +187,6 @@ def edm_heun_sample(
         return denoised.clamp(-1, 1) if clip_denoised else denoised
 
     sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
-    if churn > 0 and generators is None:
-        generators = [torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
-                      for _ in range(len(noise))]  # fmt: skip
     return heun_sample(denoise, noise.to(network_device(net)), sigmas, euler, churn, generators).clamp(-1, 1)
 
 
@@ -343,6 +339,11 @@ def image_seeds(seed, count):
     return [int(np.random.SeedSequence([seed % 2**64, i]).generate_state(1, np.uint64)[0]) for i in range(count)]
 
 
+def image_noise(generators, shape, device):
+    """A batch of unit Gaussian noise of `shape` per image, image k's drawn from `generators[k]`."""
+    return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
+
+
 def to_uint8(images):
     """[-1, 1] floats -> uint8 [0, 255] on the CPU, as a PNG stores them."""
     return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
@@ -363,7 +364,7 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
     labels = None if labels is None else torch.as_tensor(labels).to(device)
     unet = guided_network(unet, objective, labels, guidance_scale, guide)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    x = torch.stack([torch.randn(image_shape(unet), generator=g) for g in generators]).to(device)
+    x = image_noise(generators, image_shape(unet), device)
     if isinstance(scheduler, EDMHeunSampler):
         return to_uint8(scheduler.sample(unet, x, num_inference_steps, autocast, generators))
     scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history
