@@ -168,10 +168,10 @@ def test_breakdown_parts_are_non_negative_and_add_up_to_the_wall_time(plain_run)
     assert set(parts) == {*profiling.STEP_PHASES, *profiling.PAUSES, "unaccounted"}
     assert all(v >= 0 for v in parts.values())
     measured = sum(v for k, v in parts.items() if k != "unaccounted")
-    # The phases explain the wall time. What they leave out, the Python between steps (the
-    # progress bar, logging every 2 steps), is about 17 ms however long the run: 3% of a
-    # 0.5 s run, 5.3% of a 0.34 s one (a warm pytest process). So 5% plus 30 ms: losing the forward, the
-    # backward or the sampling (80 ms or more each) still fails.
+    # The phases explain the wall time. What they leave out, the Python between this run's 10
+    # steps (the progress bar, logging every 2 steps), is about 17 ms however fast the run:
+    # 3% of 0.5 s, but 5.3% of 0.34 s in a warm pytest process. So 5% plus 30 ms: losing the
+    # forward, the backward or the sampling (60 ms or more each, even then) still fails.
     assert wall * 0.95 - 0.03 <= measured <= wall * 1.05
     assert parts["forward"] > 0 and parts["backward"] > 0 and parts["sampling"] > 0 and parts["checkpointing"] > 0
 
