@@ -47,6 +47,16 @@ PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", 
                         P_std=models.P_STD, train_batch_size=16, num_epochs=8, use_ema=True)  # fmt: skip
 SMALL = models.PRESETS["small"]
 
+# The bare `python train.py` on a CUDA GPU (the built-in shapes, --model auto at 32px):
+# `small` at batch 4 would leave an H100 idle (MFU well under 1%). These fill what the
+# command line leaves unset instead: Ho et al.'s CIFAR-10 UNet at batch 128 (the one GPU
+# figure: 1,500 steps of ddpm32 at batch 128 learned real digits in 45 s on an H100), the
+# small preset's DDPM settings (v-prediction, EDM's noise levels, no EMA: the CPU quality
+# ladder's winners), and 24 epochs of 16,384 generated images, 3,072 steps.
+GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_num_images=16384,
+                    learning_rate=2e-4, use_ema=False, **SMALL["ddpm"])  # fmt: skip
+CPU_SHAPES_NUM_IMAGES = 2048
+
 # What a run's train_config.json holds beside its flags: facts of the run (the
 # data, the machine, the FLOPs), recomputed by every run, and the --config it was
 # read from (files do not include each other). --config skips them.
@@ -160,7 +170,8 @@ def build_parser(prog="train.py", source=""):
     flag(d, "dataset_config", "Hub dataset configuration name")
     flag(d, "split", "dataset split to train on", "train")
     flag(d, "image_column", "column holding the images (default: found by type)")
-    flag(d, "shapes_num_images", "size of the built-in dataset", 2048, type=at_least(1))
+    flag(d, "shapes_num_images", f"size of the built-in dataset (default: {CPU_SHAPES_NUM_IMAGES}; "
+         f"{GPU_BARE_RUN['shapes_num_images']} for the bare run on a GPU)", type=at_least(1))  # fmt: skip
     switch(d, "class_conditional", "train with the data's class labels (folders with one subfolder per class, a "
            "datasets ClassLabel column or --label_column, or the built-in shapes: one shape per image, labelled by "
            "its kind), for classifier-free guidance (--guidance_scale)")  # fmt: skip
@@ -178,7 +189,8 @@ def build_parser(prog="train.py", source=""):
 
     m = p.add_argument_group("model and noise schedule")
     flag(m, "model", f"preset: {', '.join(models.PRESETS)}; auto: "
-         f"{', '.join(f'{name} at {size}px' for size, name in models.AUTO_MODEL.items())}, small otherwise", "auto")  # fmt: skip
+         f"{', '.join(f'{name} at {size}px' for size, name in models.AUTO_MODEL.items())}, small otherwise "
+         f"({GPU_BARE_RUN['model']} for the built-in shapes at 32px on a GPU)", "auto")  # fmt: skip
     flag(m, "num_train_timesteps", "diffusion steps T", 1000, type=at_least(1))
     flag(m, "beta_schedule", "noise schedule", "linear", choices=("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"))
     flag(m, "objective", "ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with "
@@ -400,6 +412,7 @@ def resolve(args):
     """
     for name, kind in _ranges().items():
         kind.check(name, getattr(args, name))
+    _fill_gpu_bare_run(args)
     _fill_from_preset(args)
     _fill_from_machine(args)
     if args.objective == "ddpm" and args.num_inference_steps > args.num_train_timesteps:
@@ -430,6 +443,24 @@ def resolve(args):
     if args.fid_weights is not None and not Path(args.fid_weights).is_file():
         raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     return args
+
+
+def on_gpu(args):
+    """Whether this run trains on a CUDA GPU."""
+    return torch.cuda.is_available() and not args.cpu
+
+
+def _fill_gpu_bare_run(args):
+    """GPU_BARE_RUN's values where unset, for the built-in shapes at 32px with --model auto on a GPU;
+    elsewhere only the built-in dataset's size."""
+    if args.dataset == data.BUILTIN and args.model == "auto" and args.image_size == 32 and on_gpu(args):
+        for name, value in GPU_BARE_RUN.items():
+            if name in SMALL["ddpm"] and args.objective == "edm":
+                continue  # DDPM's settings; --objective edm draws its own noise levels
+            if name == "model" or getattr(args, name) is None:
+                setattr(args, name, value)
+    if args.shapes_num_images is None:
+        args.shapes_num_images = CPU_SHAPES_NUM_IMAGES
 
 
 def _fill_from_preset(args):
@@ -465,20 +496,19 @@ def _fill_from_preset(args):
 
 def _fill_from_machine(args):
     """Precision and the speed switches: the fast path with a CUDA GPU (bench.py measures each part)."""
-    cuda = torch.cuda.is_available()
-    if args.mixed_precision == "fp16" and not cuda:
-        raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no")
-    if args.mixed_precision is None:
-        args.mixed_precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
-    on_gpu = cuda and not args.cpu
+    gpu = on_gpu(args)
+    if args.mixed_precision == "fp16" and not gpu:
+        raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no (or drop --cpu)")
+    if args.mixed_precision is None:  # --cpu on a GPU machine trains in fp32, as on any CPU
+        args.mixed_precision = "bf16" if gpu and torch.cuda.is_bf16_supported() else "no"
     for name in ("compile", "cudnn_benchmark"):
         if getattr(args, name) is None:
-            setattr(args, name, on_gpu)
+            setattr(args, name, gpu)
     if args.fused_norm is None:
         args.fused_norm = False  # not measured faster on a GPU yet: off unless asked for
     if args.channels_last is None:  # measured slower on an H100 (BENCHMARKS.md); the fused kernels need it
         args.channels_last = args.fused_norm
-    if args.fused_norm and not (on_gpu and args.channels_last):
+    if args.fused_norm and not (gpu and args.channels_last):
         raise ConfigError(
             "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors): "
             "drop it or add --channels_last"

@@ -182,3 +182,31 @@ def test_a_file_never_carries_what_one_command_asked_for_once(tmp_path):
 
 def test_docs_cli_md_is_the_help_of_these_flags():
     assert (ROOT / "docs" / "cli.md").read_text() == config.cli_markdown(), "run: python config.py docs/cli.md"
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """resolve() as on a machine with a bf16 CUDA GPU."""
+    monkeypatch.setattr(config.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config.torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+
+
+def test_cpu_on_a_gpu_machine_trains_in_fp32_uncompiled(gpu_machine):
+    on_cpu = resolved("--cpu")
+    assert (on_cpu.mixed_precision, on_cpu.compile, on_cpu.cudnn_benchmark) == ("no", False, False)
+    assert resolved().mixed_precision == "bf16"
+    assert "drop --cpu" in str(pytest.raises(ConfigError, resolved, "--cpu", "--mixed_precision", "fp16").value)
+
+
+def test_the_bare_run_on_a_gpu_fills_it(gpu_machine):
+    bare = resolved()
+    for name, value in config.GPU_BARE_RUN.items():
+        assert getattr(bare, name) == value, name
+    assert config.resolve(copy.deepcopy(bare)) == bare  # idempotent
+    # What the command line says wins; other data, sizes, models and --cpu keep the CPU's bare run.
+    assert (resolved("--train_batch_size", 64).train_batch_size, resolved("--shapes_num_images", 99).shapes_num_images) == (64, 99)
+    assert resolved("--objective", "edm").prediction_type == "epsilon"  # DDPM's settings are left out
+    for argv in (["--cpu"], ["--model", "small"], ["--image_size", 16], ["--dataset", "some/folder"]):
+        other = resolved(*argv)
+        assert other.train_batch_size != 128 and other.shapes_num_images == config.CPU_SHAPES_NUM_IMAGES, argv
+    assert resolved("--cpu").model == "small"
