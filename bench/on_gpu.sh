@@ -1,0 +1,219 @@
+#!/usr/bin/env bash
+# One part of the GPU evidence, sized for one call of a lent GPU machine (8 minutes on a freshly
+# started one, cold compiles included), packed into two files:
+#
+#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, ref128, adm64 or fused; FOLDER: $OUT, else bench/results/gpu
+#
+#   tests   the CUDA tests by node id, then the bare `python train.py` and its shape score
+#   ref128  128px, batch 64, on 4,096 JPEGs written here: train.py's default cold, the same command
+#           warm, diffusers' train_unconditional.py on the same folder (the yardstick), --compile_mode step-graph
+#   adm64   64px, batch 32: auto (cold), step-graph, default, diffusers' script with adm64's UNet
+#   fused   ref128 and adm64 with --fused_norm --channels_last
+#
+# FOLDER receives PART.tar.gz (every run's printed output, run.json, train_config.json and last grid,
+# nvidia-smi, versions, this script's log) and PART-summary.txt (one row per run: exit status,
+# mode, ms/step, img/s, MFU, compile and first-step seconds, fallbacks). Every run's `timeout` is
+# cut from one deadline (DEADLINE_S, 480 s from the start), so a long compile costs the runs after
+# it, never the pack. One Inductor cache per call, made fresh here: the first compile is cold.
+#
+# Before the call, on this machine (diffusers' script is fetched, carried and never committed):
+#   bash ../shared/device/fetch-wheels.sh datasets      # .whl/: diffusers, datasets (the GPU image lacks them)
+#   mkdir -p .ext && cp <diffusers>/examples/unconditional_image_generation/train_unconditional.py .ext/
+#   run(command="bash bench/on_gpu.sh ref128", carry=[".whl", ".ext"], timeout_s=600)
+#
+# ON_GPU_CPU=1 is the CPU mode (tests/test_on_gpu.py): every run becomes a 2-step tiny run on the
+# CPU and the CUDA tests are not run, so that each part's pack is shown to be written before a GPU
+# ever sees this script.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-}
+case $part in tests | ref128 | adm64 | fused) ;; *)
+  echo "usage: bash bench/on_gpu.sh tests|ref128|adm64|fused [FOLDER]" >&2
+  exit 2
+  ;;
+esac
+dest=${2:-${OUT:-bench/results/gpu}}
+cpu=${ON_GPU_CPU:-0}
+deadline_s=${DEADLINE_S:-480}
+mkdir -p "$dest"
+dest=$(cd "$dest" && pwd)
+work=$(mktemp -d /tmp/on_gpu.XXXXXX)
+pack=$work/pack
+mkdir -p "$pack" "$work/runs"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export TORCHINDUCTOR_CACHE_DIR=$work/inductor # one cache per call: the first compile of each graph is cold
+export MPLBACKEND=Agg
+
+finish() {  # the pack, whatever happened before
+  python3 bench/pack_summary.py "$work" "$part" > "$pack/summary.txt" 2>&1
+  cp "$pack/summary.txt" "$dest/$part-summary.txt"
+  tar czf "$dest/$part.tar.gz" -C "$pack" .
+  cat "$pack/summary.txt"
+  rm -rf "$work"
+}
+trap finish EXIT
+exec > >(tee "$pack/on_gpu.log") 2>&1
+
+echo "== on_gpu.sh $part at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), deadline ${deadline_s}s"
+if ((!cpu)) && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" .whl/*.whl \
+    && export PYTHONPATH=$work/site
+fi
+(nvidia-smi || echo "no nvidia-smi") > "$pack/nvidia-smi.txt" 2>&1
+python3 - > "$pack/versions.txt" 2>&1 << 'EOF'
+import importlib, sys, torch
+print("python", sys.version.split()[0])
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
+for name in ("triton", "diffusers", "accelerate", "datasets"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:
+        print(name, "missing:", type(e).__name__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+EOF
+cat "$pack/versions.txt"
+
+left() { echo $((deadline_s - SECONDS)); }
+
+run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, a row in runs.tsv
+  local name=$1 budget=$2 code start
+  shift 2
+  local limit
+  limit=$(left)
+  ((limit < budget)) && budget=$limit
+  if ((budget < 20)); then
+    echo "== skipped (deadline, $(left)s left): $name"
+    printf '%s\tskipped\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    return 0
+  fi
+  echo "== at ${SECONDS}s, budget ${budget}s: $name"
+  start=$(date +%s.%N)
+  timeout --signal=INT --kill-after=20 "$budget" "$@" > "$pack/$name.log" 2>&1
+  code=$?
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$code" "$start" "$(date +%s.%N)" "$budget" >> "$work/runs.tsv"
+  echo "== exit $code$( ((code == 124)) && echo ' (budget used up)') at ${SECONDS}s: $name"
+}
+
+train_run() {  # train_run NAME BUDGET_S train.py flags...: the run's printed lines, run.json, config and last grid packed
+  local name=$1 budget=$2 dir=$work/runs/$1
+  shift 2
+  run_within "$name" "$budget" python3 train.py --output_dir "$dir" "$@"
+  [[ -f $dir/run.json ]] && cp "$dir/run.json" "$pack/$name.run.json"
+  [[ -f $dir/train_config.json ]] && cp "$dir/train_config.json" "$pack/$name.train_config.json"
+  local grid
+  grid=$(ls "$dir"/samples/*.png 2> /dev/null | sort | tail -1)
+  [[ -n $grid ]] && cp "$grid" "$pack/$name.grid.png"
+  return 0
+}
+
+diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRESET]: diffusers' example script
+  local name=$1 budget=$2 data=$3 resolution=$4 batch=$5 preset=${6:-} config=()
+  if [[ ! -f .ext/train_unconditional.py ]]; then
+    echo "== skipped (.ext/train_unconditional.py not carried): $name"
+    printf '%s\tnot carried\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    return 0
+  fi
+  if [[ -n $preset ]]; then  # the preset's UNet as a config file the script reads
+    python3 -c "import model, sys; model.build_unet(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
+      "$preset" "$resolution" "$work/unet-$preset"
+    config=(--model_config_name_or_path "$work/unet-$preset")
+  fi
+  local precision=bf16 epochs=3 workers=8
+  ((cpu)) && precision=no epochs=1 workers=0
+  # The yardstick as its users run it: bf16, EMA, DataLoader workers; sampling cut to 10 steps
+  # (it samples after the last epoch) and no checkpoints, so that the time is the training's.
+  run_within "$name" "$budget" python3 .ext/train_unconditional.py --train_data_dir "$data" --resolution "$resolution" \
+    --train_batch_size "$batch" --num_epochs $epochs --mixed_precision $precision --use_ema \
+    --dataloader_num_workers $workers --save_images_epochs 1000 --save_model_epochs 1000 \
+    --ddpm_num_inference_steps 10 --checkpointing_steps 100000 --logger tensorboard \
+    --output_dir "$work/runs/$name" "${config[@]}"
+  printf '%s\t%s\n' "$name" "$batch" >> "$work/batches.tsv"
+}
+
+make_folder() {  # make_folder DIR N SIDE: N JPEGs of the built-in shapes, SIDE px, as a user's folder would hold
+  (($(left) < 20)) && return 0  # no run will have the time to read it
+  python3 - "$@" << 'EOF'
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import data
+from PIL import Image
+
+folder, n, side = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+folder.mkdir(parents=True, exist_ok=True)
+small = min(side, 64)  # drawn at 64px at most, then resized: quick even for 4,096 images
+
+def write(lo):
+    images = data.make_shapes(min(256, n - lo), small, seed=lo, supersample=2)
+    for i, image in enumerate(images.permute(0, 2, 3, 1).numpy()):
+        Image.fromarray(image).resize((side, side), Image.BICUBIC).save(folder / f"{lo + i:05d}.jpg", quality=90)
+
+with ProcessPoolExecutor() as pool:
+    list(pool.map(write, range(0, n, 256)))
+print(f"wrote {n} JPEGs of {side}px to {folder}")
+EOF
+}
+
+# What each workload's runs share; the CPU mode swaps every one for a 2-step tiny run. The benchmark
+# runs log nowhere and save no checkpoint but the last; the bare run is the bare command.
+timing=(--logger none --checkpointing_steps 100000)
+if ((cpu)); then
+  images=16
+  tiny=(--cpu --model tiny --image_size 16 --train_batch_size 4 --max_train_steps 2 --num_inference_steps 2 --eval_batch_size 4)
+  ref128=("${timing[@]}" "${tiny[@]}" --logging_steps 1)
+  adm64=("${ref128[@]}")
+  bare=("${tiny[@]}" --shapes_num_images 16)
+  gpu_only=()
+  sides=(16 16)
+else
+  images=4096
+  ref128=("${timing[@]}" --image_size 128 --train_batch_size 64 --max_train_steps 200 --logging_steps 50)
+  adm64=("${timing[@]}" --image_size 64 --train_batch_size 32 --max_train_steps 400 --logging_steps 100)
+  bare=()
+  gpu_only=(--fused_norm --channels_last)
+  sides=(256 64)
+fi
+
+case $part in
+tests)
+  if ((cpu)); then
+    echo "== CPU mode: the CUDA tests are not run" | tee "$pack/cuda-tests.log"
+    printf 'cuda-tests\tCPU mode\t0\t0\t0\n' >> "$work/runs.tsv"
+  else
+    # Every test that skips without a CUDA GPU (their skip reasons name CUDA), by node id.
+    run_within cuda-tests 200 python3 -m pytest -p no:cacheprovider -q -rA \
+      tests/test_gpu.py \
+      tests/test_step.py::test_the_captured_step_trains_as_the_eager_step_on_a_gpu \
+      tests/test_fused_norm.py::test_cuda_bf16_matches_fp32_reference \
+      tests/test_fused_norm.py::test_cuda_compiled_unet_keeps_channels_last
+  fi
+  train_run bare 240 "${bare[@]}"
+  if [[ -f $work/runs/bare/model_index.json ]]; then
+    run_within bare-shape-fd 50 python3 sample.py "$work/runs/bare" --fid --num_images $((cpu ? 8 : 256)) --batch_size 64
+  fi
+  ;;
+ref128)
+  make_folder "$work/data128" $images "${sides[0]}"
+  train_run ref128-default-cold 200 --dataset "$work/data128" "${ref128[@]}"
+  train_run ref128-default-warm 70 --dataset "$work/data128" "${ref128[@]}"
+  diffusers_run ref128-diffusers 100 "$work/data128" "$(((cpu)) && echo 16 || echo 128)" "$(((cpu)) && echo 4 || echo 64)" \
+    "$(((cpu)) && echo tiny || echo ref128)"
+  train_run ref128-step-graph 90 --dataset "$work/data128" "${ref128[@]}" --compile_mode step-graph
+  ;;
+adm64)
+  make_folder "$work/data64" $images "${sides[1]}"
+  train_run adm64-auto-cold 170 --dataset "$work/data64" "${adm64[@]}"
+  train_run adm64-step-graph 150 --dataset "$work/data64" "${adm64[@]}" --compile_mode step-graph
+  train_run adm64-default 60 --dataset "$work/data64" "${adm64[@]}" --compile_mode default
+  diffusers_run adm64-diffusers 90 "$work/data64" "$(((cpu)) && echo 16 || echo 64)" "$(((cpu)) && echo 4 || echo 32)" \
+    "$(((cpu)) && echo tiny || echo adm64)"
+  ;;
+fused)
+  make_folder "$work/data128" $images "${sides[0]}"
+  train_run ref128-fused 220 --dataset "$work/data128" "${ref128[@]}" "${gpu_only[@]}"
+  make_folder "$work/data64" $images "${sides[1]}"
+  train_run adm64-fused 220 --dataset "$work/data64" "${adm64[@]}" "${gpu_only[@]}"
+  ;;
+esac
+echo "== done at ${SECONDS}s"

@@ -1,0 +1,83 @@
+"""bench/on_gpu.sh in its CPU mode: each part writes its two files, with every run in them, before
+a GPU ever sees the script; the deadline skips runs but never the pack; the summary reads
+train.py's run.json and diffusers' progress bar."""
+
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from conftest import ROOT
+
+import sys
+
+sys.path.insert(0, str(ROOT / "bench"))
+import pack_summary  # noqa: E402
+
+RUNS = {
+    "tests": ["cuda-tests", "bare", "bare-shape-fd"],
+    "ref128": ["ref128-default-cold", "ref128-default-warm", "ref128-diffusers", "ref128-step-graph"],
+    "adm64": ["adm64-auto-cold", "adm64-step-graph", "adm64-default", "adm64-diffusers"],
+    "fused": ["ref128-fused", "adm64-fused"],
+}
+
+
+def on_gpu(part, folder, **env):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"ON_GPU_CPU": "1"} | env
+    return subprocess.run(["bash", str(ROOT / "bench" / "on_gpu.sh"), part, str(folder)], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+
+
+def packed(folder, part):
+    with tarfile.open(folder / f"{part}.tar.gz") as tar:
+        return {name.removeprefix("./") for name in tar.getnames()}
+
+
+def test_a_part_packs_every_run_into_two_files(tmp_path):
+    """The shortest part, whole: its runs' printed lines, run.json and grids land in the pack."""
+    part = "fused"
+    done = on_gpu(part, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{part}-summary.txt", f"{part}.tar.gz"]
+    names = packed(tmp_path, part)
+    assert {"nvidia-smi.txt", "versions.txt", "on_gpu.log", "summary.txt"} <= names
+    summary = (tmp_path / f"{part}-summary.txt").read_text().splitlines()
+    rows = {line.split("\t")[0]: line.split("\t") for line in summary[2:] if "\t" in line}
+    for run in RUNS[part]:
+        if run.endswith("-diffusers") and not (ROOT / ".ext" / "train_unconditional.py").exists():
+            assert rows[run][1] == "not carried"
+            continue
+        assert rows[run][1] == "0", summary  # exit status
+        assert {f"{run}.log", f"{run}.run.json", f"{run}.grid.png"} <= names or run.endswith("-diffusers")
+
+
+@pytest.mark.parametrize("part", RUNS)
+def test_the_deadline_skips_runs_but_every_part_writes_its_pack(tmp_path, part):
+    done = on_gpu(part, tmp_path, DEADLINE_S="0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = (tmp_path / f"{part}-summary.txt").read_text()
+    for run in RUNS[part]:
+        if run == "bare-shape-fd":  # scored only when the bare run saved a model
+            assert run not in summary
+            continue
+        assert any(f"{run}\t{why}" in summary for why in ("skipped", "not carried", "CPU mode")), summary
+    assert {"versions.txt", "summary.txt"} <= packed(tmp_path, part)
+
+
+def test_an_unknown_part_is_one_line_and_exit_2(tmp_path):
+    done = on_gpu("all", tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|ref128|adm64|fused [FOLDER]"]
+
+
+def test_the_summary_reads_diffusers_progress_bar_after_its_first_epoch():
+    log = ("Epoch 0: 100%|██████████| 64/64 [00:40<00:00,  1.60it/s, loss=0.1]\r\n"
+           "Epoch 1:  50%|█████     | 32/64 [00:07<00:07,  4.40it/s, loss=0.1]\r"
+           "Epoch 1: 100%|██████████| 64/64 [00:14<00:00,  4.45it/s, loss=0.1]\n")  # fmt: skip
+    numbers = pack_summary.diffusers_numbers(log, 64)
+    assert numbers["ms/step"] == pytest.approx(1000 / 4.45) and numbers["img/s"] == pytest.approx(64 * 4.45)
+    slow = pack_summary.diffusers_numbers("Epoch 1: 100%|█| 8/8 [00:16<00:00,  2.00s/it]\n", 4)
+    assert slow["ms/step"] == pytest.approx(2000)
+    assert pack_summary.log_notes("..\n==== 9 passed, 1 failed in 80.1s ====\n") == "9 passed, 1 failed in 80.1s"
+    table = [dict(run="ref128-diffusers", **{"ms/step": 222.0}), dict(run="ref128-default-warm", **{"ms/step": 74.0})]
+    assert pack_summary.comparisons(table) == ["ref128-default-warm: 3.00x diffusers' step"]
