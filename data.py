@@ -503,7 +503,8 @@ class Batches:
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
         self.preloaded = isinstance(source, torch.Tensor)
-        # Streamed images are decoded every epoch; one that fails makes its batch one image smaller (and its labels).
+        # Streamed images are decoded every epoch; one that fails is left out, and readable images of its batch
+        # take its place (`epoch`).
         self.unreadable = Unreadable() if unreadable is None else unreadable
         if labels is not None and len(labels) != len(source):
             raise ValueError(f"{len(labels)} labels for {len(source)} images")
@@ -543,11 +544,18 @@ class Batches:
             self.unreadable.report(errors)
             if images is None:
                 raise ConfigError(f"every image of a batch was unreadable ({errors[0]}): check the dataset")
+            labels = None if self.labels is None else self.labels[index[decoded]]
+            if len(images) < len(index):
+                # The batch's readable images, from its first on, again in the places of the unreadable: a
+                # captured or compiled step's static shapes need the full batch, and what repeats depends
+                # only on which images failed, so the same seed still gives the same batches.
+                fill = torch.arange(len(index)) % len(images)
+                images, labels = images[fill], None if labels is None else labels[fill]
             images = images.to(self.device, non_blocking=True)
-            if self.labels is None:
+            if labels is None:
                 yield images
             else:
-                yield images, self.labels[index[decoded]].to(self.device, non_blocking=True)
+                yield images, labels.to(self.device, non_blocking=True)
 
 
 def to_model_input(images, random_flip=True):

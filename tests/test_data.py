@@ -162,6 +162,28 @@ def test_streamed_batches_equal_preloaded_ones(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(streamed, preloaded))
 
 
+def test_a_streamed_batch_with_an_unreadable_image_keeps_its_size_and_its_labels(tmp_path):
+    """A captured or compiled step needs every batch at the full size: the unreadable image's place
+    goes to a readable one of its batch, with that image's label, the same way every time."""
+    for i in range(6):
+        write_image(tmp_path / "red" / f"{i}.png", color=(200, 20 * i, 0))
+        write_image(tmp_path / "blue" / f"{i}.png", color=(0, 20 * i, 200))
+    (tmp_path / "blue" / "6.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    dataset = data.open_dataset(str(tmp_path), image_size=8, class_conditional=True)
+    assert dataset.class_names == ["blue", "red"] and len(dataset) == 13
+    unreadable = data.Unreadable(verbose=False)
+    batches = data.Batches(dataset, 3, seed=0, device=torch.device("cpu"), unreadable=unreadable, labels=dataset.labels)
+    epoch = list(batches.epoch(0))
+    assert len(epoch) == 4 and len(unreadable) == 1 and "6.png" in unreadable.messages[0]
+    for images, labels in epoch:
+        assert images.shape == (3, 3, 8, 8) and labels.shape == (3,)
+        assert torch.equal(labels, (images[:, 0, 0, 0] > 100).long())  # red is class 1
+    shown = [tuple(image[:, 0, 0].tolist()) for images, _ in epoch for image in images]
+    assert len(set(shown)) == 11  # one of the 12 readable images is left out, one shown twice
+    again = list(batches.epoch(0, start=1))
+    assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(epoch[1:], again, strict=True))
+
+
 def test_model_input_is_scaled_and_flipped():
     images = torch.zeros(64, 3, 4, 4, dtype=torch.uint8)
     images[..., 0] = 255  # left column white
