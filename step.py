@@ -263,6 +263,7 @@ class StepGraph:
             return self._on_side_stream(lambda: self.step(micro_batches, step_number))
         if self.static_batches is None:
             self._prepare(micro_batches)
+        self._check_shapes(micro_batches)
         for static, batch in zip(self.static_batches, micro_batches, strict=True):
             for buffer, tensor in zip(_tensors(static), _tensors(batch), strict=True):  # images, and labels
                 buffer.copy_(tensor, non_blocking=True)
@@ -278,6 +279,16 @@ class StepGraph:
         self.step.lr_scheduler.step()  # fills the learning-rate tensor the next replay reads
         self.step.mark("step")
         return [loss.clone() for loss in losses]
+
+    def _check_shapes(self, micro_batches):
+        """The batch must fit the static buffers: say so in one line, not in copy_'s error."""
+        shapes = lambda batches: [tuple(t.shape) for b in batches for t in _tensors(b)]  # noqa: E731
+        expected, got = shapes(self.static_batches), shapes(micro_batches)
+        if got != expected:
+            raise RunError(
+                f"--compile_mode step-graph captured the step for micro-batch tensors of shapes {expected} and was "
+                f"given {got}: every batch must have the full --train_batch_size"
+            )
 
     def _device_work(self, step_number=None):
         """What the graph holds. No phase marks inside: an event recorded in a capture would be

@@ -12,7 +12,7 @@ import data
 import ema as posthoc_ema
 import model as models
 import step as steps
-from errors import ConfigError
+from errors import ConfigError, RunError
 
 CPU = torch.device("cpu")
 
@@ -127,6 +127,18 @@ def test_the_graph_split_trains_as_the_plain_step(ema_kind):
     for a, b in zip(p1 + s1, p0 + s0):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # tensor and float learning rates round apart
     assert float(lr1) == pytest.approx(lr0) and t1 == t0 == 5
+
+
+def test_a_batch_that_does_not_fit_the_graphs_buffers_is_a_run_error():
+    """After the warm-up the step's shapes are fixed: a smaller batch is one line naming the shapes."""
+    unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+    step = steps.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
+                           warmup_steps=1, capture=False)  # fmt: skip
+    for b in batches(2):  # the warm-up, then the step that makes the static buffers
+        step([b])
+    with pytest.raises(RunError) as e:
+        step([batches(1)[0][:3]])
+    assert "(4, 3, 16, 16)" in str(e.value) and "(3, 3, 16, 16)" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
