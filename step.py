@@ -422,10 +422,17 @@ class FastStep:
     eager), says so in one line through `say` and runs the call again, so
     training goes on from the same state. Later exceptions are the run's own.
     `fallbacks` and `graph_skips` are what run.json records.
+
+    With several processes (`num_processes`, by default the step's
+    accelerator's) there is no fallback: each process would decide alone, and
+    one falling back to another mode would train beside ranks in another, or
+    wait on collectives they no longer make. The error is then a RunError
+    saying which flags to rerun with.
     """
 
-    def __init__(self, step, mode, device, say=print):
+    def __init__(self, step, mode, device, say=print, num_processes=None):
         self.base, self.device, self.say = step, device, say
+        self.num_processes = num_processes or process_count(step.accelerator)
         self.fallbacks = []
         self.graph_skips = []
         self._use(mode)
@@ -456,6 +463,12 @@ class FastStep:
         except (ConfigError, RunError):
             raise
         except Exception as e:
+            if self.num_processes > 1:
+                instead = "--no-compile" if self.mode == "default" else "--compile_mode default or --no-compile"
+                raise RunError(
+                    f"--compile_mode {self.mode} failed ({error_line(e)}); with {self.num_processes} processes "
+                    f"one cannot fall back alone: rerun with {instead}"
+                ) from e
             self._restore(state)
             self._fall_back(e)
             return self(micro_batches, step_number)
@@ -492,6 +505,14 @@ class FastStep:
         self.say(f"--compile_mode {failed} failed ({error_line(error)}); falling back to {to or 'eager'}")
         torch.compiler.reset()  # forget the failed mode's compiled code and graphs
         self._use(to)
+
+
+def process_count(accelerator=None):
+    """How many processes train together: the accelerator's, else torch.distributed's world (1 without)."""
+    if accelerator is not None:
+        return accelerator.num_processes
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if distributed else 1
 
 
 def error_line(error):

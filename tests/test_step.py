@@ -307,6 +307,37 @@ def test_a_failing_mode_falls_back_to_the_next_from_the_same_state(monkeypatch):
     assert fast.mode == "default" and ema.optimization_step == 3
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_with_several_processes_a_failing_mode_is_a_run_error_not_a_fallback(monkeypatch, processes):
+    """One process may not fall back alone: the others would train in another mode (or hang in
+    collectives it no longer makes). With one, the compile that raises falls back to eager."""
+
+    def compile_network(model, mode):  # every compiled mode raises in its first call
+        def net(*args, **kwargs):
+            if mode is not None:
+                raise RuntimeError("inductor failed\nmore detail")
+            return model(*args, **kwargs)
+
+        return net
+
+    monkeypatch.setattr(steps, "compile_network", compile_network)
+    unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+    step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True)
+    said = []
+    fast = steps.FastStep(step, "default", CPU, say=said.append, num_processes=processes)
+    if processes == 1:
+        assert torch.isfinite(fast(batches(1))[0])
+        assert fast.mode is None and said == ["--compile_mode default failed (RuntimeError: inductor failed); falling back to eager"]
+        return
+    with pytest.raises(RunError) as e:
+        fast(batches(1))
+    assert str(e.value) == ("--compile_mode default failed (RuntimeError: inductor failed); with 2 processes one cannot "
+                            "fall back alone: rerun with --no-compile")  # fmt: skip
+    assert not said and not fast.fallbacks
+    step.accelerator = argparse.Namespace(num_processes=2)  # what train.py passes: accelerate's count
+    assert steps.FastStep(step, "default", CPU).num_processes == 2
+
+
 def test_the_bottom_of_an_error_chain_is_named():
     try:
         try:
