@@ -13,10 +13,11 @@ the ladder taken from train.py's defaults. The first row, diffusers_example,
 is a yardstick outside the ladder: the step as diffusers' train_unconditional.py
 takes it. Then the ladder: the project this grows from as it shipped, and each
 row below it switches one more thing on (force_layout starts again from
-no_syncs, leaving CUDA graphs out); the last is what `python train.py` runs by
-default on this device. The speedup column is over the first row that ran
-(diffusers_example when it is among --variants). Rows that need CUDA are
-skipped on a CPU, with the reason in the table.
+no_syncs, leaving CUDA graphs out; fused_norm too, as `train.py --fused_norm`
+runs it: --compile_mode auto, no force_layout); the last is what `python
+train.py` runs by default on this device. The speedup column is over the
+first row that ran (diffusers_example when it is among --variants). Rows that
+need CUDA are skipped on a CPU, with the reason in the table.
 
 Before a row is timed, its loss and gradients are checked against the plain
 fp32 eager step (no TF32 anywhere) on the same inputs and weights, within its
@@ -126,7 +127,7 @@ DIFFUSERS_EXAMPLE = dict(
 
 
 def _ladder():
-    """The rows, each the row above plus one change (or, with `base`, the named row plus one change).
+    """The rows, each the row above plus one change (or, with `base`, the named row plus the changes given).
 
     predicted_ms: what an H100 SXM should take at the workload's batch size,
     written down before measuring (the reasoning is in BENCHMARKS.md).
@@ -224,10 +225,13 @@ def _ladder():
     )
     add(
         "fused_norm",
-        "fused_norm.py's NHWC GroupNorm+SiLU Triton kernels in the ResNet blocks and the final norm, and "
-        "Upsample2D without its NCHW copy (train.py --fused_norm)",
+        "what `train.py --fused_norm` runs (it turns --channels_last on): no_syncs with --compile_mode auto as "
+        "train.py picks it and Inductor's layout left alone (no force_layout), plus fused_norm.py's NHWC "
+        "GroupNorm+SiLU Triton kernels in the ResNet blocks and the final norm, and Upsample2D without its NCHW copy",
         dict(ref128=None, adm64=None),
         cuda_only="the kernels run on NHWC CUDA tensors",
+        base="no_syncs",
+        compile_mode="auto",
         fused_norm=True,
     )
     return rows
@@ -236,10 +240,10 @@ def _ladder():
 LADDER = _ladder()
 
 
-def train_default_variant():
-    """The row for what `python train.py` runs by default on this machine's device."""
-    args = config.resolve(config.parse_args([]))
-    settings = dict(
+def train_settings(*argv):
+    """A row's settings for what `python train.py *argv` runs on this machine's device (config.py resolves them)."""
+    args = config.resolve(config.parse_args(list(argv)))
+    return dict(
         precision="bf16" if args.mixed_precision == "bf16" else "fp32",
         matmul_tf32=args.allow_tf32,
         conv_tf32=args.allow_tf32,
@@ -250,10 +254,15 @@ def train_default_variant():
         adam_foreach=True,
         ema_foreach=True,  # train.py builds its EMAModel with foreach=True
         compile_mode=args.compile_mode if args.compile else None,  # auto: resolved per workload (resolve_settings)
-        force_layout=False,
+        force_layout=False,  # step.inductor_settings: no train.py flag sets it
         fused_norm=args.fused_norm,
         sync_every=args.logging_steps,
     )
+
+
+def train_default_variant():
+    """The row for what `python train.py` runs by default on this machine's device."""
+    settings = train_settings()
     # --compile_mode auto is 'default' for ref128 and CUDA graphs for adm64 (resolve_settings): compare with 'default'.
     fixed = dict(settings, compile_mode="default") if settings["compile_mode"] == "auto" else settings
     nearest = min(LADDER, key=lambda row: sum(row["settings"][k] != v for k, v in fixed.items()))

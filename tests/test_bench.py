@@ -128,12 +128,22 @@ def test_the_rows_after_the_cuda_graphs_change_one_thing_each_and_the_yardstick_
     # force_layout starts again from no_syncs: CUDA graphs (the rows above it) are not inherited
     assert changed("force_layout", "no_syncs") == {"force_layout"}
     assert rows["force_layout"]["settings"]["compile_mode"] == "default" and "'default' again" in rows["force_layout"]["changed"]
-    assert changed("fused_norm", "force_layout") == {"fused_norm"}
+    assert changed("fused_norm", "no_syncs") == {"compile_mode", "fused_norm"}  # as train.py --fused_norm runs it
     assert rows["force_layout"]["cuda_only"] and rows["fused_norm"]["cuda_only"]
     # diffusers' train_unconditional.py: eager, bf16, NCHW, torch's default AdamW, EMA without foreach, a sync per step
     example = rows["diffusers_example"]["settings"]
     assert example == dict(bench.STRICT_FP32, precision="bf16", conv_tf32=True, adam_foreach=None, sync_every=1)
     assert not rows["diffusers_example"]["cuda_only"]
+
+
+def test_the_fused_norm_row_is_what_train_py_fused_norm_runs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    row = next(v for v in bench.LADDER if v["name"] == "fused_norm")["settings"]
+    # from the function the train_default row is built by: train.py never forces Inductor's layout
+    train = bench.train_settings("--fused_norm", "--channels_last")
+    assert {k: row[k] for k in row if row[k] != train[k]} == {} and row.keys() == train.keys()
+    assert train == dict(bench.train_settings(), fused_norm=True, channels_last=True)
 
 
 def test_the_fused_norm_and_force_layout_settings_reach_the_step(fixed_step, monkeypatch):
