@@ -124,6 +124,17 @@ class Breakdown:
 # --- torch.profiler ---------------------------------------------------------------------
 
 
+def past_trial_calls(step):
+    """Whether train.py's step (a step.FastStep), asked after a step is done, is past its trial calls.
+
+    Those compile the network, warm up and record reduce-overhead's CUDA graph
+    trees, or warm up and capture step-graph's whole step (a fallback to
+    another mode starts its own): `--profile` warms up and records only the
+    steady steps after them, and after at least one step in eager mode.
+    """
+    return step.calls >= step.trial_calls
+
+
 def make_profiler(
     out_dir, skip_steps, warmup_steps, active_steps, top, with_stack=False, on_done=None, level="kernels"
 ):

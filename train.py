@@ -62,6 +62,7 @@ def train(args):
     run = Run(args)  # data, network, objective, optimizer, EMA; resumed where a checkpoint is
     meter = Meter(run)  # step times, where the time went, the profiler, the printed lines
     train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
+    meter.profile_when_steady(train_step)  # --profile records steps after those that compile or capture it
     with checkpoint.StopSignals() as signals, meter:
         for epoch in run.epochs():
             for batch in meter.timed_batches(run.batches_of(epoch)):
@@ -508,11 +509,23 @@ class Meter:
         self.trained = False  # whether this process took a step
         self.progress = tqdm(total=run.total_steps, initial=run.step, disable=not run.accelerator.is_local_main_process,
                              desc="steps")  # fmt: skip
-        # --profile: torch.profiler on rank 0 over a few steps (1 skipped, 1 warm-up, then recorded).
-        self.profiler, self.profile_until = None, run.step + 2 + args.profile_steps
-        if args.profile and run.is_main:
+        # --profile: torch.profiler on rank 0 over a few steps (1 warm-up, then recorded) once the
+        # step is past its trial calls (profile_when_steady).
+        self.profiler = self.profile_until = self.profiled_step = None
+
+    def profile_when_steady(self, step):
+        """--profile: record `step` (a step.FastStep) once past its trial calls (compile, CUDA graph warm-up,
+        recording or capture), so that the steps recorded are steady ones, not those."""
+        if self.args.profile:
+            self.profiled_step = step
+
+    def _start_profiler(self):
+        """After a step: one warm-up step, then --profile_steps recorded (on rank 0; every rank stops together)."""
+        args, run = self.args, self.run
+        self.profiled_step, self.profile_until = None, run.step + 1 + args.profile_steps
+        if run.is_main:
             self.profiler = profiling.make_profiler(
-                run.output_dir / "profile", 1, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack,
+                run.output_dir / "profile", 0, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack,
                 level=args.profile,
             )  # fmt: skip
             self.profiler.start()
@@ -575,6 +588,8 @@ class Meter:
             if self.run.step == self.profile_until:  # the trace and table are written
                 self.profiler.stop()
                 self.profiler = None
+        elif self.profiled_step is not None and profiling.past_trial_calls(self.profiled_step):
+            self._start_profiler()
         if self.run.step % self.args.logging_steps == 0:
             self.report(self.timer.collect())
             self.breakdown.collect()

@@ -8,6 +8,7 @@ import torch
 from PIL import Image
 
 import profiling
+import step as steps
 import train
 
 TINY = [
@@ -51,6 +52,48 @@ def test_profile_writes_a_trace_a_table_and_a_chart(tmp_path, capsys):
     # --profile_only: stops once recorded (1 skipped + 1 warm-up + 2 recorded steps), without the pipeline
     assert "stopped after profiling at step 4" in stdout
     assert not (out / "model_index.json").exists()
+
+
+class CountedStep:
+    """What step.FastStep needs of a TrainStep to count its calls; it computes nothing."""
+
+    def __init__(self):
+        self.model, self.ema, self.accelerator = torch.nn.Linear(1, 1), None, None
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def __call__(self, micro_batches, step_number=None):
+        return []
+
+
+def first_recorded_step(fast):
+    """The first step --profile records, as train.py's Meter starts it: after the step that leaves
+    `fast` past its trial calls comes one warm-up step, then the recorded ones."""
+    for number in range(1, 20):
+        fast([], number)
+        if profiling.past_trial_calls(fast):
+            return number + 2
+
+
+@pytest.mark.parametrize("mode, trial_calls, first", [(None, 0, 3), ("reduce-overhead", 3, 5), ("step-graph", 4, 6)])
+def test_profile_records_no_trial_call_of_the_step(mode, trial_calls, first):
+    fast = steps.FastStep(CountedStep(), mode, torch.device("cpu"))
+    # reduce-overhead: compile, CUDA graph trees' warm-up and recording; step-graph: 3 warm-up calls, the capture
+    assert fast.trial_calls == trial_calls
+    fast.current = CountedStep()  # in place of the compiled or captured step: nothing compiles
+    assert first_recorded_step(fast) == first == max(1, trial_calls) + 2
+
+
+def test_profile_waits_for_the_trial_calls_of_the_mode_a_step_falls_back_to():
+    fast = steps.FastStep(CountedStep(), "step-graph", torch.device("cpu"), say=lambda line: None)
+
+    def capture_fails(micro_batches, step_number):
+        if step_number == 4:
+            raise RuntimeError("capture failed")
+        return []
+
+    fast.current = capture_fails
+    # reduce-overhead (a CountedStep around the uncompiled network) takes steps 4 to 6 as its trial calls
+    assert first_recorded_step(fast) == 8 and fast.mode == "reduce-overhead"
 
 
 class FakeGpuProfile:
