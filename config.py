@@ -317,7 +317,7 @@ def build_parser(prog="train.py", source=""):
     flag(r, "profile", "record a few steps with torch.profiler: a trace, a table and chart of the top kernels "
          "(or of the operators that launched them) in output_dir/profile/", nargs="?", const="kernels",
          choices=PROFILE_LEVELS)  # fmt: skip
-    flag(r, "profile_steps", "steps recorded by --profile (after 1 skipped and 1 warm-up)", 3, type=at_least(1))
+    flag(r, "profile_steps", "steps recorded by --profile (after the step's compile or capture calls and 1 warm-up)", 3, type=at_least(1))
     flag(r, "profile_top", "rows of the --profile table", 15, type=at_least(1))
     switch(r, "profile_stack", "record Python stacks too (slow)")
     switch(r, "profile_only", "profile (--profile, kernels unless given), then stop")
