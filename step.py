@@ -320,6 +320,9 @@ class StepGraph:
             return
         self.graph = torch.cuda.CUDAGraph()
         self.step.optimizer.zero_grad(set_to_none=True)
+        # torch.cuda.graph synchronizes and empties the allocator's cache as it enters: the blocks the
+        # warm-up freed on the side stream go back to the GPU before the graph's pool takes as much
+        # again (test_gpu's test_the_capture_keeps_no_second_copy_of_the_warm_ups_memory).
         # thread_local: a DataLoader's pin-memory thread may call CUDA while this thread captures
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.static_losses = self._device_work()

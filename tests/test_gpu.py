@@ -68,6 +68,50 @@ def test_a_nan_under_capture_leaves_the_weights_as_they_were():
     assert not all(torch.equal(a, b) for a, b in zip(unet.parameters(), before))  # the next step trains again
 
 
+@pytest.mark.parametrize("release", [True, False])
+def test_the_capture_keeps_no_second_copy_of_the_warm_ups_memory(monkeypatch, release):
+    """StepGraph's warm-up runs on a side stream; the activations it frees stay in the allocator's
+    cache, and the capture allocates the graph's private pool, about as large, beside them unless
+    the cache is emptied in between (torch.cuda.graph does it on entering, after a synchronize).
+
+    With a batch of 512 the tiny UNet's activations (~600 MB) dwarf its weights and Adam state (~3 MB).
+    `cached`: what the warm-up left reserved beyond what is allocated. `left`: what an
+    empty_cache after the capture still releases, that is, the cache that outlived the capture
+    (the graph's pool is not released while the graph lives). Released, `left` is near 0; not
+    released, it is about `cached`. `release=False` is the control: with torch.cuda.empty_cache a
+    no-op during the capture the same measurement must see the warm-up's cache still there, which
+    shows that the check would catch a StepGraph (or a torch) that stopped releasing it.
+    """
+    import gc
+
+    empty_cache = torch.cuda.empty_cache
+    gc.collect()
+    torch.cuda.synchronize()
+    empty_cache()  # the earlier tests' cache out of the way
+    unet, objective, optimizer, _, _ = tiny_parts()
+    unet.to(CUDA), objective.to(CUDA)
+    optimizer = type(optimizer)(unet.parameters(), lr=1e-3, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    step = steps.TrainStep(unet, unet, objective, optimizer, schedule, None, None, 1.0, True)
+    graph = steps.StepGraph(step, warmup_steps=2)
+    images = torch.randint(0, 256, (512, 3, 16, 16), dtype=torch.uint8, device=CUDA)
+    for _ in range(2):
+        graph([images])
+    torch.cuda.synchronize()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert cached > 100 * 2**20, f"the warm-up left only {cached / 2**20:.0f} MiB cached: the check would mean nothing"
+    if not release:
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    graph([images])  # the capture and its first replay
+    assert graph.graph is not None
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    empty_cache()
+    left = reserved - torch.cuda.memory_reserved()
+    words = f"{left / 2**20:.0f} MiB of the {cached / 2**20:.0f} MiB the warm-up left cached outlived the capture"
+    assert (left < cached / 4) if release else (left > cached * 3 / 4), words
+
+
 def test_a_resumed_graph_reads_the_learning_rate_the_schedule_writes(tmp_path):
     """accelerate loads optimizer state to the CPU: the learning rate must go back to the GPU,
     or the capture freezes it (the scheduler would fill a tensor no replay reads)."""
