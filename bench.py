@@ -703,7 +703,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per row before timing")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the inputs")
-    p.add_argument("--output", default="bench/results", help="folder for the .json, .txt and .png")
+    p.add_argument("--output", default="bench/results/latest", help="folder for the .json, .txt and .png")
     p.add_argument("--tag", default=None, help="file name for the outputs (default: from the device, workload and batches)")
     p.add_argument(
         "--redraw", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON, next to it, and exit"

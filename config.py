@@ -49,8 +49,9 @@ SMALL = models.PRESETS["small"]
 
 # The bare `python train.py` on a CUDA GPU (the built-in shapes, --model auto at 32px):
 # `small` at batch 4 would leave an H100 idle (MFU well under 1%). These fill what the
-# command line leaves unset instead: Ho et al.'s CIFAR-10 UNet at batch 128 (the one GPU
-# figure: 1,500 steps of ddpm32 at batch 128 learned real digits in 45 s on an H100), the
+# command line leaves unset instead: Ho et al.'s CIFAR-10 UNet at batch 128 (on an H100,
+# 1,500 steps of ddpm32 at batch 128 learned recognisable digits at 62-78 ms a step:
+# bench/results/2026-11-23-h100/digits-ddpm32-grid.png), the
 # small preset's DDPM settings (v-prediction, EDM's noise levels, no EMA: the CPU quality
 # ladder's winners), and 24 epochs of 16,384 generated images, 3,072 steps.
 GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_num_images=16384,
@@ -252,8 +253,7 @@ def build_parser(prog="train.py", source=""):
     s = p.add_argument_group("speed (bench.py measures each; unset, compile and cudnn_benchmark are on with a CUDA GPU, "
                              "off with --cpu or none)")
     flag(s, "channels_last", "keep weights and activations channels_last (NHWC), the layout tensor-core convolutions "
-         "read (default: off, on with --fused_norm; measured on an H100, compiled ref128 took 137 ms/step with it, "
-         "124 ms without: BENCHMARKS.md)", action=argparse.BooleanOptionalAction)  # fmt: skip
+         "read (default: off, on with --fused_norm: compiled ref128 was slower with it on an H100, BENCHMARKS.md)", action=argparse.BooleanOptionalAction)  # fmt: skip
     flag(s, "compile", "torch.compile the UNet (the first steps compile; the saved model is the uncompiled one)",
          action=argparse.BooleanOptionalAction)  # fmt: skip
     flag(s, "compile_mode", "auto: reduce-overhead (CUDA graphs) when a step is too small to keep the GPU busy, "

@@ -2,7 +2,7 @@
 
 Why: in the compiled channels_last ref128 step on an H100 the GroupNorm, SiLU,
 add and cast kernels took ~65 of 137 ms and layout copies ~33 ms
-(/work/shared/gpu-evidence/h100-2026-11-23). Each ResNet block normalises twice
+(bench/results/2026-11-23-h100/). Each ResNet block normalises twice
 and applies SiLU after each norm; one kernel that reads x once and writes
 SiLU(GroupNorm(x)) once, in the convolutions' own layout, replaces the norm,
 activation and cast kernels and the copies between layouts.

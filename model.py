@@ -58,7 +58,7 @@ def _edm2(config, dropout):
 # `unet` for UNet2DModel, or `network="edm2"` and `edm2` for EDM2UNet. Optional:
 # `ddpm` (DDPM settings: prediction type, timestep sampling) and `flags` (other
 # train.py defaults), filled in where the command line leaves them unset.
-# Parameter counts and FLOPs are in the README (from `python flops.py`).
+# Parameter counts and FLOPs are in docs/training.md#presets (from `python flops.py`).
 PRESETS = {
     # The bare `python train.py`: small enough to learn the built-in shapes on a
     # 2-core CPU in a few minutes.

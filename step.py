@@ -43,7 +43,7 @@ INDUCTOR_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile make
 
 # Below this many FLOPs per micro-batch and process, a step is bound by kernel
 # launches rather than by the GPU, and CUDA graphs pay. Measured on an H100
-# (bench/results/h100-2026-11-23/): adm64 at batch 32 (1.47 TFLOP) took 57-76 ms
+# (bench/results/2026-11-23-h100/): adm64 at batch 32 (1.47 TFLOP) took 57-76 ms
 # compiled and 21.6 ms with CUDA graphs, though its FLOPs need ~9 ms at the
 # 17.5% MFU ref128 reaches; ref128 at batch 64 (23.8 TFLOP, 137 ms) is bound
 # by the GPU. At that rate the launches of one step (~50 ms for these UNets)

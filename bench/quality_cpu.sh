@@ -7,7 +7,7 @@
 #   bash bench/quality_cpu.sh conditional # the bare run with --class_conditional, w = 1, 2, 3, 4
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=bench/results/cpu-quality-$(date -u +%F)
+out=bench/results/$(date -u +%F)-cpu-quality
 work=${WORK:-/tmp/cpu-quality}
 mkdir -p "$out" "$work"
 keep() {  # NAME RUN_DIR: the run's printed lines, run.json and last grid beside the results
