@@ -42,7 +42,8 @@ from errors import ConfigError, RunError
 def main(args):
     """Train, or with --dry_run describe the run. Errors are one line: exit code 2 for a bad
     flag, path or dataset, 1 when training cannot go on (disk full, non-finite loss with
-    --on_nonfinite stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved."""
+    --on_nonfinite stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved.
+    Every exit, these and the normal end, leaves no process group behind."""
     try:
         args = resolve(args)
         return describe(args) if args.dry_run else train(args)
@@ -55,6 +56,16 @@ def main(args):
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
         print("train.py: interrupted twice: stopped without saving", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        end_process_group()
+
+
+def end_process_group():
+    """Destroy torch.distributed's process group, if this process is in one. Left alive at exit,
+    gloo's worker thread can still hold the last all-reduce when the interpreter shuts down, and
+    the process aborts ("terminate called without an active exception", SIGABRT)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def train(args):

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -96,6 +97,64 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path, monkeypatch, cap
     assert exit_code(out) == 130
     assert checkpoints(out) == ["checkpoint-2"]
     assert "interrupted twice" in capsys.readouterr().err
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """train.py --cpu as rank 0 of a 1-process gloo group, in the environment a launcher gives it;
+    yields a list that gets an entry each time the group is destroyed."""
+    for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=free_port()).items():  # fmt: skip
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else accelerate sets the session's threads
+    real, destroyed = torch.distributed.destroy_process_group, []
+
+    def destroy(*args, **kwargs):
+        destroyed.append(torch.distributed.is_initialized())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", destroy)
+    yield destroyed
+    if torch.distributed.is_initialized():  # left behind (the test failed): the next tests start without it
+        real()
+
+
+# accelerate's end_training destroys the group at the end and after a signal; the others
+# (errors, a run already trained, Ctrl-C twice) rely on main's `finally`.
+@pytest.mark.parametrize("how, code", [
+    ("the end", None), ("already trained", None), ("bad dataset", 2), ("non-finite loss", 1), ("SIGTERM", 143),
+    ("Ctrl-C twice", 130),
+])  # fmt: skip
+def test_every_exit_destroys_the_process_group(tmp_path, monkeypatch, one_process_group, how, code):
+    from accelerate.state import AcceleratorState, GradientState
+
+    out, extra = tmp_path / "run", ["--cpu", "--max_train_steps", 2, "--logger", "none"]
+    if how == "already trained":
+        run(out, *extra)
+        AcceleratorState._reset_state(reset_partial_state=True)  # as a new process would: a new group
+        GradientState._reset_state()
+        one_process_group.clear()
+    elif how == "bad dataset":  # refused once the group exists: fewer images than one step takes
+        extra += ["--shapes_num_images", 2]
+    elif how == "non-finite loss":
+        inject_nan_at_call(monkeypatch, 1)
+        extra += ["--on_nonfinite", "stop"]
+    elif how == "SIGTERM":
+        send_at_step(monkeypatch, 1, signal.SIGTERM)
+    elif how == "Ctrl-C twice":
+        send_at_step(monkeypatch, 1, signal.SIGINT, signal.SIGINT)
+    if code is None:
+        run(out, *extra)
+    else:
+        assert exit_code(out, *extra) == code
+    assert one_process_group == [True]  # there was a group, and it was destroyed once
+    assert not torch.distributed.is_initialized()
 
 
 KILLER = """
@@ -259,19 +318,28 @@ TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gp
                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--cpu"]  # fmt: skip
 
 
-def run_two_processes(*flags, timeout=600):
+def run_two_processes(log_dir, *flags, timeout=600):
+    """`accelerate launch` two processes; each one's output is also in a file under `log_dir`
+    (launch_tails). Their console lines start with [default0]: or [default1]:."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([*TWO_PROCESSES, *map(str, flags)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    command = [*TWO_PROCESSES[:-2], "--tee", "3", "--log_dir", str(log_dir), *TWO_PROCESSES[-2:], *map(str, flags)]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_tails(result, log_dir):
+    """The assertion message of a launched two-process run: its exit code and each rank's stderr tail."""
+    tails = [f"--- {path.relative_to(log_dir)}:\n{path.read_text()[-2000:]}" for path in sorted(log_dir.rglob("stderr.log"))]
+    return "\n".join([f"exit code {result.returncode}", *tails, f"--- the launcher's stderr:\n{result.stderr[-1000:]}"])
 
 
 def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     out = tmp_path / "run"
     # class-conditional: the labels are split between the processes with their images (tests/test_labels.py)
     common = [*flags(out), "--save_images_epochs", 1, "--logging_steps", 2, "--class_conditional"]
-    first = run_two_processes(*common, "--max_train_steps", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_two_processes(*common)
-    assert second.returncode == 0, second.stderr[-3000:]
+    first = run_two_processes(tmp_path / "first", *common, "--max_train_steps", "2")
+    assert first.returncode == 0, launch_tails(first, tmp_path / "first")
+    second = run_two_processes(tmp_path / "second", *common)
+    assert second.returncode == 0, launch_tails(second, tmp_path / "second")
     assert "resumed from" in second.stdout and second.stdout.count("resumed from") == 1  # printed by rank 0 only
     # global batch: 4 per process x 2 processes -> 32 images make 4 steps an epoch
     config = json.loads((out / "train_config.json").read_text())
@@ -285,26 +353,56 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     assert "per device x 2" in second.stdout
 
 
-def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_path):
-    out = tmp_path / "run"
-    (out / "samples" / "0000.png").mkdir(parents=True)  # a folder where the first grid goes: rank 0 cannot write it
-    # Two processes started by hand, as torch.distributed's environment variables describe
-    # them: no launcher to kill the second when the first fails, so it must stop by itself.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks = []
+def start_two_ranks(argv, script=None):
+    """Two processes of `train.py --cpu argv` started by hand, as torch.distributed's environment
+    variables describe them: no launcher to kill the second when the first fails, so each must
+    stop by itself. `script`: Python run with argv instead of train.py (a test's hook around it).
+    Their output goes to files, so that neither can block on a full pipe while the other is read."""
+    port, ranks = free_port(), []
+    program = ["-c", script] if script else ["train.py"]
     for rank in (0, 1):
         env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-        command = [sys.executable, "train.py", "--cpu", *flags(out, "--save_images_epochs", 1)]
-        ranks.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    (_, err0), (_, err1) = (p.communicate(timeout=300) for p in ranks)
-    assert [p.returncode for p in ranks] == [1, 1]
-    last = err0.strip().splitlines()[-1]
-    assert last.startswith("train.py: error: could not write") and "0000.png (Is a directory): make it writable" in last
+        command = [sys.executable, *program, "--cpu", *map(str, argv)]
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        ranks.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, text=True), out, err))
+    return ranks
+
+
+def read(file):
+    file.seek(0)
+    return file.read()
+
+
+class Ranks:
+    """What two ranks from start_two_ranks did, once they have ended: their exit codes, and each one's stdout and stderr."""
+
+    def __init__(self, ranks, timeout=300):
+        try:
+            for process, _, _ in ranks:
+                process.wait(timeout=timeout)
+        finally:
+            for process, _, _ in ranks:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        self.codes = [process.returncode for process, _, _ in ranks]
+        (self.out0, self.err0), (self.out1, self.err1) = ((read(out), read(err)) for _, out, err in ranks)
+
+    def __str__(self):
+        """Both ranks' stderr tails: the assertion message of a two-process test."""
+        return f"exit codes {self.codes}\n--- rank 0 stderr:\n{self.err0[-2000:]}\n--- rank 1 stderr:\n{self.err1[-2000:]}"
+
+
+def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_path):
+    out = tmp_path / "run"
+    (out / "samples" / "0000.png").mkdir(parents=True)  # a folder where the first grid goes: rank 0 cannot write it
+    ranks = Ranks(start_two_ranks(flags(out, "--save_images_epochs", 1)))
+    assert ranks.codes == [1, 1], ranks
+    last = ranks.err0.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: could not write") and "0000.png (Is a directory): make it writable" in last, ranks
     # rank 1 was told, and stopped without a word: not dead in a barrier when rank 0 went away
-    assert "Traceback" not in err1 and "error" not in err1
+    assert "Traceback" not in ranks.err1 and "error" not in ranks.err1, ranks
 
 
 def test_a_pipeline_that_could_not_be_saved_is_saved_by_running_again(tmp_path, monkeypatch, capsys, straight):
