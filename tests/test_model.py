@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,7 +28,33 @@ def test_adm64_preset_shape():
     # attention at 16x16 and 8x8 of a 64px image: the 3rd and 4th levels
     assert config["down_block_types"] == ("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D")
     assert config["attention_head_dim"] == 32
-    assert 20e6 < param_count("adm64") < 23e6
+    assert param_count("adm64") == 22_080_323  # as docs/training.md states
+
+
+# The parameter counts the preset table states (docs/training.md; `python flops.py` counts them).
+# Exact, so that a block or a layer more or less (an attention block moved, an argument left to
+# its default) fails.
+PARAMS = dict(
+    small=1_063_651, tiny=177_427, small_deep=4_527_971, ddpm32=35_746_307, adm64=22_080_323, ref128=113_673_219,
+    edm2c=39_509_888, edm2e=39_509_888, edm2g=39_542_685, edm2small=1_257_456, edm2tiny=189_947,
+)  # fmt: skip
+
+
+def stated_parameter_counts():
+    """{preset: {counts}} of every preset-table row in README.md and docs/*.md:
+    | `name` (, `name`) | image size | parameters | ..."""
+    root = Path(__file__).resolve().parents[1]
+    stated = {}
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for names, count in re.findall(r"^\| ((?:`\w+`(?:, )?)+) \| \d+ \| ([\d,]+) \|", page.read_text(), re.M):
+            for name in re.findall(r"`(\w+)`", names):
+                stated.setdefault(name, set()).add(int(count.replace(",", "")))
+    return stated
+
+
+def test_every_preset_has_the_parameter_count_the_docs_state():
+    assert stated_parameter_counts() == {name: {count} for name, count in PARAMS.items()}
+    assert {name: param_count(name) for name in models.PRESETS} == PARAMS
 
 
 def test_auto_model_follows_the_image_size():
