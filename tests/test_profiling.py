@@ -1,8 +1,12 @@
 """Where the time goes: --profile, the step-time breakdown, plots and run.json."""
 
 import json
+import os
 import re
+import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -29,10 +33,38 @@ def is_png(path):
         return image.format == "PNG"
 
 
+GIT_REPOSITORY_VARIABLES = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE")  # set, they would name another repository
+
+
+def git(folder, *argv):
+    """git in `folder`, whatever the environment says of other repositories or signing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "commit.gpgsign=false",
+                           *argv], cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+
+
+def checkout(folder):
+    """A git checkout of one commit holding a profiling.py; returns the commit's hash."""
+    folder.mkdir(parents=True)
+    (folder / "profiling.py").write_text("# the code that ran\n")
+    git(folder, "init", "-q")
+    git(folder, "add", "profiling.py")
+    git(folder, "commit", "-q", "-m", "one commit")
+    return git(folder, "rev-parse", "HEAD")
+
+
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
+    """A 10-step run, whose code (profiling.py, which asks git) lies in a checkout of one commit of
+    its own: not this repository, whose HEAD others may move while the tests run."""
     out = tmp_path_factory.mktemp("plain") / "run"
-    run(out)
+    commit = checkout(out.parent / "checkout")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(profiling, "__file__", str(out.parent / "checkout" / "profiling.py"))
+        for name in GIT_REPOSITORY_VARIABLES:
+            m.delenv(name, raising=False)
+        run(out)
+    (out.parent / "commit").write_text(commit)
     return out
 
 
@@ -235,23 +267,52 @@ def test_breakdown_counts_each_phase():
     assert sum(parts.values()) == pytest.approx(wall, rel=1e-6)
 
 
-def test_plots_are_drawn_from_the_logged_values(plain_run, tmp_path):
-    for name in ("loss.png", "lr.png", "images_per_s.png"):
-        assert is_png(plain_run / "plots" / name)
-    drawn = profiling.draw_run_plots(plain_run)
-    logged = profiling.read_scalars(plain_run)
-    assert drawn["loss"] == logged["loss"] and drawn["loss"][0] == [2, 4, 6, 8, 10]
+def pixels(path):
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
 
-    # log one value differently: the plot's data follows
+
+@pytest.fixture
+def plotted(monkeypatch):
+    """{file name: [(label, steps, values), ...]}: the lines of each figure draw_run_plots saves, read
+    off the figure as it is saved."""
+    from matplotlib.figure import Figure
+
+    lines, save = {}, Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        lines[Path(path).name] = [(ln.get_label(), list(ln.get_xdata()), list(ln.get_ydata())) for ax in fig.axes for ln in ax.get_lines()]  # fmt: skip
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return lines
+
+
+def test_plots_are_drawn_from_the_logged_values(plain_run, tmp_path, plotted):
+    names = ("loss.png", "lr.png", "images_per_s.png")
+    assert all(is_png(plain_run / "plots" / name) for name in names)
+    drawn_in_training = {name: pixels(plain_run / "plots" / name) for name in names}
+    profiling.draw_run_plots(plain_run)
+    logged = profiling.read_scalars(plain_run)
+    steps, losses = logged["loss"]
+    assert steps == [2, 4, 6, 8, 10]
+    assert plotted["loss.png"] == [("raw", steps, losses), ("smoothed", steps, profiling.smooth(losses))]
+    assert plotted["lr.png"] == [("raw", *logged["lr"])] and plotted["images_per_s.png"] == [("raw", *logged["images_per_s"])]
+    assert set(plotted) == set(names)  # no MFU on a CPU
+    # the PNGs train.py left are these pictures
+    assert all(np.array_equal(pixels(plain_run / "plots" / name), drawn_in_training[name]) for name in names)
+
+    # log one value differently: the plot's line and its picture follow
     from torch.utils.tensorboard import SummaryWriter
 
     other = tmp_path / "other"
     with SummaryWriter(str(other / "logs")) as writer:
-        for step, value in zip(*logged["loss"]):
+        for step, value in zip(steps, losses):
             writer.add_scalar("loss", value * (3 if step == 4 else 1), step)
-    changed = profiling.draw_run_plots(other)["loss"]
-    assert changed[1][1] == pytest.approx(3 * drawn["loss"][1][1]) and changed[1][0] == drawn["loss"][1][0]
-    assert is_png(other / "plots" / "loss.png")
+    profiling.draw_run_plots(other)
+    [(_, other_steps, raw), _] = plotted["loss.png"]
+    assert other_steps == steps and raw[1] == pytest.approx(3 * losses[1]) and raw[:1] + raw[2:] == losses[:1] + losses[2:]
+    assert not np.array_equal(pixels(other / "plots" / "loss.png"), drawn_in_training["loss.png"])
 
 
 def test_plots_command(plain_run, tmp_path, capsys):
@@ -264,7 +325,7 @@ def test_plots_command(plain_run, tmp_path, capsys):
 def test_run_manifest_has_every_field(plain_run):
     m = json.loads((plain_run / "run.json").read_text())
     assert m["config"]["model"] == "tiny" and m["config"]["max_train_steps"] == 10
-    assert m["git_commit"] is None or isinstance(m["git_commit"], str)
+    assert m["git_commit"] == (plain_run.parent / "commit").read_text()  # its code's checkout, exactly
     assert set(m["versions"]) >= {"python", "torch", "diffusers", "accelerate"} and m["versions"]["torch"]
     assert m["device"]["type"] == "cpu" and m["device"]["count"] == 1
     assert {"cuda", "driver"} <= set(m["device"])
@@ -274,6 +335,22 @@ def test_run_manifest_has_every_field(plain_run):
     assert m["mfu"] is None and m["hfu"] is None  # no known peak on a CPU
     assert m["peak_memory_gib"] > 0
     assert m["samples_dir"].endswith("samples") and m["checkpoints"][-1].endswith("checkpoint-10")
+
+
+def test_the_commit_is_the_checkouts_with_dirty_for_local_changes_and_none_outside_git(tmp_path, monkeypatch):
+    commit = checkout(tmp_path / "checkout")
+    monkeypatch.setattr(profiling, "__file__", str(tmp_path / "checkout" / "profiling.py"))
+    for name in GIT_REPOSITORY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert profiling.git_commit() == commit
+    (tmp_path / "checkout" / "notes.txt").write_text("untracked")  # not a change to the code that ran
+    assert profiling.git_commit() == commit
+    (tmp_path / "checkout" / "profiling.py").write_text("# changed\n")
+    assert profiling.git_commit() == f"{commit}-dirty"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no checkout above it counts
+    monkeypatch.setattr(profiling, "__file__", str(tmp_path / "elsewhere" / "profiling.py"))
+    assert profiling.git_commit() is None
 
 
 def test_run_manifest_times_each_whole_epoch_without_the_pauses(plain_run):
