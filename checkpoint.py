@@ -10,6 +10,7 @@ checkpoint.
 """
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -22,28 +23,69 @@ from errors import ConfigError, RunError
 
 STATE_FILE = "trainer_state.json"
 
-# Flags whose change makes a checkpoint belong to another run: they fix the
-# model's shape, the data, its order and what a step is. Everything else
-# (learning rate, number of steps, logging, outputs) may change on resume.
+# What a checkpoint holds or means: resuming it with any of these changed is
+# refused, with the list of differences (choose_start). Every flag of
+# config.build_parser() is either here or in CHANGES_ON_RESUME, with the reason
+# (tests/test_resume.py fails on a flag in neither).
 RUN_IDENTITY = (
-    "model",
-    "image_size",
-    "dataset",
-    "dataset_config",
-    "split",
-    "image_column",
-    "shapes_num_images",
-    "center_crop",
-    "train_batch_size",
-    "gradient_accumulation_steps",
-    "num_processes",
-    "seed",
-    "num_train_timesteps",
-    "beta_schedule",
-    "prediction_type",
-    "objective",
-    "use_ema",
-)
+    # the network's shape: the saved weights fit no other (a conditional run's class embedding too)
+    "model", "image_size", "class_conditional", "num_classes",
+    # the data, its order and what a step is: the step count and the position in the data mean these
+    "dataset", "dataset_config", "split", "image_column", "label_column", "shapes_num_images", "center_crop",
+    "train_batch_size", "gradient_accumulation_steps", "num_processes", "seed",
+    # what the network's output means: the objective, the noise process and the parametrisation it learned
+    "objective", "prediction_type", "num_train_timesteps", "beta_schedule", "zero_terminal_snr", "sigma_data",
+    # EDM's uncertainty weighting saves the weights of u(sigma) beside the network's; edm saves none
+    "loss_weighting",
+    # the optimizer's saved param groups (and the LR schedule's base LR): loading them restores these, so a
+    # new value would be silently ignored, and fused_adam would disagree with NonFiniteGuard
+    "learning_rate", "adam_beta1", "adam_beta2", "weight_decay", "adam_epsilon", "fused_adam",
+    # the EMA saved: its kind, the power EMA's widths, and the decay settings EMAModel's state restores
+    "use_ema", "ema", "ema_stds", "ema_max_decay", "ema_inv_gamma", "ema_power",
+    # fp16 saves a GradScaler's state and loads one: compared as fp16 or not (bf16 <-> no saves the same)
+    "mixed_precision",
+)  # fmt: skip
+
+# Identity keys train.py computes (config.DERIVED_KEYS), not flags, and what a run that did
+# not record one had: num_classes 0, unconditional (None: always recorded).
+DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0}
+
+# What of a value the checkpoint depends on, where it is not the whole value.
+COMPARED_AS = {"mixed_precision": lambda value: value == "fp16"}
+
+# Flags that may change on resume, and why: the checkpoint neither holds them nor means
+# something else under them.
+CHANGES_ON_RESUME = {
+    "the run's length and LR schedule: the schedule's function is rebuilt from the flags (the checkpoint "
+    "holds its position and base LR)": (
+        "num_epochs", "max_train_steps", "lr_scheduler", "lr_warmup_steps", "lr_ref_steps",
+    ),
+    "which noise levels a step draws, how its loss is weighted and clipped, the augmentation: drawn or applied "
+    "afresh each step, nothing of them saved": (
+        "timestep_sampling", "P_mean", "P_std", "snr_gamma", "label_dropout", "random_flip", "max_grad_norm",
+    ),
+    "how the data is read, not which images nor their order (data.epoch_batches: the seed and the epoch)": (
+        "preload_data", "preload_max_gib", "dataloader_num_workers", "strict_data",
+    ),
+    "how a step runs on the machine: the same tensors are saved and loaded (tried on CPU: channels_last, "
+    "gradient checkpointing, bf16)": (
+        "cpu", "allow_tf32", "gradient_checkpointing", "channels_last", "compile", "compile_mode",
+        "cudnn_benchmark", "fused_norm",
+    ),
+    "sampling, evaluation and outputs: they read the weights, a checkpoint holds none of them": (
+        "output_dir", "logger", "save_images_epochs", "eval_batch_size", "sampler", "churn",
+        "num_inference_steps", "guidance_scale", "guide", "ema_snapshot_every", "eval_every_epochs",
+        "eval_guidance_scales", "eval_num_samples", "fid_batch_size", "fid_weights",
+    ),
+    "checkpoints, faults and this invocation": (
+        "checkpointing_steps", "checkpoints_total_limit", "resume", "resume_from_checkpoint",
+        "overwrite_output_dir", "on_nonfinite", "config", "dry_run",
+    ),
+    "the performance report and the profiler": (
+        "logging_steps", "timing_warmup_steps", "peak_tflops", "profile", "profile_steps", "profile_top",
+        "profile_stack", "profile_only",
+    ),
+}  # fmt: skip
 
 
 def checkpoints_root(output_dir):
@@ -134,13 +176,57 @@ def run_identity(config):
     return {key: config.get(key) for key in RUN_IDENTITY}
 
 
+@functools.cache
+def identity_defaults():
+    """What a run that did not record an identity key had: the flag's default (a flag added
+    later defaults to what runs did before it) or DERIVED_IDENTITY's; None where unknown
+    (config.resolve fills it from the preset or the machine)."""
+    import config  # here, not above: config imports sample, which imports this module
+    import ema
+
+    defaults = {a.dest: a.default for a in config.build_parser()._actions if a.dest in RUN_IDENTITY}
+    if isinstance(defaults.get("ema_stds"), str):
+        defaults["ema_stds"] = ema.parse_stds(defaults["ema_stds"])  # as config.resolve gives it
+    return defaults | DERIVED_IDENTITY
+
+
+def saved_identity(start):
+    """The identity of the run that wrote checkpoint `start`, or None where nothing is recorded.
+
+    Each key from the checkpoint's own record ("run" in trainer_state.json), else from its
+    run's train_config.json (a checkpoint written before the key was checked), else its
+    default (identity_defaults); a key with none of these is left out and not compared.
+    """
+    start = Path(start)
+    recorded = read_state(start).get("run") or {}
+    run_config = start.parent.parent / "train_config.json"  # output_dir/checkpoints/checkpoint-STEP
+    in_a_run = start.parent.name == "checkpoints" and run_config.is_file()
+    written = json.loads(run_config.read_text()) if in_a_run else {}
+    if not recorded and not written:
+        return None
+    saved = {}
+    for key in RUN_IDENTITY:
+        for source in (recorded, written):
+            if key in source:
+                saved[key] = source[key]
+                break
+        else:
+            if identity_defaults().get(key) is not None:
+                saved[key] = identity_defaults()[key]
+    return saved
+
+
 def differences(saved, current):
-    """'flag: saved -> now' for each identity flag that differs."""
+    """'--flag saved -> now' for each identity key that differs; a key not in `saved` is not compared."""
     return [
-        f"--{key} {saved.get(key)!r} -> {current.get(key)!r}"
+        f"{key if key in DERIVED_IDENTITY else '--' + key} {saved[key]!r} -> {current.get(key)!r}"
         for key in RUN_IDENTITY
-        if key in saved and saved.get(key) != current.get(key)
+        if key in saved and _compared(key, saved[key]) != _compared(key, current.get(key))
     ]
+
+
+def _compared(key, value):
+    return COMPARED_AS[key](value) if key in COMPARED_AS else value
 
 
 def choose_start(output_dir, config, resume, resume_from, overwrite):
@@ -151,8 +237,8 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
       output_dir: running the same command again continues the run.
     - an output_dir that holds another run (its own train_config.json) is not
       written over without `overwrite`, which removes its checkpoints.
-    A checkpoint whose run had other identity flags (RUN_IDENTITY) is refused
-    with the list of differences.
+    A checkpoint whose run had other identity values (RUN_IDENTITY, as
+    saved_identity reads them) is refused with the list of differences.
     """
     output_dir = Path(output_dir)
     found = checkpoint_dirs(output_dir)
@@ -175,9 +261,7 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
         )
     else:
         return None
-    saved = read_state(start).get("run")
-    if saved is None and saved_config_path.is_file():
-        saved = json.loads(saved_config_path.read_text())
+    saved = saved_identity(start)
     if saved is not None:
         diff = differences(saved, config)
         if diff:
@@ -195,7 +279,8 @@ class StopSignals:
     """SIGTERM and SIGINT ask the loop to stop after the current step.
 
     The loop checks `requested` at the end of every step, saves a checkpoint
-    and exits. A second SIGINT (Ctrl-C twice) exits at once.
+    and exits; with several processes, they agree first (tally, agree). A
+    second SIGINT (Ctrl-C twice) exits at once.
     """
 
     EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + the signal, as a shell reports it
@@ -221,6 +306,17 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.received = signal.Signals(signum)
+
+    def tally(self):
+        """For agreeing with other processes: 1.0 for the signal this one got, in EXIT_CODES' order."""
+        return [float(self.received == sig) for sig in self.EXIT_CODES]
+
+    def agree(self, totals):
+        """`totals`: tally() summed over the processes. Whether to stop; a process that no signal
+        reached stops as the others do, for the signal they got (SIGTERM before SIGINT)."""
+        if self.received is None:
+            self.received = next((sig for sig, count in zip(self.EXIT_CODES, totals) if count), None)
+        return self.requested
 
     @property
     def requested(self):

@@ -1,0 +1,202 @@
+"""Resuming refuses every setting that changes what a checkpoint holds or means (checkpoint.RUN_IDENTITY).
+
+Through `checkpoint.choose_start` on fake checkpoint folders (a trainer_state.json, and a
+train_config.json where a row needs one): milliseconds. Two `train.main` runs at the end.
+"""
+
+import json
+
+import pytest
+
+import checkpoint
+import config
+from errors import ConfigError
+from test_train import TINY
+from test_train import run as train
+
+DERIVED = tuple(checkpoint.DERIVED_IDENTITY)
+SAFE = [flag for flags in checkpoint.CHANGES_ON_RESUME.values() for flag in flags]
+
+# One changed value per identity key (each differs from BASE's: checked below).
+CHANGED = dict(
+    model="small", image_size=32, class_conditional=True, num_classes=4,
+    dataset="photos/", dataset_config="full", split="test", image_column="img", label_column="label",
+    shapes_num_images=128, center_crop=False, train_batch_size=16, gradient_accumulation_steps=2, num_processes=2,
+    seed=1, objective="edm", prediction_type="sample", num_train_timesteps=500, beta_schedule="squaredcos_cap_v2",
+    zero_terminal_snr=True, sigma_data=0.25, loss_weighting="edm", learning_rate=1e-3, adam_beta1=0.9,
+    adam_beta2=0.99, weight_decay=0.0, adam_epsilon=1e-6, fused_adam=False, use_ema=False, ema="power",
+    ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_inv_gamma=2.0, ema_power=2 / 3, mixed_precision="fp16",
+)  # fmt: skip
+
+# RUN_IDENTITY before issue 32: what the "run" of an older checkpoint holds.
+OLD_IDENTITY = (
+    "model", "image_size", "dataset", "dataset_config", "split", "image_column", "shapes_num_images", "center_crop",
+    "train_batch_size", "gradient_accumulation_steps", "num_processes", "seed", "num_train_timesteps",
+    "beta_schedule", "prediction_type", "objective", "use_ema",
+)  # fmt: skip
+
+
+def resolved(*flags):
+    """The config train.py hands choose_start for TINY plus `flags` (one process, unconditional)."""
+    args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", *flags]))
+    return vars(args) | dict(num_processes=1, num_classes=0)
+
+
+BASE = resolved()
+
+
+def write_checkpoint(run_dir, run=None, train_config=None, step=2):
+    """run_dir/checkpoints/checkpoint-STEP as choose_start reads it: trainer_state.json (with `run`
+    when given) and, when given, the run's train_config.json."""
+    folder = run_dir / "checkpoints" / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    state = dict(step=step, skipped_nonfinite=0) | ({} if run is None else dict(run=run))
+    (folder / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    if train_config is not None:
+        (run_dir / "train_config.json").write_text(json.dumps(train_config, default=str))
+    return folder
+
+
+def resume(run_dir, config, resume_from=None):
+    return checkpoint.choose_start(run_dir, config, True, resume_from, False)
+
+
+def refusal(run_dir, config, resume_from=None):
+    with pytest.raises(ConfigError) as refused:
+        resume(run_dir, config, resume_from)
+    message = str(refused.value)
+    assert "\n" not in message
+    return message
+
+
+def named(key):
+    return key if key in DERIVED else f"--{key}"
+
+
+# --- every flag is classified ---------------------------------------------------------
+
+
+def test_every_flag_is_identity_or_declared_safe_to_change():
+    flags = {a.dest for a in config.build_parser()._actions if a.option_strings and a.dest not in ("help", "==SUPPRESS==")}
+    identity = set(checkpoint.RUN_IDENTITY) - set(DERIVED)
+    assert not flags - identity - set(SAFE), "classify these flags in checkpoint.RUN_IDENTITY or CHANGES_ON_RESUME"
+    assert not (identity | set(SAFE)) - flags, "not flags of train.py (any more)"
+    assert not identity & set(SAFE) and len(SAFE) == len(set(SAFE))
+    assert set(DERIVED) <= set(config.DERIVED_KEYS) and set(DERIVED) <= set(checkpoint.RUN_IDENTITY)
+    assert len(checkpoint.RUN_IDENTITY) == len(set(checkpoint.RUN_IDENTITY))
+
+
+def test_every_identity_key_has_a_row():
+    assert set(CHANGED) == set(checkpoint.RUN_IDENTITY)
+
+
+# --- one row per identity key ----------------------------------------------------------
+
+
+def test_the_same_settings_resume(tmp_path):
+    folder = write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    assert resume(tmp_path, dict(BASE)) == folder
+
+
+@pytest.mark.parametrize("key", CHANGED)
+def test_a_changed_identity_key_is_refused_naming_it(tmp_path, key):
+    assert CHANGED[key] != BASE[key]
+    write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    message = refusal(tmp_path, BASE | {key: CHANGED[key]})
+    assert f"({named(key)} {BASE[key]!r} -> {CHANGED[key]!r})" in message  # that one difference, and only it
+
+
+@pytest.mark.parametrize("key", CHANGED)
+def test_the_change_is_refused_the_other_way_too(tmp_path, key):
+    write_checkpoint(tmp_path, checkpoint.run_identity(BASE | {key: CHANGED[key]}))
+    assert f"{named(key)} {CHANGED[key]!r} -> {BASE[key]!r}" in refusal(tmp_path, BASE)
+
+
+def test_all_differences_are_listed_on_one_line(tmp_path):
+    write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    message = refusal(tmp_path, BASE | dict(ema="power", class_conditional=True, num_classes=4))
+    assert "--class_conditional False -> True; num_classes 0 -> 4; " in message and "--ema 'standard' -> 'power'" in message
+
+
+@pytest.mark.parametrize("saved, now, refused", [("no", "bf16", False), ("bf16", "no", False), ("bf16", "fp16", True),
+                                                 ("fp16", "no", True)])  # fmt: skip
+def test_mixed_precision_is_compared_as_fp16_or_not(tmp_path, saved, now, refused):
+    """Only fp16 adds to the checkpoint (a GradScaler's state): a bf16 run may resume in fp32 on another machine."""
+    write_checkpoint(tmp_path, checkpoint.run_identity(BASE | dict(mixed_precision=saved)))
+    if refused:
+        assert f"--mixed_precision {saved!r} -> {now!r}" in refusal(tmp_path, BASE | dict(mixed_precision=now))
+    else:
+        assert resume(tmp_path, BASE | dict(mixed_precision=now)) is not None
+
+
+@pytest.mark.parametrize("flag", SAFE)
+def test_a_flag_declared_safe_may_change(tmp_path, flag):
+    folder = write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    assert resume(tmp_path, BASE | {flag: "changed"}) == folder
+
+
+# --- checkpoints written before a key was checked ------------------------------------------
+
+
+def old_record(config=BASE):
+    return {key: config[key] for key in OLD_IDENTITY}
+
+
+def test_an_old_checkpoint_resumes_with_the_new_settings_at_their_defaults(tmp_path):
+    folder = write_checkpoint(tmp_path, old_record())
+    assert resume(tmp_path, dict(BASE)) == folder
+
+
+def test_an_old_checkpoint_takes_a_missing_key_at_its_default(tmp_path):
+    write_checkpoint(tmp_path, old_record())
+    assert "(--ema 'standard' -> 'power')" in refusal(tmp_path, resolved("--ema", "power"))
+    message = refusal(tmp_path, BASE | dict(class_conditional=True, num_classes=4))
+    assert "(--class_conditional False -> True; num_classes 0 -> 4)" in message
+
+
+def test_an_old_checkpoint_takes_a_missing_key_from_its_runs_train_config(tmp_path):
+    """Its run's train_config.json records every flag: the EMA kind of a run from before `ema` was checked."""
+    power = resolved("--ema", "power", "--ema_stds", "0.1,0.2")
+    write_checkpoint(tmp_path, old_record(power), train_config=power)
+    assert "(--ema 'power' -> 'standard'; --ema_stds [0.1, 0.2] -> [0.05, 0.1])" in refusal(tmp_path, BASE)
+    assert resume(tmp_path, power) is not None
+
+
+def test_a_missing_key_without_a_default_is_not_compared(tmp_path):
+    """--learning_rate is filled from the preset (no default): an old checkpoint alone does not say it."""
+    write_checkpoint(tmp_path, old_record())
+    assert resume(tmp_path, BASE | dict(learning_rate=CHANGED["learning_rate"])) is not None
+
+
+def test_a_checkpoint_with_no_record_at_all_resumes(tmp_path):
+    write_checkpoint(tmp_path, run=None)
+    assert resume(tmp_path, BASE | CHANGED) is not None
+
+
+def test_resume_from_reads_the_checkpoints_own_run_not_the_output_dirs(tmp_path):
+    power = resolved("--ema", "power")
+    other = write_checkpoint(tmp_path / "other", old_record(power), train_config=power)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps(BASE))
+    assert "--ema 'power' -> 'standard'" in refusal(tmp_path / "run", BASE, resume_from=str(other))
+
+
+# --- train.py: one line, exit code 2 ------------------------------------------------------
+
+# 2 steps of 4 images, a grid of 1 image in 1 sampling step at the end
+FEW = ["--shapes_num_images", 8, "--train_batch_size", 4, "--eval_batch_size", 1, "--num_inference_steps", 1,
+       "--logger", "none"]  # fmt: skip
+
+
+@pytest.mark.parametrize("added, says", [(["--ema", "power"], "--ema 'standard' -> 'power'"),
+                                         (["--class_conditional"], "--class_conditional False -> True")])  # fmt: skip
+def test_train_refuses_a_resume_that_adds_a_flag_in_one_line(tmp_path, capsys, added, says):
+    out = tmp_path / "run"
+    train(out, "--max_train_steps", 2, *FEW)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train(out, "--max_train_steps", 4, *FEW, *added)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: error: cannot resume") and says in err, err
+    assert "Traceback" not in err
