@@ -430,13 +430,14 @@ class Run:
 
     def stop_requested(self, signals):
         """Whether to stop now. Processes must agree, or one would wait in save_state for
-        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps."""
+        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps,
+        and all stop if a signal reached any of them."""
         if self.world == 1:
             return signals.requested
         if self.step % STOP_CHECK_STEPS:
             return False
-        flag = torch.tensor(float(signals.requested), device=self.device)
-        return self.accelerator.reduce(flag, reduction="sum").item() > 0
+        totals = self.accelerator.reduce(torch.tensor(signals.tally(), device=self.device), reduction="sum")
+        return signals.agree(totals.tolist())
 
     def stop_for_signal(self, signals, meter):
         """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""

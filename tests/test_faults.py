@@ -1,5 +1,6 @@
 """Fault injection: preemption, kills during a save, NaNs, bad images, a full disk, and refusals."""
 
+import contextlib
 import errno
 import json
 import os
@@ -8,12 +9,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import types
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import checkpoint
 import flops
 import model as models
 import train
@@ -99,10 +103,13 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path, monkeypatch, cap
     assert "interrupted twice" in capsys.readouterr().err
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count=1):
+    """`count` ports free now, all different (bound at the same time)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 @pytest.fixture
@@ -110,7 +117,7 @@ def one_process_group(monkeypatch):
     """train.py --cpu as rank 0 of a 1-process gloo group, in the environment a launcher gives it;
     yields a list that gets an entry each time the group is destroyed."""
     for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=free_port()).items():  # fmt: skip
+                           MASTER_PORT=free_ports()[0]).items():  # fmt: skip
         monkeypatch.setenv(key, str(value))
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else accelerate sets the session's threads
     real, destroyed = torch.distributed.destroy_process_group, []
@@ -265,22 +272,30 @@ def test_a_folder_with_no_readable_image_fails_before_training(tmp_path, capsys,
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch, capsys):
-    from accelerate import Accelerator
+def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch, capsys, straight):
+    real, written = torch.save, []
 
-    real = Accelerator.save_state
-
-    def save_state(self, output_dir=None, **kwargs):
-        if "checkpoint-4" in str(output_dir):
+    def save(obj, f, *args, **kwargs):  # the disk fills up partway through checkpoint-4's optimizer.bin
+        if "checkpoint-4" in str(f):
+            written.append(f)
+            with open(f, "wb") as partial:
+                partial.write(b"\0" * 4096)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, output_dir, **kwargs)
+        return real(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(Accelerator, "save_state", save_state)
+    monkeypatch.setattr(torch, "save", save)
     out = tmp_path / "run"
     assert exit_code(out) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "could not write checkpoint" in err and "the disk is full" in err and "checkpoint-2, is intact" in err
+    # the model was written, then part of the optimizer, into the temporary folder: it is gone
+    assert [p.name for p in map(Path, written)] == ["optimizer.bin"] and ".tmp-checkpoint-4" in str(written[0])
     assert checkpoints(out) == ["checkpoint-2"]
+    monkeypatch.undo()
+
+    run(out)  # space freed, the same command: resumes from checkpoint-2, as if never stopped
+    assert "checkpoint-2 at step 2" in capsys.readouterr().out
+    assert_same_weights(out, straight)
 
 
 def test_resuming_with_other_settings_is_refused_with_the_differences(tmp_path, capsys):
@@ -353,12 +368,13 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     assert "per device x 2" in second.stdout
 
 
-def start_two_ranks(argv, script=None):
+def start_two_ranks(argv, script=None, port=None):
     """Two processes of `train.py --cpu argv` started by hand, as torch.distributed's environment
     variables describe them: no launcher to kill the second when the first fails, so each must
     stop by itself. `script`: Python run with argv instead of train.py (a test's hook around it).
-    Their output goes to files, so that neither can block on a full pipe while the other is read."""
-    port, ranks = free_port(), []
+    Their output goes to files, so that neither can block on a full pipe while the other is read.
+    `port`: rank 0's, free_ports()'s by default."""
+    port, ranks = port or free_ports()[0], []
     program = ["-c", script] if script else ["train.py"]
     for rank in (0, 1):
         env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
@@ -403,6 +419,89 @@ def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_pat
     assert last.startswith("train.py: error: could not write") and "0000.png (Is a directory): make it writable" in last, ranks
     # rank 1 was told, and stopped without a word: not dead in a barrier when rank 0 went away
     assert "Traceback" not in ranks.err1 and "error" not in ranks.err1, ranks
+
+
+# Each rank sends itself a real SIGTERM right after the step its entry names (rank 0 first):
+# the ranks must still stop together, at the next multiple of train.STOP_CHECK_STEPS.
+SIGTERM_AFTER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import flops, train
+at = {steps!r}[int(os.environ["RANK"])]
+done = flops.StepTimer.step_done
+def step_done(self):
+    done(self)
+    if self.steps_seen == at:
+        os.kill(os.getpid(), signal.SIGTERM)
+flops.StepTimer.step_done = step_done
+train.main(train.parse_args(sys.argv[1:]))
+"""
+
+
+def checkpoint_contents(folder):
+    """The weights, EMA, optimizer and schedule of a checkpoint: everything but the RNG states."""
+    contents = {"model.safetensors": load_file(folder / "model.safetensors")}
+    for path in [folder / "optimizer.bin", *sorted(folder.glob("custom_checkpoint_*.pkl"))]:
+        contents[path.name] = torch.load(path, weights_only=False)
+    return contents
+
+
+def assert_identical(a, b, where=""):
+    """Nested dicts, lists and tensors equal bit for bit."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path):
+    stop_at, total = 2 * train.STOP_CHECK_STEPS, 2 * train.STOP_CHECK_STEPS + 2
+    # 24 images, 8 a step: 3 steps an epoch, so step 20 is mid-epoch; checkpoints only when stopping and at the end
+    common = ["--shapes_num_images", 24, "--max_train_steps", total, "--checkpointing_steps", 100, "--logger", "none"]
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    ports = free_ports(2)  # the uninterrupted run trains beside the signalled one
+    reference = start_two_ranks(flags(straight, *common), port=ports[0])
+    script = SIGTERM_AFTER.format(root=str(ROOT), steps=(11, 13))
+    signalled = Ranks(start_two_ranks(flags(out, *common), script, port=ports[1]))
+    reference = Ranks(reference)
+    assert signalled.codes == [143, 143], signalled
+    assert f"stopped by SIGTERM at step {stop_at}" in signalled.out0, signalled  # not at 11 nor 13: together
+    assert checkpoints(out) == [f"checkpoint-{stop_at}"], signalled
+    assert reference.codes == [0, 0], reference
+
+    resumed = Ranks(start_two_ranks(flags(out, *common)))  # the same command again
+    assert resumed.codes == [0, 0], resumed
+    assert f"resumed from {out / 'checkpoints' / f'checkpoint-{stop_at}'} at step {stop_at}" in resumed.out0, resumed
+    assert json.loads((out / "train_config.json").read_text())["use_ema"], "the comparison covers an EMA"
+    end = f"checkpoint-{total}"
+    assert_identical(checkpoint_contents(out / "checkpoints" / end), checkpoint_contents(straight / "checkpoints" / end))
+    assert_same_weights(out, straight)  # the pipeline: the EMA weights
+
+
+@pytest.mark.parametrize("others, here, stops, code", [
+    ([0, 0], None, False, None), ([1, 0], None, True, 143), ([0, 1], None, True, 130), ([1, 1], None, True, 143),
+    ([0, 0], signal.SIGINT, True, 130), ([1, 0], signal.SIGINT, True, 130),
+])  # fmt: skip
+def test_a_process_no_signal_reached_stops_with_the_others_for_theirs(others, here, stops, code):
+    """Run.stop_requested on a check step, beside one other process that got `others` (SIGTERM, SIGINT counts)."""
+    signals = checkpoint.StopSignals()
+    signals.received = here
+    summed = lambda tally, reduction: tally + torch.tensor(others, dtype=tally.dtype)  # noqa: E731
+    run = types.SimpleNamespace(world=2, step=train.STOP_CHECK_STEPS, device=torch.device("cpu"),
+                                accelerator=types.SimpleNamespace(reduce=summed))  # fmt: skip
+    assert train.Run.stop_requested(run, signals) is stops
+    assert signals.requested is stops and (signals.exit_code if stops else None) == code
+    run.step += 1  # between checks: no stop, whatever the signals
+    assert train.Run.stop_requested(run, signals) is False
 
 
 def test_a_pipeline_that_could_not_be_saved_is_saved_by_running_again(tmp_path, monkeypatch, capsys, straight):
