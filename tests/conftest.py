@@ -18,3 +18,34 @@ def _fresh_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shape_scorer_dir(tmp_path_factory):
+    """The shape scorers of this run, each trained at most once, in a folder of the run's own: no
+    test reads or writes the user's cache (~/.cache/torch/hub/shapescore), and the processes the
+    tests start inherit the folder ($SHAPES_SCORER_DIR, shapescore.CACHE_ENV)."""
+    folder = tmp_path_factory.mktemp("shapescore")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("SHAPES_SCORER_DIR", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="session")
+def shape_scorer(shape_scorer_dir):
+    """The tests' scorer: 16px, 1024 images, 300 steps (seconds to train, where the default trains on
+    4096 images for 1200 steps), trained once per run."""
+    import shapescore
+
+    return shapescore.load_or_train(16, num_images=1024, steps=300, log=lambda _: None)
+
+
+@pytest.fixture
+def default_shape_scorer(shape_scorer, monkeypatch):
+    """The tests' scorer is the default one for a test: what train.py, sample.py and metrics load
+    in this process for 16px images of the built-in shapes."""
+    import shapescore
+
+    monkeypatch.setattr(shapescore, "TRAIN_IMAGES", shape_scorer.num_images)
+    monkeypatch.setattr(shapescore, "TRAIN_STEPS", shape_scorer.steps)
+    return shape_scorer

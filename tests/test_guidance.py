@@ -165,7 +165,7 @@ def conditional_run(output_dir, *flags):
 
 
 @pytest.mark.parametrize("objective", ["ddpm", "edm"])
-def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_name(tmp_path, objective):
+def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_name(tmp_path, objective, request):
     import shutil
 
     from safetensors.torch import load_file
@@ -173,6 +173,7 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     ema = ["--ema", "power", "--ema_snapshot_every", "4"] if objective == "ddpm" else []  # post-hoc EMA too
     if objective == "ddpm":  # evaluated at two guidance scales: one table, the best picks best/
+        request.getfixturevalue("default_shape_scorer")  # scored by the tests' shape scorer
         ema += ["--eval_every_epochs", "1", "--eval_num_samples", "6", "--fid_batch_size", "6",
                 "--eval_guidance_scales", "1,2.5"]  # fmt: skip
     config = conditional_run(straight, "--objective", objective, "--guidance_scale", 2, *ema)
@@ -277,7 +278,7 @@ def test_samples_asked_for_a_class_show_it_more_often_than_chance_and_more_with_
 
     run = tmp_path / "run"
     shutil.copytree(CONDITIONAL_MODEL, run)  # sample.py caches the reference statistics in the run
-    monkeypatch.setenv(shapescore.CACHE_ENV, str(tmp_path / "scorer"))  # a 32px scorer: at 16px the kinds blur
+    # a 32px scorer (at 16px the kinds blur), trained once per run like every scorer (conftest.shape_scorer_dir)
     monkeypatch.setattr(shapescore, "TRAIN_IMAGES", 2048)
     monkeypatch.setattr(shapescore, "TRAIN_STEPS", 800)
     result = sample.main(sample.parse_args([str(run), "--fid", "--num_images", str(SAMPLES), "--batch_size", str(SAMPLES),

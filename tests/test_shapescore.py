@@ -14,27 +14,15 @@ import shapescore
 import train
 from errors import ConfigError
 
-# The scorer of these tests: 16px, 1024 images, 300 steps (a few seconds), trained once per session.
-SIZE, IMAGES, STEPS = 16, 1024, 300
+# The images of these tests: 16px, the size of the tests' scorer (conftest.shape_scorer).
+SIZE = 16
 N = 512  # images per set when scoring
 
 
-@pytest.fixture(scope="session")
-def scorer_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shapescore")
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv(shapescore.CACHE_ENV, str(folder))
-        shapescore.load_or_train(SIZE, num_images=IMAGES, steps=STEPS, log=lambda _: None)
-    return folder
-
-
 @pytest.fixture
-def test_scorer(scorer_dir, monkeypatch):
-    """Every default scorer is the session's: its folder, its (short) training."""
-    monkeypatch.setenv(shapescore.CACHE_ENV, str(scorer_dir))
-    monkeypatch.setattr(shapescore, "TRAIN_IMAGES", IMAGES)
-    monkeypatch.setattr(shapescore, "TRAIN_STEPS", STEPS)
-    return shapescore.load_or_train(SIZE)
+def test_scorer(default_shape_scorer):
+    """Every default scorer is the tests' (its short training), in the run's scorer folder."""
+    return default_shape_scorer
 
 
 # --- the labels ------------------------------------------------------------------------
@@ -97,11 +85,9 @@ def test_targets_count_only_the_shapes_that_show():
 
 
 @pytest.fixture(scope="module")
-def trust(scorer_dir):
+def trust(shape_scorer):
     """Scores of known sets against N real images (seed 0): real of another seed, altered, noise."""
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv(shapescore.CACHE_ENV, str(scorer_dir))
-        scorer = shapescore.load_or_train(SIZE, num_images=IMAGES, steps=STEPS)
+    scorer = shape_scorer
     reference = metrics.Reference.from_features(metrics.embed(scorer, [data.make_shapes(N, SIZE, seed=0)], "cpu"), key={})
     real = data.make_shapes(N, SIZE, seed=1)
     sets = {
