@@ -69,18 +69,15 @@ PRESETS = {
         # only a few thousand steps to show the shapes.
         learning_rate=2e-3,
         # DDPM with v-prediction and EDM's noise levels (--timestep_sampling lognormal):
-        # the quality ladder's best row at 8,192 images, shape FD 217 against 447 for
-        # eps-prediction with uniform timesteps and 333 for the EDM objective (BENCHMARKS.md).
+        # the quality ladder's best row, ahead of eps-prediction with uniform timesteps
+        # and of the EDM objective (BENCHMARKS.md).
         ddpm=dict(prediction_type="v_prediction", timestep_sampling="lognormal"),
-        # Batch 4: this run is short of optimizer steps, not of images. At the same
-        # images, batch 8 scored 184 against 217 for batch 16 on the ladder, and five
-        # epochs of batch 4 (2,560 steps) 85 against 112 for batch 8, for 15% fewer
-        # images/s; batch 2 scored worse again (BENCHMARKS.md).
+        # Batch 4: this run is short of optimizer steps, not of images; at the same
+        # images smaller batches scored better down to 4, and 2 worse (BENCHMARKS.md).
         # No EMA: the cosine decay to zero already averages the last steps, and the
         # raw weights scored better than the EMA in every comparison (BENCHMARKS.md).
-        # 12 epochs (6,144 steps, 7.5 minutes on the 2-core machine of 2026-11-24):
-        # shape FD 35 against 59 for 5 epochs, and the first grid with triangles and
-        # squares in it; the conditional run needs 15 for its class-match target.
+        # 12 epochs (6,144 steps): minutes on a 2-core CPU, and the first length whose
+        # grid holds triangles and squares (BENCHMARKS.md).
         flags=dict(train_batch_size=4, num_epochs=12, use_ema=False),
         unet=_unet((32, 64, 64), attention_at=(), layers_per_block=1, norm_num_groups=8),
     ),

@@ -42,12 +42,11 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "step-graph")
 INDUCTOR_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile makes the graphs (and may skip some)
 
 # Below this many FLOPs per micro-batch and process, a step is bound by kernel
-# launches rather than by the GPU, and CUDA graphs pay. Measured on an H100
-# (bench/results/2026-11-23-h100/): adm64 at batch 32 (1.47 TFLOP) took 57-76 ms
-# compiled and 21.6 ms with CUDA graphs, though its FLOPs need ~9 ms at the
-# 17.5% MFU ref128 reaches; ref128 at batch 64 (23.8 TFLOP, 137 ms) is bound
-# by the GPU. At that rate the launches of one step (~50 ms for these UNets)
-# are hidden once the work passes ~10 TFLOP.
+# launches rather than by the GPU, and CUDA graphs pay: a UNet step launches
+# about 50 ms of kernels, which the GPU's own work hides once it passes ~10 TFLOP
+# at the MFU ref128 reaches. On an H100 adm64 at batch 32 (1.47 TFLOP) ran several
+# times faster with CUDA graphs, and ref128 at batch 64 (23.8 TFLOP) was bound
+# by the GPU (bench/results/2026-11-23-h100/).
 LAUNCH_BOUND_FLOPS = 10e12
 
 
