@@ -26,14 +26,15 @@ Time is the optimizer step, counted from 1.
 """
 
 import json
-import sys
 from copy import deepcopy
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from errors import ConfigError
+import model as models
+from errors import ConfigError, OneLineParser, one_line_errors
+from rundir import RunDir, save_network
 
 SNAPSHOT_DIR = "ema_snapshots"
 MAX_STD = (1 / 12) ** 0.5  # sigma_rel of gamma = 0, the uniform average of the whole run
@@ -262,8 +263,6 @@ def reconstruct(folder, std, step=None):
 
 
 def parse_args(argv=None):
-    from sample import OneLineParser
-
     p = OneLineParser(prog="ema.py", description="Post-hoc EMA (Karras et al. 2024) from a run's power-EMA snapshots.")
     commands = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     r = commands.add_parser("reconstruct", help="the EMA for any sigma_rel, saved as a DDPMPipeline (an EDM run: the network in OUTPUT/unet)")
@@ -275,21 +274,15 @@ def parse_args(argv=None):
 
 
 def main(args):
-    try:
+    with one_line_errors("ema.py"):
         return reconstruct_command(args)
-    except ConfigError as e:
-        print(f"ema.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def reconstruct_command(args):
-    import model as models
-    import sample
-
     if not 0 < args.std < MAX_STD:
         raise ConfigError(f"--std must be between 0 and {MAX_STD:.4f} (got {args.std})")
     run_dir = Path(args.run_dir)
-    config = sample.find_run_config(run_dir)
+    config = RunDir(run_dir).config
     if config is None:
         raise ConfigError(f"{run_dir}: not a training run folder (no train_config.json)")
     state, used = reconstruct(run_dir / SNAPSHOT_DIR, args.std, args.step)
@@ -303,12 +296,12 @@ def reconstruct_command(args):
         missing, unexpected = unet.load_state_dict(state, strict=False)
         if unexpected or set(missing) - {name for name, _ in unet.named_buffers()}:
             raise ConfigError(f"{run_dir}: the EMA snapshots do not match the saved network")
-        sample.save_network(unet, output)
+        save_network(unet, output)
     else:
         unet = models.build_unet(config["model"], config["image_size"], num_classes=config.get("num_classes") or 0)
         unet.load_state_dict(state)
         scheduler = models.run_noise_scheduler(config)
-        sample.save_network(unet, output, scheduler)
+        save_network(unet, output, scheduler)
     step = max(u["step"] for u in used)
     (output / "ema.json").write_text(json.dumps(dict(std=args.std, step=step, snapshots=used), indent=2) + "\n")
     print(f"reconstructed the EMA with sigma_rel {args.std:g} at step {step} from {len(used)} snapshots into {output}")

@@ -1,8 +1,17 @@
-"""The two errors every module raises; the entry points print them as one line.
+"""The two errors every module raises, and the one place that turns them into a line and an exit code.
 
 ConfigError: a bad flag, path or combination (exit code 2): the message says what to change.
 RunError: training cannot go on (disk full, a non-finite loss with --on_nonfinite stop; exit code 1).
+
+Every command line tool parses with OneLineParser and runs its work under `one_line_errors(prog)`:
+no traceback and no usage block, one line on stderr that says what to change.
 """
+
+import argparse
+import contextlib
+import sys
+
+EXIT_CODES = {"ConfigError": 2, "RunError": 1}
 
 
 class ConfigError(Exception):
@@ -11,3 +20,30 @@ class ConfigError(Exception):
 
 class RunError(Exception):
     """Training cannot go on (disk full, non-finite loss): one line, exit code 1."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, exit code 2, no usage block: the message says what to change.
+    `source` names where the flags came from (a --config file) when it is not the command line."""
+
+    def __init__(self, *args, source="", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.source = source
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {self.source}{message} (see --help)\n")
+
+
+def fail(prog, message, code=2):
+    """Print `prog: error: message` as the one line on stderr and exit with `code`."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(code) from None
+
+
+@contextlib.contextmanager
+def one_line_errors(prog):
+    """ConfigError -> one line and exit code 2, RunError -> one line and exit code 1."""
+    try:
+        yield
+    except (ConfigError, RunError) as e:
+        fail(prog, e, EXIT_CODES[type(e).__name__])

@@ -38,24 +38,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import metrics
 import model as models
-from checkpoint import checkpoint_dirs
-from errors import ConfigError
+from errors import ConfigError, OneLineParser, one_line_errors
+from rundir import RunDir
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver", "dpmsolver_sde")
-# DPM-Solver++'s stochastic form with 25 steps: on the bare `python train.py`
-# model of 2026-11-24 it scored shape FD 59 against 90 for the deterministic
-# DPM-Solver++ and 86 for DDIM-50, at the cost of DPM-Solver++ (half of
-# DDIM-50's). docs/sampling.md: Samplers.
+# DPM-Solver++'s stochastic form with 25 steps: fresh noise at each step corrects
+# the errors earlier steps made, at the cost of the deterministic solver (half of
+# DDIM-50's); on the built-in shapes it scored better than either
+# (BENCHMARKS.md; docs/sampling.md: Samplers).
 DEFAULT_SAMPLER = "dpmsolver_sde"
 DEFAULT_STEPS = 25
 GRID_IMAGES = 64
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        """One line, exit code 2: no usage block (the message says what to change)."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 # --- samplers ------------------------------------------------------------------------
@@ -115,9 +110,9 @@ def make_scheduler(name, training_config):
 
 EDM_STEPS = 18  # EDM's CIFAR-10 setting: 18 steps, 35 network evaluations
 # S_churn of EDM's stochastic sampler (0: deterministic, EDM's CIFAR-10 setting). At 18 steps
-# any value from 7.5 up gives the largest fresh noise per step (γ = √2 - 1). On the built-in
-# shapes it lowered the shape FD of two edm2small runs by 24% and 40% (105.8 -> 80.8 and
-# 108.4 -> 64.8; BENCHMARKS.md), as the SDE form of DPM-Solver++ did for DDPM.
+# any value from 7.5 up gives the largest fresh noise per step (γ = √2 - 1: EDM eq. 7's
+# min(S_churn / N, √2 - 1)). On the built-in shapes it scored better than the deterministic
+# sampler (BENCHMARKS.md), as the SDE form of DPM-Solver++ did for DDPM.
 EDM_CHURN = 20.0
 SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # EDM Table 1
 
@@ -395,147 +390,6 @@ def save_grid(images, path):
     save_image(make_grid(images.float() / 255, nrow=math.ceil(math.sqrt(len(images)))), path)
 
 
-# --- loading a run -------------------------------------------------------------------
-
-
-def find_run_folder(path):
-    """The training run folder that `path` (a run, pipeline or checkpoint folder) belongs to, or None."""
-    candidates = [path, *path.parents][:3]  # run/, run/best/, run/checkpoints/checkpoint-N/
-    return next((folder for folder in candidates if (folder / "train_config.json").is_file()), None)
-
-
-def find_run_config(path):
-    """The train_config.json of the run that `path` belongs to, or None."""
-    folder = find_run_folder(path)
-    return json.loads((folder / "train_config.json").read_text()) if folder else None
-
-
-def newest_checkpoint(run_dir):
-    found = checkpoint_dirs(run_dir)  # complete ones only
-    return found[-1] if found else None
-
-
-def run_objective(path):
-    """The training objective of the run `path` belongs to: train_config.json's "objective", else "ddpm"."""
-    return (find_run_config(path) or {}).get("objective", "ddpm")
-
-
-def resolve_source(path):
-    """('pipeline' or 'checkpoint', folder) for what RUN_DIR names.
-
-    A pipeline is a DDPMPipeline folder, or (an EDM run's network, which no
-    diffusers pipeline holds) a folder with the network in unet/.
-    """
-    if (path / "model_index.json").is_file() or (path / "unet" / "config.json").is_file():
-        return "pipeline", path
-    if (path / "trainer_state.json").is_file():
-        return "checkpoint", path
-    checkpoint = newest_checkpoint(path) if path.is_dir() else None
-    if checkpoint is not None:
-        return "checkpoint", checkpoint
-    raise ConfigError(
-        f"{path}: no saved pipeline (model_index.json), checkpoint or checkpoints/ folder: "
-        "pass a training run's --output_dir, a pipeline folder or a checkpoint folder"
-    )
-
-
-def ema_weights_from_checkpoint(checkpoint):
-    """The EMA weights (a list of tensors in parameter order) in a checkpoint, or None.
-
-    accelerate saves registered objects as custom_checkpoint_N.pkl, N in
-    registration order; the EMA's is the one that holds shadow parameters:
-    diffusers' EMAModel ("shadow_params") or ema.PowerEMA ("shadows", one list
-    per tracked std; the first one is the run's EMA).
-    """
-    for path in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if isinstance(state, dict) and "shadow_params" in state:
-            return state["shadow_params"]
-        if isinstance(state, dict) and "shadows" in state:
-            return state["shadows"][0]
-    return None
-
-
-@contextlib.contextmanager
-def quiet_loading():
-    """No "Loading pipeline components" bar: an error after it should be the only line on stderr."""
-    from diffusers.utils import logging as diffusers_logging
-
-    was_enabled = diffusers_logging.is_progress_bar_enabled()
-    diffusers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            diffusers_logging.enable_progress_bar()
-
-
-def save_network(unet, folder, noise_scheduler=None):
-    """What load_model reads back: a DDPMPipeline in `folder` (a DDPM run: pass its
-    `noise_scheduler`), or the network alone in folder/unet (an EDM run: no diffusers
-    pipeline samples it; model.load_network reads it)."""
-    from diffusers import DDPMPipeline
-
-    if noise_scheduler is not None:
-        DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(str(folder))
-    else:
-        unet.save_pretrained(str(Path(folder) / "unet"))
-
-
-def run_kept_ema(path):
-    """Whether the run that `path` belongs to kept an EMA of its weights (its --use_ema; True when unknown)."""
-    return (find_run_config(Path(path)) or {}).get("use_ema", True)
-
-
-def load_model(path, ema=None):
-    """(network in eval mode, training-scheduler config or None) from a pipeline or checkpoint folder.
-
-    `ema`: the EMA weights (True), the raw weights (False, checkpoints only), or
-    None: the EMA where the run kept one (a run trained with --no-use_ema has
-    only its raw weights, and its pipeline holds them). The config is None for a
-    network saved without a DDPMPipeline (EDM runs: model.load_network reads
-    unet/, a UNet2DModel or an EDM2 network).
-    """
-    from diffusers import DDPMPipeline
-    from safetensors.torch import load_file
-
-    kind, folder = resolve_source(Path(path))
-    kept_ema = run_kept_ema(folder)
-    if ema and not kept_ema:
-        raise ConfigError(f"{folder}: the run kept no EMA (trained with --no-use_ema), so it has raw weights only: drop --ema")
-    if kind == "pipeline":
-        if ema is False and kept_ema:
-            raise ConfigError(
-                f"{folder} is a saved pipeline, which holds the EMA weights only: "
-                "for the raw weights pass a checkpoint folder (RUN_DIR/checkpoints/checkpoint-STEP) with --no-ema"
-            )
-        if not (folder / "model_index.json").is_file():
-            return models.load_network(folder / "unet"), None
-        with quiet_loading():
-            pipeline = DDPMPipeline.from_pretrained(str(folder))
-        return pipeline.unet.eval(), pipeline.scheduler.config
-
-    config = find_run_config(folder)
-    if config is None:
-        raise ConfigError(f"{folder}: no train_config.json in the run folder above it, so the model is unknown")
-    unet = models.build_unet(config["model"], config["image_size"], num_classes=config.get("num_classes") or 0)
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{folder}: no model.safetensors in the checkpoint")
-    unet.load_state_dict(load_file(str(weights)))
-    if kept_ema and ema is not False:
-        shadow = ema_weights_from_checkpoint(folder)
-        if shadow is None:
-            raise ConfigError(f"{folder}: the checkpoint has no EMA weights: add --no-ema for its raw weights")
-        with torch.no_grad():
-            for parameter, value in zip(unet.parameters(), shadow, strict=True):
-                parameter.copy_(value)
-    if config.get("objective", "ddpm") != "ddpm":
-        return unet.eval(), None
-    scheduler = models.run_noise_scheduler(config)
-    return unet.eval(), scheduler.config
-
-
 # --- the command ---------------------------------------------------------------------
 
 
@@ -637,32 +491,28 @@ def class_labels_for(spec, config, num_classes, count, seed, as_in_data):
 def load_guide(path, main_config, device):
     """The guiding network of --guide on `device`, checked against the run config
     `main_config` of the model it guides (check_guide; None: not checked)."""
-    guide = find_run_config(Path(path))
-    if main_config is not None and guide is not None:
-        check_guide(main_config, guide)
-    net, _ = load_model(path)
+    guide = RunDir(path)
+    if main_config is not None and guide.config is not None:
+        check_guide(main_config, guide.config)
+    net, _ = guide.load()
     return net.to(device)
 
 
 def main(args):
-    try:
+    with one_line_errors("sample.py"):
         return run(validate(args))
-    except ConfigError as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def run(args):
-    import metrics
-
     run_dir = Path(args.run_dir)
-    ema = run_kept_ema(run_dir) if args.ema is None else args.ema  # which weights sample, as recorded below
-    unet, training_config = load_model(run_dir, ema=ema)
+    source = RunDir(run_dir)
+    config = source.config
+    ema = source.kept_ema if args.ema is None else args.ema  # which weights sample, as recorded below
+    unet, training_config = source.load(ema=ema)
     unet.to(args.device)
-    objective = run_objective(run_dir)
-    if objective == "edm":
+    if source.objective == "edm":
         steps = args.num_inference_steps or EDM_STEPS
-        sigma_data = (find_run_config(run_dir) or {}).get("sigma_data", models.SIGMA_DATA)
+        sigma_data = source.get("sigma_data", models.SIGMA_DATA)
         scheduler = make_sampler("edm", None, sigma_data=sigma_data, churn=args.churn)
         sampler_name = scheduler.name
     else:
@@ -673,13 +523,12 @@ def run(args):
                 f"{training_config['num_train_timesteps']} training timesteps"
             )
         scheduler, sampler_name = make_scheduler(args.sampler, training_config), args.sampler
-    config = find_run_config(run_dir)
     labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
     guide = load_guide(args.guide, config, args.device) if args.guide else None
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
     evaluation = None
     if args.fid:
-        evaluation = metrics.SampleEvaluation(run_dir, find_run_folder(run_dir), config, args, image_shape(unet)[-1])
+        evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_shape(unet)[-1])
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)

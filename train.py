@@ -34,6 +34,7 @@ import flops
 import metrics
 import model as models
 import profiling
+import rundir
 import sample
 import step as steps
 from config import parse_args, resolve
@@ -367,7 +368,7 @@ class Run:
         return (self.output_dir / ("model_index.json" if self.args.objective == "ddpm" else "unet/config.json")).is_file()
 
     def save_network(self, network, folder):
-        sample.save_network(network, folder, self.noise_scheduler if self.args.objective == "ddpm" else None)
+        rundir.save_network(network, folder, self.noise_scheduler if self.args.objective == "ddpm" else None)
 
     def save_pipeline(self):
         """The EMA weights (or the raw ones) in output_dir."""

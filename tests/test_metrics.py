@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import data
 import metrics
+import rundir
 import train
 from errors import ConfigError
 
@@ -196,6 +197,31 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     embedded.clear()
     run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6, "--overwrite_output_dir", "--fid_weights", weights)
     assert sum(embedded) == 6
+
+
+def test_best_holds_the_weights_of_the_evaluation_that_won(tmp_path, monkeypatch):
+    """best/ is the network that was scored lowest, weight for weight: here the second of three
+    evaluations (their FIDs scripted), neither the first nor the last; the EMA weights that the
+    checkpoint of its step holds."""
+    import sample
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    fids, real_score = iter([3.0, 1.0, 2.0]), metrics.score
+    monkeypatch.setattr(metrics, "score", lambda *args, **kwargs: {**real_score(*args, **kwargs), "fid": next(fids)})
+    weights = tmp_path / "inception.pth"
+    weights.touch()
+    out = tmp_path / "run"
+    # 2 steps per epoch, scored after each of 3, a checkpoint at each
+    run(out, "--max_train_steps", 6, "--eval_every_epochs", 1, "--eval_num_samples", 4, "--fid_batch_size", 4,
+        "--fid_weights", weights, "--checkpointing_steps", 2)  # fmt: skip
+    results = json.loads((out / "eval_results.json").read_text())
+    assert [(r["step"], r["fid"], r["best"]) for r in results] == [(2, 3.0, True), (4, 1.0, True), (6, 2.0, False)]
+    assert json.loads((out / "best" / "eval.json").read_text())["step"] == 4
+    best = rundir.load_model(out / "best")[0].state_dict()
+    at = {step: rundir.load_model(out / "checkpoints" / f"checkpoint-{step}", ema=True)[0].state_dict() for step in (2, 4, 6)}
+    assert best.keys() == at[4].keys() and all(torch.equal(best[name], at[4][name]) for name in best)
+    for step in (2, 6):  # the weights did change between evaluations
+        assert not all(torch.equal(best[name], at[step][name]) for name in best), step
 
 
 def image_folder(folder, n=16, size=16):

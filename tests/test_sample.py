@@ -4,6 +4,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import model as models
+import rundir
 import sample
 import train
 
@@ -118,7 +119,7 @@ def test_a_checkpoint_gives_its_ema_weights_by_default_and_raw_ones_with_no_ema(
     assert pngs(tmp_path / "ema") == pngs(tmp_path / "pipeline")
     assert pngs(tmp_path / "raw") != pngs(tmp_path / "ema")
 
-    unet, _ = sample.load_model(checkpoint, ema=False)
+    unet, _ = rundir.load_model(checkpoint, ema=False)
     raw = load_file(str(checkpoint / "model.safetensors"))
     assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw)
 
@@ -129,7 +130,7 @@ def test_a_run_without_an_ema_samples_its_raw_weights_by_default_and_refuses_ema
     checkpoint = out / "checkpoints" / "checkpoint-4"
     raw = load_file(str(checkpoint / "model.safetensors"))
     for source in (out, checkpoint):  # the pipeline holds the raw weights, and a checkpoint gives them
-        unet, _ = sample.load_model(source)
+        unet, _ = rundir.load_model(source)
         assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw), source
     with pytest.raises(SystemExit):
         sample_main(out, "--ema", "--num_images", 1, "--output", tmp_path / "x")
