@@ -28,7 +28,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import model as models
-from errors import ConfigError
+from errors import ConfigError, OneLineParser, one_line_errors
 
 
 def count_flops(fn):
@@ -228,7 +228,7 @@ def format_perf_line(
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="FLOPs per training step of a model preset.")
+    p = OneLineParser(description="FLOPs per training step of a model preset.")
     p.add_argument("--model", default="auto", help="preset name, or auto (picked by --image_size as in train.py)")
     p.add_argument("--image_size", type=int, default=128, help="image side in pixels")
     p.add_argument("--train_batch_size", type=int, default=64, help="images per step")
@@ -243,14 +243,11 @@ def parse_args(argv=None):
 
 
 def main(args):
-    try:
+    with one_line_errors("flops.py"):
         if args.train_batch_size < 1:
             raise ConfigError(f"--train_batch_size must be at least 1 (got {args.train_batch_size})")
         name = models.resolve_model_name(args.model, args.image_size)
         per_image = unet_flops(name, args.image_size, 1, args.gradient_checkpointing)
-    except ConfigError as e:
-        print(f"flops.py: error: {e}", file=sys.stderr)
-        return 2
     # FLOPs are linear in the batch (tests/test_flops.py checks it), so count one image and scale.
     result = dict(
         model=name,

@@ -8,7 +8,6 @@ torch.profiler (`make_profiler`), `draw_run_plots` draws the logged scalars
 at the end, and `write_manifest` writes `run.json`.
 """
 
-import argparse
 import contextlib
 import json
 import math
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from errors import ConfigError, OneLineParser, one_line_errors
 from flops import seconds_between, time_mark
 
 # The phases of a training step, in order ("step": all but the data, when the
@@ -471,22 +471,25 @@ def write_manifest(path, **fields):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="profiling.py", description="Plots of a finished or running run.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = OneLineParser(prog="profiling.py", description="Plots of a finished or running run.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     plots = sub.add_parser("plots", help="draw RUN_DIR/plots/*.png from the run's tensorboard logs")
     plots.add_argument("run_dir", help="a train.py --output_dir")
     return p.parse_args(argv)
 
 
 def main(args):
+    with one_line_errors("profiling.py"):
+        return plots_command(args)
+
+
+def plots_command(args):
     run_dir = Path(args.run_dir)
     if not (run_dir / "logs").is_dir():
-        print(f"profiling.py: error: {run_dir} has no logs/ folder: point at a train.py --output_dir", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{run_dir} has no logs/ folder: point at a train.py --output_dir")
     drawn = draw_run_plots(run_dir)
     if not drawn:
-        print(f"profiling.py: error: no scalars logged in {run_dir / 'logs'} yet", file=sys.stderr)
-        return 2
+        raise ConfigError(f"no scalars logged in {run_dir / 'logs'} yet")
     for tag in drawn:
         print(run_dir / "plots" / PLOTS[tag][0])
     return 0

@@ -65,7 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-from errors import ConfigError
+from errors import ConfigError, one_line_errors
 
 VERSION = 1
 # One scorer per image size for every run, so that their scores compare; trained on
@@ -445,11 +445,8 @@ def parse_args(argv=None):
 def main(args):
     """Print the trust table; a bad argument is one line and exit code 2."""
     start = time.perf_counter()
-    try:
+    with one_line_errors("shapescore.py"):
         scorer, rows = trust_table(args.image_size, args.num_images, args.grids, args.device)
-    except ConfigError as e:
-        print(f"shapescore.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     info = scorer.info
     print(
         f"{scorer.name} (cached in {cache_path(args.image_size)}); trained in {info['total_s']} s on {info['device']} "

@@ -148,6 +148,8 @@ def test_flops_cli_json_for_the_reference_model(capsys):
 
 
 def test_flops_cli_refuses_an_unknown_model(capsys):
-    assert flops.main(flops.parse_args(["--model", "nope"])) == 2
+    with pytest.raises(SystemExit) as stopped:
+        flops.main(flops.parse_args(["--model", "nope"]))
+    assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown --model 'nope'" in err

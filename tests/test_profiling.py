@@ -318,7 +318,9 @@ def test_plots_are_drawn_from_the_logged_values(plain_run, tmp_path, plotted):
 def test_plots_command(plain_run, tmp_path, capsys):
     assert profiling.main(profiling.parse_args(["plots", str(plain_run)])) == 0
     assert str(plain_run / "plots" / "loss.png") in capsys.readouterr().out
-    assert profiling.main(profiling.parse_args(["plots", str(tmp_path)])) == 2
+    with pytest.raises(SystemExit) as stopped:
+        profiling.main(profiling.parse_args(["plots", str(tmp_path)]))
+    assert stopped.value.code == 2
     assert "has no logs/ folder" in capsys.readouterr().err
 
 
