@@ -7,7 +7,9 @@ presets live in one dict, `PRESETS`; `python flops.py --model NAME` prints
 what each one costs.
 """
 
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -525,14 +527,9 @@ def load_network(path):
 
     A diffusers UNet2DModel, or edm2.EDM2UNet when the config's _class_name says so.
     """
-    import json
-    from pathlib import Path
-
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{path}: no config.json, so no saved network")
     if json.loads(config_file.read_text()).get("_class_name") == "EDM2UNet":
-        import edm2  # only EDM2 runs need it
-
-        return edm2.EDM2UNet.from_pretrained(str(path)).eval()
+        return EDM2UNet.from_pretrained(str(path)).eval()
     return UNet2DModel.from_pretrained(str(path)).eval()
