@@ -31,7 +31,7 @@ import torch
 
 import config
 import profiling
-from errors import ConfigError
+from errors import ConfigError, one_line_errors
 
 HERE = Path(__file__).resolve().parent
 
@@ -223,12 +223,9 @@ def draw(result, path):
 
 
 def main(args):
-    """Run the ladder: 0 when every row trained, 1 when one failed, 2 on a bad flag."""
-    try:
+    """Run the ladder: 0 when every row trained, 1 when one failed; a bad flag exits 2 with one line."""
+    with one_line_errors("bench.py"):
         rows = validate(args)
-    except ConfigError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        return 2
     env = profiling.environment(torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"),
                                 ["python bench.py", *args.argv])  # fmt: skip
     lines = profiling.environment_lines(env)

@@ -48,7 +48,7 @@ import config
 import data
 import model as models
 import profiling
-from errors import ConfigError
+from errors import ConfigError, one_line_errors
 
 HERE = Path(__file__).resolve().parent
 TRAIN = str(HERE / "train.py")
@@ -381,15 +381,12 @@ def draw(result, path):
 
 
 def main(args, workloads, draw_if_possible):
-    """Run the sweep: 0 when every point trained, 1 when one failed, 2 on a bad flag, 130 on Ctrl-C.
+    """Run the sweep: 0 when every point trained, 1 when one failed, 130 on Ctrl-C; a bad flag exits 2 with one line.
 
     `draw_if_possible(result, path)`: bench.py's, which says how to draw later without matplotlib.
     """
-    try:
+    with one_line_errors("bench.py"):
         points = validate(args, workloads)
-    except ConfigError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        return 2
     workload = workloads[args.workload]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env = profiling.environment(device, ["python bench.py", *args.argv])

@@ -45,7 +45,9 @@ def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys):
     (["--train_args=--max_train_steps 3"], "--train_args must not set --max_train_steps"),
 ])  # fmt: skip
 def test_bad_ladder_flags_are_one_line(tmp_path, capsys, argv, message):
-    assert ladder(tmp_path, *argv) == 2
+    with pytest.raises(SystemExit) as stopped:
+        ladder(tmp_path, *argv)
+    assert stopped.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
 

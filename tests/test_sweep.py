@@ -160,7 +160,9 @@ def test_a_failed_point_is_recorded_and_the_sweep_exits_1(tmp_path, capsys):
     ],
 )
 def test_bad_sweep_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
-    assert run_sweep(tmp_path, *argv) == 2
+    with pytest.raises(SystemExit) as stopped:
+        run_sweep(tmp_path, *argv)
+    assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not list(tmp_path.iterdir())  # nothing was run or written
@@ -168,7 +170,9 @@ def test_bad_sweep_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
 
 def test_a_process_sweep_needs_more_than_one_gpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sweep, "_gpu_count", lambda: 1)
-    assert run_sweep(tmp_path, "--sweep", "num_processes") == 2
+    with pytest.raises(SystemExit) as stopped:
+        run_sweep(tmp_path, "--sweep", "num_processes")
+    assert stopped.value.code == 2
     assert "needs more than one GPU (this machine has 1)" in capsys.readouterr().err
 
 
