@@ -1,0 +1,454 @@
+"""latents.py on tiny randomly initialised VAEs saved to temporary folders (seconds on a CPU)."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import latents
+from errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = 16
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Convolutions this small run 100x slower on threads that a busy 2-core machine oversubscribes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_kl(folder, seed=0, **config):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    config = dict(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=SIZE,
+    ) | config  # fmt: skip
+    vae = AutoencoderKL(**config)
+    vae.save_pretrained(folder)
+    return folder
+
+
+def make_tiny(folder, seed=0):
+    from diffusers import AutoencoderTiny
+
+    torch.manual_seed(seed)
+    AutoencoderTiny(
+        encoder_block_out_channels=(8, 8, 8), decoder_block_out_channels=(8, 8, 8), num_encoder_blocks=(1, 1, 1),
+        num_decoder_blocks=(1, 1, 1), latent_channels=4,
+    ).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+@pytest.fixture(scope="module")
+def kl_folder(tmp_path_factory):
+    return make_kl(tmp_path_factory.mktemp("vae") / "kl")
+
+
+def images(n=10, size=SIZE, seed=0):
+    return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def batches(x, batch_size=4, labels=None):
+    for i in range(0, len(x), batch_size):
+        yield x[i : i + batch_size] if labels is None else (x[i : i + batch_size], labels[i : i + batch_size])
+
+
+def count_encodes(vae):
+    """Wraps vae.encode to count its calls: vae.encode_calls."""
+    encode = vae.encode
+    vae.encode_calls = 0
+
+    def counted(*args, **kwargs):
+        vae.encode_calls += 1
+        return encode(*args, **kwargs)
+
+    vae.encode = counted
+    return vae
+
+
+def one_line_error(call, *match):
+    with pytest.raises(ConfigError) as e:
+        call()
+    message = str(e.value)
+    assert "\n" not in message, message
+    for m in match:
+        assert m in message, message
+    return message
+
+
+def encode(vae, x, tmp_path, dataset="toy", lines=None, **kw):
+    key = latents.cache_key(dict(name=dataset), vae, x.shape[-1], flips=kw.pop("flips", True))
+    log = (lines if lines is not None else []).append
+    labels = kw.pop("labels", None)
+    return latents.cached_latents(vae, lambda: batches(x, labels=labels), key,
+                                  root=tmp_path / "cache", progress=False, log=log, **kw)  # fmt: skip
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def test_load_vae_from_a_folder_a_pipeline_layout_and_a_tiny_folder(tmp_path, kl_folder):
+    from diffusers import AutoencoderKL, AutoencoderTiny
+
+    vae = latents.load_vae(kl_folder)
+    assert type(vae) is AutoencoderKL and vae.latents_source == {"vae": str(kl_folder), "subfolder": None}
+    assert latents.vae_factor(vae) == 2 and latents.latent_channels(vae) == 4
+    assert not vae.training and not any(p.requires_grad for p in vae.parameters())
+    saved = AutoencoderKL.from_pretrained(kl_folder)
+    assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), saved.state_dict().values()))
+
+    pipeline = tmp_path / "pipeline"
+    make_kl(pipeline / "vae", seed=3)
+    (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    vae = latents.load_vae(str(pipeline))
+    assert type(vae) is AutoencoderKL and vae.latents_source["subfolder"] == "vae"
+    saved = AutoencoderKL.from_pretrained(pipeline / "vae")
+    assert torch.equal(vae.encoder.conv_in.weight, saved.encoder.conv_in.weight)
+    assert latents.load_vae(pipeline, subfolder="vae").latents_source["subfolder"] == "vae"
+
+    tiny = latents.load_vae(make_tiny(tmp_path / "tiny"))
+    assert type(tiny) is AutoencoderTiny
+    assert latents.vae_factor(tiny) == 4 and latents.latent_channels(tiny) == 4
+    assert tiny.encode(images(1)).latents.shape[-1] == SIZE // 4  # the factor is the encoder's
+
+
+def test_bad_vae_inputs_are_one_line_errors(tmp_path, kl_folder, monkeypatch):
+    one_line_error(lambda: latents.load_vae(tmp_path / "missing"), "no such folder", str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    one_line_error(lambda: latents.load_vae(tmp_path / "empty"), "holds no VAE", "pipeline folder with vae/")
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
+    one_line_error(lambda: latents.load_vae(tmp_path / "unet"), "holds no VAE", "is a UNet2DModel")
+    one_line_error(lambda: latents.load_vae(kl_folder / "config.json"), "is a file")
+    broken = tmp_path / "no_weights"
+    broken.mkdir()
+    (broken / "config.json").write_text((kl_folder / "config.json").read_text())
+    one_line_error(lambda: latents.load_vae(broken), "cannot load the AutoencoderKL")
+
+    # A Hub id, offline and with an empty Hub cache: what to download, and where to point --vae.
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    one_line_error(
+        lambda: latents.load_vae("stabilityai/sd-vae-ft-mse"),
+        "stabilityai/sd-vae-ft-mse", "hf download stabilityai/sd-vae-ft-mse --local-dir DIR", "--vae DIR",
+    )  # fmt: skip
+
+
+def test_image_size_must_be_a_multiple_of_the_factor():
+    one_line_error(lambda: latents.check_image_size(20, 8), "--image_size 20", "factor 8", "use 16 or 24")
+    one_line_error(lambda: latents.latent_size(4, 8), "use 8")
+    latents.check_image_size(256, 8)
+    assert latents.latent_size(256, 8) == 32
+
+
+# --- the cache --------------------------------------------------------------------------------
+
+
+def test_what_is_stored_is_the_posterior_of_each_image_and_of_its_flip(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    x = images()
+    cache = encode(vae, x, tmp_path)
+    assert cache.array.shape == (10, 2, 2, 4, SIZE // 2, SIZE // 2)
+    assert (cache.num_images, cache.channels, cache.resolution, cache.orientations) == (10, 4, 8, 2)
+    with torch.no_grad():
+        dist, flipped = vae.encode(x).latent_dist, vae.encode(x.flip(3)).latent_dist
+    stored = torch.from_numpy(np.array(cache.array))
+    torch.testing.assert_close(stored[:, 0, 0], dist.mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stored[:, 0, 1], dist.std, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stored[:, 1, 0], flipped.mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stored[:, 1, 1], flipped.std, atol=1e-5, rtol=1e-5)
+    # Why both orientations are encoded: the latent of the flipped image is not the flipped latent ...
+    assert (flipped.mean - dist.mean.flip(3)).abs().mean() > 0.3 * dist.mean.abs().mean()
+    # ... not even with mirror-symmetric kernels: the downsamplers' sampling grid is not mirror-symmetric.
+    symmetric = latents.load_vae(kl_folder)
+    with torch.no_grad():
+        for conv in (m for m in symmetric.modules() if isinstance(m, torch.nn.Conv2d)):
+            conv.weight.copy_((conv.weight + conv.weight.flip(-1)) / 2)
+        a, b = symmetric.encode(x).latent_dist.mean, symmetric.encode(x.flip(3)).latent_dist.mean
+        assert (b - a.flip(3)).abs().mean() > 0.3 * a.abs().mean()
+        symmetric.encoder.down_blocks[0].downsamplers = None
+        a = symmetric.encode(x).latent_dist.mean
+        torch.testing.assert_close(symmetric.encode(x.flip(3)).latent_dist.mean, a.flip(3), atol=1e-5, rtol=1e-4)
+    # The dataset's statistics are those of the latents as drawn: both orientations, posterior noise.
+    means, stds = stored[:, :, 0].double(), stored[:, :, 1].double()
+    mean = means.mean((0, 1, 3, 4))
+    var = (means.square() + stds.square()).mean((0, 1, 3, 4)) - mean.square()
+    assert cache.stats["mean"] == pytest.approx(mean.tolist(), abs=1e-6)
+    assert cache.stats["std"] == pytest.approx(var.sqrt().tolist(), abs=1e-6)
+
+    unflipped = encode(vae, x, tmp_path, flips=False)
+    assert unflipped.array.shape == (10, 1, 2, 4, 8, 8)
+    assert torch.equal(torch.from_numpy(np.array(unflipped.array[:, 0])), stored[:, 0])
+
+
+def test_a_second_call_reads_the_cache_encodes_nothing_and_says_so(tmp_path, kl_folder):
+    vae = count_encodes(latents.load_vae(kl_folder))
+    x, lines = images(), []
+    first = encode(vae, x, tmp_path, lines=lines)
+    assert vae.encode_calls == 3  # 10 images in batches of 4, both orientations in one call
+    assert len(lines) == 1 and "encoded 10 images" in lines[0] and "images/s" in lines[0], lines
+    assert first.meta["images_per_second"] > 0 and first.encode_seconds > 0
+
+    opened = []
+    lines.clear()
+    again = latents.cached_latents(
+        vae, lambda: opened.append(1), latents.cache_key(dict(name="toy"), vae, SIZE), root=tmp_path / "cache",
+        progress=False, log=lines.append,
+    )  # fmt: skip
+    assert vae.encode_calls == 3 and not opened  # nothing encoded, the images not even opened
+    assert len(lines) == 1 and "reusing the cache" in lines[0] and "encoding nothing" in lines[0], lines
+    assert again.path == first.path and np.array_equal(again.array, first.array)
+    # A VAE loaded afresh (another run, a resume) has the same key.
+    assert latents.cache_key(dict(name="toy"), latents.load_vae(kl_folder), SIZE) == latents.cache_key(
+        dict(name="toy"), vae, SIZE
+    )
+
+
+def test_another_vae_image_size_dataset_or_flip_setting_encodes_afresh(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    first = encode(vae, images(), tmp_path)
+
+    def encodes(vae, x, **kw):
+        vae = count_encodes(vae)
+        cache = encode(vae, x, tmp_path, **kw)
+        return vae.encode_calls > 0, cache
+
+    other_weights = latents.load_vae(make_kl(tmp_path / "other", seed=1))
+    fresh, cache = encodes(other_weights, images())
+    assert fresh and cache.path != first.path and not np.array_equal(cache.array, first.array)
+    other_config = latents.load_vae(make_kl(tmp_path / "wider", seed=0, latent_channels=8))
+    assert encodes(other_config, images())[0]
+    fresh, cache = encodes(latents.load_vae(kl_folder), images(size=32))
+    assert fresh and cache.resolution == 16
+    assert encodes(latents.load_vae(kl_folder), images(), dataset="another")[0]
+    assert encodes(latents.load_vae(kl_folder), images(), flips=False)[0]
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    assert latents.cache_key(dict(name="toy"), vae, SIZE, center_crop=False) != key
+
+    # The same weights in another folder give the same latents: the cache is reused. So is a VAE whose
+    # normalisation constants alone differ (the cache holds raw latents).
+    import shutil
+
+    shutil.copytree(kl_folder, tmp_path / "copy")
+    assert not encodes(latents.load_vae(tmp_path / "copy"), images())[0]
+    config = json.loads((tmp_path / "copy" / "config.json").read_text())
+    (tmp_path / "copy" / "config.json").write_text(json.dumps(config | {"scaling_factor": 0.5, "shift_factor": 0.1}))
+    assert not encodes(latents.load_vae(tmp_path / "copy"), images())[0]
+
+
+def test_cache_root_honours_the_flag_then_its_variable_then_xdg(tmp_path, monkeypatch):
+    monkeypatch.delenv(latents.CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert latents.cache_root() == tmp_path / "home" / ".cache" / "ddpm-train" / "latents"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert latents.cache_root() == tmp_path / "xdg" / "ddpm-train" / "latents"
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "env"))
+    assert latents.cache_root() == tmp_path / "env"
+    assert latents.cache_root(tmp_path / "flag") == tmp_path / "flag"
+
+
+def test_labels_are_cached_with_their_latents(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    labels = torch.arange(10) % 3
+    cache = encode(vae, images(), tmp_path, labels=labels)
+    assert torch.equal(cache.labels, labels)
+    again = encode(vae, images(), tmp_path)  # a hit: the labels come from the cache
+    assert torch.equal(again.labels, labels)
+    z, label = latents.LatentDataset(again)[7]
+    assert z.shape == (4, 8, 8) and label == 1
+
+
+def test_the_cache_is_memory_mapped_above_the_budget(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    in_memory = encode(vae, images(), tmp_path, max_gib=1.0)
+    assert not in_memory.memmapped and not isinstance(in_memory.array, np.memmap)
+    size = (in_memory.path / latents.LATENTS_FILE).stat().st_size
+    mapped = encode(vae, images(), tmp_path, max_gib=size / 2**30 * 0.99)
+    assert mapped.memmapped and isinstance(mapped.array, np.memmap) and mapped.array.mode == "r"
+    exactly = latents.LatentCache(in_memory.path, max_gib=size / 2**30)
+    assert not exactly.memmapped
+    assert np.array_equal(mapped.array, in_memory.array)
+    assert torch.equal(mapped.draw([1, 5], epoch=2, seed=3), in_memory.draw([1, 5], epoch=2, seed=3))
+
+
+def test_a_failed_or_killed_encode_leaves_no_cache_that_is_read(tmp_path, kl_folder, monkeypatch):
+    vae = count_encodes(latents.load_vae(kl_folder))
+    x = images()
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    folder = latents.cache_folder(key, tmp_path / "cache")
+
+    def failing():
+        yield x[:4]
+        yield x[4:8]
+        raise OSError("disk full")
+
+    def run(images):
+        return latents.cached_latents(vae, images, key, root=tmp_path / "cache", progress=False, log=print)
+
+    with pytest.raises(OSError, match="disk full"):
+        run(failing)
+    assert not folder.exists() and list(folder.parent.iterdir()) == []  # the partial file is gone too
+
+    # Killed before cleaning up (the temporary folder stays, half written): not read, then removed.
+    import shutil
+
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "rmtree", lambda *a, **k: None)
+        with pytest.raises(OSError):
+            run(failing)
+    left = list(folder.parent.iterdir())
+    assert len(left) == 1 and left[0].name.startswith(f".{folder.name}.tmp-") and (left[0] / "latents.npy").is_file()
+    calls = vae.encode_calls
+    cache = run(lambda: batches(x))
+    assert vae.encode_calls == calls + 3 and cache.num_images == 10  # encoded afresh
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # the leftover removed
+
+
+def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
+    """A real SIGKILL mid-encode: the next call encodes afresh and removes the dead process's folder."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        torch.set_num_threads(1)
+        sys.path.insert(0, {str(ROOT)!r})
+        import latents
+        vae = latents.load_vae({str(kl_folder)!r})
+        x = torch.zeros(4, 3, {SIZE}, {SIZE})
+        def batches():
+            yield x
+            yield x
+            os.kill(os.getpid(), signal.SIGKILL)
+        key = latents.cache_key(dict(name="toy"), vae, {SIZE})
+        latents.cached_latents(vae, batches, key, root={str(tmp_path / "cache")!r}, progress=False)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    (left,) = list((tmp_path / "cache").iterdir())
+    assert ".tmp-" in left.name
+    vae = count_encodes(latents.load_vae(kl_folder))
+    cache = encode(vae, images(), tmp_path)
+    assert vae.encode_calls == 3 and cache.num_images == 10
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [cache.path.name]
+
+
+# --- normalisation, decoding, draws -----------------------------------------------------------
+
+
+def test_vae_normalisation_uses_scaling_and_shift_factor_and_round_trips(tmp_path):
+    vae = latents.load_vae(make_kl(tmp_path / "vae", scaling_factor=0.5, shift_factor=0.25))
+    cache = encode(vae, images(), tmp_path)
+    record = latents.normalization(cache, vae, "vae")
+    assert record["kind"] == "vae" and record["scaling_factor"] == 0.5 and record["shift_factor"] == 0.25
+    assert record["shift"] == [0.25] * 4 and record["scale"] == [0.5] * 4
+    assert record["normalized_std"] == pytest.approx([s * 0.5 for s in cache.stats["std"]])
+    json.dumps(record)  # goes into the run's config
+    z = cache.draw(range(10), epoch=0, seed=0)
+    torch.testing.assert_close(latents.normalize(z, record), (z - 0.25) * 0.5)
+    torch.testing.assert_close(latents.denormalize(latents.normalize(z, record), record), z)
+    edm = latents.normalization(cache, vae, "vae", target_std=0.5)
+    torch.testing.assert_close(latents.normalize(z, edm), (z - 0.25) * 0.25)
+
+    # decode undoes the normalisation, then decodes: images in [-1, 1]
+    decoded = latents.decode(vae, latents.normalize(z[:3], record), record, batch_size=2)
+    with torch.no_grad():
+        expected = vae.decode(z[:3]).sample.clamp(-1, 1)
+    torch.testing.assert_close(decoded, expected, atol=1e-5, rtol=1e-4)
+    assert decoded.shape == (3, 3, SIZE, SIZE) and decoded.abs().max() <= 1
+
+    # Per-channel latents_mean / latents_std where the config has them
+    config = json.loads((tmp_path / "vae" / "config.json").read_text())
+    means, stds = [0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 4.0, 8.0]
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(config | dict(latents_mean=means, latents_std=stds)))
+    per_channel = latents.normalization(cache, latents.load_vae(tmp_path / "vae"), "vae")
+    assert per_channel["shift"] == means and per_channel["scale"] == pytest.approx([0.5 / s for s in stds])
+    torch.testing.assert_close(latents.normalize(z, per_channel)[:, 3], (z[:, 3] - 0.4) * 0.5 / 8)
+
+    # A config.json that does not set scaling_factor (diffusers would fill in SD's 0.18215)
+    del config["scaling_factor"]
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(config))
+    bare = latents.load_vae(tmp_path / "vae")
+    one_line_error(lambda: latents.normalization(cache, bare, "vae"), "no scaling_factor", "dataset")
+    one_line_error(lambda: latents.normalization(cache, bare, "pixels"), "'vae' or 'dataset'")
+
+
+def test_dataset_normalisation_gives_zero_mean_unit_std_per_channel(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    cache = encode(vae, images(64), tmp_path)
+    record = latents.normalization(cache, vae, "dataset")
+    assert record["kind"] == "dataset" and record["mean"] == cache.stats["mean"] and record["std"] == cache.stats["std"]
+    assert record["normalized_std"] == pytest.approx([1.0] * 4)
+    z = torch.cat([latents.normalize(cache.draw(range(64), epoch=e, seed=0), record) for e in range(8)])
+    assert z.mean((0, 2, 3)).abs().max() < 0.05
+    assert (z.std((0, 2, 3)) - 1).abs().max() < 0.05
+    raw = latents.denormalize(z, record)
+    torch.testing.assert_close(latents.normalize(raw, record), z, atol=1e-5, rtol=1e-5)
+    half = latents.normalization(cache, vae, "dataset", target_std=0.5)
+    assert half["normalized_std"] == pytest.approx([0.5] * 4)
+
+
+def test_draws_are_fresh_each_epoch_and_identical_for_the_same_seed_epoch_and_index(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    cache = encode(vae, images(), tmp_path)
+    a = cache.draw([0, 1, 2, 3], epoch=5, seed=7)
+    # the same (seed, epoch, index) in another batch, another order, a cache read afresh (a resume)
+    resumed = latents.LatentCache(cache.path)
+    assert torch.equal(a[2], resumed.draw([9, 2], epoch=5, seed=7)[1])
+    assert torch.equal(a, resumed.draw([0, 1, 2, 3], epoch=5, seed=7))
+    assert not torch.equal(a, cache.draw([0, 1, 2, 3], epoch=6, seed=7))
+    assert not torch.equal(a, cache.draw([0, 1, 2, 3], epoch=5, seed=8))
+    assert not torch.equal(a[0], a[1])
+
+    # Each draw is one orientation's mean plus its std times fresh noise; both orientations turn up.
+    stored = torch.from_numpy(np.array(cache.array[3]))  # (2 orientations, mean/std, C, h, w)
+    sides = set()
+    for epoch in range(12):
+        z = cache.draw([3], epoch=epoch, seed=0)[0]
+        eps = [(z - stored[s, 0]) / stored[s, 1] for s in (0, 1)]
+        side = min((0, 1), key=lambda s: eps[s].abs().max())
+        assert eps[side].abs().max() < 6 and 0.7 < eps[side].std() < 1.3
+        sides.add(side)
+    assert sides == {0, 1}
+
+    dataset = latents.LatentDataset(cache, latents.normalization(cache, vae, "dataset"), seed=7)
+    dataset.set_epoch(5)
+    torch.testing.assert_close(dataset[2], latents.normalize(a[2:3], dataset.record)[0])
+    assert torch.equal(dataset.batch([0, 1, 2, 3]), latents.normalize(a, dataset.record))
+    dataset.set_epoch(6)
+    assert not torch.equal(dataset.batch([0, 1, 2, 3]), latents.normalize(a, dataset.record))
+    assert len(dataset) == 10
+
+
+def test_a_tiny_vae_stores_its_latents_alone(tmp_path):
+    from diffusers import AutoencoderTiny
+
+    vae = latents.load_vae(make_tiny(tmp_path / "tiny"))
+    assert isinstance(vae, AutoencoderTiny)
+    x = images()
+    cache = encode(vae, x, tmp_path)
+    assert cache.array.shape == (10, 2, 1, 4, 4, 4) and not cache.stochastic
+    with torch.no_grad():
+        expected = vae.encode(x).latents
+    torch.testing.assert_close(torch.from_numpy(np.array(cache.array[:, 0, 0])), expected, atol=1e-5, rtol=1e-5)
+    draws = {tuple(cache.draw([0], epoch=e, seed=0).flatten().tolist()) for e in range(12)}
+    assert len(draws) == 2  # the two orientations, no noise
+    record = latents.normalization(cache, vae, "vae")  # TAESD's scaling_factor 1.0, shift 0
+    assert record["scale"] == [1.0] * 4 and record["shift"] == [0.0] * 4
+    assert latents.decode(vae, cache.draw([0, 1], 0, 0), record).shape == (2, 3, SIZE, SIZE)
