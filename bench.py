@@ -13,9 +13,11 @@ the ladder taken from train.py's defaults. The first row, diffusers_example,
 is a yardstick outside the ladder: the step as diffusers' train_unconditional.py
 takes it. Then the ladder: the project this grows from as it shipped, and each
 row below it switches one more thing on (force_layout starts again from
-no_syncs, leaving CUDA graphs out; fused_norm too, as `train.py --fused_norm`
-runs it: --compile_mode auto, no force_layout); the last is what `python
-train.py` runs by default on this device. The speedup column is over the
+no_syncs, leaving CUDA graphs out; fused_norm too, as train.py's step runs
+with it: --compile_mode auto, no force_layout); the last is what `python
+train.py` runs by default on this device. The settings train.py has no flag
+for (channels_last, cudnn_benchmark, fused AdamW, TF32, fused_norm: config.SETTINGS)
+are bench.py's own flags too: they change that last row, train.py's step with them. The speedup column is over the
 first row that ran (diffusers_example when it is among --variants). Rows that
 need CUDA are skipped on a CPU, with the reason in the table.
 
@@ -225,8 +227,8 @@ def _ladder():
     )
     add(
         "fused_norm",
-        "what `train.py --fused_norm` runs (it turns --channels_last on): no_syncs with --compile_mode auto as "
-        "train.py picks it and Inductor's layout left alone (no force_layout), plus fused_norm.py's NHWC "
+        "train.py's step with fused_norm (bench.py --fused_norm; it turns channels_last on): no_syncs with "
+        "--compile_mode auto as train.py picks it and Inductor's layout left alone (no force_layout), plus fused_norm.py's NHWC "
         "GroupNorm+SiLU Triton kernels in the ResNet blocks and the final norm, and Upsample2D without its NCHW copy",
         dict(ref128=None, adm64=None),
         cuda_only="the kernels run on NHWC CUDA tensors",
@@ -240,9 +242,13 @@ def _ladder():
 LADDER = _ladder()
 
 
-def train_settings(*argv):
-    """A row's settings for what `python train.py *argv` runs on this machine's device (config.py resolves them)."""
-    args = config.resolve(config.parse_args(list(argv)))
+def train_settings(*argv, **settings):
+    """A row's settings for what `python train.py *argv` runs on this machine's device (config.py resolves them),
+    with `settings` (config.SPEED_SETTINGS: channels_last=True, ...) set on its configuration."""
+    args = config.parse_args(list(argv))
+    for name, value in settings.items():
+        setattr(args, name, value)
+    args = config.resolve(args)
     return dict(
         precision="bf16" if args.mixed_precision == "bf16" else "fp32",
         matmul_tf32=args.allow_tf32,
@@ -253,27 +259,31 @@ def train_settings(*argv):
         nonfinite_guard=True,  # train.py always checks each step for NaN/inf
         adam_foreach=True,
         ema_foreach=True,  # train.py builds its EMAModel with foreach=True
-        compile_mode=args.compile_mode if args.compile else None,  # auto: resolved per workload (resolve_settings)
+        compile_mode=None if args.compile_mode == "off" else args.compile_mode,  # auto: per workload (resolve_settings)
         force_layout=False,  # step.inductor_settings: no train.py flag sets it
         fused_norm=args.fused_norm,
         sync_every=args.logging_steps,
     )
 
 
-def train_default_variant():
-    """The row for what `python train.py` runs by default on this machine's device."""
-    settings = train_settings()
+def train_default_variant(**given):
+    """The row for what `python train.py` runs by default on this machine's device, with `given`
+    (bench.py's --channels_last, ...) set on its configuration."""
+    settings = train_settings(**given)
     # --compile_mode auto is 'default' for ref128 and CUDA graphs for adm64 (resolve_settings): compare with 'default'.
     fixed = dict(settings, compile_mode="default") if settings["compile_mode"] == "auto" else settings
     nearest = min(LADDER, key=lambda row: sum(row["settings"][k] != v for k, v in fixed.items()))
     where = " where --compile_mode auto picks 'default'" if fixed is not settings else ""
     but = ", ".join(f"{k}={v}" for k, v in fixed.items() if nearest["settings"][k] != v)
-    changed = f"what `python train.py` runs by default here (the settings of {nearest['name']}{where}{' but ' + but if but else ''})"
+    head = f"train.py's step with {', '.join(f'{k}={v}' for k, v in given.items())}" if given else (
+        "what `python train.py` runs by default here")  # fmt: skip
+    changed = f"{head} (the settings of {nearest['name']}{where}{' but ' + but if but else ''})"
     return dict(name="train_default", changed=changed, settings=settings, predicted_ms=dict(ref128=59.5, adm64=5.8), cuda_only=None)
 
 
-def all_variants():
-    return [DIFFUSERS_EXAMPLE] + LADDER + [train_default_variant()]
+def all_variants(settings=None):
+    """Every row; `settings` (bench.py's own flags) set on the last one's configuration."""
+    return [DIFFUSERS_EXAMPLE] + LADDER + [train_default_variant(**(settings or {}))]
 
 
 def matmul_precision(settings, device):
@@ -317,11 +327,11 @@ class TrainingStep:
         self.unet = models.build_unet(workload["model"], workload["image_size"], device=device)
         self.unet.load_state_dict(init_state)
         self.unet.train()
-        adamw = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay, eps=t.adam_epsilon)
+        adamw = dict(lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, eps=t.adam_epsilon)
         self.optimizer = models.prepare_for_training(self.unet, settings["channels_last"], settings["fused_adam"], **adamw)
         if not settings["fused_adam"] and settings["adam_foreach"] is None:  # diffusers' example: torch's default
             self.optimizer = torch.optim.AdamW(self.unet.parameters(), **adamw)
-        if settings["fused_norm"]:  # as train.py --fused_norm does it
+        if settings["fused_norm"]:  # as train.py does it with fused_norm set
             import fused_norm
 
             fused_norm.keep_channels_last(fused_norm.use_fused_norm(self.unet))
@@ -368,7 +378,7 @@ def check_inputs(images, seed, device):
     g = torch.Generator().manual_seed(seed + 1)
     clean = data.to_model_input(images, random_flip=False)
     noise = torch.randn(clean.shape, generator=g).to(device)
-    timesteps = torch.randint(0, TRAIN_DEFAULTS.num_train_timesteps, (clean.shape[0],), generator=g).to(device)
+    timesteps = torch.randint(0, config.SETTINGS["num_train_timesteps"], (clean.shape[0],), generator=g).to(device)
     return clean, noise, timesteps
 
 
@@ -507,7 +517,7 @@ def run_workload(name, args, device, peaks, print_line, save):
     workload = WORKLOADS[name]
     torch.manual_seed(args.seed)
     init_state = models.build_unet(workload["model"], workload["image_size"]).state_dict()
-    variants = [v for v in all_variants() if v["name"] in args.variants]
+    variants = [v for v in all_variants(args.train_settings) if v["name"] in args.variants]
     # FLOPs are linear in the batch (tests/test_flops.py checks it): count one image, scale.
     per_image = flops.step_flops(workload["model"], workload["image_size"], 1)
     out_of_memory_at = {}  # variant -> the batch size it first ran out of memory at
@@ -678,6 +688,17 @@ def _batch_sizes(text):
     return sorted(set(sizes))
 
 
+# bench.py's flags for config.SPEED_SETTINGS, the settings its rows vary and train.py does not.
+SETTING_FLAGS = dict(
+    channels_last="channels_last (NHWC) weights and activations (train.py: off, on with fused_norm)",
+    cudnn_benchmark="cudnn.benchmark (train.py: on with a CUDA GPU)",
+    fused_adam="fused AdamW (train.py: on; its non-finite skip happens inside it)",
+    allow_tf32="TF32 for fp32 matmuls and convolutions on a CUDA GPU (train.py: on)",
+    fused_norm="fused_norm.py's NHWC GroupNorm+SiLU kernels; needs a CUDA GPU and channels_last (train.py: off)",
+)
+assert set(SETTING_FLAGS) == set(config.SPEED_SETTINGS)
+
+
 def parse_args(argv=None):
     p = config.Parser(prog="bench.py", description="Time the training step's speed-ups, one row at a time.")
     p.add_argument(
@@ -708,10 +729,15 @@ def parse_args(argv=None):
     p.add_argument(
         "--redraw", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON, next to it, and exit"
     )
+    s = p.add_argument_group("train.py's step settings that train.py has no flag for (config.SETTINGS): set on the "
+                             "train_default row's configuration (default: what train.py runs)")  # fmt: skip
+    for name, says in SETTING_FLAGS.items():
+        s.add_argument(f"--{name}", default=None, action=argparse.BooleanOptionalAction, help=says)
     sweep.add_arguments(p)
     quality.add_arguments(p)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.train_settings = {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None}
     return args
 
 
@@ -730,7 +756,7 @@ def validate(args):
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be at least 0 (got {args.warmup})")
-    names = [v["name"] for v in all_variants()]
+    names = [v["name"] for v in all_variants(args.train_settings)]  # and bench.py's settings checked (config.resolve)
     if args.variants is None:
         args.variants = names
     else:

@@ -28,20 +28,19 @@ STATE_FILE = "trainer_state.json"
 # config.build_parser() is either here or in CHANGES_ON_RESUME, with the reason
 # (tests/test_resume.py fails on a flag in neither).
 RUN_IDENTITY = (
-    # the network's shape: the saved weights fit no other (a conditional run's class embedding too)
+    # the network's shape: the saved weights fit no other (a conditional run's class embedding too, and its labels)
     "model", "image_size", "class_conditional", "num_classes",
     # the data, its order and what a step is: the step count and the position in the data mean these
-    "dataset", "dataset_config", "split", "image_column", "label_column", "shapes_num_images", "center_crop",
+    # (--augment: its random crops, compared alone: flips are drawn afresh each step)
+    "dataset", "dataset_config", "split", "image_column", "shapes_num_images", "augment",
     "train_batch_size", "gradient_accumulation_steps", "num_processes", "seed",
     # what the network's output means: the objective, the noise process and the parametrisation it learned
-    "objective", "prediction_type", "num_train_timesteps", "beta_schedule", "zero_terminal_snr", "sigma_data",
-    # EDM's uncertainty weighting saves the weights of u(sigma) beside the network's; edm saves none
-    "loss_weighting",
+    "objective", "prediction_type", "beta_schedule", "zero_terminal_snr",
     # the optimizer's saved param groups (and the LR schedule's base LR): loading them restores these, so a
-    # new value would be silently ignored, and fused_adam would disagree with NonFiniteGuard
-    "learning_rate", "adam_beta1", "adam_beta2", "weight_decay", "adam_epsilon", "fused_adam",
-    # the EMA saved: its kind, the power EMA's widths, and the decay settings EMAModel's state restores
-    "use_ema", "ema", "ema_stds", "ema_max_decay", "ema_inv_gamma", "ema_power",
+    # new value would be silently ignored
+    "learning_rate", "adam_betas", "weight_decay",
+    # the EMA saved: its kind (none too), the power EMA's widths, and the decay settings EMAModel's state restores
+    "ema", "ema_stds", "ema_max_decay", "ema_power",
     # fp16 saves a GradScaler's state and loads one: compared as fp16 or not (bf16 <-> no saves the same)
     "mixed_precision",
 )  # fmt: skip
@@ -51,7 +50,17 @@ RUN_IDENTITY = (
 DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0}
 
 # What of a value the checkpoint depends on, where it is not the whole value.
-COMPARED_AS = {"mixed_precision": lambda value: value == "fp16"}
+COMPARED_AS = {"mixed_precision": lambda value: value == "fp16",
+               "augment": lambda value: "crop" in str(value).split(",")}  # fmt: skip
+
+# Removed flags (config.REMOVED) that were identity keys: an older checkpoint's record of them
+# is translated into today's flags (an old run's use_ema false is --ema none) and compared as
+# those; a value that no flag says now (fused_adam false, sigma_data 0.25) refuses the resume.
+# The settings they became (config.SETTINGS) are the same for every run.
+REMOVED_IDENTITY = (
+    "label_column", "center_crop", "num_train_timesteps", "sigma_data", "loss_weighting", "adam_beta1",
+    "adam_beta2", "adam_epsilon", "fused_adam", "use_ema", "ema_inv_gamma",
+)  # fmt: skip
 
 # Flags that may change on resume, and why: the checkpoint neither holds them nor means
 # something else under them.
@@ -60,30 +69,28 @@ CHANGES_ON_RESUME = {
     "holds its position and base LR)": (
         "num_epochs", "max_train_steps", "lr_scheduler", "lr_warmup_steps", "lr_ref_steps",
     ),
-    "which noise levels a step draws, how its loss is weighted and clipped, the augmentation: drawn or applied "
-    "afresh each step, nothing of them saved": (
-        "timestep_sampling", "P_mean", "P_std", "snr_gamma", "label_dropout", "random_flip", "max_grad_norm",
+    "which noise levels a step draws, how its loss is weighted and clipped: drawn or applied afresh each step, "
+    "nothing of them saved": (
+        "timestep_sampling", "P_mean_std", "snr_gamma", "max_grad_norm",
     ),
     "how the data is read, not which images nor their order (data.epoch_batches: the seed and the epoch)": (
-        "preload_data", "preload_max_gib", "dataloader_num_workers", "strict_data",
+        "preload_data", "dataloader_num_workers",
     ),
     "how a step runs on the machine: the same tensors are saved and loaded (tried on CPU: channels_last, "
     "gradient checkpointing, bf16)": (
-        "cpu", "allow_tf32", "gradient_checkpointing", "channels_last", "compile", "compile_mode",
-        "cudnn_benchmark", "fused_norm",
+        "cpu", "gradient_checkpointing", "compile_mode",
     ),
     "sampling, evaluation and outputs: they read the weights, a checkpoint holds none of them": (
         "output_dir", "logger", "save_images_epochs", "eval_batch_size", "sampler", "churn",
         "num_inference_steps", "guidance_scale", "guide", "ema_snapshot_every", "eval_every_epochs",
-        "eval_guidance_scales", "eval_num_samples", "fid_batch_size", "fid_weights",
+        "eval_num_samples", "fid_weights",
     ),
     "checkpoints, faults and this invocation": (
-        "checkpointing_steps", "checkpoints_total_limit", "resume", "resume_from_checkpoint",
-        "overwrite_output_dir", "on_nonfinite", "config", "dry_run",
+        "checkpointing_steps", "checkpoints_total_limit", "resume", "overwrite_output_dir", "on_fault", "config",
+        "dry_run",
     ),
     "the performance report and the profiler": (
-        "logging_steps", "timing_warmup_steps", "peak_tflops", "profile", "profile_steps", "profile_top",
-        "profile_stack", "profile_only",
+        "logging_steps", "profile",
     ),
 }  # fmt: skip
 
@@ -184,7 +191,7 @@ def identity_defaults():
     import config  # here, not above: config imports sample, which imports this module
     import ema
 
-    defaults = {a.dest: a.default for a in config.build_parser()._actions if a.dest in RUN_IDENTITY}
+    defaults = {key: value for key, value in vars(config.build_parser().parse_args([])).items() if key in RUN_IDENTITY}
     if isinstance(defaults.get("ema_stds"), str):
         defaults["ema_stds"] = ema.parse_stds(defaults["ema_stds"])  # as config.resolve gives it
     return defaults | DERIVED_IDENTITY
@@ -196,7 +203,10 @@ def saved_identity(start):
     Each key from the checkpoint's own record ("run" in trainer_state.json), else from its
     run's train_config.json (a checkpoint written before the key was checked), else its
     default (identity_defaults); a key with none of these is left out and not compared.
+    A record of a removed flag (REMOVED_IDENTITY) counts as the flags that say the same now.
     """
+    import config
+
     start = Path(start)
     recorded = read_state(start).get("run") or {}
     run_config = start.parent.parent / "train_config.json"  # output_dir/checkpoints/checkpoint-STEP
@@ -204,15 +214,16 @@ def saved_identity(start):
     written = json.loads(run_config.read_text()) if in_a_run else {}
     if not recorded and not written:
         return None
+    try:  # the record first; the train_config.json tells what it leaves out (an old record's use_ema: which EMA)
+        known = config.translate(written | recorded, only=REMOVED_IDENTITY)
+    except ConfigError as e:
+        raise ConfigError(f"cannot resume {start}: {e}; use --overwrite_output_dir or another --output_dir") from None
     saved = {}
     for key in RUN_IDENTITY:
-        for source in (recorded, written):
-            if key in source:
-                saved[key] = source[key]
-                break
-        else:
-            if identity_defaults().get(key) is not None:
-                saved[key] = identity_defaults()[key]
+        if key in known:
+            saved[key] = known[key]
+        elif identity_defaults().get(key) is not None:
+            saved[key] = identity_defaults()[key]
     return saved
 
 
@@ -246,7 +257,7 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
     if resume_from not in (None, "latest"):
         path = Path(resume_from)
         if not (path / STATE_FILE).is_file():
-            raise ConfigError(f"--resume_from_checkpoint {path}: not a checkpoint folder (no {STATE_FILE})")
+            raise ConfigError(f"--resume {path}: not a checkpoint folder (no {STATE_FILE})")
         start = path
     elif overwrite:
         shutil.rmtree(checkpoints_root(output_dir), ignore_errors=True)

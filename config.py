@@ -12,15 +12,26 @@ checks every range, fills what is unset from the model preset (`model.PRESETS`)
 and the machine, and checks the combinations; it is idempotent. Only
 `--compile_mode auto` is left for train.py: it needs the device and the FLOPs
 of a step (`step.choose_compile_mode`).
+
+A resolved configuration also holds settings that are not flags (`SETTINGS`:
+what train.py always does; bench.py sets the speed ones on the configurations
+it builds) and the values train.py's code reads of merged flags (`_derive`:
+`use_ema` of `--ema`, `center_crop` of `--augment`, ...). A flag that was
+removed (`REMOVED`) is a one-line error on the command line naming what
+replaced it; in a file (a run's train_config.json of an earlier version) its
+value is translated when something says the same now, else the same error.
 """
 
 import argparse
 import functools
 import importlib.util
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -43,8 +54,8 @@ DEFAULT_LR_REF_STEPS = 70_000
 # What config.resolve fills where neither the command line nor the preset sets it
 # (a preset's `ddpm` and `flags` in model.PRESETS come first): Ho et al.'s DDPM,
 # EDM's noise levels for --timestep_sampling lognormal, diffusers' example's batch.
-PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean=models.P_MEAN,
-                        P_std=models.P_STD, train_batch_size=16, num_epochs=8, use_ema=True)  # fmt: skip
+PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean_std=[models.P_MEAN, models.P_STD],
+                        train_batch_size=16, num_epochs=8, ema="standard")  # fmt: skip
 SMALL = models.PRESETS["small"]
 
 # The bare `python train.py` on a CUDA GPU (the built-in shapes, --model auto at 32px):
@@ -55,7 +66,7 @@ SMALL = models.PRESETS["small"]
 # small preset's DDPM settings (v-prediction, EDM's noise levels, no EMA: the CPU quality
 # ladder's winners), and 24 epochs of 16,384 generated images, 3,072 steps.
 GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_num_images=16384,
-                    learning_rate=2e-4, use_ema=False, **SMALL["ddpm"])  # fmt: skip
+                    learning_rate=2e-4, ema="none", **SMALL["ddpm"])  # fmt: skip
 CPU_SHAPES_NUM_IMAGES = 2048
 
 # What a run's train_config.json holds beside its flags: facts of the run (the
@@ -69,14 +80,180 @@ DERIVED_KEYS = (
 
 # What one command asks for once, not what a run is: a file read with --config never
 # carries them (a run's train_config.json fed back must not delete its checkpoints
-# because that run once started with --overwrite_output_dir).
-INVOCATION_KEYS = ("overwrite_output_dir", "resume_from_checkpoint", "dry_run")
+# because that run once started with --overwrite_output_dir, nor resume from the
+# checkpoint that run once resumed from).
+INVOCATION_KEYS = ("overwrite_output_dir", "resume", "resume_from_checkpoint", "dry_run")
 
-# Flags that are gone: old spelling -> the new one, which the old one's error names.
-RENAMED = {
-    "--profile_operators": "--profile operators",
-    "--no-profile_operators": "--profile (its level, kernels, is the default)",
-}
+# What train.py always does where a flag once chose (issue 33): settings, not flags, that
+# `resolve` puts on every configuration for the code that reads them, and that a run's
+# train_config.json records. The speed ones are bench.py's to vary: it sets them on the
+# configurations it builds (its rows, its own flags) before resolving them; train.py runs
+# fused AdamW with TF32, NCHW without fused_norm.py's kernels, and cudnn.benchmark on a CUDA GPU.
+SPEED_SETTINGS = ("channels_last", "fused_norm", "fused_adam", "allow_tf32", "cudnn_benchmark")
+SETTINGS = dict(
+    fused_norm=False, fused_adam=True, allow_tf32=True,  # channels_last: with fused_norm; cudnn_benchmark: with a GPU
+    num_train_timesteps=1000,  # DDPM's T (Ho et al. 2020, and every config here)
+    sigma_data=models.SIGMA_DATA,  # EDM's std of the data in [-1, 1]
+    loss_weighting="uncertainty",  # EDM: EDM2's learned weighting (eq. 21)
+    label_dropout=0.1,  # a conditional run's labels dropped for classifier-free guidance (Ho & Salimans 2022)
+    adam_epsilon=1e-8,
+    ema_inv_gamma=1.0,  # the EMA's warm-up, decay = 1 - (1 + step / inv_gamma)^-ema_power: --ema_power shapes it
+    timing_warmup_steps=5,  # steps left out of the timing
+    profile_steps=3, profile_top=15, profile_stack=False,  # --profile: steps recorded, rows of its table, no stacks
+)  # fmt: skip
+PRELOAD_MAX_GIB = 8.0  # --preload_data without a size
+FID_BATCH_SIZE = 64  # FID samples and embeds max(this, --eval_batch_size) images at a time
+ADAM_BETAS = (0.95, 0.999)
+
+
+class Removed(NamedTuple):
+    """A flag train.py no longer has: what to use instead, and `same(value, values)`: the
+    flags that say what `value` said (`values`: all of its file's), {} when train.py does it
+    anyway, None when nothing does."""
+
+    instead: str
+    same: Callable
+    switch: bool = False  # it had a --no- spelling
+
+
+def _always(expected):
+    """What train.py now always does: that value (or unset) says nothing; any other, nothing says."""
+    return lambda value, values: {} if value is None or value == expected or (
+        isinstance(value, float) and math.isclose(value, expected)) else None  # fmt: skip
+
+
+def _dropped(value, values):
+    """How fast a run went or what its report said, never its weights or scores: no value matters now."""
+    return {}
+
+
+def _compile(value, values):
+    mode = values.get("compile_mode")
+    if value is None:
+        return {}
+    if value is True:
+        return {"compile_mode": mode if mode not in (None, "off") else "auto"}  # auto on a CPU: compiled
+    return {"compile_mode": "off"} if value is False else None
+
+
+def _use_ema(value, values):
+    kind = values.get("ema")
+    if value is None:
+        return {}
+    if value is True and kind != "none":
+        return {"ema": kind if kind in ("standard", "power") else "standard"}
+    return {"ema": "none"} if value is False and kind != "power" else None
+
+
+def _label_column(value, values):
+    conditional = values.get("class_conditional")
+    if value is None or not conditional:  # read by a conditional run only
+        return {}
+    return {"class_conditional": value} if conditional in (True, value) else None
+
+
+def _preload_max_gib(value, values):
+    preload = values.get("preload_data", True)
+    if value is None or value == PRELOAD_MAX_GIB or preload is False:
+        return {}
+    return {"preload_data": value} if preload in (True, value) else None
+
+
+def _adam_betas(value, values):
+    beta1, beta2 = (values.get(key) for key in ("adam_beta1", "adam_beta2"))
+    return {"adam_betas": [ADAM_BETAS[0] if beta1 is None else beta1, ADAM_BETAS[1] if beta2 is None else beta2]}
+
+
+def _P_mean_std(value, values):
+    mean, std = values.get("P_mean"), values.get("P_std")
+    if mean is None and std is None:
+        return {}
+    return None if mean is None or std is None else {"P_mean_std": [mean, std]}
+
+
+def _eval_guidance_scales(value, values):
+    if value is None:
+        return {}
+    scales = sample.parse_scales(value, "eval_guidance_scales")
+    grid = sample.parse_scales(values.get("guidance_scale", 1.0), "guidance_scale")
+    if scales == grid:
+        return {}
+    return {"guidance_scale": scales} if len(grid) == 1 and scales[0] == grid[0] else None  # the grid's comes first
+
+
+def _on_fault(other_key):
+    """--on_fault for one of the two flags it replaced, where the other (and --on_fault) agree."""
+
+    def same(value, values):
+        said = [v in (True, "stop") for v in (value, values.get(other_key)) if v is not None]
+        wanted = "stop" if any(said) else "skip"
+        if not said:
+            return {}
+        return {"on_fault": wanted} if len(set(said)) == 1 and values.get("on_fault") in (None, wanted) else None
+
+    return same
+
+
+def _augment(value, values):
+    crop, flip = values.get("center_crop"), values.get("random_flip")
+    if crop is None and flip is None:
+        return {}
+    return {"augment": ",".join(w for w, on in (("flip", flip is not False), ("crop", crop is False)) if on) or "none"}
+
+
+_FAULT = "use --on_fault skip or stop (it decides for non-finite steps and unreadable images alike)"
+_BENCH = "bench.py's rows and its --{0} set it on the step they time"
+REMOVED = {
+    "compile": Removed("use --compile_mode off, auto or a mode", _compile, switch=True),
+    "use_ema": Removed("use --ema none, standard or power", _use_ema, switch=True),
+    "preload_max_gib": Removed("use --preload_data MAX_GIB", _preload_max_gib),
+    "resume_from_checkpoint": Removed("use --resume CHECKPOINT (or --resume: the newest)", _dropped),
+    "label_column": Removed("use --class_conditional LABEL_COLUMN", _label_column),
+    "adam_beta1": Removed("use --adam_betas BETA1,BETA2", _adam_betas),
+    "adam_beta2": Removed("use --adam_betas BETA1,BETA2", _adam_betas),
+    "P_mean": Removed("use --P_mean_std MEAN,STD", _P_mean_std),
+    "P_std": Removed("use --P_mean_std MEAN,STD", _P_mean_std),
+    "eval_guidance_scales": Removed("use --guidance_scale W1,W2,...: the grids take the first, evaluation each",
+                                    _eval_guidance_scales),
+    "on_nonfinite": Removed(_FAULT, _on_fault("strict_data")),
+    "strict_data": Removed(_FAULT, _on_fault("on_nonfinite"), switch=True),
+    "center_crop": Removed("use --augment crop for random crops (flip,crop for both; none)", _augment, switch=True),
+    "random_flip": Removed("use --augment none for no flips (flip,crop adds random crops)", _augment, switch=True),
+    "fid_batch_size": Removed(f"FID samples max({FID_BATCH_SIZE}, --eval_batch_size) images at a time", _dropped),
+    "sigma_data": Removed("EDM's sigma_data is 0.5", _always(SETTINGS["sigma_data"])),
+    "num_train_timesteps": Removed("DDPM's T is 1000", _always(SETTINGS["num_train_timesteps"])),
+    "loss_weighting": Removed("EDM learns its loss weighting (EDM2's uncertainty)", _always(SETTINGS["loss_weighting"])),
+    "label_dropout": Removed("a conditional run drops 10% of its labels", _always(SETTINGS["label_dropout"])),
+    "adam_epsilon": Removed("AdamW's epsilon is 1e-8", _always(SETTINGS["adam_epsilon"])),
+    "ema_inv_gamma": Removed("the EMA's warm-up has inv_gamma 1 (--ema_power shapes it)", _always(SETTINGS["ema_inv_gamma"])),
+    "channels_last": Removed("train.py runs NCHW; " + _BENCH.format("channels_last"), _always(False), switch=True),
+    "fused_norm": Removed("train.py runs without it; " + _BENCH.format("fused_norm"), _always(False), switch=True),
+    "fused_adam": Removed("train.py always runs fused AdamW; " + _BENCH.format("no-fused_adam"), _always(True), switch=True),
+    "allow_tf32": Removed("train.py always allows TF32; " + _BENCH.format("no-allow_tf32"), _always(True), switch=True),
+    "cudnn_benchmark": Removed("train.py turns it on with a CUDA GPU; " + _BENCH.format("cudnn_benchmark"), _dropped,
+                               switch=True),
+    "timing_warmup_steps": Removed("the timing leaves out the first 5 steps", _dropped),
+    "peak_tflops": Removed("MFU is against flops.py's PEAK_TFLOPS (add a GPU there)", _dropped),
+    "profile_steps": Removed("--profile records 3 steps", _dropped),
+    "profile_top": Removed("--profile's table has 15 rows", _dropped),
+    "profile_stack": Removed("--profile records no Python stacks", _dropped, switch=True),
+    "profile_only": Removed("use --profile with --max_train_steps", _always(False), switch=True),
+}  # fmt: skip
+
+
+def translate(values, only=None):
+    """`values` (a file's, a preset's, an old checkpoint's record) with each removed key (of `only`,
+    when given; the others are left out) replaced by the flags that say the same now. A value that
+    nothing says now: ConfigError "KEY VALUE has no equivalent now (--KEY was removed: ...)"."""
+    kept = {key: value for key, value in values.items() if key not in REMOVED}
+    for key, value in values.items():
+        if key in REMOVED and (only is None or key in only):
+            same = REMOVED[key].same(value, values)
+            if same is None:
+                raise ConfigError(f"{key} {json.dumps(value)} has no equivalent now (--{key} was removed: "
+                                  f"{REMOVED[key].instead})")  # fmt: skip
+            kept |= same
+    return kept
 
 
 class Parser(argparse.ArgumentParser):
@@ -86,6 +263,8 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, source="", **kwargs):
         super().__init__(*args, **kwargs)
         self.source = source
+        # a value, not a flag: -0.5, and numbers after a comma (--P_mean_std -1.2,1.2)
+        self._negative_number_matcher = re.compile(r"^-\d*\.?\d+(e-?\d+)?(,-?\d*\.?\d+(e-?\d+)?)*$")
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {self.source}{message} (see --help)\n")
@@ -106,7 +285,7 @@ class Range:
         return self.kind(text)
 
     def check(self, name, value):
-        if value is not None and not self.inside(value):
+        if value is not None and not isinstance(value, bool) and not self.inside(value):
             raise ConfigError(f"--{name} must be {self.says} (got {value})")
 
 
@@ -119,18 +298,60 @@ non_negative = Range(float, lambda v: v >= 0, "at least 0")
 unit_interval = Range(float, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
-class _Renamed(argparse.Action):
-    """An old spelling: it parses into a one-line error that names the new one."""
+def numbers(count, name):
+    """A `type=` for `count` comma-separated numbers (a list, from a file, too)."""
+
+    def parse(text):
+        values = [float(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(","))]
+        if len(values) != count:
+            raise ValueError(text)
+        return values
+
+    parse.__name__ = name
+    return parse
+
+
+def augmentations(text):
+    """--augment's value: 'flip', 'crop', 'flip,crop' or 'none' (in any order)."""
+    words = {w.strip() for w in str(text).split(",") if w.strip()}
+    if not words or not words <= {"flip", "crop"} and words != {"none"}:
+        raise argparse.ArgumentTypeError(f"choose flip, crop, flip,crop or none (got '{text}')")
+    return ",".join(w for w in ("flip", "crop") if w in words) or "none"
+
+
+class _Removed(argparse.Action):
+    """A flag that is gone (REMOVED): it parses into a one-line error that says what to use instead."""
 
     def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, help=argparse.SUPPRESS)
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", help=argparse.SUPPRESS)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is now {RENAMED[option_string]}")
+        key = option_string.removeprefix("--").removeprefix("no-")
+        parser.error(f"{option_string} was removed: {REMOVED[key].instead}")
+
+
+class _SwitchOrValue(argparse.Action):
+    """--name (on), --name VALUE (on, with that value) or --no-name (off)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.update(nargs="?", const=True)
+        super().__init__([*option_strings, *(f"--no-{s[2:]}" for s in option_strings)], dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        off = option_string.startswith("--no-")
+        if off and values is not True:
+            parser.error(f"{option_string} takes no value (got '{values}')")
+        setattr(namespace, self.dest, False if off else values)
 
 
 class _Help(argparse.HelpFormatter):
     """--help gives each flag's allowed range and default after its text."""
+
+    def _format_action_invocation(self, action):
+        if isinstance(action, _SwitchOrValue):
+            on, off = action.option_strings
+            return f"{on} [{action.metavar}], {off}"
+        return super()._format_action_invocation(action)
 
     def _get_help_string(self, action):
         text, notes = action.help or "", []
@@ -153,6 +374,11 @@ def switch(group, name, help, default=False):
     flag(group, name, help, default, action=argparse.BooleanOptionalAction)
 
 
+def switch_or_value(group, name, help, default, metavar, **kwargs):
+    """--name, --name VALUE or --no-name (see _SwitchOrValue)."""
+    flag(group, name, help, default, action=_SwitchOrValue, metavar=metavar, **kwargs)
+
+
 def build_parser(prog="train.py", source=""):
     p = Parser(prog=prog, description="Train a diffusion model (DDPM or EDM2) with accelerate.", formatter_class=_Help,
                source=source)  # fmt: skip
@@ -162,29 +388,27 @@ def build_parser(prog="train.py", source=""):
         default=None,
         help="a YAML or JSON file of flags (a run's train_config.json too); flags on the command line override it",
     )
-    for old in RENAMED:
-        p.add_argument(old, action=_Renamed)
+    for key, removed in REMOVED.items():
+        p.add_argument(f"--{key}", *[f"--no-{key}"] * removed.switch, action=_Removed)
 
     d = p.add_argument_group("data")
     flag(d, "dataset", "'shapes' (built in, no files), a folder of images, a dataset saved with datasets' "
-         "save_to_disk, or a Hugging Face Hub dataset id", data.BUILTIN)  # fmt: skip
+         "save_to_disk, or a Hub dataset id", data.BUILTIN)  # fmt: skip
     flag(d, "dataset_config", "Hub dataset configuration name")
     flag(d, "split", "dataset split to train on", "train")
     flag(d, "image_column", "column holding the images (default: found by type)")
     flag(d, "shapes_num_images", f"size of the built-in dataset (default: {CPU_SHAPES_NUM_IMAGES}; "
          f"{GPU_BARE_RUN['shapes_num_images']} for the bare run on a GPU)", type=at_least(1))  # fmt: skip
-    switch(d, "class_conditional", "train with the data's class labels (folders with one subfolder per class, a "
-           "datasets ClassLabel column or --label_column, or the built-in shapes: one shape per image, labelled by "
-           "its kind), for classifier-free guidance (--guidance_scale)")  # fmt: skip
-    flag(d, "label_column", "column holding the class labels (default: the ClassLabel column)")
-    flag(d, "label_dropout", "conditional: probability that a training label is replaced by the null label "
-         "(classifier-free guidance learns the unconditional model from these)", 0.1, type=unit_interval)  # fmt: skip
+    switch_or_value(d, "class_conditional", "train with the data's class labels, for classifier-free guidance "
+                    "(--guidance_scale): the subfolders of a folder, a datasets ClassLabel column (or the column "
+                    "LABEL_COLUMN), or the built-in shapes' kinds; a tenth of the labels are dropped in training",
+                    False, "LABEL_COLUMN")  # fmt: skip
     flag(d, "image_size", "train on square images of this side", 32, type=at_least(8))
-    switch(d, "center_crop", "crop the centre after resizing (--no-center_crop: a random crop, decoded every epoch)", True)
-    switch(d, "random_flip", "random left-right flips", True)
-    switch(d, "preload_data", "decode the dataset once and keep it in memory as uint8 (on the GPU when training "
-           "on one)", True)  # fmt: skip
-    flag(d, "preload_max_gib", "stream from disk instead when preloading needs more", 8.0, type=positive)
+    flag(d, "augment", "random left-right flips (flip), random crops after resizing instead of the centre, "
+         "decoded every epoch (crop), both (flip,crop) or none", "flip", type=augmentations)  # fmt: skip
+    switch_or_value(d, "preload_data", "decode the dataset once and keep it in memory as uint8 (on the GPU when "
+                    f"training on one), unless it needs more than MAX_GIB (default: {PRELOAD_MAX_GIB:g}): then stream "
+                    "it from disk; --no-preload_data: always stream", True, "MAX_GIB", type=positive)  # fmt: skip
     flag(d, "dataloader_num_workers", "processes that decode images (default: 4, or fewer CPU cores)",
          min(4, os.cpu_count() or 1), type=at_least(0))  # fmt: skip
 
@@ -192,8 +416,8 @@ def build_parser(prog="train.py", source=""):
     flag(m, "model", f"preset: {', '.join(models.PRESETS)}; auto: "
          f"{', '.join(f'{name} at {size}px' for size, name in models.AUTO_MODEL.items())}, small otherwise "
          f"({GPU_BARE_RUN['model']} for the built-in shapes at 32px on a GPU)", "auto")  # fmt: skip
-    flag(m, "num_train_timesteps", "diffusion steps T", 1000, type=at_least(1))
-    flag(m, "beta_schedule", "noise schedule", "linear", choices=("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"))
+    flag(m, "beta_schedule", "DDPM's noise schedule over its 1000 timesteps", "linear",
+         choices=("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"))  # fmt: skip
     flag(m, "objective", "ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with "
          "EDM2's learned loss weighting, sampled with EDM's Heun sampler (default: edm for the EDM2 presets, "
          "else ddpm)", choices=("ddpm", "edm"))  # fmt: skip
@@ -201,14 +425,10 @@ def build_parser(prog="train.py", source=""):
          "ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's timesteps (default: the preset's; "
          f"{SMALL['ddpm']['timestep_sampling']} for small, else {PRESET_FALLBACKS['timestep_sampling']})",
          choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
-    flag(m, "P_mean", "EDM, and DDPM's --timestep_sampling lognormal: mean of ln(sigma) in training (default: "
-         f"the preset's, else {models.P_MEAN}: EDM's CIFAR-10 value, as the EDM2 seed's configs; EDM2 used -0.8 for "
-         "ImageNet-64, -0.4 for ImageNet-512 latents)", type=float)  # fmt: skip
-    flag(m, "P_std", "EDM, and --timestep_sampling lognormal: std of ln(sigma) (default: the preset's, else "
-         f"{models.P_STD}; EDM2: 1.6 for ImageNet-64, 1.0 for 512)", type=positive)  # fmt: skip
-    flag(m, "sigma_data", "EDM: std of the data in [-1, 1]", models.SIGMA_DATA, type=positive)
-    flag(m, "loss_weighting", "EDM: uncertainty = lambda(sigma)/e^u(sigma) with u learned (EDM2 eq. 21); "
-         "edm = lambda(sigma) alone", "uncertainty", choices=models.LOSS_WEIGHTINGS)  # fmt: skip
+    flag(m, "P_mean_std", "EDM, and DDPM's --timestep_sampling lognormal: ln(sigma) ~ N(P_mean, P_std^2) in "
+         f"training (default: the preset's, else {models.P_MEAN},{models.P_STD}: EDM's CIFAR-10 values, as the "
+         "EDM2 seed's configs; EDM2 used -0.8,1.6 for ImageNet-64, -0.4,1.0 for ImageNet-512 latents)",
+         metavar="P_MEAN,P_STD", type=Range(numbers(2, "pair"), lambda v: v[1] > 0, "two numbers, P_std greater than 0"))  # fmt: skip
     flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; "
          f"{SMALL['ddpm']['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']})",
          choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
@@ -232,40 +452,26 @@ def build_parser(prog="train.py", source=""):
          f"images over this run's images per step; {DEFAULT_LR_REF_STEPS:,} for a preset without one)",
          type=at_least(1))  # fmt: skip
     flag(t, "lr_warmup_steps", "linear warm-up steps", 100, type=at_least(0))
-    flag(t, "adam_beta1", "AdamW beta1", 0.95, type=unit_interval)
-    flag(t, "adam_beta2", "AdamW beta2", 0.999, type=unit_interval)
+    flag(t, "adam_betas", "AdamW's beta1,beta2", ",".join(map(str, ADAM_BETAS)), metavar="BETA1,BETA2",
+         type=Range(numbers(2, "pair"), lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"))  # fmt: skip
     flag(t, "weight_decay", "AdamW weight decay", 1e-6, type=non_negative)
-    flag(t, "adam_epsilon", "AdamW epsilon", 1e-8, type=positive)
     flag(t, "max_grad_norm", "clip gradients to this norm (0: off)", 1.0, type=non_negative)
-    switch(t, "use_ema", "keep an EMA of the weights; it samples, is saved and is scored (default: the preset's; "
-           f"{'on' if SMALL['flags'].get('use_ema', True) else 'off'} for small, else "
-           f"{'on' if PRESET_FALLBACKS['use_ema'] else 'off'}; on with --ema power)", None)  # fmt: skip
-    flag(t, "ema_max_decay", "EMA decay after warm-up", 0.9999, type=unit_interval)
-    flag(t, "ema_inv_gamma", "EMA warm-up: decay = 1 - (1 + step/inv_gamma)^-power", 1.0, type=positive)
-    flag(t, "ema_power", "EMA warm-up power", 0.75, type=non_negative)
+    flag(t, "ema", "the average of the weights that samples, is saved and is scored: none (the raw weights), "
+         "standard (decay with warm-up: --ema_max_decay, --ema_power) or power (Karras et al. 2024's power-function "
+         "EMAs, snapshots for post-hoc reconstruction: --ema_stds, ema.py reconstruct) (default: the preset's; "
+         f"{translate(SMALL['flags']).get('ema', PRESET_FALLBACKS['ema'])} for small, else {PRESET_FALLBACKS['ema']})",
+         choices=("none", "standard", "power"))  # fmt: skip
+    flag(t, "ema_max_decay", "standard EMA: decay after warm-up", 0.9999, type=unit_interval)
+    flag(t, "ema_power", "standard EMA: warm-up power, decay = 1 - (1 + step)^-power", 0.75, type=non_negative)
     flag(t, "mixed_precision", "autocast precision (default: bf16 on a GPU that has it, else no)",
          choices=("no", "fp16", "bf16"))  # fmt: skip
-    switch(t, "allow_tf32", "let fp32 matmuls and convolutions use TF32 on GPUs that have it", True)
     switch(t, "gradient_checkpointing", "recompute activations in the backward pass to save memory")
     flag(t, "seed", "seeds the data, the model and the noise", 0, type=at_least(0))
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
-
-    s = p.add_argument_group("speed (bench.py measures each; unset, compile and cudnn_benchmark are on with a CUDA GPU, "
-                             "off with --cpu or none)")
-    flag(s, "channels_last", "keep weights and activations channels_last (NHWC), the layout tensor-core convolutions "
-         "read (default: off, on with --fused_norm: compiled ref128 was slower with it on an H100, BENCHMARKS.md)", action=argparse.BooleanOptionalAction)  # fmt: skip
-    flag(s, "compile", "torch.compile the UNet (the first steps compile; the saved model is the uncompiled one)",
-         action=argparse.BooleanOptionalAction)  # fmt: skip
-    flag(s, "compile_mode", "auto: reduce-overhead (CUDA graphs) when a step is too small to keep the GPU busy, "
-         "else default (the rule and its measurements: step.py); torch.compile's modes; step-graph: the whole "
-         "step (forward, backward, optimizer, EMA) in one CUDA graph", "auto", choices=steps.COMPILE_MODES)  # fmt: skip
-    switch(s, "fused_adam", "fused AdamW where torch has it for the device (CUDA and CPU do), else foreach; fused "
-           "skips a non-finite step on the device, without a host sync", True)  # fmt: skip
-    flag(s, "cudnn_benchmark", "let cuDNN time its convolution algorithms on the first steps and keep the fastest",
-         action=argparse.BooleanOptionalAction)  # fmt: skip
-    flag(s, "fused_norm", "fused NHWC GroupNorm+SiLU Triton kernels for the ResNet blocks and the final norm "
-         "(fused_norm.py); needs a CUDA GPU and --channels_last (default: off, until bench.py's fused_norm row "
-         "measures it faster)", action=argparse.BooleanOptionalAction)  # fmt: skip
+    flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
+         "to keep the GPU busy, else default (the rule and its measurements: step.py); torch.compile's modes; "
+         "step-graph: the whole step (forward, backward, optimizer, EMA) in one CUDA graph (default: auto on a CUDA "
+         "GPU, else off; bench.py measures the other speed settings)", choices=("off", *steps.COMPILE_MODES))  # fmt: skip
 
     o = p.add_argument_group("outputs")
     flag(o, "output_dir", "where samples, checkpoints and the model go", "ddpm-output")
@@ -273,54 +479,43 @@ def build_parser(prog="train.py", source=""):
          "into plots/ at the end), wandb (Weights & Biases; WANDB_MODE=offline keeps it on disk) or none",
          "tensorboard", choices=LOGGERS)  # fmt: skip
     flag(o, "save_images_epochs", "write a sample grid every N epochs", 2, type=at_least(1))
-    flag(o, "eval_batch_size", "images in a sample grid", 16, type=at_least(1))
+    flag(o, "eval_batch_size", f"images in a sample grid (FID samples max({FID_BATCH_SIZE}, this) at a time)", 16,
+         type=at_least(1))  # fmt: skip
     flag(o, "sampler", "sampler for the grids and FID", sample.DEFAULT_SAMPLER, choices=sample.SAMPLERS)
     flag(o, "churn", sample.CHURN_HELP, sample.EDM_CHURN, type=non_negative)
     flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {sample.DEFAULT_STEPS}; "
          f"{sample.EDM_STEPS} for EDM's Heun sampler, {2 * sample.EDM_STEPS - 1} network evaluations)",
          type=at_least(1))  # fmt: skip
-    flag(o, "guidance_scale", "grids and evaluation: w in D = D_uncond + w (D_cond - D_uncond) for a conditional "
-         "run (classifier-free guidance), or D = D_guide + w (D - D_guide) with --guide; 1: no guidance", 1.0,
-         type=non_negative)  # fmt: skip
+    flag(o, "guidance_scale", "w in D = D_uncond + w (D_cond - D_uncond) for a conditional run (classifier-free "
+         "guidance), or D = D_guide + w (D - D_guide) with --guide; 1: no guidance. Comma-separated: the grids take "
+         "the first, evaluation scores each and the best one's picks go to best/", "1")  # fmt: skip
     flag(o, "guide", "grids and evaluation: guide the model with another run's (autoguidance, Karras et al. 2024): "
          "its --output_dir, pipeline or checkpoint folder")  # fmt: skip
     flag(o, "checkpointing_steps", "save a checkpoint every N steps", 500, type=at_least(1))
     flag(o, "checkpoints_total_limit", "keep at most this many checkpoints (default: all)", type=at_least(1))
-    switch(o, "resume", "continue from the newest checkpoint in --output_dir when there is one (--no-resume: "
-           "refuse to)", True)  # fmt: skip
-    flag(o, "resume_from_checkpoint", "'latest' or a checkpoint folder to continue from")
+    switch_or_value(o, "resume", "continue from CHECKPOINT (a checkpoint folder), or without one from the newest "
+                    "checkpoint in --output_dir when there is one (the default); --no-resume: refuse to", True,
+                    "CHECKPOINT")  # fmt: skip
     switch(o, "overwrite_output_dir", "start afresh in an --output_dir that holds another run (its checkpoints are deleted)")
 
     f = p.add_argument_group("faults")
-    flag(f, "on_nonfinite", "a step whose loss or gradients are NaN/inf: skip its update and count it, or stop "
-         "the run", "skip", choices=("skip", "stop"))  # fmt: skip
-    switch(f, "strict_data", "stop at an unreadable image instead of skipping it with a warning")
+    flag(f, "on_fault", "a step whose loss or gradients are NaN/inf, or an unreadable image: skip it (the step's "
+         "update, counted; the image, with a warning) or stop the run", "skip", choices=("skip", "stop"))  # fmt: skip
 
     q = p.add_argument_group("sample quality: power EMA, FID and KID (docs/sampling.md)")
-    flag(q, "ema", "standard: decay with warm-up (--ema_max_decay ...); power: Karras et al. 2024's power-function "
-         "EMAs with snapshots for post-hoc reconstruction (ema.py reconstruct)", "standard",
-         choices=("standard", "power"))  # fmt: skip
     flag(q, "ema_stds", "power EMA: relative widths tracked; the first gives grids, FID and the pipeline", "0.05,0.10")
     flag(q, "ema_snapshot_every", "power EMA: snapshot every N steps and at the end", 1000, type=at_least(1))
     flag(q, "eval_every_epochs", "FID and KID every N epochs and at the end (default: off)", type=at_least(1))
-    flag(q, "eval_guidance_scales", "guidance scales to evaluate, comma-separated: one score each, and the best "
-         "one's picks best/ (default: --guidance_scale)")  # fmt: skip
     flag(q, "eval_num_samples", "images generated for each FID/KID", 10000, type=at_least(2))
-    flag(q, "fid_batch_size", "images per batch when generating and embedding for FID", 64, type=at_least(1))
     flag(q, "fid_weights", "Inception weights file for machines without internet (default: downloaded)")
 
     r = p.add_argument_group("performance report")
     flag(r, "logging_steps", "print and log throughput every N steps", 50, type=at_least(1))
-    flag(r, "timing_warmup_steps", "steps left out of the timing", 5, type=at_least(0))
-    flag(r, "peak_tflops", "peak TFLOP/s per device for MFU/HFU (default: from flops.py)", type=positive)
     switch(r, "dry_run", "print the resolved configuration and FLOPs, then exit (opens no dataset but the built-in one)")
-    flag(r, "profile", "record a few steps with torch.profiler: a trace, a table and chart of the top kernels "
-         "(or of the operators that launched them) in output_dir/profile/", nargs="?", const="kernels",
+    flag(r, "profile", f"record {SETTINGS['profile_steps']} steps with torch.profiler (after the step's compile or "
+         f"capture calls and 1 warm-up): a trace, a table and chart of the top {SETTINGS['profile_top']} kernels (or "
+         "of the operators that launched them) in output_dir/profile/", nargs="?", const="kernels",
          choices=PROFILE_LEVELS)  # fmt: skip
-    flag(r, "profile_steps", "steps recorded by --profile (after the step's compile or capture calls and 1 warm-up)", 3, type=at_least(1))
-    flag(r, "profile_top", "rows of the --profile table", 15, type=at_least(1))
-    switch(r, "profile_stack", "record Python stacks too (slow)")
-    switch(r, "profile_only", "profile (--profile, kernels unless given), then stop")
     return p
 
 
@@ -371,22 +566,23 @@ def read_file(path):
 def file_flags(path, parser):
     """The command-line words that say what the file at `path` says, to be parsed before the real ones."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-    words = []
-    for key, value in read_file(path).items():
-        if key in DERIVED_KEYS or key in INVOCATION_KEYS or (value is False and f"--{key}" in RENAMED):  # a removed switch, off: says nothing
-            continue
-        if f"--{key}" in RENAMED:
-            raise ConfigError(f"--config {path}: {key} is now {RENAMED[f'--{key}']}")
-        if key not in actions:
-            raise ConfigError(f"--config {path}: '{key}' is not a flag of train.py")
-        words += _words(actions[key], key, value, path)
-    return words
+    values = {k: v for k, v in read_file(path).items() if k not in DERIVED_KEYS and k not in INVOCATION_KEYS}
+    unknown = [key for key in values if key not in actions and key not in REMOVED]
+    if unknown:
+        raise ConfigError(f"--config {path}: '{unknown[0]}' is not a flag of train.py")
+    try:
+        values = translate(values)  # a run's train_config.json of an earlier version, or what resolve derives
+    except ConfigError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    return [word for key, value in values.items() for word in _words(actions[key], key, value, path)]
 
 
 def _words(action, key, value, path):
     """`key: value` as command-line words: --key=value, --key or --no-key; none for null (the default)."""
     if value is None:
         return []
+    if isinstance(action, _SwitchOrValue):
+        return [f"--{key}" if value is True else f"--no-{key}" if value is False else f"--{key}={value}"]
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             raise ConfigError(f"--config {path}: {key} takes true or false (got {value!r})")
@@ -396,7 +592,7 @@ def _words(action, key, value, path):
     if isinstance(value, (bool, dict)):
         raise ConfigError(f"--config {path}: {key} takes one value, not {value!r}")
     if isinstance(value, list):
-        value = ",".join(map(str, value))  # --ema_stds
+        value = ",".join(map(str, value))  # --ema_stds, --adam_betas, --P_mean_std, --guidance_scale
     return [f"--{key}={value}"]
 
 
@@ -404,10 +600,11 @@ def resolve(args):
     """Check every range, fill every value left unset, check the combinations; returns `args`.
 
     Filled: --model auto; the preset's objective, DDPM settings (prediction type, timestep
-    sampling and its P_mean/P_std), batch size, epochs, learning rate, lr_scheduler and
+    sampling and its P_mean/P_std), batch size, epochs, EMA, learning rate, lr_scheduler and
     (inverse_sqrt) lr_ref_steps; num_inference_steps by the objective's sampler;
-    mixed_precision and the speed switches (channels_last, compile, cudnn_benchmark,
-    fused_norm) by the machine; --profile by --profile_only; ema_stds as numbers.
+    mixed_precision, --compile_mode and cudnn_benchmark by the machine; the SETTINGS that a
+    configuration built by bench.py does not set; ema_stds and guidance_scale as numbers;
+    what train.py's code reads of merged flags (_derive).
     Idempotent: a resolved Namespace comes back the same.
     """
     for name, kind in _ranges().items():
@@ -415,34 +612,54 @@ def resolve(args):
     _fill_gpu_bare_run(args)
     _fill_from_preset(args)
     _fill_from_machine(args)
+    _derive(args)
     if args.objective == "ddpm" and args.num_inference_steps > args.num_train_timesteps:
         raise ConfigError(
-            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed --num_train_timesteps "
-            f"({args.num_train_timesteps})"
+            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed DDPM's {args.num_train_timesteps} "
+            "timesteps"
         )
     if args.zero_terminal_snr and args.prediction_type != "v_prediction":
         raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
     if args.objective == "edm" and (args.snr_gamma is not None or args.zero_terminal_snr):
-        raise ConfigError("--snr_gamma and --zero_terminal_snr are DDPM's: EDM weights its loss by --loss_weighting")
-    if args.profile_only and args.profile is None:
-        args.profile = "kernels"
+        raise ConfigError("--snr_gamma and --zero_terminal_snr are DDPM's: EDM learns its loss weighting")
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--logger wandb needs the wandb package: pip install wandb (or use --logger tensorboard)")
-    if args.ema == "power" and not args.use_ema:
-        raise ConfigError("--ema power needs an EMA: drop --no-use_ema")
     if isinstance(args.ema_stds, str):
         args.ema_stds = posthoc_ema.parse_stds(args.ema_stds)
     if args.guide is not None and not Path(args.guide).exists():
         raise ConfigError(f"--guide {args.guide}: no such folder; point it at a run of the same data (its --output_dir)")
-    if args.eval_guidance_scales is None:
-        args.eval_guidance_scales = [args.guidance_scale]
-    args.eval_guidance_scales = sample.parse_scales(args.eval_guidance_scales, "--eval_guidance_scales")
-    if any(w != 1 for w in [args.guidance_scale, *args.eval_guidance_scales]) and not (args.class_conditional or args.guide):
-        raise ConfigError("--guidance_scale and --eval_guidance_scales guide a --class_conditional run (or one with "
-                          "--guide): add one of them, or leave them at 1")  # fmt: skip
+    args.guidance_scale = sample.parse_scales(args.guidance_scale, "--guidance_scale")
+    if any(w != 1 for w in args.guidance_scale) and not (args.class_conditional or args.guide):
+        raise ConfigError("--guidance_scale guides a --class_conditional run (or one with --guide): add one of them, "
+                          "or leave it at 1")  # fmt: skip
     if args.fid_weights is not None and not Path(args.fid_weights).is_file():
         raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     return args
+
+
+def _derive(args):
+    """What train.py's code (and sample.py, ema.py, metrics.py, data.py, bench.py) read of merged
+    flags, as before they merged, and the SETTINGS a configuration does not set already."""
+    for name, value in SETTINGS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if getattr(args, "channels_last", None) is None:  # fused_norm's kernels need it; measured slower alone (BENCHMARKS.md)
+        args.channels_last = args.fused_norm
+    if getattr(args, "cudnn_benchmark", None) is None:
+        args.cudnn_benchmark = on_gpu(args)
+    if args.fused_norm and not (on_gpu(args) and args.channels_last):
+        raise ConfigError(
+            "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors): "
+            "drop it or add --channels_last"
+        )
+    args.compile = args.compile_mode != "off"
+    args.use_ema = args.ema != "none"
+    args.center_crop, args.random_flip = "crop" not in args.augment.split(","), "flip" in args.augment.split(",")
+    args.on_nonfinite, args.strict_data = args.on_fault, args.on_fault == "stop"
+    args.label_column = args.class_conditional if isinstance(args.class_conditional, str) else None
+    args.preload_max_gib = PRELOAD_MAX_GIB if isinstance(args.preload_data, bool) else args.preload_data
+    args.P_mean, args.P_std = args.P_mean_std
+    args.fid_batch_size = max(FID_BATCH_SIZE, args.eval_batch_size)
 
 
 def on_gpu(args):
@@ -474,12 +691,10 @@ def _fill_from_preset(args):
     if edm2_network and args.objective != "edm":
         raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm: drop --objective ddpm")
     if args.objective == "edm" and args.timestep_sampling not in (None, "uniform"):
-        raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean and --P_std")
+        raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean_std")
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
     ddpm = preset.get("ddpm", {}) if args.objective == "ddpm" else {}
-    if args.use_ema is None and args.ema == "power":
-        args.use_ema = True  # asking for the power EMA asks for an EMA
-    for name, value in (PRESET_FALLBACKS | ddpm | preset.get("flags", {})).items():
+    for name, value in translate(PRESET_FALLBACKS | ddpm | preset.get("flags", {})).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.learning_rate is None:
@@ -495,24 +710,14 @@ def _fill_from_preset(args):
 
 
 def _fill_from_machine(args):
-    """Precision and the speed switches: the fast path with a CUDA GPU (bench.py measures each part)."""
+    """Precision and compilation: the fast path with a CUDA GPU (bench.py measures each part)."""
     gpu = on_gpu(args)
     if args.mixed_precision == "fp16" and not gpu:
         raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no (or drop --cpu)")
     if args.mixed_precision is None:  # --cpu on a GPU machine trains in fp32, as on any CPU
         args.mixed_precision = "bf16" if gpu and torch.cuda.is_bf16_supported() else "no"
-    for name in ("compile", "cudnn_benchmark"):
-        if getattr(args, name) is None:
-            setattr(args, name, gpu)
-    if args.fused_norm is None:
-        args.fused_norm = False  # not measured faster on a GPU yet: off unless asked for
-    if args.channels_last is None:  # measured slower on an H100 (BENCHMARKS.md); the fused kernels need it
-        args.channels_last = args.fused_norm
-    if args.fused_norm and not (gpu and args.channels_last):
-        raise ConfigError(
-            "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors): "
-            "drop it or add --channels_last"
-        )
+    if args.compile_mode is None:
+        args.compile_mode = "auto" if gpu else "off"
 
 
 def num_processes():

@@ -102,17 +102,15 @@ def lookup_peak(device_name, precision):
     return None, None
 
 
-def describe_peak(device, mixed_precision, allow_tf32, peak_tflops=None):
-    """(peak FLOP/s per device or None, words saying what it is): --peak_tflops, else the table."""
+def describe_peak(device, mixed_precision, allow_tf32):
+    """(peak FLOP/s per device or None, words saying what it is), from PEAK_TFLOPS."""
     precision = matmul_precision(mixed_precision, allow_tf32 and device.type == "cuda")
-    if peak_tflops:
-        return peak_tflops * 1e12, f"peak {peak_tflops:g} TFLOP/s (--peak_tflops)"
     if device.type != "cuda":
-        return None, f"peak unknown for {device.type} {precision} (pass --peak_tflops)"
+        return None, f"peak unknown for {device.type} {precision}"
     name = torch.cuda.get_device_name(device)
     _, peak = lookup_peak(name, precision)
     if peak is None:
-        return None, f"peak unknown for {name} {precision} (pass --peak_tflops)"
+        return None, f"peak unknown for {name} {precision} (not in flops.py's PEAK_TFLOPS)"
     return peak, f"peak {name} {precision} {peak / 1e12:g} TFLOP/s"
 
 

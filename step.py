@@ -3,7 +3,7 @@
     uint8 batch on the device -> flip, scale -> objective.loss(net, x0) -> backward
     -> clip -> AdamW (fused: skips a non-finite step on the device) -> LR schedule -> EMA
 
-`TrainStep` does all of it with no host sync (unless --on_nonfinite stop asks
+`TrainStep` does all of it with no host sync (unless --on_fault stop asks
 for one), so train.py's loop and bench.py's rows call the very same code.
 How it runs on a GPU is `--compile_mode`:
 
@@ -16,8 +16,8 @@ How it runs on a GPU is `--compile_mode`:
   clipping, the optimizer and the EMA captured together in one CUDA graph
   (`StepGraph`); what must change between steps (the learning rate, the EMA
   decay) is written into device tensors before each replay.
-- `auto` (the default): picks one of these by `choose_compile_mode`, a rule
-  taken from measurements, and says why.
+- `auto` (the default on a CUDA GPU; elsewhere `off`, eager): picks one of
+  these by `choose_compile_mode`, a rule taken from measurements, and says why.
 """
 
 import contextlib
@@ -54,10 +54,12 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
     """(compile mode or None for eager, why) for the flags at hand.
 
     `args`: compile, compile_mode, gradient_accumulation_steps,
-    mixed_precision, on_nonfinite and fused_adam, as train.py resolves them.
+    mixed_precision, on_nonfinite and fused_adam, as config.resolve gives them
+    (compile: --compile_mode is not off; on_nonfinite: --on_fault; fused_adam: a
+    setting bench.py varies).
     """
     if not args.compile:
-        return None, "eager (--no-compile)"
+        return None, "eager (--compile_mode off)"
     cuda = device.type == "cuda"
     requested = args.compile_mode
     blockers = graph_blockers(args, device, num_processes)
@@ -87,9 +89,9 @@ def graph_blockers(args, device, num_processes):
     if args.mixed_precision == "fp16":
         found.append("fp16's loss scaler reads the gradients on the host")
     if args.on_nonfinite == "stop":
-        found.append("--on_nonfinite stop reads the loss on the host every step")
+        found.append("--on_fault stop reads the loss on the host every step")
     if not args.fused_adam:
-        found.append("--no-fused_adam (the non-finite skip happens inside the fused optimizer)")
+        found.append("AdamW not fused (the non-finite skip happens inside the fused optimizer)")
     return found
 
 
@@ -466,7 +468,7 @@ class FastStep:
             raise
         except Exception as e:
             if self.num_processes > 1:
-                instead = "--no-compile" if self.mode == "default" else "--compile_mode default or --no-compile"
+                instead = "--compile_mode off" if self.mode == "default" else "--compile_mode default or off"
                 raise RunError(
                     f"--compile_mode {self.mode} failed ({error_line(e)}); with {self.num_processes} processes "
                     f"one cannot fall back alone: rerun with {instead}"
@@ -712,8 +714,8 @@ class NonFiniteGuard:
         if bad.item():
             if self.mode == "stop":
                 raise RunError(
-                    f"non-finite loss or gradient at step {step} (--on_nonfinite stop): lower --learning_rate "
-                    "or use --on_nonfinite skip; the last checkpoint holds the state before it"
+                    f"non-finite loss or gradient at step {step} (--on_fault stop): lower --learning_rate "
+                    "or use --on_fault skip; the last checkpoint holds the state before it"
                 )
             for group in self.inner.param_groups:  # without a fused optimizer, drop the gradients
                 for p in group["params"]:

@@ -7,9 +7,8 @@
     python train.py --config configs/cifar10-edm2-E.yaml   # a reference run, as a file (config.py)
     python train.py --dry_run                         # resolved config, parameters, FLOPs; no training
 
-Resume a run from its newest checkpoint:
-
-    python train.py ...same flags... --resume_from_checkpoint latest
+Resume a run: the same command again continues from its newest checkpoint
+(`--resume CHECKPOINT` from another one).
 
 What it writes into --output_dir: samples/NNNN.png (a grid from the EMA
 weights, the same noise every time), the trained pipeline
@@ -43,7 +42,7 @@ from errors import ConfigError, RunError
 def main(args):
     """Train, or with --dry_run describe the run. Errors are one line: exit code 2 for a bad
     flag, path or dataset, 1 when training cannot go on (disk full, non-finite loss with
-    --on_nonfinite stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved.
+    --on_fault stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved.
     Every exit, these and the normal end, leaves no process group behind."""
     try:
         args = resolve(args)
@@ -82,9 +81,7 @@ def train(args):
                     losses = train_step(batch, run.step + 1)
                 run.step += 1
                 meter.step_done(losses)
-                run.after_step(meter, signals)  # checkpoint, stop signals, the end of --profile_only
-                if run.stopping:
-                    break
+                run.after_step(meter, signals)  # checkpoint, stop signals
             meter.epoch_done(epoch, run.whole_epoch(epoch))
             run.after_epoch(epoch, meter)  # sample grid, evaluation
     run.finish(meter, train_step)  # the pipeline and run.json
@@ -130,7 +127,7 @@ def describe(args):
         for key, value in config.items():
             print(f"{key:28s} {value}")
         flop = config["model_flops_per_step"]
-        _, peak_words = flops.describe_peak(state.device, args.mixed_precision, args.allow_tf32, args.peak_tflops)
+        _, peak_words = flops.describe_peak(state.device, args.mixed_precision, args.allow_tf32)
         print(
             f"model {args.model}: {config['params']:,} parameters, {flop / 1e12:.4g} TFLOP per step "
             f"({flop / config['global_batch_size'] / 1e9:.2f} GFLOP per image, forward+backward); {peak_words}; "
@@ -198,8 +195,9 @@ class Run:
         self.config |= dict(num_classes=self.num_classes, class_names=class_names,
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
+        resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
         start_from = checkpoint.choose_start(
-            args.output_dir, self.config, args.resume, args.resume_from_checkpoint, args.overwrite_output_dir
+            args.output_dir, self.config, args.resume is not False, resume_from, args.overwrite_output_dir
         )
         accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
         if self.evaluator is not None:
@@ -215,7 +213,6 @@ class Run:
         self.step, self.skipped_before = 0, 0
         if start_from is not None:
             self._resume(start_from)
-        self.stopping = None  # why the loop stops before the end: 'profile' (--profile_only)
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
@@ -236,12 +233,12 @@ class Run:
             self.objective = models.ddpm_objective(self.noise_scheduler, args).to(device)
         self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, self.noise_scheduler.config, args.sigma_data,
                                                      args.churn)
-        # Fused AdamW (--fused_adam, the default): one kernel for all parameters, and it can skip a
-        # step on the device (see NonFiniteGuard), so a NaN costs no host sync per step.
-        # channels_last converts the UNet in place first.
+        # Fused AdamW (config.SETTINGS; bench.py times it off): one kernel for all parameters, and it can
+        # skip a step on the device (see NonFiniteGuard), so a NaN costs no host sync per step.
+        # channels_last (bench.py's) converts the UNet in place first.
         optimizer = models.prepare_for_training(
             unet, args.channels_last, args.fused_adam, also=self.objective.parameters(),  # EDM's u(sigma) trains too
-            lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay,
+            lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
             eps=args.adam_epsilon,
         )  # fmt: skip
         if args.fused_norm:  # class swaps in place: the parameters and the state dict stay as they are
@@ -278,7 +275,7 @@ class Run:
             (self.output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
             scalars = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
             self.accelerator.init_trackers("train", config=scalars)
-        _, peak_words = flops.describe_peak(self.device, args.mixed_precision, args.allow_tf32, args.peak_tflops)
+        _, peak_words = flops.describe_peak(self.device, args.mixed_precision, args.allow_tf32)
         self.accelerator.print(
             f"training {args.model} ({config['params']:,} parameters) on {self.num_images} images at {args.image_size}px: "
             f"{self.total_steps} steps of {self.images_per_step} images, mixed precision {args.mixed_precision}, "
@@ -304,9 +301,9 @@ class Run:
     # --- the loop's pace ---
 
     def epochs(self):
-        """The epochs left to train, while the run is not stopping."""
+        """The epochs left to train."""
         epoch = self.step // self.steps_per_epoch
-        while self.step < self.total_steps and not self.stopping:
+        while self.step < self.total_steps:
             yield epoch
             epoch += 1
 
@@ -327,13 +324,9 @@ class Run:
             self.save_checkpoint(meter)
         if self.stop_requested(signals):
             self.stop_for_signal(signals, meter)
-        if self.args.profile_only and meter.profile_done:
-            self.stopping = "profile"
 
     def after_epoch(self, epoch, meter):
         args, last = self.args, self.step >= self.total_steps
-        if self.stopping:
-            return
         if epoch % args.save_images_epochs == 0 or last:
             with meter.paused("sampling"):
                 self.on_main_process(lambda: self.write_samples(epoch))
@@ -386,14 +379,14 @@ class Run:
         seeds = sample.image_seeds(args.seed, args.eval_batch_size)
         labels = sample.grid_labels(self.num_classes, args.eval_batch_size)
         images = sample.generate(self.averaged_network(), self.sampling_scheduler, seeds, args.num_inference_steps,
-                                 self.accelerator.autocast, labels, args.guidance_scale, self.guide)  # fmt: skip
+                                 self.accelerator.autocast, labels, args.guidance_scale[0], self.guide)  # fmt: skip
         try:
             sample.save_grid(images, path)
         except OSError as e:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 
     def evaluate(self, epoch):
-        """FID/KID of the EMA weights (main process) at each --eval_guidance_scales; the best
+        """FID/KID of the EMA weights (main process) at each --guidance_scale; the best
         pipeline by FID (at its best scale) goes to best/."""
         args, network = self.args, self.averaged_network()
         counts = self.config["class_counts"]  # a conditional run: labels drawn as in the data
@@ -406,7 +399,7 @@ class Run:
 
         sampler = getattr(self.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731
-        result = self.evaluator.evaluate(batches_for, args.eval_guidance_scales, sampler, args.num_inference_steps,
+        result = self.evaluator.evaluate(batches_for, args.guidance_scale, sampler, args.num_inference_steps,
                                          epoch, self.step, save, labels)  # fmt: skip
         self.accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=self.step)
         at = f"eval epoch {epoch} step {self.step}"
@@ -454,10 +447,7 @@ class Run:
 
     def finish(self, meter, train_step):
         """The end: the pipeline and run.json after training; or why nothing was trained."""
-        if self.stopping == "profile":
-            self.accelerator.print(f"stopped after profiling at step {self.step}: see {self.output_dir / 'profile'}")
-            self.accelerator.end_training()
-        elif not meter.trained:  # already trained to the end
+        if not meter.trained:  # already trained to the end
             if not self.pipeline_saved():  # the end of the run was cut short
                 self.on_main_process(self.save_pipeline)
             else:
@@ -513,7 +503,7 @@ class Meter:
         self.breakdown = profiling.Breakdown(device)
         self.timer = flops.StepTimer(device, args.timing_warmup_steps)
         self.losses = steps.LossMeter(device)
-        self.peak_flops, self.peak_words = flops.describe_peak(device, args.mixed_precision, args.allow_tf32, args.peak_tflops)
+        self.peak_flops, self.peak_words = flops.describe_peak(device, args.mixed_precision, args.allow_tf32)
         self.model_flops, self.hardware_flops = run.config["model_flops_per_step"], run.config["hardware_flops_per_step"]
         self.started_at = profiling.now_iso()
         self.epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
@@ -533,7 +523,7 @@ class Meter:
             self.profiled_step = step
 
     def _start_profiler(self):
-        """After a step: one warm-up step, then --profile_steps recorded (on rank 0; every rank stops together)."""
+        """After a step: one warm-up step, then config.SETTINGS["profile_steps"] recorded (on rank 0; every rank stops together)."""
         args, run = self.args, self.run
         self.profiled_step, self.profile_until = None, run.step + 1 + args.profile_steps
         if run.is_main:
@@ -606,10 +596,6 @@ class Meter:
         if self.run.step % self.args.logging_steps == 0:
             self.report(self.timer.collect())
             self.breakdown.collect()
-
-    @property
-    def profile_done(self):
-        return self.run.step == self.profile_until
 
     def epoch_done(self, epoch, whole):
         if whole:

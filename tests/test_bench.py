@@ -136,14 +136,18 @@ def test_the_rows_after_the_cuda_graphs_change_one_thing_each_and_the_yardstick_
     assert not rows["diffusers_example"]["cuda_only"]
 
 
-def test_the_fused_norm_row_is_what_train_py_fused_norm_runs(monkeypatch):
+def test_the_fused_norm_row_is_train_pys_step_with_fused_norm(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     row = next(v for v in bench.LADDER if v["name"] == "fused_norm")["settings"]
     # from the function the train_default row is built by: train.py never forces Inductor's layout
-    train = bench.train_settings("--fused_norm", "--channels_last")
+    train = bench.train_settings(fused_norm=True, channels_last=True)
     assert {k: row[k] for k in row if row[k] != train[k]} == {} and row.keys() == train.keys()
     assert train == dict(bench.train_settings(), fused_norm=True, channels_last=True)
+    # bench.py --fused_norm: the train_default row is it (its channels_last follows, as fused_norm needs it)
+    flagged = bench.all_variants(bench.parse_args(["--fused_norm"]).train_settings)[-1]
+    assert flagged["name"] == "train_default" and flagged["settings"] == train
+    assert flagged["changed"].startswith("train.py's step with fused_norm=True (the settings of ")
 
 
 def test_the_fused_norm_and_force_layout_settings_reach_the_step(fixed_step, monkeypatch):
@@ -163,23 +167,20 @@ def test_the_fused_norm_and_force_layout_settings_reach_the_step(fixed_step, mon
     assert check["passed"] and check["tolerance"] == bench.TOLERANCE["fp32"], check
 
 
-def test_train_py_fused_norm_is_off_unless_asked_and_needs_a_gpu_and_channels_last(tmp_path, capsys, monkeypatch):
-    assert config.resolve(config.parse_args([])).fused_norm is False
+def test_fused_norm_is_off_in_train_py_and_bench_pys_needs_a_gpu_and_channels_last(tmp_path, capsys, monkeypatch):
+    assert config.resolve(config.parse_args([])).fused_norm is False  # not measured faster yet; no train.py flag
     message = "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors)"
-    with pytest.raises(SystemExit) as exit_info:  # on this CPU
-        run_train(tmp_path / "out", "--fused_norm", "--channels_last")
-    assert exit_info.value.code == 2
+    argv = ["--workload", "tiny", "--variants", "train_default", "--output", str(tmp_path), "--fused_norm"]
+    assert bench.main(bench.parse_args(argv)) == 2  # on this CPU
     err = visible(capsys.readouterr().err)
-    assert len(err) == 1 and message in err[0] and err[0].startswith("train.py: error:"), err
+    assert len(err) == 1 and message in err[0] and err[0].startswith("bench.py: error:"), err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     with pytest.raises(ConfigError, match="add --channels_last"):
-        config.resolve(config.parse_args(["--fused_norm", "--no-channels_last"]))
+        bench.train_settings(fused_norm=True, channels_last=False)
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        config.resolve(config.parse_args(["--fused_norm", "--cpu"]))
-    asked = config.resolve(config.parse_args(["--fused_norm"]))
-    assert asked.fused_norm and asked.channels_last  # --fused_norm turns channels_last on, which it needs
-    assert config.resolve(config.parse_args([])).fused_norm is False  # not measured faster yet
+        bench.train_settings("--cpu", fused_norm=True)
+    assert bench.train_settings(fused_norm=True)["channels_last"]  # fused_norm turns channels_last on, which it needs
 
 
 def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
@@ -302,9 +303,10 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
 
 
 def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys):
+    """channels_last has no train.py flag; bench.py sets it on the configuration, as here."""
     out = tmp_path / "run"
-    config = run_train(out, "--max_train_steps", 2, "--compile", "--channels_last", "--fused_adam",
-                       "--logging_steps", 1, "--checkpointing_steps", 2, "--save_images_epochs", 100)  # fmt: skip
+    config = run_train(out, "--max_train_steps", 2, "--compile_mode", "auto", "--logging_steps", 1,
+                       "--checkpointing_steps", 2, "--save_images_epochs", 100, channels_last=True)  # fmt: skip
     assert config["compile"] and config["channels_last"] and config["fused_adam"]
     assert [step for step, _ in scalars(out)["loss"]] == [1, 2]
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars(out)["loss"])
@@ -334,7 +336,9 @@ def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
     gpu = config.resolve(config.parse_args(["--mixed_precision", "no"]))
     assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "auto" and gpu.fused_adam
     assert not gpu.channels_last  # measured slower for ref128 on an H100 (BENCHMARKS.md)
-    chosen = config.resolve(config.parse_args(["--mixed_precision", "no", "--no-compile", "--no-fused_adam", "--channels_last"]))
+    chosen = config.parse_args(["--mixed_precision", "no", "--compile_mode", "off"])
+    chosen.fused_adam, chosen.channels_last = False, True  # as bench.py sets them: no train.py flag
+    chosen = config.resolve(chosen)
     assert not chosen.compile and not chosen.fused_adam and chosen.channels_last
     forced_cpu = config.resolve(config.parse_args(["--mixed_precision", "no", "--cpu"]))
     assert not any(getattr(forced_cpu, f) for f in flags)

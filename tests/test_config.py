@@ -52,8 +52,8 @@ def test_each_shipped_config_dry_runs_without_opening_its_dataset(tmp_path, caps
 
 def test_a_runs_train_config_json_resolves_to_the_same_configuration(tmp_path):
     argv = [*TINY, "--output_dir", tmp_path / "run", "--max_train_steps", 1, "--checkpointing_steps", 100,
-            "--save_images_epochs", 100, "--lr_scheduler", "inverse_sqrt", "--ema", "power", "--no-random_flip",
-            "--logger", "none"]  # fmt: skip
+            "--save_images_epochs", 100, "--lr_scheduler", "inverse_sqrt", "--ema", "power", "--augment", "crop",
+            "--no-preload_data", "--logger", "none"]  # fmt: skip
     train.main(train.parse_args([*map(str, argv)]))
     assert not (tmp_path / "run" / "logs").exists()  # --logger none: no tensorboard logs
     saved = tmp_path / "run" / "train_config.json"
@@ -66,13 +66,15 @@ def test_a_runs_train_config_json_resolves_to_the_same_configuration(tmp_path):
 
 def test_a_flag_on_the_command_line_overrides_the_file(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("train_batch_size: 4\nlearning_rate: 1e-3\nuse_ema: false\ncpu: true\nema_stds: [0.05, 0.08]\n")
+    path.write_text("train_batch_size: 4\nlearning_rate: 1e-3\nema: none\ncpu: true\nema_stds: [0.05, 0.08]\n"
+                    "class_conditional: label\n")
     from_file = resolved("--config", path)
-    assert (from_file.train_batch_size, from_file.learning_rate, from_file.use_ema, from_file.cpu) == (4, 1e-3, False, True)
-    assert from_file.ema_stds == [0.05, 0.08]
-    # typed flags win, even when they say the default (16, --use_ema) or undo a switch (--no-cpu)
-    typed = resolved("--config", path, "--train_batch_size", 16, "--use_ema", "--no-cpu")
-    assert (typed.train_batch_size, typed.learning_rate, typed.use_ema, typed.cpu) == (16, 1e-3, True, False)
+    assert (from_file.train_batch_size, from_file.learning_rate, from_file.ema, from_file.cpu) == (4, 1e-3, "none", True)
+    assert from_file.ema_stds == [0.05, 0.08] and from_file.class_conditional == "label"
+    # typed flags win, even when they say the default (16, --ema standard) or undo a switch (--no-cpu)
+    typed = resolved("--config", path, "--train_batch_size", 16, "--ema", "standard", "--no-cpu", "--class_conditional")
+    assert (typed.train_batch_size, typed.learning_rate, typed.ema, typed.cpu) == (16, 1e-3, "standard", False)
+    assert typed.class_conditional is True and typed.label_column is None
     # JSON too, and the flags may come before --config
     (tmp_path / "run.json").write_text(json.dumps(dict(model="tiny", image_size=16)))
     assert resolved("--image_size", 32, "--config", tmp_path / "run.json").image_size == 32
@@ -80,9 +82,9 @@ def test_a_flag_on_the_command_line_overrides_the_file(tmp_path):
 
 BAD_FILES = [
     ("trian_batch_size: 8\n", "--config {path}: 'trian_batch_size' is not a flag of train.py"),
-    ("profile_operators: true\n", "profile_operators is now --profile operators"),
+    ("profile_operators: true\n", "--config {path}: 'profile_operators' is not a flag of train.py"),  # gone before issue 33
     ("train_batch_size: many\n", "--config {path}: argument --train_batch_size: invalid int value: 'many'"),
-    ("use_ema: 2\n", "--config {path}: use_ema takes true or false (got 2)"),
+    ("cpu: 2\n", "--config {path}: cpu takes true or false (got 2)"),
     ("[1, 2]\n", "--config {path}: holds a list"),
     ("a: [\n", "--config {path}: not valid YAML"),
     ("train_batch_size: 0\n", "--train_batch_size must be at least 1 (got 0)"),  # a range: checked by resolve
@@ -102,23 +104,149 @@ def test_a_missing_config_file_is_one_line(tmp_path, capsys):
     assert "cannot read it" in one_line_error(capsys, ["--config", tmp_path / "nope.yaml"])
 
 
-@pytest.mark.parametrize("old, new", [(["--profile", "--profile_operators"], "--profile operators"),
-                                      (["--profile", "--no-profile_operators"], "--profile (its level")])  # fmt: skip
-def test_a_removed_flag_names_its_new_spelling(capsys, old, new):
-    line = one_line_error(capsys, old)
-    assert line.startswith(f"train.py: error: {old[-1]} is now {new}"), line
+@pytest.mark.parametrize("key", config.REMOVED)
+def test_a_removed_flag_on_the_command_line_names_what_replaced_it(capsys, key):
+    words = [f"--{key}", "1"] if key != "resume_from_checkpoint" else [f"--{key}", "latest"]
+    line = one_line_error(capsys, words)
+    assert line == f"train.py: error: --{key} was removed: {config.REMOVED[key].instead} (see --help)", line
+    if config.REMOVED[key].switch:
+        assert f"--no-{key} was removed: " in one_line_error(capsys, [f"--no-{key}"])
 
 
-def test_profile_takes_its_level_and_profile_only_implies_it():
-    assert resolved().profile is None
-    assert resolved("--profile").profile == "kernels"
-    assert resolved("--profile", "operators").profile == "operators"
-    assert resolved("--profile_only").profile == "kernels"
+def test_a_pair_starting_negative_is_a_value_not_a_flag():
+    assert resolved("--P_mean_std", "-1.0,1.4").P_mean_std == [-1.0, 1.4]  # no '=' needed
+
+
+def test_a_switch_with_a_value_takes_none_in_its_no_form(capsys):
+    assert resolved("--class_conditional", "label").label_column == "label"
+    assert one_line_error(capsys, ["--no-resume", "old/checkpoint"]).startswith(
+        "train.py: error: --no-resume takes no value (got 'old/checkpoint')")  # fmt: skip
+
+
+def test_guidance_needs_labels_or_a_guide(capsys):
+    assert resolved("--class_conditional", "--guidance_scale", "1,2").guidance_scale == [1.0, 2.0]
+    assert "--guidance_scale guides a --class_conditional run (or one with --guide)" in one_line_error(
+        capsys, ["--guidance_scale", "1,2", "--dry_run"])  # fmt: skip
+
+
+def test_removed_prefixes_of_flags_are_not_abbreviations():
+    """argparse would read --compile as --compile_mode and --P_mean as --P_mean_std: they are errors."""
+    for old in ("--compile", "--P_mean"):
+        with pytest.raises(SystemExit):
+            config.parse_args([old, "x"])
+
+
+# An old key in a file (a run's train_config.json of the version before issue 33, a config of yours):
+# the flags that say the same now, or one line naming what replaced it. One row per rule of config.REMOVED.
+SAME_NOW = [
+    ("compile: false\ncompile_mode: default\n", dict(compile_mode="off", compile=False)),
+    ("compile: true\n", dict(compile_mode="auto", compile=True)),  # auto on a CPU: torch.compile's default mode
+    ("compile: true\ncompile_mode: step-graph\n", dict(compile_mode="step-graph")),
+    ("use_ema: false\nema: standard\n", dict(ema="none", use_ema=False)),
+    ("use_ema: true\n", dict(ema="standard", use_ema=True)),  # not the small preset's none
+    ("use_ema: true\nema: power\n", dict(ema="power")),
+    ("preload_max_gib: 4\n", dict(preload_data=4, preload_max_gib=4)),
+    ("preload_data: false\npreload_max_gib: 4\n", dict(preload_data=False)),
+    ("preload_max_gib: 8.0\n", dict(preload_data=True, preload_max_gib=8.0)),
+    ("class_conditional: true\nlabel_column: label\n", dict(class_conditional="label", label_column="label")),
+    ("label_column: label\n", dict(class_conditional=False, label_column=None)),  # read by a conditional run only
+    ("adam_beta1: 0.9\n", dict(adam_betas=[0.9, 0.999])),
+    ("adam_beta1: 0.9\nadam_beta2: 0.99\n", dict(adam_betas=[0.9, 0.99])),
+    ("P_mean: -1.0\nP_std: 1.4\n", dict(P_mean_std=[-1.0, 1.4], P_mean=-1.0, P_std=1.4)),
+    ("guidance_scale: 1.0\neval_guidance_scales: [1.0]\n", dict(guidance_scale=[1.0])),
+    ("guide: .\nguidance_scale: 1.5\neval_guidance_scales: [1.5, 3]\n", dict(guidance_scale=[1.5, 3.0])),
+    ("on_nonfinite: stop\nstrict_data: true\n", dict(on_fault="stop", on_nonfinite="stop", strict_data=True)),
+    ("strict_data: true\n", dict(on_fault="stop")),
+    ("on_nonfinite: skip\nstrict_data: false\n", dict(on_fault="skip")),
+    ("center_crop: false\n", dict(augment="flip,crop", center_crop=False, random_flip=True)),
+    ("random_flip: false\ncenter_crop: true\n", dict(augment="none", random_flip=False)),
+    ("sigma_data: 0.5\nnum_train_timesteps: 1000\nloss_weighting: uncertainty\nlabel_dropout: 0.1\n"
+     "adam_epsilon: 1.0e-8\nema_inv_gamma: 1.0\n", dict(sigma_data=0.5, num_train_timesteps=1000)),
+    ("channels_last: false\nfused_norm: false\nfused_adam: true\nallow_tf32: true\nprofile_only: false\n",
+     dict(channels_last=False, fused_adam=True)),
+    # how fast a run went or what its report said, never its weights or scores: any value
+    ("cudnn_benchmark: true\nfid_batch_size: 16\ntiming_warmup_steps: 1\npeak_tflops: 0.5\nprofile_steps: 2\n"
+     "profile_top: 5\nprofile_stack: true\n", dict(cudnn_benchmark=False, fid_batch_size=64, timing_warmup_steps=5)),
+    ("resume_from_checkpoint: latest\n", dict(resume=True)),  # what one command asked for once
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, expected", SAME_NOW, ids=[t.split(":")[0] + str(i) for i, (t, _) in enumerate(SAME_NOW)])
+def test_a_removed_key_in_a_file_reads_as_what_says_the_same_now(tmp_path, text, expected):
+    path = tmp_path / "old.yaml"
+    path.write_text(text)
+    args = resolved("--config", path)
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+NOTHING_SAYS = [
+    ("use_ema: false\nema: power\n", "use_ema false has no equivalent now (--use_ema was removed: use --ema none"),
+    ("use_ema: true\nema: none\n", "use_ema true has no equivalent now"),
+    ("compile: 1\n", "compile 1 has no equivalent now (--compile was removed: use --compile_mode off, auto or a mode)"),
+    ("class_conditional: one\nlabel_column: two\n", "label_column \"two\" has no equivalent now"),
+    ("preload_data: 2\npreload_max_gib: 4\n", "preload_max_gib 4 has no equivalent now"),
+    ("P_mean: -1.0\n", "P_mean -1.0 has no equivalent now (--P_mean was removed: use --P_mean_std MEAN,STD)"),
+    ("guidance_scale: 1.5\neval_guidance_scales: [2]\n", "eval_guidance_scales [2] has no equivalent now"),
+    ("on_nonfinite: stop\nstrict_data: false\n", "on_nonfinite \"stop\" has no equivalent now (--on_nonfinite was "
+     "removed: use --on_fault skip or stop"),
+    ("strict_data: true\non_fault: skip\n", "strict_data true has no equivalent now"),
+    ("sigma_data: 0.25\n", "sigma_data 0.25 has no equivalent now (--sigma_data was removed: EDM's sigma_data is 0.5)"),
+    ("num_train_timesteps: 4000\n", "num_train_timesteps 4000 has no equivalent now"),
+    ("loss_weighting: edm\n", "loss_weighting \"edm\" has no equivalent now"),
+    ("label_dropout: 0.2\n", "label_dropout 0.2 has no equivalent now"),
+    ("adam_epsilon: 1.0e-6\n", "adam_epsilon 1e-06 has no equivalent now"),
+    ("ema_inv_gamma: 2.0\n", "ema_inv_gamma 2.0 has no equivalent now"),
+    ("channels_last: true\n", "channels_last true has no equivalent now (--channels_last was removed: train.py runs "
+     "NCHW; bench.py's rows and its --channels_last set it on the step they time)"),
+    ("fused_norm: true\n", "fused_norm true has no equivalent now"),
+    ("fused_adam: false\n", "fused_adam false has no equivalent now"),
+    ("allow_tf32: false\n", "allow_tf32 false has no equivalent now"),
+    ("profile_only: true\n", "profile_only true has no equivalent now (--profile_only was removed: use --profile with"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, message", NOTHING_SAYS, ids=[t.split(":")[0] + str(i) for i, (t, _) in enumerate(NOTHING_SAYS)])
+def test_a_removed_key_that_nothing_says_now_is_one_line_and_exit_code_2(tmp_path, capsys, text, message):
+    path = tmp_path / "old.yaml"
+    path.write_text(text)
+    line = one_line_error(capsys, ["--config", path, "--output_dir", tmp_path / "out"])
+    assert line.startswith(f"train.py: error: --config {path}: {message}"), line
+
+
+OLD_RUNS = ROOT / "tests" / "fixtures" / "before-issue-33"
+
+
+# The flags of today that say what the runs in OLD_RUNS said (their README: the commands).
+OLD_RUN_FLAGS = ["--model", "tiny", "--image_size", 16, "--shapes_num_images", 64, "--train_batch_size", 8,
+                 "--max_train_steps", 1, "--save_images_epochs", 100, "--checkpointing_steps", 1, "--eval_batch_size", 4,
+                 "--num_inference_steps", 2, "--dataloader_num_workers", 0, "--logger", "none", "--lr_warmup_steps", 2,
+                 "--output_dir", "old-run"]  # fmt: skip
+SAME_AS_OLD_RUN = dict(
+    default=OLD_RUN_FLAGS,
+    changed=[*OLD_RUN_FLAGS, "--ema", "none", "--adam_betas", "0.9,0.999", "--P_mean_std", "-1.0,1.4",
+             "--timestep_sampling", "lognormal", "--augment", "none", "--preload_data", "4", "--on_fault", "stop"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("run_dir", SAME_AS_OLD_RUN)
+def test_an_old_runs_train_config_json_resolves_to_todays_flags_that_say_the_same(run_dir):
+    """train_config.json of runs of the version before issue 33 (tests/fixtures/before-issue-33/README.md)."""
+    old = vars(resolved("--config", OLD_RUNS / run_dir / "train_config.json"))
+    now = vars(resolved(*SAME_AS_OLD_RUN[run_dir]))
+    assert old.pop("config").endswith("train_config.json") and now.pop("config") is None
+    assert old == now
+
+
+@pytest.mark.parametrize("name", ["cifar10-edm2-E.yaml", "cifar10-ddpm32.yaml"])
+def test_a_shipped_config_of_the_version_before_reads_as_the_shipped_one(name):
+    """configs/ as they were before issue 33 (P_mean, P_std, sigma_data, adam_beta1, ...), copied to the fixtures."""
+    old, now = vars(resolved("--config", OLD_RUNS / name)), vars(resolved("--config", ROOT / "configs" / name))
+    assert old.pop("config") != now.pop("config") and old == now
 
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["--model", "edm2tiny", "--image_size", 16], ["--image_size", 128, "--profile_only"],
+    [[], ["--model", "edm2tiny", "--image_size", 16], ["--image_size", 128, "--profile"],
      ["--lr_scheduler", "inverse_sqrt", "--ema", "power", "--ema_stds", "0.05,0.1"]],
 )  # fmt: skip
 def test_resolve_fills_everything_and_is_idempotent(argv):
@@ -126,7 +254,7 @@ def test_resolve_fills_everything_and_is_idempotent(argv):
     twice = config.resolve(copy.deepcopy(once))
     assert vars(twice) == vars(once)
     unset = ("model", "objective", "learning_rate", "lr_scheduler", "num_inference_steps", "mixed_precision",
-             "channels_last", "compile", "cudnn_benchmark", "fused_norm")  # fmt: skip
+             "ema", "compile_mode", "P_mean_std", *config.SETTINGS, *config.SPEED_SETTINGS)  # fmt: skip
     assert all(getattr(once, name) is not None for name in unset) and once.model != "auto"
     assert (once.lr_ref_steps is not None) == (once.lr_scheduler == "inverse_sqrt")
 
@@ -142,12 +270,14 @@ def test_lr_ref_steps_counts_the_processes(monkeypatch):
 
 
 def test_every_range_is_checked_with_the_flags_name():
-    with pytest.raises(ConfigError, match=r"^--adam_beta1 must be in \[0, 1\) \(got 1.0\)$"):
-        resolved("--adam_beta1", 1)
+    with pytest.raises(ConfigError, match=r"^--adam_betas must be two numbers in \[0, 1\) \(got \[0.9, 1.0\]\)$"):
+        resolved("--adam_betas", "0.9,1")
     with pytest.raises(ConfigError, match=r"^--weight_decay must be at least 0 \(got -1.0\)$"):
         resolved("--weight_decay=-1")
-    with pytest.raises(ConfigError, match=r"^--P_std must be greater than 0 \(got 0.0\)$"):
-        resolved("--P_std", 0)
+    with pytest.raises(ConfigError, match=r"^--P_mean_std must be two numbers, P_std greater than 0 \(got \[-1.0, 0.0\]\)$"):
+        resolved("--P_mean_std=-1,0")
+    with pytest.raises(ConfigError, match=r"^--preload_data must be greater than 0 \(got 0.0\)$"):
+        resolved("--preload_data", 0)
     text = " ".join(config.build_parser().format_help().split())
     assert "images per device per micro-batch (at least 1; default: the preset's; 4 for small, else 16)" in text
     assert "AdamW weight decay (at least 0; default: 1e-06)" in text
@@ -174,9 +304,10 @@ def test_logger_wandb_logs_offline(tmp_path, monkeypatch):
 def test_a_file_never_carries_what_one_command_asked_for_once(tmp_path):
     """A run started with --overwrite_output_dir, fed back, resumes rather than deleting its checkpoints."""
     path = tmp_path / "train_config.json"
-    path.write_text(json.dumps(dict(model="tiny", overwrite_output_dir=True, resume_from_checkpoint="latest", dry_run=True)))
+    path.write_text(json.dumps(dict(model="tiny", overwrite_output_dir=True, resume="run/checkpoints/checkpoint-4",
+                                    resume_from_checkpoint="latest", dry_run=True)))  # fmt: skip
     args = resolved("--config", path)
-    assert (args.model, args.overwrite_output_dir, args.resume_from_checkpoint, args.dry_run) == ("tiny", False, None, False)
+    assert (args.model, args.overwrite_output_dir, args.resume, args.dry_run) == ("tiny", False, True, False)
     assert resolved("--config", path, "--overwrite_output_dir").overwrite_output_dir  # typed: still honoured
 
 

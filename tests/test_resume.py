@@ -11,6 +11,7 @@ import pytest
 import checkpoint
 import config
 from errors import ConfigError
+from test_config import OLD_RUNS, SAME_AS_OLD_RUN
 from test_train import TINY
 from test_train import run as train
 
@@ -20,12 +21,11 @@ SAFE = [flag for flags in checkpoint.CHANGES_ON_RESUME.values() for flag in flag
 # One changed value per identity key (each differs from BASE's: checked below).
 CHANGED = dict(
     model="small", image_size=32, class_conditional=True, num_classes=4,
-    dataset="photos/", dataset_config="full", split="test", image_column="img", label_column="label",
-    shapes_num_images=128, center_crop=False, train_batch_size=16, gradient_accumulation_steps=2, num_processes=2,
-    seed=1, objective="edm", prediction_type="sample", num_train_timesteps=500, beta_schedule="squaredcos_cap_v2",
-    zero_terminal_snr=True, sigma_data=0.25, loss_weighting="edm", learning_rate=1e-3, adam_beta1=0.9,
-    adam_beta2=0.99, weight_decay=0.0, adam_epsilon=1e-6, fused_adam=False, use_ema=False, ema="power",
-    ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_inv_gamma=2.0, ema_power=2 / 3, mixed_precision="fp16",
+    dataset="photos/", dataset_config="full", split="test", image_column="img",
+    shapes_num_images=128, augment="flip,crop", train_batch_size=16, gradient_accumulation_steps=2, num_processes=2,
+    seed=1, objective="edm", prediction_type="sample", beta_schedule="squaredcos_cap_v2",
+    zero_terminal_snr=True, learning_rate=1e-3, adam_betas=[0.9, 0.99], weight_decay=0.0, ema="power",
+    ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_power=2 / 3, mixed_precision="fp16",
 )  # fmt: skip
 
 # RUN_IDENTITY before issue 32: what the "run" of an older checkpoint holds.
@@ -129,6 +129,13 @@ def test_mixed_precision_is_compared_as_fp16_or_not(tmp_path, saved, now, refuse
         assert resume(tmp_path, BASE | dict(mixed_precision=now)) is not None
 
 
+def test_augment_is_compared_by_its_crops_alone(tmp_path):
+    """Random crops change what an epoch's images are; flips are drawn afresh each step, nothing saved."""
+    write_checkpoint(tmp_path, checkpoint.run_identity(BASE | dict(augment="flip")))
+    assert resume(tmp_path, BASE | dict(augment="none")) is not None
+    assert "--augment 'flip' -> 'flip,crop'" in refusal(tmp_path, BASE | dict(augment="flip,crop"))
+
+
 @pytest.mark.parametrize("flag", SAFE)
 def test_a_flag_declared_safe_may_change(tmp_path, flag):
     folder = write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
@@ -179,6 +186,55 @@ def test_resume_from_reads_the_checkpoints_own_run_not_the_output_dirs(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "train_config.json").write_text(json.dumps(BASE))
     assert "--ema 'power' -> 'standard'" in refusal(tmp_path / "run", BASE, resume_from=str(other))
+
+
+# --- checkpoints of the version before issue 33, whose flags it removed or merged ------------------
+
+
+@pytest.mark.parametrize("run_dir", SAME_AS_OLD_RUN)
+def test_an_old_run_resumes_with_todays_flags_that_say_the_same(run_dir):
+    """Runs of the version before (tests/fixtures/before-issue-33): their records say use_ema, adam_beta1, ..."""
+    same = vars(config.resolve(config.parse_args(list(map(str, SAME_AS_OLD_RUN[run_dir]))))) | dict(num_processes=1,
+                                                                                                   num_classes=0)
+    assert resume(OLD_RUNS / run_dir, same) == OLD_RUNS / run_dir / "checkpoints" / "checkpoint-1"
+    if run_dir == "changed":  # its use_ema false is --ema none, its adam_beta1 0.9 is in --adam_betas
+        assert "(--adam_betas [0.9, 0.999] -> [0.95, 0.999]; --ema 'none' -> 'standard')" in refusal(
+            OLD_RUNS / run_dir, same | dict(ema="standard", adam_betas=[0.95, 0.999]))  # fmt: skip
+
+
+# An old record's removed keys, and today's identity values that say the same (each differs from BASE's).
+OLD_KEYS = [
+    (dict(use_ema=False), dict(ema="none")),
+    (dict(use_ema=True, ema="power"), dict(ema="power")),
+    (dict(center_crop=False), dict(augment="flip,crop")),
+    (dict(class_conditional=True, label_column="label"), dict(class_conditional="label")),
+    (dict(adam_beta1=0.9, adam_beta2=0.99), dict(adam_betas=[0.9, 0.99])),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("old, same", OLD_KEYS, ids=[",".join(old) for old, _ in OLD_KEYS])
+def test_an_old_records_removed_keys_compare_as_the_flags_that_say_the_same(tmp_path, old, same):
+    record = {k: v for k, v in checkpoint.run_identity(BASE).items() if k not in same} | old
+    write_checkpoint(tmp_path, record)
+    assert resume(tmp_path, BASE | same) is not None
+    (key, value), = same.items()
+    assert f"(--{key} {value!r} -> {BASE[key]!r})" in refusal(tmp_path, BASE)
+
+
+def test_an_old_records_settings_at_what_train_py_does_now_resume(tmp_path):
+    kept = dict(fused_adam=True, sigma_data=0.5, num_train_timesteps=1000, loss_weighting="uncertainty",
+                adam_epsilon=1e-8, ema_inv_gamma=1.0)  # fmt: skip
+    assert set(kept) | {"use_ema", "center_crop", "label_column", "adam_beta1", "adam_beta2"} == set(checkpoint.REMOVED_IDENTITY)
+    write_checkpoint(tmp_path, checkpoint.run_identity(BASE) | kept)
+    assert resume(tmp_path, BASE) is not None
+
+
+@pytest.mark.parametrize("key, value", [("fused_adam", False), ("sigma_data", 0.25), ("num_train_timesteps", 500),
+                                        ("loss_weighting", "edm"), ("adam_epsilon", 1e-6), ("ema_inv_gamma", 2.0)])  # fmt: skip
+def test_an_old_record_that_no_flag_says_now_is_refused_in_one_line(tmp_path, key, value):
+    folder = write_checkpoint(tmp_path, checkpoint.run_identity(BASE) | {key: value})
+    assert refusal(tmp_path, BASE).startswith(f"cannot resume {folder}: {key} {json.dumps(value)} has no equivalent now "
+                                              f"(--{key} was removed: {config.REMOVED[key].instead}); ")  # fmt: skip
 
 
 # --- train.py: one line, exit code 2 ------------------------------------------------------

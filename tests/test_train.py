@@ -19,12 +19,17 @@ from conftest import ROOT
 TINY = [
     "--model", "tiny", "--image_size", "16", "--shapes_num_images", "64", "--train_batch_size", "8",
     "--num_inference_steps", "4", "--eval_batch_size", "4", "--lr_warmup_steps", "2",
-    "--dataloader_num_workers", "0", "--timing_warmup_steps", "1",
+    "--dataloader_num_workers", "0",
 ]  # fmt: skip
 
 
-def run(output_dir, *flags):
-    return train.main(train.parse_args([*TINY, "--output_dir", str(output_dir), *map(str, flags)]))
+def run(output_dir, *flags, **settings):
+    """train.py with TINY and `flags`, and `settings` (config.SETTINGS: no flag sets them) on its
+    configuration; runs this short leave only their first step out of the timing (train.py: 5)."""
+    args = train.parse_args([*TINY, "--output_dir", str(output_dir), *map(str, flags)])
+    for name, value in {"timing_warmup_steps": 1, **settings}.items():
+        setattr(args, name, value)
+    return train.main(args)
 
 
 def scalars(output_dir):
@@ -40,11 +45,13 @@ def scalars(output_dir):
     return {tag: sorted(values) for tag, values in found.items()}
 
 
-def test_end_to_end_run_writes_every_output(tmp_path, capsys):
+def test_end_to_end_run_writes_every_output(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
+    # a CPU has no peak in flops.PEAK_TFLOPS: one for the test, so that MFU and HFU are numbers
+    monkeypatch.setattr(train.flops, "describe_peak", lambda *args: (0.5e12, "peak 0.5 TFLOP/s (a test's)"))
     config = run(
         out, "--max_train_steps", 9, "--save_images_epochs", 1, "--logging_steps", 3,
-        "--checkpointing_steps", 2, "--checkpoints_total_limit", 2, "--peak_tflops", 0.5,
+        "--checkpointing_steps", 2, "--checkpoints_total_limit", 2,
     )  # fmt: skip
     stdout = capsys.readouterr().out
 
@@ -81,7 +88,7 @@ def test_end_to_end_run_writes_every_output(tmp_path, capsys):
     # the stdout line users quote
     line = re.compile(
         r"step (\d+)/9 \| loss [\d.]+ \| [\d.e+-]+ s/step \| [\d.]+ img/s \| [\d.e+-]+ TFLOP/step \| "
-        r"[\d.e+-]+ TFLOP/s \| MFU [\d.]+% HFU [\d.]+% \| peak 0.5 TFLOP/s \(--peak_tflops\)"
+        r"[\d.e+-]+ TFLOP/s \| MFU [\d.]+% HFU [\d.]+% \| peak 0.5 TFLOP/s \(a test's\)"
     )
     assert [m.group(1) for m in line.finditer(stdout)] == ["3", "6", "9", "9"]
     assert re.search(r"^final: step 9/9", stdout, re.M)
@@ -91,7 +98,7 @@ def test_unknown_peak_prints_no_percentage(tmp_path, capsys):
     run(tmp_path, "--max_train_steps", 3, "--logging_steps", 3, "--checkpointing_steps", 100)
     stdout = capsys.readouterr().out
     lines = [ln for ln in stdout.splitlines() if ln.startswith("step 3/3")]
-    assert lines and "MFU/HFU n/a | peak unknown for cpu fp32 (pass --peak_tflops)" in lines[0]
+    assert lines and "MFU/HFU n/a | peak unknown for cpu fp32" in lines[0]
     assert "%" not in lines[0]
 
 
@@ -121,7 +128,7 @@ def test_resume_is_bit_identical(tmp_path, accumulation):
     run(straight, *flags)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
-    run(resumed, *flags, "--resume_from_checkpoint", "latest")
+    run(resumed, *flags)  # the same command again: it continues from the newest checkpoint
 
     for part in ("checkpoints/checkpoint-8", "unet"):
         a, a_ema = tensors_of(straight / part)
@@ -142,7 +149,7 @@ def visible(stream):
 BAD_INPUTS = [
     (["--dataset", "./no/such/folder"], "no such folder"),
     (["--dataset", "{empty}"], "no images"),
-    (["--dataset", "{broken}", "--strict_data"], "cannot read image"),
+    (["--dataset", "{broken}", "--on_fault", "stop"], "cannot read image"),
     (["--model", "huge"], "unknown --model 'huge'"),
     (["--model", "ref128", "--image_size", "100"], "multiple of 32"),
     (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
@@ -153,7 +160,7 @@ BAD_INPUTS = [
     (["--mixed_precision", "fp8"], "invalid choice: 'fp8'"),
     (["--train_batch_size", "many"], "invalid int value: 'many'"),
     (["--shapes_num_images", "4"], "fewer than one optimizer step takes"),
-    (["--resume_from_checkpoint", "./no/checkpoint"], "not a checkpoint folder"),
+    (["--resume", "./no/checkpoint"], "--resume no/checkpoint: not a checkpoint folder"),
 ]
 
 
@@ -210,10 +217,10 @@ def test_a_compile_that_fails_falls_back_to_eager_and_trains_the_same_weights(tm
         raise RuntimeError("injected compile failure\nsecond line")
 
     flags = ["--max_train_steps", 3, "--save_images_epochs", 100]
-    run(tmp_path / "eager", *flags, "--no-compile")
+    run(tmp_path / "eager", *flags, "--compile_mode", "off")
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken_compile)
     torch.compiler.reset()
-    run(tmp_path / "fell", *flags, "--compile")
+    run(tmp_path / "fell", *flags, "--compile_mode", "auto")  # on a CPU: torch.compile's default mode
     torch.compiler.reset()
     out = capsys.readouterr().out
 
