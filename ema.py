@@ -172,7 +172,7 @@ class PowerEMA:
 
 
 def make_ema(args, network, write):
-    """The EMA of the weights that the samples and the saved pipeline use, or None (--no-use_ema).
+    """The EMA of the weights that the samples and the saved pipeline use, or None (--ema none).
 
     --ema power keeps one power-function EMA per --ema_stds and writes snapshots
     to ema_snapshots/ every --ema_snapshot_every steps (when `write`, the main

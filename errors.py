@@ -1,7 +1,7 @@
 """The two errors every module raises, and the one place that turns them into a line and an exit code.
 
 ConfigError: a bad flag, path or combination (exit code 2): the message says what to change.
-RunError: training cannot go on (disk full, a non-finite loss with --on_nonfinite stop; exit code 1).
+RunError: training cannot go on (disk full, a non-finite loss with --on_fault stop; exit code 1).
 
 Every command line tool parses with OneLineParser and runs its work under `one_line_errors(prog)`:
 no traceback and no usage block, one line on stderr that says what to change.
