@@ -26,7 +26,7 @@ from conftest import ROOT
 TINY = [
     "--model", "tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "4",
     "--num_inference_steps", "2", "--eval_batch_size", "1", "--lr_warmup_steps", "2",
-    "--dataloader_num_workers", "0", "--timing_warmup_steps", "0", "--save_images_epochs", "100",
+    "--dataloader_num_workers", "0", "--save_images_epochs", "100",
     "--max_train_steps", "6", "--checkpointing_steps", "2",
 ]  # fmt: skip
 
@@ -36,7 +36,9 @@ def flags(output_dir, *extra):
 
 
 def run(output_dir, *extra):
-    return train.main(train.parse_args(flags(output_dir, *extra)))
+    args = train.parse_args(flags(output_dir, *extra))
+    args.timing_warmup_steps = 0  # a config.SETTINGS (train.py: 5): every step of these short runs is timed
+    return train.main(args)
 
 
 def exit_code(output_dir, *extra):
@@ -151,7 +153,7 @@ def test_every_exit_destroys_the_process_group(tmp_path, monkeypatch, one_proces
         extra += ["--shapes_num_images", 2]
     elif how == "non-finite loss":
         inject_nan_at_call(monkeypatch, 1)
-        extra += ["--on_nonfinite", "stop"]
+        extra += ["--on_fault", "stop"]
     elif how == "SIGTERM":
         send_at_step(monkeypatch, 1, signal.SIGTERM)
     elif how == "Ctrl-C twice":
@@ -233,9 +235,9 @@ def test_nonfinite_skip_leaves_the_weights_alone_and_counts(tmp_path, monkeypatc
 def test_nonfinite_stop_exits_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     inject_nan_at_call(monkeypatch, 3)
-    assert exit_code(out, "--on_nonfinite", "stop") == 1
+    assert exit_code(out, "--on_fault", "stop") == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("train.py: error: non-finite loss or gradient at step 3 (--on_nonfinite stop)")
+    assert err[-1].startswith("train.py: error: non-finite loss or gradient at step 3 (--on_fault stop)")
     assert checkpoints(out) == ["checkpoint-2"]
     assert adam_steps(out / "checkpoints" / "checkpoint-2") == {2}
 
@@ -258,9 +260,9 @@ def test_a_corrupt_image_is_skipped_with_a_warning_and_counted(tmp_path, capsys,
     assert "and 1 unreadable image(s)" in captured.out
 
 
-def test_strict_data_stops_at_a_corrupt_image(tmp_path, capsys):
+def test_on_fault_stop_stops_at_a_corrupt_image(tmp_path, capsys):
     images = write_folder(tmp_path / "images")
-    assert exit_code(tmp_path / "run", "--dataset", images, "--strict_data") == 2
+    assert exit_code(tmp_path / "run", "--dataset", images, "--on_fault", "stop") == 2
     assert "bad.png" in capsys.readouterr().err
 
 
@@ -333,11 +335,26 @@ TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gp
                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--cpu"]  # fmt: skip
 
 
+# train.py with every step timed (its timing_warmup_steps, a config.SETTINGS that no flag sets, is 0
+# instead of 5), as `run` does in this process: a run resumed for 4 steps still reports its throughput.
+TRAIN_TIMING_EVERY_STEP = """
+import sys
+sys.path.insert(0, {root!r})
+import train
+args = train.parse_args(sys.argv[1:])
+args.timing_warmup_steps = 0
+train.main(args)
+"""
+
+
 def run_two_processes(log_dir, *flags, timeout=600):
-    """`accelerate launch` two processes; each one's output is also in a file under `log_dir`
-    (launch_tails). Their console lines start with [default0]: or [default1]:."""
+    """`accelerate launch` two processes of train.py (TRAIN_TIMING_EVERY_STEP); each one's output is also in
+    a file under `log_dir` (launch_tails). Their console lines start with [default0]: or [default1]:."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [*TWO_PROCESSES[:-2], "--tee", "3", "--log_dir", str(log_dir), *TWO_PROCESSES[-2:], *map(str, flags)]
+    script = log_dir.with_name(f"{log_dir.name}-train.py")
+    script.write_text(TRAIN_TIMING_EVERY_STEP.format(root=str(ROOT)))
+    launcher, (_, cpu) = TWO_PROCESSES[:-2], TWO_PROCESSES[-2:]
+    command = [*launcher, "--tee", "3", "--log_dir", str(log_dir), str(script), cpu, *map(str, flags)]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
