@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import data
 import metrics
+import config
 import rundir
 import train
 from errors import ConfigError
@@ -150,12 +151,14 @@ def test_a_weights_file_loads_the_inception_network_offline(tmp_path, no_weights
 TINY = [
     "--model", "tiny", "--image_size", "16", "--shapes_num_images", "16", "--train_batch_size", "8",
     "--num_inference_steps", "2", "--eval_batch_size", "4", "--lr_warmup_steps", "1", "--dataloader_num_workers", "0",
-    "--timing_warmup_steps", "1", "--save_images_epochs", "100", "--logging_steps", "2", "--checkpointing_steps", "100",
+    "--save_images_epochs", "100", "--logging_steps", "2", "--checkpointing_steps", "100",
 ]  # fmt: skip
 
 
 def run(output_dir, *flags):
-    return train.main(train.parse_args([*TINY, "--output_dir", str(output_dir), *map(str, flags)]))
+    args = train.parse_args([*TINY, "--output_dir", str(output_dir), *map(str, flags)])
+    args.timing_warmup_steps = 1  # a config.SETTINGS (train.py: 5): runs this short leave only their first step out
+    return train.main(args)
 
 
 def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monkeypatch, capsys):
@@ -174,8 +177,12 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     weights = tmp_path / "inception.pth"
     weights.touch()
     out = tmp_path / "run"
+    # FID samples and embeds max(config.FID_BATCH_SIZE, --eval_batch_size) images at a time: with the floor at 2
+    # (64 in train.py), --eval_batch_size's 4, so that the 16 training images and each 6 generated take several
+    # batches, the last one short
+    monkeypatch.setattr(config, "FID_BATCH_SIZE", 2)
     # 2 steps per epoch, 3 epochs, FID every 2 epochs and at the end: after epochs 1 and 2
-    run(out, "--max_train_steps", 6, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_batch_size", 4, "--fid_weights", weights)
+    run(out, "--max_train_steps", 6, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_weights", weights)
     stdout = capsys.readouterr().out
 
     results = json.loads((out / "eval_results.json").read_text())
@@ -192,6 +199,7 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     assert best["fid"] == min(r["fid"] for r in results)
     DDPMPipeline.from_pretrained(str(out / "best"))
     assert sum(embedded) == 16 + 2 * 6  # the training set once, then the generated images
+    assert embedded == [4] * 4 + [4, 2] * 2  # in batches of --eval_batch_size (over FID_BATCH_SIZE)
 
     # a second run started afresh in the same folder reads the cached reference statistics
     embedded.clear()
@@ -212,8 +220,8 @@ def test_best_holds_the_weights_of_the_evaluation_that_won(tmp_path, monkeypatch
     weights.touch()
     out = tmp_path / "run"
     # 2 steps per epoch, scored after each of 3, a checkpoint at each
-    run(out, "--max_train_steps", 6, "--eval_every_epochs", 1, "--eval_num_samples", 4, "--fid_batch_size", 4,
-        "--fid_weights", weights, "--checkpointing_steps", 2)  # fmt: skip
+    run(out, "--max_train_steps", 6, "--eval_every_epochs", 1, "--eval_num_samples", 4, "--fid_weights", weights,
+        "--checkpointing_steps", 2)  # fmt: skip
     results = json.loads((out / "eval_results.json").read_text())
     assert [(r["step"], r["fid"], r["best"]) for r in results] == [(2, 3.0, True), (4, 1.0, True), (6, 2.0, False)]
     assert json.loads((out / "best" / "eval.json").read_text())["step"] == 4
