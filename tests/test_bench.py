@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-import bench
-import model as models
 import config
+import model as models
+from bench import speed as bench
 from errors import ConfigError
 from test_train import run as run_train
 from test_train import scalars, visible
@@ -144,7 +144,7 @@ def test_the_fused_norm_row_is_train_pys_step_with_fused_norm(monkeypatch):
     train = bench.train_settings(fused_norm=True, channels_last=True)
     assert {k: row[k] for k in row if row[k] != train[k]} == {} and row.keys() == train.keys()
     assert train == dict(bench.train_settings(), fused_norm=True, channels_last=True)
-    # bench.py --fused_norm: the train_default row is it (its channels_last follows, as fused_norm needs it)
+    # python -m bench --fused_norm: the train_default row is it (its channels_last follows, as fused_norm needs it)
     flagged = bench.all_variants(bench.parse_args(["--fused_norm"]).train_settings)[-1]
     assert flagged["name"] == "train_default" and flagged["settings"] == train
     assert flagged["changed"].startswith("train.py's step with fused_norm=True (the settings of ")
@@ -173,7 +173,7 @@ def test_fused_norm_is_off_in_train_py_and_bench_pys_needs_a_gpu_and_channels_la
     argv = ["--workload", "tiny", "--variants", "train_default", "--output", str(tmp_path), "--fused_norm"]
     assert bench.main(bench.parse_args(argv)) == 2  # on this CPU
     err = visible(capsys.readouterr().err)
-    assert len(err) == 1 and message in err[0] and err[0].startswith("bench.py: error:"), err
+    assert len(err) == 1 and message in err[0] and err[0].startswith("bench: error:"), err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     with pytest.raises(ConfigError, match="add --channels_last"):
@@ -199,7 +199,7 @@ def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
 
     result = json.loads((tmp_path / "run.json").read_text())
     assert {"device", "torch", "diffusers", "cuda", "date", "command"} <= set(result["environment"])
-    assert result["environment"]["command"] == "python bench.py " + " ".join(argv)
+    assert result["environment"]["command"] == "python -m bench " + " ".join(argv)
     rows = result["results"]
     names = ["reference", "tf32", "train_default"]
     assert [(r["batch_size"], r["variant"]) for r in rows] == [(b, n) for b in (1, 2) for n in names]
@@ -285,7 +285,7 @@ BAD_INPUTS = [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--warmup", "-1"], "--warmup must be at least 0"),
     (["--output", "{file}"], "cannot write to --output"),
-    (["--redraw", "{file}"], "not the JSON of a bench.py run"),
+    (["--redraw", "{file}"], "not the JSON of a python -m bench run"),
 ]
 
 
@@ -299,11 +299,11 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
         code = e.code
     assert code == 2
     err = visible(capsys.readouterr().err)
-    assert len(err) == 1 and message in err[0] and err[0].startswith("bench.py: error:"), err
+    assert len(err) == 1 and message in err[0] and err[0].startswith("bench: error:"), err
 
 
 def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys):
-    """channels_last has no train.py flag; bench.py sets it on the configuration, as here."""
+    """channels_last has no train.py flag; the ladder sets it on the configuration, as here."""
     out = tmp_path / "run"
     config = run_train(out, "--max_train_steps", 2, "--compile_mode", "auto", "--logging_steps", 1,
                        "--checkpointing_steps", 2, "--save_images_epochs", 100, channels_last=True)  # fmt: skip
@@ -337,7 +337,7 @@ def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
     assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "auto" and gpu.fused_adam
     assert not gpu.channels_last  # measured slower for ref128 on an H100 (BENCHMARKS.md)
     chosen = config.parse_args(["--mixed_precision", "no", "--compile_mode", "off"])
-    chosen.fused_adam, chosen.channels_last = False, True  # as bench.py sets them: no train.py flag
+    chosen.fused_adam, chosen.channels_last = False, True  # as the ladder sets them: no train.py flag
     chosen = config.resolve(chosen)
     assert not chosen.compile and not chosen.fused_adam and chosen.channels_last
     forced_cpu = config.resolve(config.parse_args(["--mixed_precision", "no", "--cpu"]))

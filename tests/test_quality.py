@@ -1,18 +1,18 @@
-"""bench.py --quality: whole train.py runs on the built-in shapes, scored offline as they train."""
+"""python -m bench --quality: whole train.py runs on the built-in shapes, scored offline as they train."""
 
 import json
 
 import pytest
 
-import bench
-import quality
+from bench import quality
+from bench import speed as bench
 
 # The tiny preset at 16px instead of the bare run's small at 32px: seconds per row.
-TINY = "--model tiny --image_size 16 --num_inference_steps 2 --eval_batch_size 4 --dataloader_num_workers 0 --timing_warmup_steps 1"
+TINY = "--model tiny --image_size 16 --num_inference_steps 2 --eval_batch_size 4 --dataloader_num_workers 0"
 
 
 def ladder(tmp_path, *argv):
-    args = ["--quality", "--output", str(tmp_path), "--tag", "q", "--quality_images", "64", "--quality_samples", "8",
+    args = ["--quality", "--output", str(tmp_path), "--tag", "q", "--quality_images", "128", "--quality_samples", "8",
             f"--train_args={TINY}", *map(str, argv)]  # fmt: skip
     return bench.main(bench.parse_args(args))
 
@@ -25,7 +25,7 @@ def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys):
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["edm"] and all(r["status"] == "ok" for r in rows.values())
     for r in rows.values():
-        assert [e["images_seen"] for e in r["evals"]] == [32, 64]  # two scores, the last at the end
+        assert [e["images_seen"] for e in r["evals"]] == [64, 128]  # two scores, the last at the end
         assert all(e["fid"] >= 0 and 0 <= e["valid_fraction"] <= 1 for e in r["evals"])
         assert r["images_per_s"] > 0 and r["train_wall_s"] > 0
     assert rows["edm"]["command"].endswith("--objective edm")  # the row's own flags come last

@@ -12,6 +12,7 @@ import metrics
 import sample
 import shapescore
 import train
+from bench import trust as trusttool
 from errors import ConfigError
 
 # The images of these tests: 16px, the size of the tests' scorer (conftest.shape_scorer).
@@ -91,9 +92,9 @@ def trust(shape_scorer):
     reference = metrics.Reference.from_features(metrics.embed(scorer, [data.make_shapes(N, SIZE, seed=0)], "cpu"), key={})
     real = data.make_shapes(N, SIZE, seed=1)
     sets = {
-        "real": real, "permuted": real[:, [2, 0, 1]], "blur 0.5": shapescore.blurred(real, 0.5),
-        "blur 1": shapescore.blurred(real, 1), "blur 2": shapescore.blurred(real, 2),
-        "shuffled": shapescore.shuffled_patches(real), "noise": shapescore.noise(N, SIZE),
+        "real": real, "permuted": real[:, [2, 0, 1]], "blur 0.5": trusttool.blurred(real, 0.5),
+        "blur 1": trusttool.blurred(real, 1), "blur 2": trusttool.blurred(real, 2),
+        "shuffled": trusttool.shuffled_patches(real), "noise": trusttool.noise(N, SIZE),
         "shifted": (real.int() + 40).clamp(0, 255).to(torch.uint8),  # every colour 40/255 brighter
     }  # fmt: skip
     return {
@@ -128,7 +129,7 @@ def test_most_real_images_are_valid_and_no_noise_is(trust):
 
 
 def test_confidence_alone_would_call_noise_valid(test_scorer):
-    features = metrics.embed(test_scorer, [shapescore.noise(N, SIZE)], "cpu")
+    features = metrics.embed(test_scorer, [trusttool.noise(N, SIZE)], "cpu")
     with torch.no_grad():
         assert test_scorer.sure(features).float().mean() > 0.2 and not test_scorer.looks_real(features).any()
 
@@ -170,9 +171,9 @@ def test_the_scorer_is_cached_by_size_seed_and_training(tmp_path, monkeypatch):
 def test_a_grid_png_reads_back_as_its_images(tmp_path):
     images = data.make_shapes(9, 16, seed=2)
     sample.save_grid(images, tmp_path / "grid.png")
-    assert torch.equal(shapescore.grid_images(tmp_path / "grid.png", 16), images)
+    assert torch.equal(trusttool.grid_images(tmp_path / "grid.png", 16), images)
     with pytest.raises(ConfigError, match="not a grid of 32px images"):
-        shapescore.grid_images(tmp_path / "grid.png", 32)
+        trusttool.grid_images(tmp_path / "grid.png", 32)
 
 
 # --- in the FID/KID machinery ------------------------------------------------------------
@@ -201,7 +202,7 @@ def test_scores_are_printed_as_a_shape_fd_with_the_valid_fraction():
 TINY = [
     "--model", "tiny", "--image_size", str(SIZE), "--shapes_num_images", "16", "--train_batch_size", "8",
     "--num_inference_steps", "2", "--eval_batch_size", "4", "--lr_warmup_steps", "1", "--dataloader_num_workers", "0",
-    "--timing_warmup_steps", "1", "--save_images_epochs", "100", "--logging_steps", "2", "--checkpointing_steps", "100",
+    "--save_images_epochs", "100", "--logging_steps", "2", "--checkpointing_steps", "100",
 ]  # fmt: skip
 
 
@@ -214,7 +215,7 @@ def test_a_run_on_the_shapes_is_scored_offline_during_training_and_by_sample_py(
     out = tmp_path / "run"
     # 2 steps per epoch, 2 epochs, scored after each
     train.main(train.parse_args([*TINY, "--output_dir", str(out), "--max_train_steps", "4", "--eval_every_epochs", "1",
-                                 "--eval_num_samples", "6", "--fid_batch_size", "4"]))  # fmt: skip
+                                 "--eval_num_samples", "6"]))  # fmt: skip
     stdout = capsys.readouterr().out
     results = json.loads((out / metrics.RESULTS_FILE).read_text())
     assert [r["step"] for r in results] == [2, 4]
@@ -238,13 +239,13 @@ def test_a_run_on_the_shapes_is_scored_offline_during_training_and_by_sample_py(
 
 def test_the_trust_table_scores_known_sets_and_a_grid(test_scorer, tmp_path, capsys):
     sample.save_grid(data.make_shapes(4, SIZE, seed=7), tmp_path / "grid.png")
-    rows = shapescore.main(shapescore.parse_args([str(tmp_path / "grid.png"), "--image_size", str(SIZE), "--num_images", "64"]))
+    rows = trusttool.main(trusttool.parse_args([str(tmp_path / "grid.png"), "--image_size", str(SIZE), "--num_images", "64"]))
     names = [name for name, _, _ in rows]
     assert names[0] == "real, another seed" and names[-2:] == ["real, 4 images", "grid.png"] and "uniform noise" in names
     table = capsys.readouterr().out
     assert test_scorer.name in table and "| grid.png | 4 |" in table
     with pytest.raises(SystemExit) as exit_info:
-        shapescore.main(shapescore.parse_args([str(tmp_path / "grid.png"), "--image_size", "32"]))
+        trusttool.main(trusttool.parse_args([str(tmp_path / "grid.png"), "--image_size", "32"]))
     assert exit_info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "is not a grid of 32px images" in err[0], err
@@ -254,7 +255,7 @@ def test_the_trust_table_scores_known_sets_and_a_grid(test_scorer, tmp_path, cap
 
 QUALITY_RUN = [*TINY[:6], "--shapes_num_images", "512", "--train_batch_size", "32", "--max_train_steps", "{steps}",
                "--num_epochs", "100", "--eval_every_epochs", "{every}", "--eval_num_samples", "{samples}",
-               "--fid_batch_size", "64", "--lr_warmup_steps", "20", "--dataloader_num_workers", "0",
+               "--lr_warmup_steps", "20", "--dataloader_num_workers", "0",
                "--save_images_epochs", "1000", "--checkpointing_steps", "1000", "--logging_steps", "50"]  # fmt: skip
 
 

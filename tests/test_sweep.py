@@ -1,13 +1,13 @@
-"""bench.py --sweep: whole train.py runs with one setting varied."""
+"""python -m bench --sweep: whole train.py runs with one setting varied."""
 
 import json
 
 import pytest
 from PIL import Image
 
-import bench
-import sweep
 import config
+from bench import speed as bench
+from bench import sweep
 
 # 32 images at 16px: an epoch is a few steps of the tiny preset; two epochs, the second timed.
 FAST = ["--workload", "tiny", "--num_images", "32", "--sweep_epochs", "2"]
@@ -49,7 +49,7 @@ def test_a_batch_size_sweep_writes_its_json_table_and_plot(tmp_path, capsys):
         assert p["step_time_s_median"] > 0 and 0 <= p["data_share"] < 1
         assert any(line.startswith("final: step") for line in p["output"])
     table = (tmp_path / "sweep.txt").read_text()
-    assert "s/epoch" in table and "command      python bench.py --workload tiny" in table
+    assert "s/epoch" in table and "command      python -m bench --workload tiny" in table
     assert is_png(tmp_path / "sweep.png")
     assert "wrote" in capsys.readouterr().out
 

@@ -1,13 +1,13 @@
 """Sweeps: whole `train.py` runs with one setting varied, time per epoch and images/s against it.
 
-    python bench.py --sweep batch_size --values 32,64,128,256 --workload ref128
-    python bench.py --sweep dataloader_num_workers --values 0,2,4,8   # the DataLoader, and the preloaded data
-    python bench.py --sweep mixed_precision                           # no, bf16 (and fp16 on a GPU)
-    python bench.py --sweep compile                                   # off, on
-    python bench.py --sweep num_processes                             # 1, 2, 4, ... up to the GPUs present
-    python bench.py --sweep model --workload edm2g                    # ddpm32 against edm2g at 32px, batch 512
+    python -m bench --sweep batch_size --values 32,64,128,256 --workload ref128
+    python -m bench --sweep dataloader_num_workers --values 0,2,4,8   # the DataLoader, and the preloaded data
+    python -m bench --sweep mixed_precision                           # no, bf16 (and fp16 on a GPU)
+    python -m bench --sweep compile                                   # off, on
+    python -m bench --sweep num_processes                             # 1, 2, 4, ... up to the GPUs present
+    python -m bench --sweep model --workload edm2g                    # ddpm32 against edm2g at 32px, batch 512
 
-The ladder (the rest of bench.py) times one training step on a batch that
+The ladder (bench/speed.py) times one training step on a batch that
 sits on the device. A sweep times what a user waits for: every point is a
 `train.py` run in a process of its own (`accelerate launch` for several
 processes) for --sweep_epochs epochs of --num_images images, with everything
@@ -50,7 +50,7 @@ import model as models
 import profiling
 from errors import ConfigError, one_line_errors
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository's root: train.py
 TRAIN = str(HERE / "train.py")
 PRELOADED = "preloaded"
 
@@ -108,10 +108,11 @@ SWEEPS = {
         flags=lambda v: ["--mixed_precision", v],
     ),
     "compile": dict(
-        what="torch.compile (--compile)",
+        # on: what train.py does on a GPU (auto: default or CUDA graphs by the step's size); a CPU's auto is off
+        what="torch.compile (--compile_mode off, and auto on a GPU or default on a CPU)",
         defaults=lambda workload: ["off", "on"],
         read=lambda values: _choices(values, "compile", ("off", "on")),
-        flags=lambda v: ["--compile" if v == "on" else "--no-compile"],
+        flags=lambda v: ["--compile_mode", "off" if v == "off" else "auto" if torch.cuda.is_available() else "default"],
     ),
     "model": dict(
         what="network and objective (--model: a DDPM UNet against an EDM2 network, each with its own objective)",
@@ -132,15 +133,15 @@ SWEPT_FLAGS = {
     "batch_size": ("--train_batch_size",),
     "dataloader_num_workers": ("--preload_data", "--no-preload_data", "--dataloader_num_workers"),
     "mixed_precision": ("--mixed_precision",),
-    "compile": ("--compile", "--no-compile"),
+    "compile": ("--compile_mode",),
     "model": ("--model", "--objective"),
     "num_processes": (),
 }
-OWN_FLAGS = ("--model", "--image_size", "--output_dir", "--num_epochs", "--max_train_steps", "--resume_from_checkpoint")
+OWN_FLAGS = ("--model", "--image_size", "--output_dir", "--num_epochs", "--max_train_steps", "--resume")
 
 
 def add_arguments(p):
-    s = p.add_argument_group("sweeps (whole train.py runs; see sweep.py)")
+    s = p.add_argument_group("sweeps (whole train.py runs; see bench/sweep.py)")
     s.add_argument("--sweep", default=None, choices=tuple(SWEEPS), help="vary this and time whole epochs of train.py")
     s.add_argument("--values", default=None, help="comma-separated values to sweep (default: by sweep, see docs/performance.md)")
     s.add_argument("--sweep_epochs", type=int, default=3, help="epochs per point; the first is warm-up, not timed")
@@ -149,7 +150,7 @@ def add_arguments(p):
     s.add_argument(
         "--train_args",
         default="",
-        help="more train.py flags for every point, in one quoted string (one flag alone: --train_args=--no-use_ema)",
+        help="more train.py flags for every point, in one quoted string (one flag alone: --train_args=--augment=none)",
     )
 
 
@@ -383,13 +384,13 @@ def draw(result, path):
 def main(args, workloads, draw_if_possible):
     """Run the sweep: 0 when every point trained, 1 when one failed, 130 on Ctrl-C; a bad flag exits 2 with one line.
 
-    `draw_if_possible(result, path)`: bench.py's, which says how to draw later without matplotlib.
+    `draw_if_possible(result, path)`: the ladder's, which says how to draw later without matplotlib.
     """
-    with one_line_errors("bench.py"):
+    with one_line_errors("bench"):
         points = validate(args, workloads)
     workload = workloads[args.workload]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = profiling.environment(device, ["python bench.py", *args.argv])
+    env = profiling.environment(device, ["python -m bench", *args.argv])
     lines = profiling.environment_lines(env)
     for line in lines:
         print(line)
@@ -420,10 +421,10 @@ def main(args, workloads, draw_if_possible):
     (out / f"{tag}.txt").write_text("\n".join([*lines, "", *table]) + "\n")
     print(f"\nwrote {out / tag}.json and .txt; {draw_if_possible(result, out / f'{tag}.png')}")
     if interrupted:
-        print(f"bench.py: interrupted after {len(result['points'])} of {len(points)} points", file=sys.stderr)
+        print(f"bench: interrupted after {len(result['points'])} of {len(points)} points", file=sys.stderr)
         return 130
     failed = [_label(p) for p in result["points"] if p["status"] != "ok"]
     if failed:
-        print(f"bench.py: {len(failed)} point(s) of the sweep failed: {', '.join(failed)} (reasons in the table)", file=sys.stderr)
+        print(f"bench: {len(failed)} point(s) of the sweep failed: {', '.join(failed)} (reasons in the table)", file=sys.stderr)
         return 1
     return 0

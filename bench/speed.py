@@ -1,10 +1,10 @@
 """The speed ladder: one training step, timed with one more speed-up per row.
 
-    python bench.py                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
-    python bench.py --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
-    python bench.py --workload tiny --steps 3 --warmup 1   # seconds on a CPU
-    python bench.py --sweep batch_size                 # whole train.py runs, one setting varied: see sweep.py
-    python bench.py --quality                          # whole train.py runs, scored offline: see quality.py
+    python -m bench                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
+    python -m bench --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
+    python -m bench --workload tiny --steps 3 --warmup 1   # seconds on a CPU
+    python -m bench --sweep batch_size                 # whole train.py runs, one setting varied: see bench/sweep.py
+    python -m bench --quality                          # whole train.py runs, scored offline: see bench/quality.py
 
 Every row runs the same training step as train.py (uint8 images to [-1, 1]
 with random flips, noise and timesteps drawn on the device, the DDPM loss,
@@ -17,7 +17,7 @@ no_syncs, leaving CUDA graphs out; fused_norm too, as train.py's step runs
 with it: --compile_mode auto, no force_layout); the last is what `python
 train.py` runs by default on this device. The settings train.py has no flag
 for (channels_last, cudnn_benchmark, fused AdamW, TF32, fused_norm: config.SETTINGS)
-are bench.py's own flags too: they change that last row, train.py's step with them. The speedup column is over the
+are the ladder's own flags too: they change that last row, train.py's step with them. The speedup column is over the
 first row that ran (diffusers_example when it is among --variants). Rows that
 need CUDA are skipped on a CPU, with the reason in the table.
 
@@ -53,9 +53,8 @@ import data
 import flops
 import model as models
 import profiling
-import quality
 import step as steps
-import sweep
+from bench import quality, sweep
 from errors import ConfigError
 
 # name -> preset, image side and the batch the issue's targets are stated for.
@@ -109,7 +108,7 @@ STRICT_FP32 = dict(
 
 # Not a rung of the ladder but the yardstick above it: the step as diffusers'
 # examples/unconditional_image_generation/train_unconditional.py takes it. Its
-# DataLoader (flips and scaling on the CPU) is not part of a bench.py row.
+# DataLoader (flips and scaling on the CPU) is not part of a ladder row.
 DIFFUSERS_EXAMPLE = dict(
     name="diffusers_example",
     changed="the step of diffusers' train_unconditional.py (not a rung: a yardstick, each row's speedup is "
@@ -227,7 +226,7 @@ def _ladder():
     )
     add(
         "fused_norm",
-        "train.py's step with fused_norm (bench.py --fused_norm; it turns channels_last on): no_syncs with "
+        "train.py's step with fused_norm (python -m bench --fused_norm; it turns channels_last on): no_syncs with "
         "--compile_mode auto as train.py picks it and Inductor's layout left alone (no force_layout), plus fused_norm.py's NHWC "
         "GroupNorm+SiLU Triton kernels in the ResNet blocks and the final norm, and Upsample2D without its NCHW copy",
         dict(ref128=None, adm64=None),
@@ -268,7 +267,7 @@ def train_settings(*argv, **settings):
 
 def train_default_variant(**given):
     """The row for what `python train.py` runs by default on this machine's device, with `given`
-    (bench.py's --channels_last, ...) set on its configuration."""
+    (the ladder's --channels_last, ...) set on its configuration."""
     settings = train_settings(**given)
     # --compile_mode auto is 'default' for ref128 and CUDA graphs for adm64 (resolve_settings): compare with 'default'.
     fixed = dict(settings, compile_mode="default") if settings["compile_mode"] == "auto" else settings
@@ -282,7 +281,7 @@ def train_default_variant(**given):
 
 
 def all_variants(settings=None):
-    """Every row; `settings` (bench.py's own flags) set on the last one's configuration."""
+    """Every row; `settings` (the ladder's own flags) set on the last one's configuration."""
     return [DIFFUSERS_EXAMPLE] + LADDER + [train_default_variant(**(settings or {}))]
 
 
@@ -688,7 +687,7 @@ def _batch_sizes(text):
     return sorted(set(sizes))
 
 
-# bench.py's flags for config.SPEED_SETTINGS, the settings its rows vary and train.py does not.
+# the ladder's flags for config.SPEED_SETTINGS, the settings its rows vary and train.py does not.
 SETTING_FLAGS = dict(
     channels_last="channels_last (NHWC) weights and activations (train.py: off, on with fused_norm)",
     cudnn_benchmark="cudnn.benchmark (train.py: on with a CUDA GPU)",
@@ -700,7 +699,7 @@ assert set(SETTING_FLAGS) == set(config.SPEED_SETTINGS)
 
 
 def parse_args(argv=None):
-    p = config.Parser(prog="bench.py", description="Time the training step's speed-ups, one row at a time.")
+    p = config.Parser(prog="bench", description="Time the training step's speed-ups, one row at a time.")
     p.add_argument(
         "--workload",
         default=None,
@@ -749,14 +748,14 @@ def validate(args):
             result = None
         kinds = ({"environment", "results"}, {"environment", "sweep", "points"}, {"environment", "rows", "images"})  # the ladder's, a sweep's, the quality ladder's
         if not isinstance(result, dict) or not any(kind <= set(result) for kind in kinds):
-            raise ConfigError(f"--redraw {args.redraw}: not the JSON of a bench.py run")
+            raise ConfigError(f"--redraw {args.redraw}: not the JSON of a python -m bench run")
         args.redraw_result = result
         return args
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be at least 0 (got {args.warmup})")
-    names = [v["name"] for v in all_variants(args.train_settings)]  # and bench.py's settings checked (config.resolve)
+    names = [v["name"] for v in all_variants(args.train_settings)]  # and the ladder's settings checked (config.resolve)
     if args.variants is None:
         args.variants = names
     else:
@@ -784,13 +783,13 @@ def main(args):
     try:
         args = validate(args)
     except ConfigError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
+        print(f"bench: error: {e}", file=sys.stderr)
         return 2
     if args.redraw:
         print(draw_chart_if_possible(args.redraw_result, Path(args.redraw).with_suffix(".png")))
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    env = profiling.environment(device, ["python bench.py", *args.argv])
+    env = profiling.environment(device, ["python -m bench", *args.argv])
     lines = []
 
     def print_line(text="", progress=False):
@@ -826,7 +825,7 @@ def main(args):
 
     failed = [f"{r['workload']} batch {r['batch_size']} {r['variant']}" for r in rows if r["status"] == "error" or (r["status"] == "ok" and r["check"]["passed"] is False)]
     if failed:
-        print(f"bench.py: {len(failed)} row(s) failed or did not match the fp32 step: {'; '.join(failed)}", file=sys.stderr)
+        print(f"bench: {len(failed)} row(s) failed or did not match the fp32 step: {'; '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -845,7 +844,7 @@ def draw_chart_if_possible(result, path):
     try:
         import matplotlib  # noqa: F401
     except ImportError:  # the GPU machine's image may lack it: draw later with --redraw
-        return f"no chart: matplotlib is not installed (python bench.py --redraw {path.with_suffix('.json')})"
+        return f"no chart: matplotlib is not installed (python -m bench --redraw {path.with_suffix('.json')})"
     if "sweep" in result:
         sweep.draw(result, path)
     elif "rows" in result:  # the quality ladder, stopped before its end: its table too
@@ -862,9 +861,10 @@ def _default_tag(env, args):
     return f"{profiling.device_tag(env)}_{args.workload}_b{batches}"
 
 
-if __name__ == "__main__":
+def command():
+    """`python -m bench`: main's exit code; Ctrl-C exits 130 (the JSON holds every row measured before it)."""
     try:
-        sys.exit(main(parse_args()))
-    except KeyboardInterrupt:  # the JSON holds every row measured before it
-        print("bench.py: interrupted: the rows measured so far are in the .json in --output", file=sys.stderr)
-        sys.exit(130)
+        return main(parse_args())
+    except KeyboardInterrupt:
+        print("bench: interrupted: the rows measured so far are in the .json in --output", file=sys.stderr)
+        return 130

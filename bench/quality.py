@@ -1,8 +1,8 @@
 """The quality ladder: whole train.py runs on the built-in shapes, each scored offline as it trains.
 
-    python bench.py --quality                                   # every row, to --quality_images images each
-    python bench.py --quality --rows ddpm,v_prediction,edm --quality_images 8192
-    python bench.py --quality --rows ddpm --train_args="--compile"   # any speed setting, scored the same way
+    python -m bench --quality                                   # every row, to --quality_images images each
+    python -m bench --quality --rows ddpm,v_prediction,edm --quality_images 8192
+    python -m bench --quality --rows ddpm --train_args="--compile_mode auto"   # any speed setting, scored the same way
 
 Every row is the bare `python train.py` (the `small` preset at 32px on the
 built-in shapes, batch 16) with a few flags changed, trained in a process of
@@ -33,13 +33,13 @@ import config
 import profiling
 from errors import ConfigError, one_line_errors
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository's root: train.py
 
 # The base every row changes: the small preset on the built-in shapes at batch 16 with an EMA,
 # so that the batch_8, batch_4 and no_ema rows can show what the preset's batch 4 without an
 # EMA buys. The samplers are pinned to the deterministic DPM-Solver++ and Heun, so that rows
 # compare training alone; the `sde_sampler` row measures the stochastic default.
-BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16", "--use_ema",
+BASE = ["--dataset", "shapes", "--model", "small", "--image_size", "32", "--train_batch_size", "16", "--ema", "standard",
         "--sampler", "dpmsolver", "--churn", "0"]
 
 # name -> (what it tests, the flags it changes). The rows of issue 18's list:
@@ -66,7 +66,7 @@ ROWS = {
                       ["--timestep_sampling", "lognormal", "--prediction_type", "v_prediction"]),
     "lognormal_t_v_wide": ("lognormal_t_v with EDM2's ImageNet-64 noise levels: ln sigma_t ~ N(-0.8, 1.6^2)",
                            ["--timestep_sampling", "lognormal", "--prediction_type", "v_prediction",
-                            "--P_mean", "-0.8", "--P_std", "1.6"]),
+                            "--P_mean_std=-0.8,1.6"]),
     "small_deep": ("capacity: a 4x4 level and attention at 8x8 and 4x4 (4x the parameters, ~1.3x the cost)",
                    [*HO, "--model", "small_deep"]),
     "edm": ("the EDM objective (Karras et al. 2022, EDM2's weighting) on the same UNet, Heun 18 steps",
@@ -79,10 +79,10 @@ ROWS = {
     "batch_8": ("batch 8: twice the optimizer steps for the same images", ["--train_batch_size", "8"]),
     "batch_4": ("batch 4: four times the optimizer steps for the same images (the small preset's batch)",
                 ["--train_batch_size", "4"]),
-    "adam_beta2_0.99": ("AdamW beta2 0.99: second moments that follow a short run", ["--adam_beta2", "0.99"]),
+    "adam_beta2_0.99": ("AdamW beta2 0.99: second moments that follow a short run", ["--adam_betas", "0.95,0.99"]),
     # (--ema_max_decay does nothing here: the warm-up keeps the decay below 0.991 for the first 512 steps.)
     "ema_short": ("a shorter EMA: warm-up power 0.5, decay 0.956 at step 512 (0.991 by default)", ["--ema_power", "0.5"]),
-    "no_ema": ("no EMA: the raw weights sample (the small preset's choice)", ["--no-use_ema"]),
+    "no_ema": ("no EMA: the raw weights sample (the small preset's choice)", ["--ema", "none"]),
     "sde_sampler": ("SDE-DPM-Solver++, 25 steps, for the grids and the score (the default sampler)",
                     ["--sampler", "dpmsolver_sde"]),
     "ddim_50": ("DDIM, 50 steps, for the grids and the score", ["--sampler", "ddim", "--num_inference_steps", "50"]),
@@ -93,7 +93,7 @@ OWN_FLAGS = ("--dataset", "--output_dir", "--num_epochs", "--max_train_steps", "
 
 
 def add_arguments(p):
-    q = p.add_argument_group("the quality ladder (whole train.py runs, scored offline; see quality.py)")
+    q = p.add_argument_group("the quality ladder (whole train.py runs, scored offline; see bench/quality.py)")
     q.add_argument("--quality", action="store_true", help="train each --rows row and score it as it trains")
     q.add_argument("--rows", default=None, help=f"comma-separated rows (default: all): {', '.join(ROWS)}")
     q.add_argument("--quality_images", type=int, default=8192, help="images each row trains on (images seen)")
@@ -224,10 +224,10 @@ def draw(result, path):
 
 def main(args):
     """Run the ladder: 0 when every row trained, 1 when one failed; a bad flag exits 2 with one line."""
-    with one_line_errors("bench.py"):
+    with one_line_errors("bench"):
         rows = validate(args)
     env = profiling.environment(torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"),
-                                ["python bench.py", *args.argv])  # fmt: skip
+                                ["python -m bench", *args.argv])  # fmt: skip
     lines = profiling.environment_lines(env)
     print("\n".join(lines))
     out = Path(args.output)
@@ -252,6 +252,6 @@ def main(args):
     print(f"\nwrote {out / tag}.json, .txt and .png, and each row's last grid as {tag}_ROW.png")
     failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
     if failed:
-        print(f"bench.py: {len(failed)} row(s) failed: {', '.join(failed)} (reasons in the table)", file=sys.stderr)
+        print(f"bench: {len(failed)} row(s) failed: {', '.join(failed)} (reasons in the table)", file=sys.stderr)
         return 1
     return 0
