@@ -74,15 +74,21 @@ def test_sampling_scheduler_in_train_is_the_same(training_config):
 TINY = [
     "--model", "tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "8",
     "--num_inference_steps", "2", "--eval_batch_size", "4", "--lr_warmup_steps", "1", "--dataloader_num_workers", "0",
-    "--timing_warmup_steps", "1", "--max_train_steps", "4", "--checkpointing_steps", "4", "--save_images_epochs", "100",
+    "--max_train_steps", "4", "--checkpointing_steps", "4", "--save_images_epochs", "100",
     "--logging_steps", "4", "--learning_rate", "1e-3",
 ]  # fmt: skip
+
+
+def train_tiny(output_dir, *flags):
+    args = train.parse_args([*TINY, "--output_dir", str(output_dir), *flags])
+    args.timing_warmup_steps = 1  # a config.SETTINGS (train.py: 5): runs this short leave only their first step out
+    return train.main(args)
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    train.main(train.parse_args([*TINY, "--output_dir", str(out)]))
+    train_tiny(out)
     return out
 
 
@@ -126,7 +132,7 @@ def test_a_checkpoint_gives_its_ema_weights_by_default_and_raw_ones_with_no_ema(
 
 def test_a_run_without_an_ema_samples_its_raw_weights_by_default_and_refuses_ema(tiny_run, tmp_path, capsys):
     out = tmp_path / "run"
-    train.main(train.parse_args([*TINY, "--output_dir", str(out), "--no-use_ema"]))
+    train_tiny(out, "--ema", "none")
     checkpoint = out / "checkpoints" / "checkpoint-4"
     raw = load_file(str(checkpoint / "model.safetensors"))
     for source in (out, checkpoint):  # the pipeline holds the raw weights, and a checkpoint gives them
