@@ -108,7 +108,7 @@ def test_label_column_of_plain_values_is_numbered_in_sorted_order(tmp_path, valu
     import datasets
 
     save_dataset(tmp_path, "y", values, datasets.Value(kind))
-    _, labels, class_names, _ = load("--dataset", tmp_path, "--class_conditional", "--label_column", "y")
+    _, labels, class_names, _ = load("--dataset", tmp_path, "--class_conditional", "y")
     assert class_names == names and labels.tolist() == expected
 
 
@@ -151,10 +151,10 @@ def test_dataset_without_labels_and_a_missing_label_column_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="needs class labels.*no ClassLabel column \\(columns: image, score\\)") as e:
         load("--dataset", tmp_path, "--class_conditional")
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="no column 'kind' \\(columns: image, score\\); fix --label_column"):
-        load("--dataset", tmp_path, "--class_conditional", "--label_column", "kind")
+    with pytest.raises(ConfigError, match="no column 'kind' \\(columns: image, score\\); fix --class_conditional LABEL_COLUMN"):
+        load("--dataset", tmp_path, "--class_conditional", "kind")
     with pytest.raises(ConfigError, match="column 'score' .* not class labels"):
-        load("--dataset", tmp_path, "--class_conditional", "--label_column", "score")
+        load("--dataset", tmp_path, "--class_conditional", "score")
 
 
 @pytest.mark.parametrize("preloaded", [True, False])
