@@ -196,10 +196,10 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
 
     assert settings() == ("v_prediction", "lognormal", -1.2, 1.2, 4, 12, False)  # the bare run: the small preset's
     assert settings("--model", "tiny", "--image_size", "16") == ("epsilon", "uniform", -1.2, 1.2, 16, 8, True)  # Ho et al.'s
-    assert settings("--use_ema")[-1] is True and settings("--ema", "power")[-1] is True  # asking for an EMA keeps one
+    assert settings("--ema", "standard")[-1] is True and settings("--ema", "power")[-1] is True  # asking for an EMA keeps one
     assert settings("--train_batch_size", "32", "--num_epochs", "2")[4:6] == (32, 2)
-    assert settings("--prediction_type", "epsilon", "--timestep_sampling", "uniform", "--P_mean", "-0.5")[:3] == (
-        "epsilon", "uniform", -0.5)  # typed flags win
+    assert settings("--prediction_type", "epsilon", "--timestep_sampling", "uniform", "--P_mean_std", "-0.5,0.8")[:4] == (
+        "epsilon", "uniform", -0.5, 0.8)  # typed flags win
     assert settings("--objective", "edm")[:2] == ("epsilon", "uniform")  # EDM ignores both; --timestep_sampling is refused
 
 
