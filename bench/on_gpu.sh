@@ -8,7 +8,7 @@
 #   ref128  128px, batch 64, on 4,096 JPEGs written here: train.py's default cold, the same command
 #           warm, diffusers' train_unconditional.py on the same folder (the yardstick), --compile_mode step-graph
 #   adm64   64px, batch 32: auto (cold), step-graph, default, diffusers' script with adm64's UNet
-#   fused   ref128 and adm64 with --fused_norm --channels_last
+#   fused   the speed ladder's train_default and fused_norm rows (fused_norm.py's kernels) for ref128 and adm64
 #
 # FOLDER receives PART.tar.gz (every run's printed output, run.json, train_config.json and last grid,
 # nvidia-smi, versions, this script's log) and PART-summary.txt (one row per run: exit status,
@@ -106,6 +106,14 @@ train_run() {  # train_run NAME BUDGET_S train.py flags...: the run's printed li
   return 0
 }
 
+bench_run() {  # bench_run NAME BUDGET_S python -m bench flags...: the ladder's table and JSON packed
+  local name=$1 budget=$2 dir=$work/runs/$1
+  shift 2
+  run_within "$name" "$budget" python3 -m bench --output "$dir" --tag "$name" "$@"
+  [[ -f $dir/$name.json ]] && cp "$dir/$name.json" "$pack/$name.bench.json"
+  return 0
+}
+
 diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRESET]: diffusers' example script
   local name=$1 budget=$2 data=$3 resolution=$4 batch=$5 preset=${6:-} config=()
   if [[ ! -f .ext/train_unconditional.py ]]; then
@@ -164,14 +172,16 @@ if ((cpu)); then
   ref128=("${timing[@]}" "${tiny[@]}" --logging_steps 1)
   adm64=("${ref128[@]}")
   bare=("${tiny[@]}" --shapes_num_images 16)
-  gpu_only=()
+  fused=(--steps 2 --warmup 1)
+  fused_workloads=(tiny tiny)
   sides=(16 16)
 else
   images=4096
   ref128=("${timing[@]}" --image_size 128 --train_batch_size 64 --max_train_steps 200 --logging_steps 50)
   adm64=("${timing[@]}" --image_size 64 --train_batch_size 32 --max_train_steps 400 --logging_steps 100)
   bare=()
-  gpu_only=(--fused_norm --channels_last)
+  fused=(--steps 30 --warmup 5)
+  fused_workloads=(ref128 adm64)
   sides=(256 64)
 fi
 
@@ -210,10 +220,10 @@ adm64)
     "$(((cpu)) && echo tiny || echo adm64)"
   ;;
 fused)
-  make_folder "$work/data128" $images "${sides[0]}"
-  train_run ref128-fused 220 --dataset "$work/data128" "${ref128[@]}" "${gpu_only[@]}"
-  make_folder "$work/data64" $images "${sides[1]}"
-  train_run adm64-fused 220 --dataset "$work/data64" "${adm64[@]}" "${gpu_only[@]}"
+  # The ladder's rows: train.py's default step, and the same with fused_norm (it brings channels_last);
+  # each checked against the fp32 eager step first. Not a train.py flag: bench/speed.py sets it.
+  bench_run ref128-fused 220 "${fused[@]}" --workload "${fused_workloads[0]}" --variants train_default,fused_norm
+  bench_run adm64-fused 220 "${fused[@]}" --workload "${fused_workloads[1]}" --variants train_default,fused_norm
   ;;
 esac
 echo "== done at ${SECONDS}s"

@@ -5,7 +5,8 @@
 Rows come from runs.tsv (name, exit status, start and end as epoch seconds, budget). A train.py
 run's numbers come from its run.json: the median step, img/s, MFU, the mode its step ran in, the
 compile and the time to its first step (from launch: imports, data, model and the compile). A
-diffusers run's come from its progress bar: the rate of its last whole epoch after the first.
+diffusers run's come from its progress bar: the rate of its last whole epoch after the first. A
+speed-ladder run's (python -m bench) from its JSON: its last row that ran, the others in the notes.
 """
 
 import json
@@ -45,6 +46,25 @@ def train_numbers(pack, row):
         "1st step s": started - row["start"] + (run.get("compile_s") or 0),
         "peak GiB": run.get("peak_memory_gib"),
         "notes": "; ".join(notes),
+    }
+
+
+def ladder_numbers(pack, row):
+    """What a `python -m bench` run's JSON says: its last row that ran, every row's ms/step in the notes."""
+    path = pack / f"{row['name']}.bench.json"
+    if not path.exists():
+        return {}
+    ran = [r for r in json.loads(path.read_text())["results"] if r.get("step_time_s_median")]
+    if not ran:
+        return {"notes": "no row ran"}
+    last, step = ran[-1], ran[-1]["step_time_s_median"]
+    return {
+        "mode": f"ladder {last['variant']}",
+        "ms/step": 1000 * step,
+        "img/s": last.get("images_per_s"),
+        "MFU": last.get("mfu") and 100 * last["mfu"],
+        "peak GiB": last.get("peak_memory_gib"),
+        "notes": "; ".join(f"{r['variant']} {1000 * r['step_time_s_median']:.3g} ms" for r in ran),
     }
 
 
@@ -91,6 +111,8 @@ def summarize(work, part):
         numbers = {"exit": row["code"], "wall s": row["end"] - row["start"] if row["end"] else None}
         if row["name"] in batches:
             numbers |= diffusers_numbers(log, int(batches[row["name"]]))
+        elif (pack / f"{row['name']}.bench.json").exists():
+            numbers |= ladder_numbers(pack, row)
         else:
             numbers |= train_numbers(pack, row)
         if not numbers.get("notes"):

@@ -49,7 +49,10 @@ def test_a_part_packs_every_run_into_two_files(tmp_path):
             assert rows[run][1] == "not carried"
             continue
         assert rows[run][1] == "0", summary  # exit status
-        assert {f"{run}.log", f"{run}.run.json", f"{run}.grid.png"} <= names or run.endswith("-diffusers")
+        if part == "fused":  # the speed ladder's rows: their JSON, read into the summary
+            assert {f"{run}.log", f"{run}.bench.json"} <= names and rows[run][3] == "ladder train_default", summary
+        else:
+            assert {f"{run}.log", f"{run}.run.json", f"{run}.grid.png"} <= names or run.endswith("-diffusers")
 
 
 @pytest.mark.parametrize("part", RUNS)
