@@ -55,7 +55,7 @@ import model as models
 import profiling
 import step as steps
 from bench import quality, sweep
-from errors import ConfigError
+from errors import ConfigError, one_line_errors
 
 # name -> preset, image side and the batch the issue's targets are stated for.
 WORKLOADS = {
@@ -775,16 +775,13 @@ def validate(args):
 
 
 def main(args):
-    """Run the ladder; 0 when every row that ran passed its check, 1 otherwise, 2 on a bad flag."""
+    """Run the ladder; 0 when every row that ran passed its check, 1 otherwise; a bad flag exits 2 with one line."""
     if args.sweep:
         return sweep.main(args, WORKLOADS, draw_chart_if_possible)
     if args.quality:
         return quality.main(args)
-    try:
+    with one_line_errors("bench"):
         args = validate(args)
-    except ConfigError as e:
-        print(f"bench: error: {e}", file=sys.stderr)
-        return 2
     if args.redraw:
         print(draw_chart_if_possible(args.redraw_result, Path(args.redraw).with_suffix(".png")))
         return 0

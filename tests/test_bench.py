@@ -171,7 +171,9 @@ def test_fused_norm_is_off_in_train_py_and_bench_pys_needs_a_gpu_and_channels_la
     assert config.resolve(config.parse_args([])).fused_norm is False  # not measured faster yet; no train.py flag
     message = "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors)"
     argv = ["--workload", "tiny", "--variants", "train_default", "--output", str(tmp_path), "--fused_norm"]
-    assert bench.main(bench.parse_args(argv)) == 2  # on this CPU
+    with pytest.raises(SystemExit) as stopped:  # on this CPU
+        bench.main(bench.parse_args(argv))
+    assert stopped.value.code == 2
     err = visible(capsys.readouterr().err)
     assert len(err) == 1 and message in err[0] and err[0].startswith("bench: error:"), err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
