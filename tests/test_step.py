@@ -165,6 +165,8 @@ def test_the_captured_step_trains_as_the_eager_step_on_a_gpu():
 
 
 def flags(**changes):
+    """What choose_compile_mode reads of a resolved configuration (compile: --compile_mode is not off;
+    on_nonfinite: --on_fault's; fused_adam: a config.SETTINGS)."""
     base = dict(compile=True, compile_mode="auto", gradient_accumulation_steps=1, mixed_precision="bf16",
                 on_nonfinite="skip", fused_adam=True)  # fmt: skip
     return argparse.Namespace(**(base | changes))
@@ -182,9 +184,9 @@ CUDA = torch.device("cuda")
         (flags(), CUDA, 2, 1.47, "default", "2 processes"),
         (flags(gradient_accumulation_steps=2), CUDA, 1, 1.47, "default", "accumulation"),
         (flags(mixed_precision="fp16"), CUDA, 1, 1.47, "default", "fp16"),
-        (flags(on_nonfinite="stop"), CUDA, 1, 1.47, "default", "--on_nonfinite stop"),
+        (flags(on_nonfinite="stop"), CUDA, 1, 1.47, "default", "--on_fault stop"),  # on_nonfinite: --on_fault's
         (flags(), CPU, 1, 0.001, "default", "need a CUDA GPU"),
-        (flags(compile=False), CUDA, 1, 1.47, None, "eager"),
+        (flags(compile=False, compile_mode="off"), CUDA, 1, 1.47, None, "eager (--compile_mode off)"),
         (flags(compile_mode="max-autotune-no-cudagraphs"), CUDA, 1, 1.47, "max-autotune-no-cudagraphs", "--compile_mode"),
         (flags(compile_mode="step-graph"), CUDA, 1, 1.47, "step-graph", "--compile_mode step-graph"),
     ],
@@ -332,7 +334,7 @@ def test_with_several_processes_a_failing_mode_is_a_run_error_not_a_fallback(mon
     with pytest.raises(RunError) as e:
         fast(batches(1))
     assert str(e.value) == ("--compile_mode default failed (RuntimeError: inductor failed); with 2 processes one cannot "
-                            "fall back alone: rerun with --no-compile")  # fmt: skip
+                            "fall back alone: rerun with --compile_mode off")  # fmt: skip
     assert not said and not fast.fallbacks
     step.accelerator = argparse.Namespace(num_processes=2)  # what train.py passes: accelerate's count
     assert steps.FastStep(step, "default", CPU).num_processes == 2
