@@ -178,9 +178,10 @@ def test_uncertainty_head_learns_its_optimum_e_u_equals_lambda_times_loss():
 
 
 def test_objective_validates_its_options():
-    with pytest.raises(ConfigError, match="--loss_weighting 'sum'"):
+    # the weighting is no flag now (config.SETTINGS: uncertainty); P_std is --P_mean_std's second number
+    with pytest.raises(ConfigError, match="unknown loss weighting 'sum': choose uncertainty or edm"):
         models.EDMObjective(weighting="sum")
-    with pytest.raises(ConfigError, match="--P_std must be positive"):
+    with pytest.raises(ConfigError, match="--P_mean_std: P_std must be positive"):
         models.EDMObjective(P_std=0)
 
 

@@ -149,13 +149,15 @@ def test_a_resumed_graph_reads_the_learning_rate_the_schedule_writes(tmp_path):
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
 
 
-def test_a_step_graph_run_resumed_matches_an_uninterrupted_one(tmp_path):
+def test_a_step_graph_run_resumed_matches_an_uninterrupted_one(tmp_path, capsys):
     flags = ["--max_train_steps", 10, "--checkpointing_steps", 5, "--save_images_epochs", 100, "--compile_mode", "step-graph"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, *flags)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "checkpoint-5", resumed / "checkpoints" / "checkpoint-5")
-    run(resumed, *flags, "--resume_from_checkpoint", "latest")
+    capsys.readouterr()
+    run(resumed, *flags)  # --resume (the default): from the newest checkpoint
+    assert "checkpoint-5 at step 5" in capsys.readouterr().out  # "resumed from .../checkpoint-5 at step 5"
     for folder in (straight, resumed):
         manifest = json.loads((folder / "run.json").read_text())
         assert manifest["step_compile_mode"] == "step-graph" and not manifest["compile_fallbacks"]
