@@ -7,7 +7,11 @@ The core of issue 34, on its own: train.py, data.py and sample.py call it. The A
         `_class_name`), loaded by the real `from_pretrained`: from a folder, else its `vae/` subfolder (a
         pipeline's layout), else a Hub id. `vae.latents_source` = {"vae": id_or_path, "subfolder": ...}.
         Bad inputs are a one-line ConfigError: no such folder, a folder (or Hub repo) holding no VAE, a
-        Hub id that cannot be had offline (`hf download ID --local-dir DIR`, then `--vae DIR`).
+        Hub id that cannot be had offline (DownloadNeeded: `hf download ID --local-dir DIR`, then `--vae DIR`).
+    locate_vae(id_or_path, subfolder=None) -> (class name, source, subfolder, config)   no weights read
+    vae_settings(id_or_path, subfolder=None) -> dict   factor, channels, scaling_factor (set or not), from
+        the config.json alone: what a run's configuration needs before any weights load
+    parse_vae_flag(text) -> (id_or_path, normalisation or None)   `--vae ID_OR_PATH[,vae|dataset]`
     vae_factor(vae) -> int                  the encoder's spatial downsampling (8 for SD's VAE and TAESD)
     latent_channels(vae) -> int             channels of a latent (the denoiser's in and out channels)
     check_image_size(image_size, factor)    ConfigError unless the factor divides the image size
@@ -80,7 +84,7 @@ hidden temporary folder beside it and renamed into place when complete, so a kil
 cache that is later read; the next encode of that key removes such leftovers of dead processes.
 
 Memory: latents.npy is a plain .npy. It is read into memory when its size is at most `max_gib` GiB
-(the in-memory budget, data.py's --preload_max_gib), memory-mapped read-only (np.load(mmap_mode="r"))
+(the in-memory budget, train.py's --preload_data MAX_GIB), memory-mapped read-only (np.load(mmap_mode="r"))
 when larger, so a cache of any size trains with the page cache holding what fits.
 
 Normalisation: "vae" uses the VAE's own constants, (z - shift_factor) * scaling_factor (diffusers'
@@ -117,6 +121,9 @@ LATENTS_FILE, LABELS_FILE, META_FILE = "latents.npy", "labels.npy", "meta.json"
 NPY_HEADER_BYTES = 256  # the .npy header, written before the data and filled in once the count is known
 # Config fields that leave the raw latents as they are (the cache holds raw latents): not in the key.
 NORMALISATION_FIELDS = ("scaling_factor", "shift_factor", "latents_mean", "latents_std", "force_upcast")
+# Images through the encoder at once, by their pixels (32 at 256px, 8 at 512px): SD's VAE holds about 5 GiB
+# of activations for 32 images at 256px in fp32, where a whole batch of 64 and its flips took 21 GiB.
+ENCODE_PIXELS = 32 * 256 * 256
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _IN_PROGRESS = set()  # this process's temporary folders being written
 
@@ -124,14 +131,19 @@ _IN_PROGRESS = set()  # this process's temporary folders being written
 # --- the VAE -------------------------------------------------------------------------------------
 
 
-def _class_name(config_file):
-    """The `_class_name` of a diffusers config.json, '' when it has none, None when there is no such file."""
+def _read_config(config_file):
+    """A diffusers config.json as a dict ({} when unreadable), None when there is no such file."""
     if not config_file.is_file():
         return None
     try:
-        return str(json.loads(config_file.read_text()).get("_class_name", ""))
-    except (OSError, ValueError, AttributeError):
-        return ""
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _class_name(config):
+    return str(config.get("_class_name", ""))
 
 
 def _no_vae(source, where, found):
@@ -156,8 +168,12 @@ def _from_pretrained(class_name, source, subfolder):
     return vae
 
 
+class DownloadNeeded(ConfigError):
+    """A Hub id whose VAE this machine cannot have (offline, unreachable, not in the local Hub cache)."""
+
+
 def _download_advice(repo_id, reason):
-    return ConfigError(
+    return DownloadNeeded(
         f"--vae {repo_id}: no such folder, and the Hugging Face Hub cannot give it ({reason}): "
         f"on a machine that reaches the Hub run `hf download {repo_id} --local-dir DIR` (add --include 'vae/*' "
         "for a pipeline), copy DIR here and pass --vae DIR"
@@ -168,14 +184,20 @@ class _Unreachable(Exception):
     """The Hub could not be asked (offline, no network, gated): the reason."""
 
 
-def _hub_config_class(repo_id, subfolder):
-    """The `_class_name` of a Hub repo's config.json in `subfolder` (from the local Hub cache when
-    offline), None when the repo has no such file; _Unreachable when the Hub cannot tell."""
+def _hub_config(repo_id, subfolder, local_only=False):
+    """A Hub repo's config.json in `subfolder` as a dict (from the local Hub cache when offline or
+    `local_only`), None when the repo has no such file; _Unreachable when the Hub cannot tell. The Hub
+    client's retry warnings are kept quiet: the one-line error says it."""
+    import logging
+
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
     try:
-        return _class_name(Path(hf_hub_download(repo_id, "config.json", subfolder=subfolder)))
+        return _read_config(Path(hf_hub_download(repo_id, "config.json", subfolder=subfolder, local_files_only=local_only)))
     except RepositoryNotFoundError:
         raise ConfigError(
             f"--vae {repo_id}: no such folder, and no such repository on the Hugging Face Hub: check the path or id"
@@ -189,6 +211,8 @@ def _hub_config_class(repo_id, subfolder):
         return None
     except Exception as e:  # a network error, a gated repo...
         raise _Unreachable(_first_line(e)) from None
+    finally:
+        hub_logger.setLevel(level)
 
 
 def _first_line(e, limit=160):
@@ -196,8 +220,9 @@ def _first_line(e, limit=160):
     return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
-def load_vae(id_or_path, subfolder=None):
-    """The VAE of `--vae`: the folder itself, else its vae/ subfolder, else a Hub id (see the module doc)."""
+def locate_vae(id_or_path, subfolder=None):
+    """(class name, source, subfolder, config dict) of the VAE `--vae` names, its config.json read and
+    no weights: the folder itself, else its vae/ subfolder, else a Hub id (see the module doc)."""
     source = str(id_or_path)
     path = Path(source).expanduser()
     subfolders = [subfolder] if subfolder else [None, "vae"]
@@ -209,31 +234,71 @@ def load_vae(id_or_path, subfolder=None):
         found = []
         for sub in subfolders:
             folder = path / sub if sub else path
-            name = _class_name(folder / "config.json")
-            if name in VAE_CLASSES:
-                return _from_pretrained(name, str(path), sub)
-            if name is not None:
-                found.append((f"{folder}/config.json", name))
+            config = _read_config(folder / "config.json")
+            if config is not None and _class_name(config) in VAE_CLASSES:
+                return _class_name(config), str(path), sub, config
+            if config is not None:
+                found.append((f"{folder}/config.json", _class_name(config)))
         raise _no_vae(source, [str(path / s) if s else str(path) for s in subfolders], found)
     if not _HUB_ID.match(source) or ".." in source:
         raise ConfigError(f"--vae {source}: no such folder; check the path")
     found, unreachable = [], None
     for sub in subfolders:
-        try:
-            name = _hub_config_class(source, sub)
+        try:  # once the Hub proved unreachable, only the local Hub cache is asked
+            config = _hub_config(source, sub, local_only=unreachable is not None)
         except _Unreachable as e:  # perhaps the other layout is in the local Hub cache
             unreachable = unreachable or str(e)
             continue
-        if name in VAE_CLASSES:
-            try:
-                return _from_pretrained(name, source, sub)
-            except ConfigError as e:
-                raise _download_advice(source, str(e)[:160]) from None
-        if name is not None:
-            found.append((f"{source}/{sub}/config.json" if sub else f"{source}/config.json", name))
+        if config is not None and _class_name(config) in VAE_CLASSES:
+            return _class_name(config), source, sub, config
+        if config is not None:
+            found.append((f"{source}/{sub}/config.json" if sub else f"{source}/config.json", _class_name(config)))
     if unreachable:
         raise _download_advice(source, unreachable)
     raise _no_vae(source, [f"{source}/{s}" if s else source for s in subfolders], found)
+
+
+def load_vae(id_or_path, subfolder=None):
+    """The VAE of `--vae` (locate_vae), loaded by its class's `from_pretrained`."""
+    name, source, sub, _ = locate_vae(id_or_path, subfolder)
+    try:
+        return _from_pretrained(name, source, sub)
+    except ConfigError as e:
+        if Path(source).expanduser().exists():
+            raise
+        raise _download_advice(source, str(e)[:160]) from None  # a Hub config in the local cache, its weights not
+
+
+NORMALIZATIONS = ("vae", "dataset")
+
+
+def parse_vae_flag(text):
+    """`--vae ID_OR_PATH[,NORM]` -> (the VAE's id or path, NORM or None). NORM: 'vae' or 'dataset'
+    (`normalization`); None leaves it to `normalization_kind`. (A Hub id holds no comma.)"""
+    source, _, tail = str(text).rpartition(",")
+    if source and tail.strip() in NORMALIZATIONS:
+        return source, tail.strip()
+    return str(text), None
+
+
+def normalization_kind(settings, wanted=None):
+    """The normalisation a run takes: `wanted`, else the VAE's own constants where its config.json sets a
+    scaling_factor (its authors' calibration, diffusers' convention), else the dataset's mean and std."""
+    kind = wanted or ("vae" if settings["scaling_factor"] else "dataset")
+    if kind == "vae" and not settings["scaling_factor"]:
+        raise ConfigError(
+            f"--vae {settings['source']},vae: the VAE's config.json sets no scaling_factor to normalise by: "
+            f"use --vae {settings['source']},dataset (its latents' own mean and std)"
+        )
+    return kind
+
+
+def vae_settings(id_or_path, subfolder=None):
+    """What a run needs to know of the VAE before loading it, from its config.json alone: its
+    `factor`, latent `channels`, whether its config sets a `scaling_factor`, and where it is."""
+    name, source, sub, config = locate_vae(id_or_path, subfolder)
+    return dict(cls=name, source=source, subfolder=sub, factor=vae_factor(config), channels=int(config["latent_channels"]),
+                scaling_factor=config.get("scaling_factor") is not None)  # fmt: skip
 
 
 def _is_tiny(vae):
@@ -241,10 +306,11 @@ def _is_tiny(vae):
 
 
 def vae_factor(vae):
-    """How many image pixels a latent pixel spans along a side."""
-    if _is_tiny(vae):  # the first encoder block keeps the size, each later one halves it
-        return 2 ** (len(vae.config.num_encoder_blocks) - 1)
-    return 2 ** (len(vae.config.block_out_channels) - 1)  # every down block but the last halves it
+    """How many image pixels a latent pixel spans along a side, of a VAE or of its config (a dict)."""
+    config = vae if isinstance(vae, dict) else vae.config
+    if "num_encoder_blocks" in config:  # AutoencoderTiny: the first encoder block keeps the size, each later one halves it
+        return 2 ** (len(config["num_encoder_blocks"]) - 1)
+    return 2 ** (len(config["block_out_channels"]) - 1)  # every down block but the last halves it
 
 
 def latent_channels(vae):
@@ -394,7 +460,8 @@ def _write(vae, images, key, tmp, num_images, progress):
             x = _as_input(batch)
             if x.shape[-2:] != (size, size):
                 raise ValueError(f"images of {tuple(x.shape[-2:])} pixels for a cache of {size}x{size}")
-            z = _encode_batch(vae, torch.cat([x, x.flip(3)]) if flips else x)
+            x = torch.cat([x, x.flip(3)]) if flips else x
+            z = torch.cat([_encode_batch(vae, part) for part in x.split(max(1, ENCODE_PIXELS // size**2))])
             if flips:  # (B, 2 orientations, K, C, h, w)
                 z = torch.stack(z.chunk(2), 1)
             else:
