@@ -43,11 +43,17 @@ RUN_IDENTITY = (
     "ema", "ema_stds", "ema_max_decay", "ema_power",
     # fp16 saves a GradScaler's state and loads one: compared as fp16 or not (bf16 <-> no saves the same)
     "mixed_precision",
+    # a latent run's latent space: the network's inputs and outputs are latents of this VAE, normalised so
+    # (--vae's normalisation, resolved: vae or dataset)
+    "vae", "latent_normalization",
 )  # fmt: skip
 
 # Identity keys train.py computes (config.DERIVED_KEYS), not flags, and what a run that did
-# not record one had: num_classes 0, unconditional (None: always recorded).
-DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0}
+# not record one had: num_classes 0, unconditional (None: always recorded, or see PIXEL_RUN).
+DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_normalization": None}
+
+# Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels.
+PIXEL_RUN = {"vae": None, "latent_normalization": None}
 
 # What of a value the checkpoint depends on, where it is not the whole value.
 COMPARED_AS = {"mixed_precision": lambda value: value == "fp16",
@@ -78,7 +84,7 @@ CHANGES_ON_RESUME = {
     ),
     "how a step runs on the machine: the same tensors are saved and loaded (tried on CPU: channels_last, "
     "gradient checkpointing, bf16)": (
-        "cpu", "gradient_checkpointing", "compile_mode",
+        "cpu", "compile_mode",
     ),
     "sampling, evaluation and outputs: they read the weights, a checkpoint holds none of them": (
         "output_dir", "logger", "save_images_epochs", "eval_batch_size", "sampler", "churn",
@@ -224,6 +230,8 @@ def saved_identity(start):
             saved[key] = known[key]
         elif identity_defaults().get(key) is not None:
             saved[key] = identity_defaults()[key]
+        elif key in PIXEL_RUN:
+            saved[key] = PIXEL_RUN[key]
     return saved
 
 

@@ -37,6 +37,7 @@ import torch
 
 import data
 import ema as posthoc_ema
+import latents
 import model as models
 import sample
 import step as steps
@@ -76,6 +77,7 @@ DERIVED_KEYS = (
     "config", "num_processes", "num_images", "data_path", "global_batch_size", "steps_per_epoch",
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
     "step_compile_mode", "device", "num_classes", "class_names", "class_counts",
+    "latent_size", "latent_channels", "latent_normalization", "latents",
 )  # fmt: skip
 
 # What one command asks for once, not what a run is: a file read with --config never
@@ -99,6 +101,10 @@ SETTINGS = dict(
     adam_epsilon=1e-8,
     ema_inv_gamma=1.0,  # the EMA's warm-up, decay = 1 - (1 + step / inv_gamma)^-ema_power: --ema_power shapes it
     timing_warmup_steps=5,  # steps left out of the timing
+    # Recomputing activations in the backward pass (torch.utils.checkpoint) to fit memory: off. What fits
+    # a GPU instead: a smaller --train_batch_size with --gradient_accumulation_steps (as EDM2's batch_gpu),
+    # or latents (--vae), 48x fewer values per image at 8x. flops.py counts its cost (HFU).
+    gradient_checkpointing=False,
     profile_steps=3, profile_top=15, profile_stack=False,  # --profile: steps recorded, rows of its table, no stacks
 )  # fmt: skip
 PRELOAD_MAX_GIB = 8.0  # --preload_data without a size
@@ -232,6 +238,8 @@ REMOVED = {
     "allow_tf32": Removed("train.py always allows TF32; " + _BENCH.format("no-allow_tf32"), _always(True), switch=True),
     "cudnn_benchmark": Removed("train.py turns it on with a CUDA GPU; " + _BENCH.format("cudnn_benchmark"), _dropped,
                                switch=True),
+    "gradient_checkpointing": Removed("to fit memory, lower --train_batch_size and raise --gradient_accumulation_steps, "
+                                      "or train on latents (--vae)", _always(False), switch=True),
     "timing_warmup_steps": Removed("the timing leaves out the first 5 steps", _dropped),
     "peak_tflops": Removed("MFU is against flops.py's PEAK_TFLOPS (add a GPU there)", _dropped),
     "profile_steps": Removed("--profile records 3 steps", _dropped),
@@ -411,6 +419,12 @@ def build_parser(prog="train.py", source=""):
                     "it from disk; --no-preload_data: always stream", True, "MAX_GIB", type=positive)  # fmt: skip
     flag(d, "dataloader_num_workers", "processes that decode images (default: 4, or fewer CPU cores)",
          min(4, os.cpu_count() or 1), type=at_least(0))  # fmt: skip
+    flag(d, "vae", "train on the latents of this VAE (a diffusers AutoencoderKL or AutoencoderTiny: a folder, a "
+         "pipeline folder with vae/, or a Hub id): the data is encoded once and cached (in $DDPM_TRAIN_LATENT_CACHE, "
+         "else ~/.cache/ddpm-train/latents), the network takes the VAE's channels at --image_size over its factor, "
+         "and grids, sample.py and FID decode through it. NORM: vae (its scaling_factor and shift_factor; the "
+         "default when its config sets a scaling_factor) or dataset (each channel's mean and std over the data) "
+         "(docs/latents.md)", metavar="ID_OR_PATH[,NORM]")  # fmt: skip
 
     m = p.add_argument_group("model and noise schedule")
     flag(m, "model", f"preset: {', '.join(models.PRESETS)}; auto: "
@@ -465,7 +479,6 @@ def build_parser(prog="train.py", source=""):
     flag(t, "ema_power", "standard EMA: warm-up power, decay = 1 - (1 + step)^-power", 0.75, type=non_negative)
     flag(t, "mixed_precision", "autocast precision (default: bf16 on a GPU that has it, else no)",
          choices=("no", "fp16", "bf16"))  # fmt: skip
-    switch(t, "gradient_checkpointing", "recompute activations in the backward pass to save memory")
     flag(t, "seed", "seeds the data, the model and the noise", 0, type=at_least(0))
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
     flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
@@ -599,7 +612,8 @@ def _words(action, key, value, path):
 def resolve(args):
     """Check every range, fill every value left unset, check the combinations; returns `args`.
 
-    Filled: --model auto; the preset's objective, DDPM settings (prediction type, timestep
+    Filled: a --vae run's latent size, channels and normalisation (its config.json: latents.vae_settings);
+    --model auto (by the size the network takes); the preset's objective, DDPM settings (prediction type, timestep
     sampling and its P_mean/P_std), batch size, epochs, EMA, learning rate, lr_scheduler and
     (inverse_sqrt) lr_ref_steps; num_inference_steps by the objective's sampler;
     mixed_precision, --compile_mode and cudnn_benchmark by the machine; the SETTINGS that a
@@ -610,6 +624,7 @@ def resolve(args):
     for name, kind in _ranges().items():
         kind.check(name, getattr(args, name))
     _fill_gpu_bare_run(args)
+    _fill_latents(args)
     _fill_from_preset(args)
     _fill_from_machine(args)
     _derive(args)
@@ -670,7 +685,7 @@ def on_gpu(args):
 def _fill_gpu_bare_run(args):
     """GPU_BARE_RUN's values where unset, for the built-in shapes at 32px with --model auto on a GPU;
     elsewhere only the built-in dataset's size."""
-    if args.dataset == data.BUILTIN and args.model == "auto" and args.image_size == 32 and on_gpu(args):
+    if args.dataset == data.BUILTIN and args.model == "auto" and args.image_size == 32 and not args.vae and on_gpu(args):
         for name, value in GPU_BARE_RUN.items():
             if name in SMALL["ddpm"] and args.objective == "edm":
                 continue  # DDPM's settings; --objective edm draws its own noise levels
@@ -680,10 +695,46 @@ def _fill_gpu_bare_run(args):
         args.shapes_num_images = CPU_SHAPES_NUM_IMAGES
 
 
+# What a dry run assumes of a VAE whose config.json cannot be had offline (a Hub id not in the local Hub
+# cache): Stable Diffusion's KL-f8, 8x smaller latents of 4 channels. It says so; a run loads the VAE.
+ASSUMED_VAE = dict(cls="AutoencoderKL", subfolder=None, factor=8, channels=4, scaling_factor=None)
+
+
+def _fill_latents(args):
+    """A --vae run: what its VAE's config.json says, before any weights load (latents.vae_settings): the
+    size and channels of the latents the network takes, and the normalisation (latents.normalization_kind).
+    `args.latents` holds the VAE's settings (train.py adds the normalisation and the cache). All None for
+    a run on pixels."""
+    args.latent_size = args.latent_channels = args.latent_normalization = args.latents = None
+    if not args.vae:
+        return
+    if "crop" in args.augment.split(","):
+        raise ConfigError(
+            "--augment crop draws a new random crop of each image every epoch, and --vae encodes each image once: "
+            "use --augment flip or none with --vae"
+        )
+    source, wanted = latents.parse_vae_flag(args.vae)
+    try:
+        found = latents.vae_settings(source)
+    except latents.DownloadNeeded as e:
+        if not args.dry_run:
+            raise
+        found = dict(ASSUMED_VAE, source=source, assumed=str(e))
+    args.latent_size = latents.latent_size(args.image_size, found["factor"])
+    args.latent_channels = found["channels"]
+    args.latent_normalization = wanted if "assumed" in found else latents.normalization_kind(found, wanted)
+    args.latents = found
+
+
+def network_size(args):
+    """The side of what the network takes: a latent run's latents, else the images."""
+    return args.latent_size or args.image_size
+
+
 def _fill_from_preset(args):
     """The model, and what its preset decides: objective, learning rate and schedule, sampling steps."""
-    args.model = models.resolve_model_name(args.model, args.image_size)
-    models.check_image_size(args.model, args.image_size)
+    args.model = models.resolve_model_name(args.model, network_size(args))
+    models.check_image_size(args.model, args.image_size, args.image_size // network_size(args))
     preset = models.PRESETS[args.model]
     edm2_network = preset.get("network") == "edm2"
     if args.objective is None:

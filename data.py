@@ -13,6 +13,7 @@ the epoch (`epoch_batches`), so a resumed run starts mid-epoch without
 decoding the batches it skips.
 """
 
+import hashlib
 import logging
 import math
 import os
@@ -238,7 +239,8 @@ def _needs_labels(why):
     """The error of a class-conditional run on data that carries no class labels."""
     return ConfigError(
         f"--class_conditional needs class labels, and {why}: put the images of each class in a subfolder of "
-        "--dataset (ImageFolder layout), use a datasets dataset with a ClassLabel column or --label_column, "
+        "--dataset (ImageFolder layout), use a datasets dataset with a ClassLabel column or name its label column "
+        "(--class_conditional LABEL_COLUMN), "
         "or train on the built-in shapes (leave out --dataset)"
     )
 
@@ -264,7 +266,7 @@ def folder_labels(folder, paths):
 
 
 def column_labels(dataset, requested, source):
-    """(labels, class_names) of a `datasets.Dataset`: the column `requested` (--label_column),
+    """(labels, class_names) of a `datasets.Dataset`: the column `requested` (--class_conditional LABEL_COLUMN),
     else the one ClassLabel column. A ClassLabel column keeps its own names and numbers; a plain
     column of ints or of strings is numbered in the sorted order of its distinct values."""
     import datasets
@@ -273,7 +275,8 @@ def column_labels(dataset, requested, source):
     if requested:
         if requested not in columns:
             raise ConfigError(
-                f"dataset {source} has no column '{requested}' (columns: {', '.join(columns)}); fix --label_column"
+                f"dataset {source} has no column '{requested}' (columns: {', '.join(columns)}); fix --class_conditional "
+                "LABEL_COLUMN"
             )
         column = requested
     else:
@@ -282,7 +285,8 @@ def column_labels(dataset, requested, source):
             raise _needs_labels(f"dataset {source} has no ClassLabel column (columns: {', '.join(columns)})")
         if len(found) > 1:
             raise ConfigError(
-                f"dataset {source} has several ClassLabel columns ({', '.join(found)}): pick one with --label_column"
+                f"dataset {source} has several ClassLabel columns ({', '.join(found)}): pick one with "
+                "--class_conditional LABEL_COLUMN"
             )
         column = found[0]
     values = list(dataset[column])  # only this column is read: no image is decoded
@@ -305,7 +309,7 @@ def column_labels(dataset, requested, source):
     else:
         raise ConfigError(
             f"column '{column}' of dataset {source} holds {feature}, not class labels: "
-            "pass a --label_column of ints or strings (or a ClassLabel)"
+            "name a column of ints or strings (or a ClassLabel) with --class_conditional LABEL_COLUMN"
         )
     _check_classes(class_names, f"column '{column}' of dataset {source}")
     return labels, class_names
@@ -363,8 +367,8 @@ def open_dataset(
             return FileImages(paths, transform)
         if label_column:
             raise ConfigError(
-                f"--label_column names a column of a datasets dataset, and {source} is a folder "
-                "(its classes are its subfolders): drop --label_column"
+                f"--class_conditional {label_column} names a column of a datasets dataset, and {source} is a folder "
+                "(its classes are its subfolders): use --class_conditional alone"
             )
         return FileImages(paths, transform, *folder_labels(path, paths))
     if path.is_dir():
@@ -415,7 +419,7 @@ class Unreadable:
     def report(self, errors):
         for error in errors:
             if self.strict:
-                raise ConfigError(f"{error}: remove or replace the file (or leave out --strict_data to skip it)")
+                raise ConfigError(f"{error}: remove or replace the file (or skip it: --on_fault skip)")
             if error not in self.messages:
                 self.messages.append(error)
                 if self.verbose:
@@ -435,30 +439,35 @@ def check_readable(dataset, unreadable):
     raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
 
 
-def preload(dataset, num_workers=0, progress=False, unreadable=None, labels=None):
-    """Decode every image once into one uint8 tensor (N, 3, S, S).
-
-    Unreadable images are passed to `unreadable` (default: strict, the first
-    one is an error) and left out. With `labels` (one per item of `dataset`)
-    returns (images, the labels of the images kept).
-    """
+def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, labels=None, batch_size=64):
+    """Every readable image of `dataset` once, in order: uint8 batches (B, 3, S, S), or with `labels` (one
+    per item of `dataset`) (images, their labels). Unreadable images are passed to `unreadable` (default:
+    strict, the first one is an error) and left out; none readable is an error."""
     from tqdm.auto import tqdm
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
-    loader = torch.utils.data.DataLoader(dataset, batch_size=64, num_workers=num_workers, collate_fn=_collate_decoded)
-    parts, kept = [], []
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                         collate_fn=_collate_decoded)  # fmt: skip
+    found, start = False, 0
     with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
         for images, errors, decoded in loader:
             unreadable.report(errors)
             if images is not None:
-                parts.append(images)
-            kept.append(decoded)
+                found = True
+                yield images if labels is None else (images, labels[start : start + len(decoded)][decoded])
+            start += len(decoded)
             bar.update(len(decoded))
-    if not parts:
+    if not found:
         raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
+
+
+def preload(dataset, num_workers=0, progress=False, unreadable=None, labels=None):
+    """Decode every image once into one uint8 tensor (N, 3, S, S) (decoded_batches: the unreadable
+    left out). With `labels` (one per item of `dataset`) returns (images, the labels of the images kept)."""
+    parts = list(decoded_batches(dataset, num_workers, progress, unreadable, labels))
     if labels is None:
         return torch.cat(parts)
-    return torch.cat(parts), labels[torch.cat(kept)]
+    return torch.cat([images for images, _ in parts]), torch.cat([kept for _, kept in parts])
 
 
 # --- batches -------------------------------------------------------------------
@@ -489,7 +498,8 @@ class _IndexBatches(torch.utils.data.Sampler):
 
 
 class Batches:
-    """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader.
+    """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader; or a
+    latent run's float latents, drawn from a latents.LatentDataset for each epoch.
 
     With `labels` (a LongTensor, one per index of `source`: the labels that
     `load_images` returns, which for a streamed dataset are its `labels`) each
@@ -503,6 +513,7 @@ class Batches:
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
         self.preloaded = isinstance(source, torch.Tensor)
+        self.drawn = hasattr(source, "set_epoch") and hasattr(source, "batch")  # latents.LatentDataset
         # Streamed images are decoded every epoch; one that fails is left out, and readable images of its batch
         # take its place (`epoch`).
         self.unreadable = Unreadable() if unreadable is None else unreadable
@@ -521,6 +532,12 @@ class Batches:
         """The epoch's batches from batch index `start` on."""
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
         batches = batches[start:]
+        if self.drawn:  # a latent run's: each image's latent drawn for this epoch (latents.LatentDataset)
+            self.source.set_epoch(epoch)
+            for index in batches:
+                latents = self.source.batch(index).to(self.device, non_blocking=True)
+                yield latents if self.labels is None else (latents, self.labels[index].to(self.device, non_blocking=True))
+            return
         if self.preloaded:
             # The epoch's order goes to the images' device in one copy: a blocking
             # copy per batch would make the host wait for the GPU at every step.
@@ -559,7 +576,10 @@ class Batches:
 
 
 def to_model_input(images, random_flip=True):
-    """uint8 (B, 3, S, S) -> float in [-1, 1], each image flipped left-right with probability 1/2."""
+    """uint8 (B, 3, S, S) -> float in [-1, 1], each image flipped left-right with probability 1/2.
+    A float batch is a latent run's, drawn already (its orientation too: latents.LatentCache.draw): as it is."""
+    if images.is_floating_point():
+        return images
     x = images.float().div_(127.5).sub_(1)
     if random_flip:
         flip = torch.rand(x.shape[0], device=x.device) < 0.5
@@ -571,22 +591,15 @@ def load_images(args, unreadable):
     """The training data of the run's flags: (images, labels, class_names).
 
     images: a uint8 tensor (generated or preloaded), or a Dataset to stream when
-    preloading is off, needs random crops, or would pass --preload_max_gib.
+    preloading is off, needs random crops, or would pass --preload_data MAX_GIB.
     labels: None, or with --class_conditional a LongTensor of class indices, one
     per index of images (a preloaded dataset's unreadable images lose theirs).
     class_names: None, or the name of each class index.
     """
     if args.dataset == BUILTIN:
-        if args.class_conditional and args.label_column:
-            raise ConfigError(
-                "--label_column names a column of a datasets dataset; the built-in shapes are labelled by kind: "
-                "drop --label_column"
-            )
+        _check_builtin_labels(args)
         return builtin_images(args.shapes_num_images, args.image_size, args.seed, args.class_conditional)
-    dataset = open_dataset(
-        args.dataset, args.image_size, args.center_crop, args.dataset_config, args.split, args.image_column,
-        args.class_conditional, args.label_column,
-    )  # fmt: skip
+    dataset = open_run_dataset(args)
     labels, class_names = dataset.labels, dataset.class_names
     gib = len(dataset) * 3 * args.image_size**2 / 2**30
     if not args.preload_data or not args.center_crop or gib > args.preload_max_gib:
@@ -597,3 +610,66 @@ def load_images(args, unreadable):
         return preload(dataset, **decode), None, None
     images, labels = preload(dataset, **decode, labels=labels)
     return images, labels, class_names
+
+
+def _check_builtin_labels(args):
+    if args.class_conditional and args.label_column:
+        raise ConfigError(
+            f"--class_conditional {args.label_column} names a column of a datasets dataset; the built-in shapes "
+            "are labelled by kind: use --class_conditional alone"
+        )
+
+
+def open_run_dataset(args):
+    """open_dataset of the run's flags (not the built-in shapes): nothing decoded yet."""
+    return open_dataset(
+        args.dataset, args.image_size, args.center_crop, args.dataset_config, args.split, args.image_column,
+        args.class_conditional, args.label_column,
+    )  # fmt: skip
+
+
+# --- a latent run's images --------------------------------------------------------
+
+
+def images_to_encode(args, unreadable):
+    """A latent run's images, not decoded yet: (identity, images, count, class_names).
+
+    identity: what the images are, for the latent cache's key (latents.cache_key); images: a
+    callable, called only to encode them (a cache miss), that returns uint8 batches of every
+    readable image once, each batch with its labels, (images, labels), when the run is
+    class-conditional; count: how many images there are (some may prove unreadable)."""
+    labelled = dict(class_conditional=bool(args.class_conditional), label_column=args.label_column)
+    if args.dataset == BUILTIN:
+        _check_builtin_labels(args)
+
+        def generated():
+            images, labels, _ = builtin_images(args.shapes_num_images, args.image_size, args.seed, args.class_conditional)
+            return images.split(64) if labels is None else zip(images.split(64), labels.split(64))
+
+        identity = dict(dataset=BUILTIN, num_images=args.shapes_num_images, seed=args.seed, **labelled)
+        return identity, generated, args.shapes_num_images, list(SHAPE_KINDS) if args.class_conditional else None
+    dataset = open_run_dataset(args)
+    identity = dict(dataset_identity(args, dataset), **labelled)
+
+    def decoded():
+        return decoded_batches(dataset, args.dataloader_num_workers, unreadable=unreadable, labels=dataset.labels)
+
+    return identity, decoded, len(dataset), dataset.class_names
+
+
+def dataset_identity(args, dataset):
+    """What a FileImages or HubImages of the run's --dataset holds, read without decoding an image: for a
+    folder its path and a hash of its files' paths, sizes and modification times; for a `datasets`
+    dataset its name (a saved one's path), configuration, split, image column, rows and the
+    fingerprint `datasets` gives its contents."""
+    path = Path(args.dataset).expanduser()
+    if isinstance(dataset, FileImages):
+        folder = path.resolve()
+        digest = hashlib.sha256()
+        for image in dataset.paths:
+            stat = Path(image).stat()
+            digest.update(f"{Path(image).resolve().relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+        return dict(folder=str(folder), files=len(dataset.paths), fingerprint=digest.hexdigest())
+    return dict(dataset=str(path.resolve()) if path.is_dir() else args.dataset, config=args.dataset_config,
+                split=args.split, image_column=dataset.column, rows=len(dataset),
+                fingerprint=getattr(dataset.dataset, "_fingerprint", None))  # fmt: skip

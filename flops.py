@@ -38,16 +38,18 @@ def count_flops(fn):
     return counter.get_total_flops()
 
 
-def unet_flops(model_name, image_size, batch_size, gradient_checkpointing=False):
+def unet_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):
     """{'params', 'flops_fwd', 'flops_fwdbwd'} of one training micro-batch, counted on the meta device.
 
     flops_fwdbwd is the forward and backward pass as executed: with
     `gradient_checkpointing` it includes the recomputed forward passes.
+    `image_size` and `channels` are the network's input: a latent run's latents (the VAE's
+    channels at the image size over its factor).
     """
-    unet = models.build_unet(model_name, image_size, device="meta")
+    unet = models.build_unet(model_name, image_size, device="meta", channels=channels)
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-    x = torch.empty(batch_size, 3, image_size, image_size, device="meta")
+    x = torch.empty(batch_size, channels, image_size, image_size, device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
 
     def forward():
@@ -59,14 +61,15 @@ def unet_flops(model_name, image_size, batch_size, gradient_checkpointing=False)
     return dict(params=sum(p.numel() for p in unet.parameters()), flops_fwd=fwd, flops_fwdbwd=fwdbwd)
 
 
-def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False):
-    """Model and hardware FLOPs of one optimizer step of `batch_size` images (on one device).
+def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):
+    """Model and hardware FLOPs of one optimizer step of `batch_size` images (on one device): the
+    denoiser's, at its input's size and channels (unet_flops); a latent run's VAE is not in them.
 
     model_flops: forward + backward, counted once (for MFU).
     hardware_flops: what runs, with checkpointing's recompute (for HFU).
     """
-    model = unet_flops(model_name, image_size, batch_size)
-    hardware = unet_flops(model_name, image_size, batch_size, True) if gradient_checkpointing else model
+    model = unet_flops(model_name, image_size, batch_size, channels=channels)
+    hardware = unet_flops(model_name, image_size, batch_size, True, channels) if gradient_checkpointing else model
     return dict(params=model["params"], model_flops=model["flops_fwdbwd"], hardware_flops=hardware["flops_fwdbwd"])
 
 
@@ -228,7 +231,9 @@ def format_perf_line(
 def parse_args(argv=None):
     p = OneLineParser(description="FLOPs per training step of a model preset.")
     p.add_argument("--model", default="auto", help="preset name, or auto (picked by --image_size as in train.py)")
-    p.add_argument("--image_size", type=int, default=128, help="image side in pixels")
+    p.add_argument("--image_size", type=int, default=128, help="image side in pixels (a latent run: its latents' side)")
+    p.add_argument("--channels", type=int, default=3,
+                   help="input channels: 3 for images, a VAE's latent channels for a latent run (4 for SD's VAE)")
     p.add_argument("--train_batch_size", type=int, default=64, help="images per step")
     p.add_argument(
         "--gradient_checkpointing",
@@ -244,12 +249,15 @@ def main(args):
     with one_line_errors("flops.py"):
         if args.train_batch_size < 1:
             raise ConfigError(f"--train_batch_size must be at least 1 (got {args.train_batch_size})")
+        if args.channels < 1:
+            raise ConfigError(f"--channels must be at least 1 (got {args.channels})")
         name = models.resolve_model_name(args.model, args.image_size)
-        per_image = unet_flops(name, args.image_size, 1, args.gradient_checkpointing)
+        per_image = unet_flops(name, args.image_size, 1, args.gradient_checkpointing, args.channels)
     # FLOPs are linear in the batch (tests/test_flops.py checks it), so count one image and scale.
     result = dict(
         model=name,
         image_size=args.image_size,
+        channels=args.channels,
         train_batch_size=args.train_batch_size,
         gradient_checkpointing=args.gradient_checkpointing,
         params=per_image["params"],
@@ -260,7 +268,8 @@ def main(args):
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"model {name} at {args.image_size}px, batch {args.train_batch_size}")
+        size = f"{args.image_size}px" if args.channels == 3 else f"{args.image_size}x{args.image_size}x{args.channels}"
+        print(f"model {name} at {size}, batch {args.train_batch_size}")
         print(f"parameters                 {result['params']:,}")
         print(f"forward           GFLOP/img {result['flops_per_image_fwd'] / 1e9:.2f}")
         print(f"forward+backward  GFLOP/img {result['flops_per_image_fwdbwd'] / 1e9:.2f}")

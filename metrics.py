@@ -342,11 +342,12 @@ class TrainingEvaluator:
         self.best = BestCheckpoint(self.output_dir / "best")
         self.reference = None
 
-    def prepare_reference(self, images):
-        """Reference statistics of the training images (computed once, then read from the run folder)."""
+    def prepare_reference(self, get_images):
+        """Reference statistics of the training images `get_images()` returns (called only when they are not
+        computed yet: a latent run's images are then decoded, once; then read from the run folder)."""
         key = reference_key(vars(self.args), self.args.image_size, self.extractor_name)
         self.reference = cached_reference(
-            self.output_dir, key, lambda: images, self.extractor, self.device, self.args.fid_batch_size,
+            self.output_dir, key, get_images, self.extractor, self.device, self.args.fid_batch_size,
             self.args.dataloader_num_workers, self.log,
         )  # fmt: skip
 

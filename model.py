@@ -202,19 +202,23 @@ def size_multiple(name):
     return 2 ** (len(preset["unet"]["block_out_channels"]) - 1)
 
 
-def check_image_size(name, image_size):
-    multiple = size_multiple(name)
-    if image_size < multiple or image_size % multiple:
-        examples = ", ".join(str(multiple * k) for k in (1, 2, 4, 8))
+def check_image_size(name, image_size, factor=1):
+    """The network of preset `name` must halve its input's side evenly: `image_size` over `factor`
+    (a latent run's VAE factor: the network sees latents of side image_size / factor)."""
+    multiple, size = size_multiple(name), image_size // factor
+    if size < multiple or size % multiple:
+        examples = ", ".join(str(multiple * k * factor) for k in (1, 2, 4, 8))
+        latents = f" (its {size}x{size} latents: the VAE's factor is {factor})" if factor > 1 else ""
         raise ConfigError(
-            f"--model {name} cannot take --image_size {image_size}: it halves the image "
-            f"{multiple.bit_length() - 1} times, so the size must be a multiple of {multiple} "
+            f"--model {name} cannot take --image_size {image_size}{latents}: it halves its input "
+            f"{multiple.bit_length() - 1} times, so the size must be a multiple of {multiple * factor} "
             f"({examples}, ...)"
         )
 
 
-def build_unet(name, image_size, device=None, num_classes=0):
-    """A fresh network of preset `name` for square images of side `image_size`:
+def build_unet(name, image_size, device=None, num_classes=0, channels=3):
+    """A fresh network of preset `name` for square inputs of side `image_size` and `channels`
+    channels (3 for images; a latent run's: its VAE's latent channels at its latent size):
     a UNet2DModel, or an EDM2UNet for the `network="edm2"` presets.
 
     `num_classes` > 0: class-conditional, `class_labels` 0..num_classes-1, and
@@ -225,11 +229,19 @@ def build_unet(name, image_size, device=None, num_classes=0):
     """
     check_image_size(name, image_size)
     preset = PRESETS[name]
+    io = dict(in_channels=channels, out_channels=channels)
     with torch.device(device or "cpu"):
         if preset.get("network") == "edm2":
-            return EDM2UNet(sample_size=image_size, in_channels=3, out_channels=3, num_classes=num_classes, **preset["edm2"])
+            return EDM2UNet(sample_size=image_size, num_classes=num_classes, **io, **preset["edm2"])
         classes = dict(num_class_embeds=num_classes + 1) if num_classes else {}
-        return UNet2DModel(sample_size=image_size, in_channels=3, out_channels=3, **preset["unet"], **classes)
+        return UNet2DModel(sample_size=image_size, **io, **preset["unet"], **classes)
+
+
+def build_run_network(config):
+    """A fresh network for a run's train_config.json `config`: at its latent size and channels for a
+    latent run (--vae), else at its image size."""
+    return build_unet(config["model"], config.get("latent_size") or config["image_size"],
+                      num_classes=config.get("num_classes") or 0, channels=config.get("latent_channels") or 3)  # fmt: skip
 
 
 def num_classes_of(net):
@@ -245,22 +257,25 @@ def null_label(num_classes):
     return num_classes
 
 
-def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon", zero_terminal_snr=False):
+def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon", zero_terminal_snr=False,
+                         latents=False):  # fmt: skip
     """DDPM's forward process. `zero_terminal_snr`: the betas rescaled so that abar_T = 0, x_T pure
     noise as sampling assumes (Lin et al. 2024, Algorithm 1); it needs v-prediction, as eps says
-    nothing of x_0 at t = T."""
+    nothing of x_0 at t = T. `latents`: a latent run's, saved with its pipeline without
+    DDPMScheduler's default clipping of x_0 to [-1, 1] (the range of images, not of latents)."""
     return DDPMScheduler(
         num_train_timesteps=num_train_timesteps,
         beta_schedule=beta_schedule,
         prediction_type=prediction_type,
         rescale_betas_zero_snr=zero_terminal_snr,
+        clip_sample=not latents,
     )
 
 
 def run_noise_scheduler(config):
     """The noise scheduler a run trained with, from its train_config.json."""
     return make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"],
-                                config.get("zero_terminal_snr", False))  # fmt: skip
+                                config.get("zero_terminal_snr", False), bool(config.get("vae")))  # fmt: skip
 
 
 def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_type="epsilon", snr_gamma=None):
@@ -357,7 +372,7 @@ class DDPMObjective(torch.nn.Module):
 
 
 def ddpm_objective(noise_scheduler, args):
-    """train.py's and bench.py's DDPMObjective: from the flags --snr_gamma, --timestep_sampling, --P_mean, --P_std."""
+    """train.py's and bench.py's DDPMObjective: from the flags --snr_gamma, --timestep_sampling, --P_mean_std."""
     return DDPMObjective(noise_scheduler, args.snr_gamma, args.timestep_sampling, args.P_mean, args.P_std)
 
 
@@ -481,11 +496,11 @@ class EDMObjective(torch.nn.Module):
     ):  # fmt: skip
         super().__init__()
         if weighting not in LOSS_WEIGHTINGS:
-            raise ConfigError(f"unknown --loss_weighting '{weighting}': choose {' or '.join(LOSS_WEIGHTINGS)}")
+            raise ConfigError(f"unknown loss weighting '{weighting}': choose {' or '.join(LOSS_WEIGHTINGS)}")
         if not P_std > 0:
-            raise ConfigError(f"--P_std must be positive (got {P_std})")
+            raise ConfigError(f"--P_mean_std: P_std must be positive (got {P_std})")
         if not sigma_data > 0:
-            raise ConfigError(f"--sigma_data must be positive (got {sigma_data})")
+            raise ConfigError(f"sigma_data must be positive (got {sigma_data})")
         self.P_mean, self.P_std, self.sigma_data, self.weighting = P_mean, P_std, sigma_data, weighting
         self.c_noise_scale = c_noise_scale  # None: c_noise_scale_for(net) at each call
         if weighting == "uncertainty":  # EDM2's magnitude-preserving pieces (edm2.py)

@@ -16,6 +16,7 @@ from diffusers import DDPMPipeline
 from diffusers.utils import logging as diffusers_logging
 from safetensors.torch import load_file
 
+import latents
 import model as models
 from checkpoint import checkpoint_dirs
 from errors import ConfigError
@@ -36,8 +37,13 @@ def find_run_config(path):
 
 
 def kept_ema(config):
-    """Whether a run with train_config.json `config` kept an EMA of its weights (True when unknown)."""
-    return (config or {}).get("use_ema", True)
+    """Whether a run with train_config.json `config` kept an EMA of its weights (True when unknown):
+    its use_ema (config.resolve writes it: --ema is not none; runs before --ema none existed wrote it as
+    their flag, beside an `ema` that named the kind only), else its --ema."""
+    config = config or {}
+    if config.get("use_ema") is not None:
+        return bool(config["use_ema"])
+    return config.get("ema") in (None, "standard", "power")
 
 
 def newest_checkpoint(run_dir):
@@ -131,14 +137,14 @@ class RunDir:
         """(network in eval mode, training-scheduler config or None) from the pipeline or checkpoint.
 
         `ema`: the EMA weights (True), the raw weights (False, checkpoints only), or
-        None: the EMA where the run kept one (a run trained with --no-use_ema has
+        None: the EMA where the run kept one (a run trained with --ema none has
         only its raw weights, and its pipeline holds them). The scheduler config is
         None for a network saved without a DDPMPipeline (EDM runs: model.load_network
         reads unet/, a UNet2DModel or an EDM2 network).
         """
         kind, folder = resolve_source(self.path)
         if ema and not self.kept_ema:
-            raise ConfigError(f"{folder}: the run kept no EMA (trained with --no-use_ema), so it has raw weights only: drop --ema")
+            raise ConfigError(f"{folder}: the run kept no EMA (trained with --ema none), so it has raw weights only: drop --ema")
         if kind == "pipeline":
             return self._load_pipeline(folder, ema)
         return self._load_checkpoint(folder, ema)
@@ -159,7 +165,7 @@ class RunDir:
         config = self.config
         if config is None:
             raise ConfigError(f"{folder}: no train_config.json in the run folder above it, so the model is unknown")
-        unet = models.build_unet(config["model"], config["image_size"], num_classes=config.get("num_classes") or 0)
+        unet = models.build_run_network(config)
         weights = folder / "model.safetensors"
         if not weights.is_file():
             raise ConfigError(f"{folder}: no model.safetensors in the checkpoint")
@@ -174,6 +180,21 @@ class RunDir:
         if config.get("objective", "ddpm") != "ddpm":
             return unet.eval(), None
         return unet.eval(), models.run_noise_scheduler(config).config
+
+
+    def decoder(self, device="cpu"):
+        """A latent run's latents -> images in [-1, 1], through the VAE its train_config.json records
+        (loaded now, on `device`) and its normalisation; None for a run on pixels."""
+        record = self.get("latents")
+        if not record:
+            return None
+        vae = latents.load_vae(record["vae"], record.get("subfolder")).to(device)
+        if latents.vae_identity(vae)["encoder_sha256"] != record["encoder_sha256"]:
+            raise ConfigError(
+                f"the VAE at {record['vae']} is not the one {self.folder} was trained on (its encoder's weights "
+                "differ): put that VAE back there"
+            )
+        return lambda z: latents.decode(vae, z, record["normalization"])
 
 
 def load_model(path, ema=None):

@@ -12,7 +12,7 @@ RUN_DIR is a training run's --output_dir (its saved pipeline, or its newest
 checkpoint while it has none), a pipeline folder (`best/`, a reconstructed
 EMA from `ema.py reconstruct`) or one checkpoint folder. A checkpoint gives
 the EMA weights unless --no-ema; a pipeline holds the EMA weights only. A run
-trained without an EMA (--no-use_ema) has its raw weights only: its pipeline
+trained without an EMA (--ema none) has its raw weights only: its pipeline
 holds them, and both give them.
 
 Into --output it writes 000000.png, 000001.png, ... and grid.png (the first
@@ -56,7 +56,7 @@ GRID_IMAGES = 64
 # --- samplers ------------------------------------------------------------------------
 
 
-def make_scheduler(name, training_config):
+def make_scheduler(name, training_config, clip=True):
     """The sampler `name` for a model trained with the DDPMScheduler config `training_config`.
 
     Every sampler clips its estimate of the clean image to [-1, 1] at each
@@ -76,16 +76,19 @@ def make_scheduler(name, training_config):
     (diffusers' DDIM steps from t to t - T // steps; when the step count does
     not divide T that is up to one timestep off the trailing schedule, which
     is harmless.)
+
+    `clip` False: no clipping, for a latent run (latents are not confined to [-1, 1]; LDM's
+    samplers do not clip them).
     """
     from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
     if name == "ddpm":
         # Ancestral sampling, Algorithm 2 of Ho et al. (2020): 1000 steps to be exact.
-        return DDPMScheduler.from_config(training_config, clip_sample=True, clip_sample_range=1.0)
+        return DDPMScheduler.from_config(training_config, clip_sample=clip, clip_sample_range=1.0)
     if name == "ddim":
         # eta = 0: deterministic, so a grid from the same noise changes only as the model does.
         return DDIMScheduler.from_config(
-            training_config, clip_sample=True, clip_sample_range=1.0, set_alpha_to_one=True, timestep_spacing="trailing"
+            training_config, clip_sample=clip, clip_sample_range=1.0, set_alpha_to_one=True, timestep_spacing="trailing"
         )
     if name in ("dpmsolver", "dpmsolver_sde"):
         return DPMSolverMultistepScheduler.from_config(
@@ -94,7 +97,7 @@ def make_scheduler(name, training_config):
             # generators, as DDPM's), which corrects the model's errors of earlier steps.
             algorithm_type="sde-dpmsolver++" if name == "dpmsolver_sde" else "dpmsolver++",
             solver_order=2,
-            thresholding=True,
+            thresholding=clip,
             sample_max_value=1.0,
             timestep_spacing="trailing",
             lower_order_final=True,  # first order for the last steps when there are < 15: more stable
@@ -182,32 +185,36 @@ def edm_heun_sample(
         return denoised.clamp(-1, 1) if clip_denoised else denoised
 
     sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
-    return heun_sample(denoise, noise.to(network_device(net)), sigmas, euler, churn, generators).clamp(-1, 1)
+    x = heun_sample(denoise, noise.to(network_device(net)), sigmas, euler, churn, generators)
+    return x.clamp(-1, 1) if clip_denoised else x
 
 
 class EDMHeunSampler:
-    """EDM's Heun sampler in the place of a diffusers scheduler: `generate` calls `sample`."""
+    """EDM's Heun sampler in the place of a diffusers scheduler: `generate` calls `sample`.
+    `clip`: clip each D(x; σ) to [-1, 1], the range of images (not of latents)."""
 
-    def __init__(self, sigma_data=models.SIGMA_DATA, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO, churn=0.0):
+    def __init__(self, sigma_data=models.SIGMA_DATA, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO, churn=0.0,
+                 clip=True):  # fmt: skip
         self.sigma_data, self.sigma_min, self.sigma_max, self.rho = sigma_data, sigma_min, sigma_max, rho
-        self.churn = churn
+        self.churn, self.clip = churn, clip
         self.name = f"edm_heun_churn{churn:g}" if churn > 0 else "edm_heun"
 
     def sample(self, net, noise, num_steps, autocast=contextlib.nullcontext, generators=None):
         return edm_heun_sample(
             net, noise, num_steps, self.sigma_min, self.sigma_max, self.rho, self.sigma_data, autocast=autocast,
-            churn=self.churn, generators=generators,
+            churn=self.churn, generators=generators, clip_denoised=self.clip,
         )  # fmt: skip
 
 
-def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_DATA, churn=EDM_CHURN):
+def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_DATA, churn=EDM_CHURN, clip=True):
     """What samples a run trained with `objective`: EDM's Heun sampler for "edm" (stochastic with
-    `churn` > 0), else make_scheduler(name, ...)."""
+    `churn` > 0), else make_scheduler(name, ...). `clip` False: a latent run's, whose samples
+    are latents, not images in [-1, 1]."""
     if objective == "edm":
-        return EDMHeunSampler(sigma_data, churn=churn)
+        return EDMHeunSampler(sigma_data, churn=churn, clip=clip)
     if objective != "ddpm":
         raise ConfigError(f"unknown objective '{objective}': choose ddpm or edm")
-    return make_scheduler(name, training_config)
+    return make_scheduler(name, training_config, clip)
 
 
 # --- guidance -----------------------------------------------------------------------------
@@ -303,9 +310,10 @@ def labels_as_in_data(class_counts, count, seed):
 
 def check_guide(main, guide):
     """A one-line ConfigError unless the run configs `main` and `guide` can be combined:
-    the same objective, image size and classes (and for DDPM the same noise schedule
-    and prediction, since their outputs are combined as they are)."""
-    keys = ["objective", "image_size", "class_names"]
+    the same objective, image size, classes and latent space (VAE and normalisation; none for
+    pixel runs), and for DDPM the same noise schedule and prediction, since their outputs are
+    combined as they are."""
+    keys = ["objective", "image_size", "class_names", "vae", "latent_normalization"]
     if main.get("objective", "ddpm") == "ddpm":
         keys += ["prediction_type", "beta_schedule", "num_train_timesteps", "zero_terminal_snr"]
     for key in keys:
@@ -346,13 +354,14 @@ def to_uint8(images):
 
 @torch.no_grad()
 def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nullcontext, labels=None,
-             guidance_scale=1.0, guide=None):  # fmt: skip
+             guidance_scale=1.0, guide=None, decode=None):  # fmt: skip
     """uint8 images (len(seeds), C, S, S); image i starts from noise drawn with seed seeds[i].
 
     `scheduler` is one of make_scheduler's, or an EDMHeunSampler for a network
     trained with the EDM objective (`make_sampler` picks by the run's objective).
     `labels`: image i's class (a conditional network); `guidance_scale` and
-    `guide`: classifier-free guidance or autoguidance (Guided).
+    `guide`: classifier-free guidance or autoguidance (Guided). `decode`: a latent
+    run's latents -> images in [-1, 1] (RunDir.decoder: through its VAE).
     """
     device = network_device(unet)
     objective = "edm" if isinstance(scheduler, EDMHeunSampler) else "ddpm"
@@ -361,25 +370,26 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     x = image_noise(generators, image_shape(unet), device)
     if isinstance(scheduler, EDMHeunSampler):
-        return to_uint8(scheduler.sample(unet, x, num_inference_steps, autocast, generators))
-    scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history
-    x = x * scheduler.init_noise_sigma
-    for t in scheduler.timesteps:
-        with autocast():
-            model_output = unet(scheduler.scale_model_input(x, t), t, return_dict=False)[0]
-        # the DDPM sampler's fresh noise comes from the same per-image generators
-        x = scheduler.step(model_output.float(), t, x, generator=generators).prev_sample
-    return to_uint8(x)
+        x = scheduler.sample(unet, x, num_inference_steps, autocast, generators)
+    else:
+        scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history
+        x = x * scheduler.init_noise_sigma
+        for t in scheduler.timesteps:
+            with autocast():
+                model_output = unet(scheduler.scale_model_input(x, t), t, return_dict=False)[0]
+            # the DDPM sampler's fresh noise comes from the same per-image generators
+            x = scheduler.step(model_output.float(), t, x, generator=generators).prev_sample
+    return to_uint8(x if decode is None else decode(x))
 
 
 def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inference_steps, autocast=contextlib.nullcontext,
-                     labels=None, guidance_scale=1.0, guide=None):  # fmt: skip
+                     labels=None, guidance_scale=1.0, guide=None, decode=None):  # fmt: skip
     """Yield uint8 batches of `num_images` images in all; image i depends only on (seed, i) (and its label)."""
     seeds = image_seeds(seed, num_images)
     for start in range(0, num_images, batch_size):
         part = None if labels is None else labels[start : start + batch_size]
         yield generate(unet, scheduler, seeds[start : start + batch_size], num_inference_steps, autocast, part,
-                       guidance_scale, guide)  # fmt: skip
+                       guidance_scale, guide, decode)  # fmt: skip
 
 
 def save_grid(images, path):
@@ -510,10 +520,16 @@ def run(args):
     ema = source.kept_ema if args.ema is None else args.ema  # which weights sample, as recorded below
     unet, training_config = source.load(ema=ema)
     unet.to(args.device)
+    decode = source.decoder(args.device)  # a latent run's VAE, as its train_config.json records it; else None
+    if decode is None and image_shape(unet)[0] != 3:
+        raise ConfigError(
+            f"{run_dir} holds a network of {image_shape(unet)[0]}-channel latents, in no run folder whose "
+            "train_config.json names their VAE: sample it from its run's --output_dir (or a folder inside it)"
+        )
     if source.objective == "edm":
         steps = args.num_inference_steps or EDM_STEPS
         sigma_data = source.get("sigma_data", models.SIGMA_DATA)
-        scheduler = make_sampler("edm", None, sigma_data=sigma_data, churn=args.churn)
+        scheduler = make_sampler("edm", None, sigma_data=sigma_data, churn=args.churn, clip=decode is None)
         sampler_name = scheduler.name
     else:
         steps = args.num_inference_steps or DEFAULT_STEPS
@@ -522,13 +538,14 @@ def run(args):
                 f"--num_inference_steps ({steps}) cannot exceed the model's "
                 f"{training_config['num_train_timesteps']} training timesteps"
             )
-        scheduler, sampler_name = make_scheduler(args.sampler, training_config), args.sampler
+        scheduler, sampler_name = make_scheduler(args.sampler, training_config, clip=decode is None), args.sampler
     labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
     guide = load_guide(args.guide, config, args.device) if args.guide else None
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
     evaluation = None
     if args.fid:
-        evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_shape(unet)[-1])
+        image_size = source.get("image_size") if decode is not None else image_shape(unet)[-1]
+        evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_size)
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
@@ -541,7 +558,7 @@ def run(args):
     for w in args.guidance_scales:
         grid, done = [], 0
         batches = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
-                                   labels=labels, guidance_scale=w, guide=guide)  # fmt: skip
+                                   labels=labels, guidance_scale=w, guide=guide, decode=decode)  # fmt: skip
         for images in batches:
             if evaluation is not None:
                 evaluation.add(images, None if labels is None else labels[done : done + len(images)])

@@ -30,13 +30,14 @@ import checkpoint
 import data
 import ema as posthoc_ema
 import flops
+import latents
 import metrics
 import model as models
 import profiling
 import rundir
 import sample
 import step as steps
-from config import parse_args, resolve
+from config import network_size, parse_args, resolve
 from errors import ConfigError, RunError
 
 def main(args):
@@ -94,7 +95,9 @@ def train(args):
 def describe_run(args, device, world, num_images):
     """The resolved flags and what follows from them: train_config.json, and what --dry_run
     prints. `num_images` None: not known before the data loads."""
-    cost = flops.step_flops(args.model, args.image_size, args.train_batch_size, args.gradient_checkpointing)
+    # The denoiser's step: a latent run's at its latents' size and channels (the VAE encodes once, before it)
+    cost = flops.step_flops(args.model, network_size(args), args.train_batch_size, args.gradient_checkpointing,
+                            args.latent_channels or 3)  # fmt: skip
     images_per_step = args.train_batch_size * world * args.gradient_accumulation_steps
     steps_per_epoch = num_images // images_per_step if num_images else None
     total_steps = args.max_train_steps or (args.num_epochs * steps_per_epoch if steps_per_epoch else None)
@@ -126,6 +129,8 @@ def describe(args):
     if state.is_main_process:
         for key, value in config.items():
             print(f"{key:28s} {value}")
+        if args.vae:
+            print(latent_words(args))
         flop = config["model_flops_per_step"]
         _, peak_words = flops.describe_peak(state.device, args.mixed_precision, args.allow_tf32)
         print(
@@ -134,6 +139,20 @@ def describe(args):
             f"step {compile_why}"
         )
     return config
+
+
+def latent_words(args):
+    """A latent run's line: what the network takes, how the latents are normalised, and on a dry run
+    offline what was assumed of the VAE."""
+    size, found = f"{args.latent_size}x{args.latent_size}x{args.latent_channels}", args.latents
+    norm = {"vae": "the VAE's scaling_factor", "dataset": "each channel's mean and std over the data",
+            None: "the VAE's scaling_factor where its config.json sets one, else the data's mean and std"}  # fmt: skip
+    line = (f"latents: the network takes {size} latents of --vae {found['source']} ({found['factor']}x smaller than "
+            f"the {args.image_size}px images), normalised by {norm[args.latent_normalization]}")  # fmt: skip
+    if found.get("assumed"):
+        line += (f"; its config.json cannot be had offline, so {size} assumes Stable Diffusion's 8x, 4-channel VAE "
+                 f"(training needs it: `hf download {found['source']} --local-dir DIR`, then --vae DIR)")  # fmt: skip
+    return line
 
 
 # With several processes, how often they agree on whether a signal asked them to stop.
@@ -178,9 +197,14 @@ class Run:
             # Loads the scoring network now (Inception, or the shape scorer on the built-in data): missing weights stop the run before any training.
             self.evaluator = metrics.TrainingEvaluator(args, args.output_dir, self.device, log=accelerator.print)
 
-        # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds.
+        # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds;
+        # a latent run's encoded to latents, or read from their cache.
         self.unreadable = data.Unreadable(strict=args.strict_data, verbose=self.is_main)
-        images, labels, class_names = data.load_images(args, self.unreadable)
+        self.decode, self.latents = None, None  # a latent run's: latents -> images, and its record
+        if args.vae:
+            images, labels, class_names = self._latent_data()
+        else:
+            images, labels, class_names = data.load_images(args, self.unreadable)
         self.images_per_step = args.train_batch_size * self.world * args.gradient_accumulation_steps
         if len(images) < self.images_per_step:
             raise ConfigError(
@@ -189,7 +213,9 @@ class Run:
                 "lower --train_batch_size or --gradient_accumulation_steps"
             )
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
-        self.config["data_path"] = "preloaded" if isinstance(images, torch.Tensor) else "streamed"
+        self.config["data_path"] = "preloaded" if isinstance(images, torch.Tensor) else "latents" if args.vae else "streamed"
+        if self.latents is not None:
+            self.config["latents"] = self.latents
         # The classes of a conditional run, kept with it: sample.py takes their names.
         self.num_classes = len(class_names) if class_names else 0
         self.config |= dict(num_classes=self.num_classes, class_names=class_names,
@@ -200,8 +226,9 @@ class Run:
             args.output_dir, self.config, args.resume is not False, resume_from, args.overwrite_output_dir
         )
         accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
-        if self.evaluator is not None:
-            self.evaluator.prepare_reference(images)
+        if self.evaluator is not None:  # a latent run's reference: its images, decoded (once: then cached)
+            self.evaluator.prepare_reference(lambda: metrics.reference_images(vars(args), args.image_size) if args.vae
+                                             else images)  # fmt: skip
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
         if isinstance(images, torch.Tensor) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: preload_max_gib
@@ -218,21 +245,55 @@ class Run:
         if self.step < self.total_steps:
             self._announce()
 
+    def _latent_data(self):
+        """A latent run's data: (latents.LatentDataset, labels, class names). The VAE, then the latents of
+        the dataset from their cache: the main process encodes them into it when they are not there (one
+        line says how fast; a cache hit decodes no image and says so), the others wait and read them. Each
+        epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as `self.latents`
+        records for train_config.json; `self.decode` turns latents into images for the grids and FID."""
+        args, accelerator = self.args, self.accelerator
+        source, _ = latents.parse_vae_flag(args.vae)
+        vae = latents.load_vae(source, args.latents["subfolder"])
+        if self.is_main:
+            vae.to(self.device)  # it encodes, and decodes the grids and FID samples
+        identity, images, count, class_names = data.images_to_encode(args, self.unreadable)
+        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=args.random_flip)
+        with accelerator.main_process_first():
+            cache = latents.cached_latents(vae, images, key, max_gib=args.preload_max_gib if args.preload_data else 0.0,
+                                           num_images=count, progress=self.is_main, log=accelerator.print)  # fmt: skip
+        # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
+        target_std = args.sigma_data if args.objective == "edm" else 1.0
+        record = latents.normalization(cache, vae, args.latent_normalization, target_std)
+        low, high = min(record["normalized_std"]), max(record["normalized_std"])
+        if record["kind"] == "vae" and not 0.5 * target_std <= low <= high <= 2 * target_std:
+            accelerator.print(
+                f"warning: the VAE's scaling_factor leaves the latents of this data with a std of {low:.3g} to {high:.3g} "
+                f"per channel, where the objective expects {target_std:g}: --vae {source},dataset normalises by their own"
+            )  # fmt: skip
+        where = Path(source).expanduser()
+        self.latents = dict(
+            args.latents, vae=str(where.resolve()) if where.exists() else source, encoder_sha256=key["vae"]["encoder_sha256"],
+            normalization=record, cache=str(cache.path), cache_key=key, memmapped=cache.memmapped,
+            encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
+        )  # fmt: skip
+        self.decode = lambda z: latents.decode(vae, z, record)
+        return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, class_names
+
     def _build_training(self):
         """Network, objective, optimizer, learning-rate schedule and EMA, registered for checkpoints."""
         args, accelerator, device = self.args, self.accelerator, self.device
-        unet = models.build_unet(args.model, args.image_size, num_classes=self.num_classes)
+        unet = models.build_run_network(self.config)  # a latent run's at its latents' size and channels
         self.config["params"] = sum(p.numel() for p in unet.parameters())  # with a conditional run's class embedding
         if args.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         self.noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
-                                                           args.zero_terminal_snr)  # fmt: skip
+                                                           args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
         if args.objective == "edm":
             self.objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting).to(device)
         else:
             self.objective = models.ddpm_objective(self.noise_scheduler, args).to(device)
         self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, self.noise_scheduler.config, args.sigma_data,
-                                                     args.churn)
+                                                     args.churn, clip=not args.vae)  # latents are not clipped to [-1, 1]
         # Fused AdamW (config.SETTINGS; bench.py times it off): one kernel for all parameters, and it can
         # skip a step on the device (see NonFiniteGuard), so a NaN costs no host sync per step.
         # channels_last (bench.py's) converts the UNet in place first.
@@ -276,8 +337,9 @@ class Run:
             scalars = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
             self.accelerator.init_trackers("train", config=scalars)
         _, peak_words = flops.describe_peak(self.device, args.mixed_precision, args.allow_tf32)
+        latent = f" as {args.latent_size}x{args.latent_size}x{args.latent_channels} latents" if args.vae else ""
         self.accelerator.print(
-            f"training {args.model} ({config['params']:,} parameters) on {self.num_images} images at {args.image_size}px: "
+            f"training {args.model} ({config['params']:,} parameters) on {self.num_images} images at {args.image_size}px{latent}: "
             f"{self.total_steps} steps of {self.images_per_step} images, mixed precision {args.mixed_precision}, "
             f"{self.world} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
             f"step; {peak_words}; step {self.compile_why}"
@@ -379,7 +441,7 @@ class Run:
         seeds = sample.image_seeds(args.seed, args.eval_batch_size)
         labels = sample.grid_labels(self.num_classes, args.eval_batch_size)
         images = sample.generate(self.averaged_network(), self.sampling_scheduler, seeds, args.num_inference_steps,
-                                 self.accelerator.autocast, labels, args.guidance_scale[0], self.guide)  # fmt: skip
+                                 self.accelerator.autocast, labels, args.guidance_scale[0], self.guide, self.decode)  # fmt: skip
         try:
             sample.save_grid(images, path)
         except OSError as e:
@@ -395,7 +457,7 @@ class Run:
         def batches_for(w):
             return sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples, args.fid_batch_size,
                                            args.seed, args.num_inference_steps, self.accelerator.autocast, labels, w,
-                                           self.guide)  # fmt: skip
+                                           self.guide, self.decode)  # fmt: skip
 
         sampler = getattr(self.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731

@@ -26,6 +26,7 @@ CHANGED = dict(
     seed=1, objective="edm", prediction_type="sample", beta_schedule="squaredcos_cap_v2",
     zero_terminal_snr=True, learning_rate=1e-3, adam_betas=[0.9, 0.99], weight_decay=0.0, ema="power",
     ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_power=2 / 3, mixed_precision="fp16",
+    vae="vae-folder/", latent_normalization="dataset",  # a latent run's latent space (issue 34)
 )  # fmt: skip
 
 # RUN_IDENTITY before issue 32: what the "run" of an older checkpoint holds.

@@ -1,0 +1,329 @@
+"""Latent runs end to end (issue 34): train.py --vae on a tiny random AutoencoderKL saved to a temporary
+folder (latents.py itself: tests/test_latents.py). 16 built-in images at 16px, a VAE of factor 2:
+the tiny network trains on 8x8x4 latents for a few steps, and samples in 1 step."""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+import config as config_module
+import flops
+import latents
+import model as models
+import sample
+import train
+from conftest import ROOT
+from errors import ConfigError
+from test_latents import make_kl
+from test_train import TINY, run, tensors_of, visible
+
+# On top of test_train's TINY: 16 images, 4 steps an epoch, 1 sampling step, 4 images a grid (2 by 2).
+FEW = ["--shapes_num_images", 16, "--train_batch_size", 4, "--num_inference_steps", 1, "--logger", "none"]
+GRID_SIDE = 2 * 16 + 3 * 2  # 2 by 2 decoded 16px images, 2px apart (torchvision's make_grid)
+
+
+@pytest.fixture(autouse=True)
+def _cache_and_threads(tmp_path, monkeypatch):
+    """Every test's latent caches in a folder of its own, never ~/.cache; convolutions this small run
+    faster on one thread than on two a busy 2-core machine shares."""
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def vae(tmp_path_factory):
+    """A tiny random AutoencoderKL (factor 2, 4 latent channels, scaling_factor 0.18215 in its config)."""
+    return make_kl(tmp_path_factory.mktemp("vae") / "kl")
+
+
+def train_latents(out, vae_flag, *flags):
+    return run(out, *FEW, "--vae", vae_flag, *map(str, flags))
+
+
+def cache_folders(tmp_path):
+    return sorted(p.name for p in (tmp_path / "latent-cache").iterdir() if not p.name.startswith("."))
+
+
+def pixels(path):
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def test_a_latent_run_writes_grids_and_a_model_that_sample_py_samples(tmp_path, vae, capsys):
+    out = tmp_path / "run"
+    config = train_latents(out, vae, "--max_train_steps", 4, "--save_images_epochs", 1)
+    stdout = capsys.readouterr().out
+    assert re.search(r"^encoded 16 images to latents in [\d.]+ s \([\d.]+ images/s, both flips, on cpu\); cached in ",
+                     stdout, re.M), stdout  # fmt: skip
+    assert "on 16 images at 16px as 8x8x4 latents" in stdout
+
+    # the network takes the VAE's latents: 4 channels at 16px over the factor 2
+    saved = json.loads((out / "train_config.json").read_text())
+    assert (saved["latent_size"], saved["latent_channels"], saved["latent_normalization"]) == (8, 4, "vae")
+    record = saved["latents"]
+    assert record["vae"] == str(vae.resolve()) and record["factor"] == 2 and record["normalization"]["kind"] == "vae"
+    assert record["normalization"]["scale"] == [0.18215] * 4 and record["cache"].startswith(str(tmp_path / "latent-cache"))
+    unet = models.load_network(out / "unet")
+    assert (unet.config.in_channels, unet.config.out_channels, unet.config.sample_size) == (4, 4, 8)
+    from diffusers import DDPMScheduler
+
+    assert not DDPMScheduler.from_pretrained(out / "scheduler").config.clip_sample  # latents are not images in [-1, 1]
+
+    # the FLOPs line counts the denoiser's step at 8x8x4, a quarter of its pixel step at 16x16x3 (and a bit)
+    latent = flops.step_flops("tiny", 8, 4, channels=4)["model_flops"]
+    assert config["model_flops_per_step"] == latent < flops.step_flops("tiny", 16, 4)["model_flops"] / 3
+
+    # the grid holds decoded images: 16px, 2 by 2
+    assert [p.name for p in (out / "samples").iterdir()] == ["0000.png"]
+    assert pixels(out / "samples" / "0000.png").shape == (GRID_SIDE, GRID_SIDE, 3)
+
+    # sample.py RUN needs no flag for the VAE: the run recorded it; images are decoded to 16px RGB
+    result = sample.main(sample.parse_args([str(out), "--num_images", "3", "--output", str(tmp_path / "s")]))
+    assert result["num_images"] == 3
+    images = [pixels(tmp_path / "s" / f"00000{i}.png") for i in range(3)]
+    assert all(image.shape == (16, 16, 3) for image in images) and images[0].std() > 0
+    # ... and the same seed gives the same images
+    sample.main(sample.parse_args([str(out), "--num_images", "3", "--output", str(tmp_path / "again")]))
+    assert all(np.array_equal(a, pixels(tmp_path / "again" / f"00000{i}.png")) for i, a in enumerate(images))
+    # the pipeline alone, out of its run folder, does not say which VAE decodes it: one line says so
+    shutil.copytree(out, tmp_path / "alone", ignore=shutil.ignore_patterns("train_config.json", "checkpoints"))
+    with pytest.raises(SystemExit) as stopped:
+        sample.main(sample.parse_args([str(tmp_path / "alone"), "--num_images", "1", "--output", str(tmp_path / "x")]))
+    assert stopped.value.code == 2 and "a network of 4-channel latents, in no run folder" in capsys.readouterr().err
+
+    # train_config.json read back with --config is the same configuration (what train.py derived is recomputed)
+    argv = [*TINY, *map(str, FEW), "--vae", str(vae), "--max_train_steps", "4", "--save_images_epochs", "1",
+            "--output_dir", str(out)]  # fmt: skip
+    again = vars(config_module.resolve(config_module.parse_args(["--config", str(out / "train_config.json")])))
+    first = vars(config_module.resolve(config_module.parse_args(argv)))
+    assert again.pop("config") and first.pop("config") is None and again == first and again["latents"]["factor"] == 2
+
+
+def test_resume_is_bit_identical(tmp_path, vae, capsys):
+    # 6 steps straight (epochs of 4 steps: epoch 1 draws fresh latents), versus the checkpoint at step 3 resumed
+    flags = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--save_images_epochs", 100]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_latents(straight, vae, *flags)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "checkpoint-3", resumed / "checkpoints" / "checkpoint-3")
+    capsys.readouterr()
+    train_latents(resumed, vae, *flags)
+    assert "resumed from" in capsys.readouterr().out
+
+    for part in ("checkpoints/checkpoint-6", "unet"):
+        a, a_ema = tensors_of(straight / part)
+        b, b_ema = tensors_of(resumed / part)
+        assert a.keys() == b.keys() and a
+        assert all(torch.equal(a[key], b[key]) for key in a)
+        if a_ema is not None:
+            assert all(torch.equal(x, y) for x, y in zip(a_ema["shadow_params"], b_ema["shadow_params"]))
+
+
+def test_resume_refuses_another_vae_or_normalisation_in_one_line(tmp_path, vae, capsys):
+    out = tmp_path / "run"
+    train_latents(out, vae, "--max_train_steps", 1)
+    capsys.readouterr()
+    for other, says in ((f"{vae},dataset", "latent_normalization 'vae' -> 'dataset'"), (None, f"--vae '{vae}' -> None")):
+        flags = [*FEW, "--max_train_steps", 2] + (["--vae", other] if other else [])
+        with pytest.raises(SystemExit) as stopped:
+            run(out, *flags)
+        err = visible(capsys.readouterr().err)
+        assert stopped.value.code == 2 and len(err) == 1 and "cannot resume" in err[0] and says in err[0], err
+
+
+def test_the_cache_is_reused_and_rebuilt_for_another_vae_or_image_size(tmp_path, vae, capsys, monkeypatch):
+    encoded = []
+    encode_batch = latents._encode_batch
+    monkeypatch.setattr(latents, "_encode_batch", lambda v, x: encoded.append(len(x)) or encode_batch(v, x))
+
+    def lines(out, vae_flag, *flags):
+        train_latents(tmp_path / out, vae_flag, "--max_train_steps", 1, "--save_images_epochs", 100, *flags)
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("encoded ", "latents: "))]
+        return said, encoded.copy()
+
+    said, _ = lines("first", vae)
+    assert len(said) == 1 and said[0].startswith("encoded 16 images to latents") and sum(encoded) == 2 * 16  # both flips
+    # the same data and VAE, another output folder: nothing encoded, and one line says so
+    encoded.clear()
+    said, calls = lines("second", vae)
+    assert calls == [] and len(said) == 1 and said[0].startswith("latents: reusing the cache") and "encoding nothing" in said[0]
+    assert cache_folders(tmp_path) == [cache_name(said[0])]
+    # the same VAE's weights in another folder: the same latents, the same cache
+    shutil.copytree(vae, tmp_path / "copy")
+    said, calls = lines("copied", tmp_path / "copy")
+    assert calls == [] and "encoding nothing" in said[0]
+    # another VAE, another image size, no flips: each encodes afresh into a cache of its own
+    for out, vae_flag, flags in (("other_vae", make_kl(tmp_path / "other", seed=1), []), ("size", vae, ["--image_size", 32]),
+                                 ("no_flips", vae, ["--augment", "none"])):  # fmt: skip
+        encoded.clear()
+        said, calls = lines(out, vae_flag, *flags)
+        assert sum(calls) == (16 if out == "no_flips" else 32) and said[0].startswith("encoded 16 images"), out
+    assert len(cache_folders(tmp_path)) == 4
+    # a cache larger than the in-memory budget (here: no budget) is memory-mapped
+    encoded.clear()
+    said, calls = lines("streamed", vae, "--no-preload_data")
+    assert calls == [] and json.loads((tmp_path / "streamed" / "train_config.json").read_text())["latents"]["memmapped"]
+
+
+def cache_name(line):
+    """The cache folder's name in a 'reusing the cache FOLDER (...)' line."""
+    return line.split("reusing the cache ", 1)[1].split(" ", 1)[0].rsplit("/", 1)[1]
+
+
+def test_a_class_conditional_latent_run_samples_by_class_with_guidance_and_fid(tmp_path, vae, default_shape_scorer):
+    out = tmp_path / "run"
+    train_latents(out, vae, "--class_conditional", "--max_train_steps", 4, "--guidance_scale", "1,2",
+                  "--eval_every_epochs", 1, "--eval_num_samples", 6)  # fmt: skip
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["class_names"] == ["circle", "square", "triangle"] and saved["num_classes"] == 3
+    # the labels were cached with the latents: the kind of each image's one shape
+    cached = latents.LatentCache(saved["latents"]["cache"])
+    _, kinds, _ = train.data.builtin_images(16, 16, 0, class_conditional=True)
+    assert torch.equal(cached.labels, kinds) and saved["class_counts"] == torch.bincount(kinds, minlength=3).tolist()
+    # evaluated at each guidance scale on decoded images, against the training images (not their latents)
+    (result,) = json.loads((out / "eval_results.json").read_text())
+    assert [s["guidance_scale"] for s in result["scales"]] == [1.0, 2.0] and np.isfinite(result["fid"])
+    assert result["reference_images"] == 16
+
+    def by_class(labels, folder, scale="2"):
+        sample.main(sample.parse_args([str(out), "--num_images", "2", "--class_labels", labels, "--guidance_scale", scale,
+                                       "--output", str(tmp_path / folder)]))  # fmt: skip
+        return [pixels(tmp_path / folder / f"00000{i}.png") for i in range(2)]
+
+    circles, squares = by_class("circle", "circles"), by_class("square", "squares")
+    assert all(image.shape == (16, 16, 3) for image in circles + squares)
+    # the same noise (seeds) under another label gives other images: the labels reach the network
+    assert not np.array_equal(circles[0], squares[0]) and np.array_equal(circles[0], by_class("circle", "again")[0])
+
+
+def test_edm_with_an_edm2_preset_on_latents_normalised_by_the_data(tmp_path, vae):
+    out = tmp_path / "run"
+    train_latents(out, f"{vae},dataset", "--model", "edm2tiny", "--max_train_steps", 2)
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["objective"] == "edm" and saved["latent_normalization"] == "dataset"
+    norm = saved["latents"]["normalization"]
+    # EDM's data has std sigma_data = 0.5: each channel of the drawn latents is scaled to it
+    assert norm["kind"] == "dataset" and norm["target_std"] == 0.5 and norm["normalized_std"] == pytest.approx([0.5] * 4)
+    unet = models.load_network(out / "unet")
+    assert type(unet).__name__ == "EDM2UNet" and (unet.config.in_channels, unet.config.sample_size) == (4, 8)
+    result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--num_inference_steps", "2",
+                                            "--output", str(tmp_path / "s")]))  # fmt: skip
+    assert result["sampler"].startswith("edm_heun") and pixels(tmp_path / "s" / "000001.png").shape == (16, 16, 3)
+
+
+def test_the_step_trains_on_each_epochs_draws_as_drawn(tmp_path, vae):
+    """data.Batches of a LatentDataset: the epoch's batches (data.epoch_batches' order) hold that epoch's draws,
+    with their labels, and the step takes them as they are (flips were drawn with them)."""
+    images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    labels = torch.arange(8) % 3
+    loaded = latents.load_vae(vae)
+    key = latents.cache_key(dict(name="unit"), loaded, 16)
+    cache = latents.cached_latents(loaded, lambda: [(images, labels)], key, progress=False, log=lambda line: None)
+    record = latents.normalization(cache, loaded, "dataset")
+    dataset = latents.LatentDataset(cache, record, seed=3)
+    batches = train.data.Batches(dataset, 4, 3, torch.device("cpu"), labels=cache.labels)
+    for epoch in (0, 1):
+        order = train.data.epoch_batches(8, 4, 3, epoch)
+        got = list(batches.epoch(epoch, start=1))  # a resumed epoch starts mid-way
+        assert len(got) == 1
+        (z, y), index = got[0], order[1]
+        assert torch.equal(z, latents.normalize(cache.draw(index, epoch, 3), record)) and torch.equal(y, labels[index])
+        assert train.data.to_model_input(z) is z
+    assert not torch.equal(list(batches.epoch(0))[0][0], list(batches.epoch(1))[0][0])
+
+
+def test_the_vae_flag_and_what_its_config_says_before_any_weights_load(tmp_path, vae):
+    from test_latents import make_tiny
+
+    assert latents.parse_vae_flag("org/vae") == ("org/vae", None)
+    assert latents.parse_vae_flag("some/folder,dataset") == ("some/folder", "dataset")
+    assert latents.parse_vae_flag("a,b/vae,vae") == ("a,b/vae", "vae") and latents.parse_vae_flag("a,b") == ("a,b", None)
+    found = latents.vae_settings(vae)
+    assert (found["cls"], found["factor"], found["channels"], found["scaling_factor"]) == ("AutoencoderKL", 2, 4, True)
+    tiny = latents.vae_settings(make_tiny(tmp_path / "tiny"))
+    assert (tiny["cls"], tiny["factor"]) == ("AutoencoderTiny", latents.vae_factor(latents.load_vae(tmp_path / "tiny")))
+    assert latents.normalization_kind(found) == "vae" and latents.normalization_kind(found, "dataset") == "dataset"
+    # a config.json without a scaling_factor: the dataset's by default, and ",vae" is one line
+    config = json.loads((vae / "config.json").read_text())
+    del config["scaling_factor"]
+    shutil.copytree(vae, tmp_path / "unscaled")
+    (tmp_path / "unscaled" / "config.json").write_text(json.dumps(config))
+    unscaled = latents.vae_settings(tmp_path / "unscaled")
+    assert latents.normalization_kind(unscaled) == "dataset"
+    with pytest.raises(ConfigError, match="sets no scaling_factor to normalise by: use --vae .*,dataset"):
+        latents.normalization_kind(unscaled, "vae")
+
+
+def test_the_encoder_takes_a_bounded_number_of_pixels_at_once(tmp_path, vae, monkeypatch):
+    """A batch of 64 images and their flips at 256px through SD's VAE at once held 21 GiB: the encoder gets
+    ENCODE_PIXELS at a time, and the latents are the same."""
+    images = torch.rand(6, 3, 16, 16) * 2 - 1
+    loaded = latents.load_vae(vae)
+    whole = latents.cached_latents(loaded, lambda: [images], latents.cache_key({}, loaded, 16), root=tmp_path / "a",
+                                   progress=False, log=lambda line: None)  # fmt: skip
+    sizes = []
+    encode_batch = latents._encode_batch
+    monkeypatch.setattr(latents, "_encode_batch", lambda v, x: sizes.append(len(x)) or encode_batch(v, x))
+    monkeypatch.setattr(latents, "ENCODE_PIXELS", 5 * 16 * 16)
+    parts = latents.cached_latents(loaded, lambda: [images], latents.cache_key({}, loaded, 16), root=tmp_path / "b",
+                                   progress=False, log=lambda line: None)  # fmt: skip
+    assert sizes == [5, 5, 2]  # 6 images and their 6 flips
+    assert np.allclose(np.asarray(whole.array), np.asarray(parts.array), atol=1e-6)
+
+
+def test_every_preset_builds_for_latents():
+    """At 256px, SD's VAE gives 32x32x4 latents: every preset takes them and gives them back."""
+    for name in models.PRESETS:
+        models.check_image_size(name, 256, 8)
+        net = models.build_unet(name, 32, device="meta", channels=4)
+        with torch.no_grad():
+            out = net(torch.empty(2, 4, 32, 32, device="meta"), torch.zeros(2, device="meta"), return_dict=False)[0]
+        assert out.shape == (2, 4, 32, 32), name
+
+
+BAD_INPUTS = {
+    "no folder": (["--vae", "{tmp}/no/such/vae"], "no such folder"),
+    "empty folder": (["--vae", "{tmp}/empty"], "holds no VAE"),
+    "a unet": (["--vae", "{tmp}/unet"], "holds no VAE ({tmp}/unet/config.json is a UNet2DModel"),
+    "size": (["--vae", "{vae}", "--image_size", "17"], "--image_size 17 is not a multiple of the VAE's factor 2"),
+    "hub offline": (["--vae", "some-org/some-vae"], "hf download some-org/some-vae --local-dir DIR"),  # HF_HUB_OFFLINE=1
+    "random crops": (["--vae", "{vae}", "--augment", "flip,crop"], "--augment crop draws a new random crop"),
+}
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS.values(), ids=BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, vae, capsys, flags, message):
+    (tmp_path / "empty").mkdir()
+    models.build_unet("tiny", 16).save_pretrained(tmp_path / "unet")
+    flags = [f.format(tmp=tmp_path, vae=vae) for f in flags]
+    with pytest.raises(SystemExit) as stopped:
+        run(tmp_path / "out", *FEW, *flags)
+    assert stopped.value.code == 2
+    err = visible(capsys.readouterr().err)
+    assert len(err) == 1 and message.format(tmp=tmp_path) in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "latent-cache").exists()
+
+
+LATENT_CONFIGS = sorted((ROOT / "configs").glob("*latent*.yaml"))
+
+
+@pytest.mark.parametrize("path", LATENT_CONFIGS, ids=[p.name for p in LATENT_CONFIGS])
+def test_the_latent_configs_describe_a_256px_run_on_32x32x4_latents(tmp_path, path, capsys):
+    """Offline (HF_HUB_OFFLINE=1) the dry run cannot read the VAE's config.json: it says it assumes SD's 8x, 4-channel
+    VAE, and counts the denoiser's FLOPs there."""
+    assert {yaml.safe_load(p.read_text())["model"] for p in LATENT_CONFIGS} == {"edm2g", "ddpm32"}  # G and a UNet2DModel
+    config = train.main(train.parse_args(["--config", str(path), "--dry_run", "--output_dir", str(tmp_path / "x")]))
+    assert (config["image_size"], config["latent_size"], config["latent_channels"]) == (256, 32, 4)
+    assert "assumes Stable Diffusion's 8x, 4-channel VAE" in capsys.readouterr().out
+    per_image = flops.step_flops(config["model"], 32, 1, channels=4)["model_flops"]
+    assert config["model_flops_per_step"] == per_image * config["train_batch_size"]
+    assert yaml.safe_load(path.read_text())["vae"] == config["vae"]
