@@ -121,8 +121,8 @@ LATENTS_FILE, LABELS_FILE, META_FILE = "latents.npy", "labels.npy", "meta.json"
 NPY_HEADER_BYTES = 256  # the .npy header, written before the data and filled in once the count is known
 # Config fields that leave the raw latents as they are (the cache holds raw latents): not in the key.
 NORMALISATION_FIELDS = ("scaling_factor", "shift_factor", "latents_mean", "latents_std", "force_upcast")
-# Images through the encoder at once, by their pixels (32 at 256px, 8 at 512px): SD's VAE holds about 5 GiB
-# of activations for 32 images at 256px in fp32, where a whole batch of 64 and its flips took 21 GiB.
+# Images through the encoder at once, by their pixels (32 at 256px, 8 at 512px): a bound on its activations,
+# which grow with the pixels, whatever the batches `images` come in (measured: docs/latents.md).
 ENCODE_PIXELS = 32 * 256 * 256
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _IN_PROGRESS = set()  # this process's temporary folders being written
