@@ -28,7 +28,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -41,7 +40,7 @@ import latents
 import model as models
 import sample
 import step as steps
-from errors import ConfigError
+from errors import ConfigError, OneLineParser
 
 LR_SCHEDULES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
@@ -264,18 +263,7 @@ def translate(values, only=None):
     return kept
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line, exit code 2, no usage block: the message says what to change.
-    `source` names where the flags came from (a --config file) when it is not the command line."""
-
-    def __init__(self, *args, source="", **kwargs):
-        super().__init__(*args, **kwargs)
-        self.source = source
-        # a value, not a flag: -0.5, and numbers after a comma (--P_mean_std -1.2,1.2)
-        self._negative_number_matcher = re.compile(r"^-\d*\.?\d+(e-?\d+)?(,-?\d*\.?\d+(e-?\d+)?)*$")
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {self.source}{message} (see --help)\n")
+Parser = OneLineParser  # one line and exit code 2 for a bad flag; `source` names a --config file
 
 
 class Range:

@@ -171,13 +171,14 @@ class PowerEMA:
             tmp.replace(path)
 
 
-def make_ema(args, network, write):
+def make_ema(args, network, write, foreach=True):
     """The EMA of the weights that the samples and the saved pipeline use, or None (--ema none).
 
     --ema power keeps one power-function EMA per --ema_stds and writes snapshots
     to ema_snapshots/ every --ema_snapshot_every steps (when `write`, the main
     process), for `ema.py reconstruct`; --ema standard is diffusers' EMAModel
-    with warm-up, updated by foreach ops.
+    with warm-up, updated by foreach ops (`foreach` False: one parameter at a time, the
+    speed ladder's baseline).
     """
     from diffusers.training_utils import EMAModel
 
@@ -198,7 +199,7 @@ def make_ema(args, network, write):
         use_ema_warmup=True,
         inv_gamma=args.ema_inv_gamma,
         power=args.ema_power,
-        foreach=True,
+        foreach=foreach,
     )
 
 
@@ -298,7 +299,7 @@ def reconstruct_command(args):
             raise ConfigError(f"{run_dir}: the EMA snapshots do not match the saved network")
         save_network(unet, output)
     else:
-        unet = models.build_unet(config["model"], config["image_size"], num_classes=config.get("num_classes") or 0)
+        unet = models.build_run_network(config)  # a latent run's at its latents' size and channels
         unet.load_state_dict(state)
         scheduler = models.run_noise_scheduler(config)
         save_network(unet, output, scheduler)

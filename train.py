@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import resume
 import data
 import ema as posthoc_ema
 import flops
@@ -37,8 +38,9 @@ import profiling
 import rundir
 import sample
 import step as steps
+import training
 from config import network_size, parse_args, resolve
-from errors import ConfigError, RunError
+from errors import ConfigError, RunError, one_line_errors
 
 def main(args):
     """Train, or with --dry_run describe the run. Errors are one line: exit code 2 for a bad
@@ -46,14 +48,9 @@ def main(args):
     --on_fault stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved.
     Every exit, these and the normal end, leaves no process group behind."""
     try:
-        args = resolve(args)
-        return describe(args) if args.dry_run else train(args)
-    except ConfigError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except RunError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+        with one_line_errors("train.py"):
+            args = resolve(args)
+            return describe(args) if args.dry_run else train(args)
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
         print("train.py: interrupted twice: stopped without saving", file=sys.stderr)
         raise SystemExit(130) from None
@@ -222,7 +219,7 @@ class Run:
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
         resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
-        start_from = checkpoint.choose_start(
+        start_from = resume.choose_start(
             args.output_dir, self.config, args.resume is not False, resume_from, args.overwrite_output_dir
         )
         accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
@@ -280,44 +277,22 @@ class Run:
         return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, class_names
 
     def _build_training(self):
-        """Network, objective, optimizer, learning-rate schedule and EMA, registered for checkpoints."""
-        args, accelerator, device = self.args, self.accelerator, self.device
-        unet = models.build_run_network(self.config)  # a latent run's at its latents' size and channels
-        self.config["params"] = sum(p.numel() for p in unet.parameters())  # with a conditional run's class embedding
-        if args.gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
-        self.noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
-                                                           args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
-        if args.objective == "edm":
-            self.objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting).to(device)
-        else:
-            self.objective = models.ddpm_objective(self.noise_scheduler, args).to(device)
-        self.sampling_scheduler = sample.make_sampler(args.objective, args.sampler, self.noise_scheduler.config, args.sigma_data,
-                                                     args.churn, clip=not args.vae)  # latents are not clipped to [-1, 1]
-        # Fused AdamW (config.SETTINGS; bench.py times it off): one kernel for all parameters, and it can
-        # skip a step on the device (see NonFiniteGuard), so a NaN costs no host sync per step.
-        # channels_last (bench.py's) converts the UNet in place first.
-        optimizer = models.prepare_for_training(
-            unet, args.channels_last, args.fused_adam, also=self.objective.parameters(),  # EDM's u(sigma) trains too
-            lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
-            eps=args.adam_epsilon,
-        )  # fmt: skip
-        if args.fused_norm:  # class swaps in place: the parameters and the state dict stay as they are
-            import fused_norm
-
-            fused_norm.keep_channels_last(fused_norm.use_fused_norm(unet))
-        self.lr_scheduler = models.make_lr_scheduler(
-            args.lr_scheduler, optimizer, args.lr_warmup_steps, self.total_steps, self.config["lr_ref_steps"]
-        )
-        self.model, self.optimizer = accelerator.prepare(unet, optimizer)
+        """Network, objective, optimizer, learning-rate schedule and EMA, as the speed ladder's rows
+        build them (training.build), prepared by accelerate and registered for checkpoints."""
+        args, accelerator = self.args, self.accelerator
+        pieces = training.build(args, self.total_steps, self.device, num_classes=self.num_classes,
+                                lr_ref_steps=self.config["lr_ref_steps"], write_ema=self.is_main,
+                                prepare=accelerator.prepare, unwrap=accelerator.unwrap_model)  # fmt: skip
+        self.config["params"] = sum(p.numel() for p in pieces.network.parameters())  # with a class embedding
+        self.model, self.optimizer, self.objective = pieces.model, pieces.optimizer, pieces.objective
+        self.noise_scheduler, self.sampling_scheduler = pieces.noise_scheduler, pieces.sampling_scheduler
+        self.lr_scheduler, self.ema = pieces.lr_scheduler, pieces.ema
         accelerator.register_for_checkpointing(self.lr_scheduler)
         if any(True for _ in self.objective.parameters()):
             accelerator.register_for_checkpointing(self.objective)
-        self.ema = posthoc_ema.make_ema(args, accelerator.unwrap_model(self.model), write=self.is_main)
         if self.ema is not None:
-            self.ema.to(device)
             accelerator.register_for_checkpointing(self.ema)
-        self.guard = steps.NonFiniteGuard(self.optimizer, args.on_nonfinite, device)
+        self.guard = steps.NonFiniteGuard(self.optimizer, args.on_nonfinite, self.device)
         self.model.train()
 
     def _resume(self, start_from):
@@ -477,7 +452,7 @@ class Run:
     def save_checkpoint(self, meter):
         if not checkpoint.weights_finite(self.model):  # never replace a good checkpoint with a broken state
             raise RunError(f"the weights are not finite at step {self.step}: not saving a checkpoint; resume from the last one")
-        state = dict(skipped_nonfinite=self.skipped(), run=checkpoint.run_identity(self.config))
+        state = dict(skipped_nonfinite=self.skipped(), run=resume.run_identity(self.config))
         with meter.paused("checkpointing"):
             path = checkpoint.save(self.accelerator, self.output_dir, self.step, state, self.args.checkpoints_total_limit)
         self.last_saved = (self.step, path)

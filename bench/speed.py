@@ -54,6 +54,7 @@ import flops
 import model as models
 import profiling
 import step as steps
+import training
 from bench import quality, sweep
 from errors import ConfigError, one_line_errors
 
@@ -86,6 +87,9 @@ def train_defaults(workload):
 # fp32 eager step, by the precision convolutions and matmuls run in. TF32 and
 # bf16 keep 10 and 7 mantissa bits (relative rounding 5e-4 and 4e-3 per
 # operation), which compound through the network; fp32 only reorders sums.
+# The learning-rate schedule's length for a row: long, so that the timed steps sit in its warm-up as a run's first do.
+TIMED_RUN_STEPS = 10**6
+
 TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2}
 
 # The plain step the check compares against: fp32 everywhere, eager.
@@ -317,41 +321,28 @@ class TrainingStep:
     """
 
     def __init__(self, settings, workload, init_state, images, device):
-        from diffusers.optimization import get_scheduler
-        from diffusers.training_utils import EMAModel
-
         t = self.train_args = train_defaults(workload)
         set_backend_flags(settings)
         self.device, self.images = device, images
-        self.unet = models.build_unet(workload["model"], workload["image_size"], device=device)
-        self.unet.load_state_dict(init_state)
-        self.unet.train()
-        adamw = dict(lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, eps=t.adam_epsilon)
-        self.optimizer = models.prepare_for_training(self.unet, settings["channels_last"], settings["fused_adam"], **adamw)
+        t.channels_last, t.fused_adam, t.fused_norm = settings["channels_last"], settings["fused_adam"], settings["fused_norm"]
+        # train.py's pieces (training.build), from the same starting weights; the EMA's update foreach or not
+        pieces = training.build(t, TIMED_RUN_STEPS, device, init_state=init_state, write_ema=False,
+                                ema_foreach=settings["ema_foreach"])  # fmt: skip
+        self.unet, self.objective, self.ema = pieces.network, pieces.objective, pieces.ema
+        self.optimizer, lr_scheduler = pieces.optimizer, pieces.lr_scheduler
         if not settings["fused_adam"] and settings["adam_foreach"] is None:  # diffusers' example: torch's default
-            self.optimizer = torch.optim.AdamW(self.unet.parameters(), **adamw)
-        if settings["fused_norm"]:  # as train.py does it with fused_norm set
-            import fused_norm
-
-            fused_norm.keep_channels_last(fused_norm.use_fused_norm(self.unet))
+            adamw = self.optimizer.defaults
+            self.optimizer = torch.optim.AdamW(self.unet.parameters(), lr=adamw["lr"], betas=adamw["betas"],
+                                               weight_decay=adamw["weight_decay"], eps=adamw["eps"])  # fmt: skip
+            lr_scheduler = models.make_lr_scheduler(t.lr_scheduler, self.optimizer, t.lr_warmup_steps, TIMED_RUN_STEPS)
+        self.unet.train()
         self.model = steps.compile_network(self.unet, settings["compile_mode"], force_layout=settings["force_layout"])
         # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
         self.guard = steps.NonFiniteGuard(self.optimizer, t.on_nonfinite, device) if settings["nonfinite_guard"] else None
-        self.ema = ema = EMAModel(
-            self.unet.parameters(),
-            decay=t.ema_max_decay,
-            use_ema_warmup=True,
-            inv_gamma=t.ema_inv_gamma,
-            power=t.ema_power,
-            foreach=settings["ema_foreach"],
-        )
-        scheduler = models.make_noise_scheduler(t.num_train_timesteps, t.beta_schedule, t.prediction_type, t.zero_terminal_snr)
-        self.objective = models.ddpm_objective(scheduler, t).to(device)
-        lr_scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=t.lr_warmup_steps, num_training_steps=10**6)
         # train.py's accelerator autocasts the model's forward; the loss is fp32 either way.
         self.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=settings["precision"] == "bf16")
         self.step = steps.build_step(
-            steps.TrainStep(self.model, self.unet, self.objective, self.optimizer, lr_scheduler, ema, self.guard,
+            steps.TrainStep(self.model, self.unet, self.objective, self.optimizer, lr_scheduler, self.ema, self.guard,
                             t.max_grad_norm, t.random_flip, autocast=lambda: torch.autocast(**self.autocast)),
             settings["compile_mode"],
             device,

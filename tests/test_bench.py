@@ -8,6 +8,7 @@ from PIL import Image
 
 import config
 import model as models
+import training
 from bench import speed as bench
 from errors import ConfigError
 from test_train import run as run_train
@@ -116,6 +117,23 @@ def test_train_default_row_follows_train_py(monkeypatch):
     cuda = torch.device("cuda")
     for name, mode in (("ref128", "default"), ("adm64", "reduce-overhead")):
         assert bench.resolve_settings(gpu["settings"], bench.WORKLOADS[name], bench.WORKLOADS[name]["batch_size"], cuda)["compile_mode"] == mode
+
+
+def test_a_row_and_a_training_run_take_their_pieces_from_one_builder(fixed_step, tmp_path, monkeypatch):
+    """training.build makes a ladder row's network, objective, optimizer and EMA as it makes a run's."""
+    init_state, images, _, _ = fixed_step
+    built, real = [], training.build
+    monkeypatch.setattr(training, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
+    run_train(tmp_path / "run", "--max_train_steps", 1)
+    bench.TrainingStep(bench.train_default_variant()["settings"], TINY, init_state, images, CPU)
+    assert len(built) == 2
+    run, row = built
+    for piece in ("network", "objective", "ema", "noise_scheduler"):
+        assert type(getattr(run, piece)) is type(getattr(row, piece)), piece
+    adamw = ("betas", "weight_decay", "eps", "fused")  # the run's optimizer is accelerate's wrapper of the same AdamW
+    assert [run.optimizer.param_groups[0][k] for k in adamw] == [row.optimizer.param_groups[0][k] for k in adamw]
+    assert [p.shape for p in run.network.parameters()] == [p.shape for p in row.network.parameters()]
+    assert run.objective.prediction_type == row.objective.prediction_type
 
 
 def test_the_rows_after_the_cuda_graphs_change_one_thing_each_and_the_yardstick_comes_first():

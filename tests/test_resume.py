@@ -1,6 +1,6 @@
-"""Resuming refuses every setting that changes what a checkpoint holds or means (checkpoint.RUN_IDENTITY).
+"""Resuming refuses every setting that changes what a checkpoint holds or means (rules.RUN_IDENTITY).
 
-Through `checkpoint.choose_start` on fake checkpoint folders (a trainer_state.json, and a
+Through `rules.choose_start` on fake checkpoint folders (a trainer_state.json, and a
 train_config.json where a row needs one): milliseconds. Two `train.main` runs at the end.
 """
 
@@ -9,14 +9,15 @@ import json
 import pytest
 
 import checkpoint
+import resume as rules
 import config
 from errors import ConfigError
 from test_config import OLD_RUNS, SAME_AS_OLD_RUN
 from test_train import TINY
 from test_train import run as train
 
-DERIVED = tuple(checkpoint.DERIVED_IDENTITY)
-SAFE = [flag for flags in checkpoint.CHANGES_ON_RESUME.values() for flag in flags]
+DERIVED = tuple(rules.DERIVED_IDENTITY)
+SAFE = [flag for flags in rules.CHANGES_ON_RESUME.values() for flag in flags]
 
 # One changed value per identity key (each differs from BASE's: checked below).
 CHANGED = dict(
@@ -59,7 +60,7 @@ def write_checkpoint(run_dir, run=None, train_config=None, step=2):
 
 
 def resume(run_dir, config, resume_from=None):
-    return checkpoint.choose_start(run_dir, config, True, resume_from, False)
+    return rules.choose_start(run_dir, config, True, resume_from, False)
 
 
 def refusal(run_dir, config, resume_from=None):
@@ -79,42 +80,42 @@ def named(key):
 
 def test_every_flag_is_identity_or_declared_safe_to_change():
     flags = {a.dest for a in config.build_parser()._actions if a.option_strings and a.dest not in ("help", "==SUPPRESS==")}
-    identity = set(checkpoint.RUN_IDENTITY) - set(DERIVED)
-    assert not flags - identity - set(SAFE), "classify these flags in checkpoint.RUN_IDENTITY or CHANGES_ON_RESUME"
+    identity = set(rules.RUN_IDENTITY) - set(DERIVED)
+    assert not flags - identity - set(SAFE), "classify these flags in rules.RUN_IDENTITY or CHANGES_ON_RESUME"
     assert not (identity | set(SAFE)) - flags, "not flags of train.py (any more)"
     assert not identity & set(SAFE) and len(SAFE) == len(set(SAFE))
-    assert set(DERIVED) <= set(config.DERIVED_KEYS) and set(DERIVED) <= set(checkpoint.RUN_IDENTITY)
-    assert len(checkpoint.RUN_IDENTITY) == len(set(checkpoint.RUN_IDENTITY))
+    assert set(DERIVED) <= set(config.DERIVED_KEYS) and set(DERIVED) <= set(rules.RUN_IDENTITY)
+    assert len(rules.RUN_IDENTITY) == len(set(rules.RUN_IDENTITY))
 
 
 def test_every_identity_key_has_a_row():
-    assert set(CHANGED) == set(checkpoint.RUN_IDENTITY)
+    assert set(CHANGED) == set(rules.RUN_IDENTITY)
 
 
 # --- one row per identity key ----------------------------------------------------------
 
 
 def test_the_same_settings_resume(tmp_path):
-    folder = write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    folder = write_checkpoint(tmp_path, rules.run_identity(BASE))
     assert resume(tmp_path, dict(BASE)) == folder
 
 
 @pytest.mark.parametrize("key", CHANGED)
 def test_a_changed_identity_key_is_refused_naming_it(tmp_path, key):
     assert CHANGED[key] != BASE[key]
-    write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    write_checkpoint(tmp_path, rules.run_identity(BASE))
     message = refusal(tmp_path, BASE | {key: CHANGED[key]})
     assert f"({named(key)} {BASE[key]!r} -> {CHANGED[key]!r})" in message  # that one difference, and only it
 
 
 @pytest.mark.parametrize("key", CHANGED)
 def test_the_change_is_refused_the_other_way_too(tmp_path, key):
-    write_checkpoint(tmp_path, checkpoint.run_identity(BASE | {key: CHANGED[key]}))
+    write_checkpoint(tmp_path, rules.run_identity(BASE | {key: CHANGED[key]}))
     assert f"{named(key)} {CHANGED[key]!r} -> {BASE[key]!r}" in refusal(tmp_path, BASE)
 
 
 def test_all_differences_are_listed_on_one_line(tmp_path):
-    write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    write_checkpoint(tmp_path, rules.run_identity(BASE))
     message = refusal(tmp_path, BASE | dict(ema="power", class_conditional=True, num_classes=4))
     assert "--class_conditional False -> True; num_classes 0 -> 4; " in message and "--ema 'standard' -> 'power'" in message
 
@@ -123,7 +124,7 @@ def test_all_differences_are_listed_on_one_line(tmp_path):
                                                  ("fp16", "no", True)])  # fmt: skip
 def test_mixed_precision_is_compared_as_fp16_or_not(tmp_path, saved, now, refused):
     """Only fp16 adds to the checkpoint (a GradScaler's state): a bf16 run may resume in fp32 on another machine."""
-    write_checkpoint(tmp_path, checkpoint.run_identity(BASE | dict(mixed_precision=saved)))
+    write_checkpoint(tmp_path, rules.run_identity(BASE | dict(mixed_precision=saved)))
     if refused:
         assert f"--mixed_precision {saved!r} -> {now!r}" in refusal(tmp_path, BASE | dict(mixed_precision=now))
     else:
@@ -132,14 +133,14 @@ def test_mixed_precision_is_compared_as_fp16_or_not(tmp_path, saved, now, refuse
 
 def test_augment_is_compared_by_its_crops_alone(tmp_path):
     """Random crops change what an epoch's images are; flips are drawn afresh each step, nothing saved."""
-    write_checkpoint(tmp_path, checkpoint.run_identity(BASE | dict(augment="flip")))
+    write_checkpoint(tmp_path, rules.run_identity(BASE | dict(augment="flip")))
     assert resume(tmp_path, BASE | dict(augment="none")) is not None
     assert "--augment 'flip' -> 'flip,crop'" in refusal(tmp_path, BASE | dict(augment="flip,crop"))
 
 
 @pytest.mark.parametrize("flag", SAFE)
 def test_a_flag_declared_safe_may_change(tmp_path, flag):
-    folder = write_checkpoint(tmp_path, checkpoint.run_identity(BASE))
+    folder = write_checkpoint(tmp_path, rules.run_identity(BASE))
     assert resume(tmp_path, BASE | {flag: "changed"}) == folder
 
 
@@ -215,7 +216,7 @@ OLD_KEYS = [
 
 @pytest.mark.parametrize("old, same", OLD_KEYS, ids=[",".join(old) for old, _ in OLD_KEYS])
 def test_an_old_records_removed_keys_compare_as_the_flags_that_say_the_same(tmp_path, old, same):
-    record = {k: v for k, v in checkpoint.run_identity(BASE).items() if k not in same} | old
+    record = {k: v for k, v in rules.run_identity(BASE).items() if k not in same} | old
     write_checkpoint(tmp_path, record)
     assert resume(tmp_path, BASE | same) is not None
     (key, value), = same.items()
@@ -225,15 +226,15 @@ def test_an_old_records_removed_keys_compare_as_the_flags_that_say_the_same(tmp_
 def test_an_old_records_settings_at_what_train_py_does_now_resume(tmp_path):
     kept = dict(fused_adam=True, sigma_data=0.5, num_train_timesteps=1000, loss_weighting="uncertainty",
                 adam_epsilon=1e-8, ema_inv_gamma=1.0)  # fmt: skip
-    assert set(kept) | {"use_ema", "center_crop", "label_column", "adam_beta1", "adam_beta2"} == set(checkpoint.REMOVED_IDENTITY)
-    write_checkpoint(tmp_path, checkpoint.run_identity(BASE) | kept)
+    assert set(kept) | {"use_ema", "center_crop", "label_column", "adam_beta1", "adam_beta2"} == set(rules.REMOVED_IDENTITY)
+    write_checkpoint(tmp_path, rules.run_identity(BASE) | kept)
     assert resume(tmp_path, BASE) is not None
 
 
 @pytest.mark.parametrize("key, value", [("fused_adam", False), ("sigma_data", 0.25), ("num_train_timesteps", 500),
                                         ("loss_weighting", "edm"), ("adam_epsilon", 1e-6), ("ema_inv_gamma", 2.0)])  # fmt: skip
 def test_an_old_record_that_no_flag_says_now_is_refused_in_one_line(tmp_path, key, value):
-    folder = write_checkpoint(tmp_path, checkpoint.run_identity(BASE) | {key: value})
+    folder = write_checkpoint(tmp_path, rules.run_identity(BASE) | {key: value})
     assert refusal(tmp_path, BASE).startswith(f"cannot resume {folder}: {key} {json.dumps(value)} has no equivalent now "
                                               f"(--{key} was removed: {config.REMOVED[key].instead}); ")  # fmt: skip
 

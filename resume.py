@@ -1,0 +1,200 @@
+"""Resuming: which checkpoint a run continues from, and what it may not change when it does.
+
+A checkpoint belongs to the run that wrote it: its network, its data and their order, what its
+network's output means, its optimizer's and EMA's saved state. `choose_start` finds the
+checkpoint the same command continues from, and refuses one written under other values of
+those settings (RUN_IDENTITY) with the list of differences, in one line. Every flag of
+train.py is either identity or declared free to change on resume, with the reason
+(CHANGES_ON_RESUME; tests/test_resume.py fails on a flag in neither).
+"""
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import checkpoint
+import config
+import ema as posthoc_ema
+from errors import ConfigError
+
+# What a checkpoint holds or means: resuming it with any of these changed is
+# refused, with the list of differences (choose_start). Every flag of
+# config.build_parser() is either here or in CHANGES_ON_RESUME, with the reason
+# (tests/test_resume.py fails on a flag in neither).
+RUN_IDENTITY = (
+    # the network's shape: the saved weights fit no other (a conditional run's class embedding too, and its labels)
+    "model", "image_size", "class_conditional", "num_classes",
+    # the data, its order and what a step is: the step count and the position in the data mean these
+    # (--augment: its random crops, compared alone: flips are drawn afresh each step)
+    "dataset", "dataset_config", "split", "image_column", "shapes_num_images", "augment",
+    "train_batch_size", "gradient_accumulation_steps", "num_processes", "seed",
+    # what the network's output means: the objective, the noise process and the parametrisation it learned
+    "objective", "prediction_type", "beta_schedule", "zero_terminal_snr",
+    # the optimizer's saved param groups (and the LR schedule's base LR): loading them restores these, so a
+    # new value would be silently ignored
+    "learning_rate", "adam_betas", "weight_decay",
+    # the EMA saved: its kind (none too), the power EMA's widths, and the decay settings EMAModel's state restores
+    "ema", "ema_stds", "ema_max_decay", "ema_power",
+    # fp16 saves a GradScaler's state and loads one: compared as fp16 or not (bf16 <-> no saves the same)
+    "mixed_precision",
+    # a latent run's latent space: the network's inputs and outputs are latents of this VAE, normalised so
+    # (--vae's normalisation, resolved: vae or dataset)
+    "vae", "latent_normalization",
+)  # fmt: skip
+
+# Identity keys train.py computes (config.DERIVED_KEYS), not flags, and what a run that did
+# not record one had: num_classes 0, unconditional (None: always recorded, or see PIXEL_RUN).
+DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_normalization": None}
+
+# Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels.
+PIXEL_RUN = {"vae": None, "latent_normalization": None}
+
+# What of a value the checkpoint depends on, where it is not the whole value.
+COMPARED_AS = {"mixed_precision": lambda value: value == "fp16",
+               "augment": lambda value: "crop" in str(value).split(",")}  # fmt: skip
+
+# Removed flags (config.REMOVED) that were identity keys: an older checkpoint's record of them
+# is translated into today's flags (an old run's use_ema false is --ema none) and compared as
+# those; a value that no flag says now (fused_adam false, sigma_data 0.25) refuses the resume.
+# The settings they became (config.SETTINGS) are the same for every run.
+REMOVED_IDENTITY = (
+    "label_column", "center_crop", "num_train_timesteps", "sigma_data", "loss_weighting", "adam_beta1",
+    "adam_beta2", "adam_epsilon", "fused_adam", "use_ema", "ema_inv_gamma",
+)  # fmt: skip
+
+# Flags that may change on resume, and why: the checkpoint neither holds them nor means
+# something else under them.
+CHANGES_ON_RESUME = {
+    "the run's length and LR schedule: the schedule's function is rebuilt from the flags (the checkpoint "
+    "holds its position and base LR)": (
+        "num_epochs", "max_train_steps", "lr_scheduler", "lr_warmup_steps", "lr_ref_steps",
+    ),
+    "which noise levels a step draws, how its loss is weighted and clipped: drawn or applied afresh each step, "
+    "nothing of them saved": (
+        "timestep_sampling", "P_mean_std", "snr_gamma", "max_grad_norm",
+    ),
+    "how the data is read, not which images nor their order (data.epoch_batches: the seed and the epoch)": (
+        "preload_data", "dataloader_num_workers",
+    ),
+    "how a step runs on the machine: the same tensors are saved and loaded (tried on CPU: channels_last, "
+    "gradient checkpointing, bf16)": (
+        "cpu", "compile_mode",
+    ),
+    "sampling, evaluation and outputs: they read the weights, a checkpoint holds none of them": (
+        "output_dir", "logger", "save_images_epochs", "eval_batch_size", "sampler", "churn",
+        "num_inference_steps", "guidance_scale", "guide", "ema_snapshot_every", "eval_every_epochs",
+        "eval_num_samples", "fid_weights",
+    ),
+    "checkpoints, faults and this invocation": (
+        "checkpointing_steps", "checkpoints_total_limit", "resume", "overwrite_output_dir", "on_fault", "config",
+        "dry_run",
+    ),
+    "the performance report and the profiler": (
+        "logging_steps", "profile",
+    ),
+}  # fmt: skip
+
+
+# --- starting or resuming ------------------------------------------------------------
+
+
+def run_identity(config):
+    return {key: config.get(key) for key in RUN_IDENTITY}
+
+
+@functools.cache
+def identity_defaults():
+    """What a run that did not record an identity key had: the flag's default (a flag added
+    later defaults to what runs did before it) or DERIVED_IDENTITY's; None where unknown
+    (config.resolve fills it from the preset or the machine)."""
+    defaults = {key: value for key, value in vars(config.build_parser().parse_args([])).items() if key in RUN_IDENTITY}
+    if isinstance(defaults.get("ema_stds"), str):
+        defaults["ema_stds"] = posthoc_ema.parse_stds(defaults["ema_stds"])  # as config.resolve gives it
+    return defaults | DERIVED_IDENTITY
+
+
+def saved_identity(start):
+    """The identity of the run that wrote checkpoint `start`, or None where nothing is recorded.
+
+    Each key from the checkpoint's own record ("run" in trainer_state.json), else from its
+    run's train_config.json (a checkpoint written before the key was checked), else its
+    default (identity_defaults); a key with none of these is left out and not compared.
+    A record of a removed flag (REMOVED_IDENTITY) counts as the flags that say the same now.
+    """
+    start = Path(start)
+    recorded = checkpoint.read_state(start).get("run") or {}
+    run_config = start.parent.parent / "train_config.json"  # output_dir/checkpoints/checkpoint-STEP
+    in_a_run = start.parent.name == "checkpoints" and run_config.is_file()
+    written = json.loads(run_config.read_text()) if in_a_run else {}
+    if not recorded and not written:
+        return None
+    try:  # the record first; the train_config.json tells what it leaves out (an old record's use_ema: which EMA)
+        known = config.translate(written | recorded, only=REMOVED_IDENTITY)
+    except ConfigError as e:
+        raise ConfigError(f"cannot resume {start}: {e}; use --overwrite_output_dir or another --output_dir") from None
+    saved = {}
+    for key in RUN_IDENTITY:
+        if key in known:
+            saved[key] = known[key]
+        elif identity_defaults().get(key) is not None:
+            saved[key] = identity_defaults()[key]
+        elif key in PIXEL_RUN:
+            saved[key] = PIXEL_RUN[key]
+    return saved
+
+
+def differences(saved, current):
+    """'--flag saved -> now' for each identity key that differs; a key not in `saved` is not compared."""
+    return [
+        f"{key if key in DERIVED_IDENTITY else '--' + key} {saved[key]!r} -> {current.get(key)!r}"
+        for key in RUN_IDENTITY
+        if key in saved and _compared(key, saved[key]) != _compared(key, current.get(key))
+    ]
+
+
+def _compared(key, value):
+    return COMPARED_AS[key](value) if key in COMPARED_AS else value
+
+
+def choose_start(output_dir, config, resume, resume_from, overwrite):
+    """The checkpoint to continue from, or None to start fresh; refuses to mix two runs.
+
+    - `resume_from` (a folder, or 'latest'): that checkpoint, or the newest.
+    - otherwise, with `resume` (the default), the newest checkpoint in
+      output_dir: running the same command again continues the run.
+    - an output_dir that holds another run (its own train_config.json) is not
+      written over without `overwrite`, which removes its checkpoints.
+    A checkpoint whose run had other identity values (RUN_IDENTITY, as
+    saved_identity reads them) is refused with the list of differences.
+    """
+    output_dir = Path(output_dir)
+    found = checkpoint.checkpoint_dirs(output_dir)
+    saved_config_path = output_dir / "train_config.json"
+    if resume_from not in (None, "latest"):
+        path = Path(resume_from)
+        if not (path / checkpoint.STATE_FILE).is_file():
+            raise ConfigError(f"--resume {path}: not a checkpoint folder (no {checkpoint.STATE_FILE})")
+        start = path
+    elif overwrite:
+        shutil.rmtree(checkpoint.checkpoints_root(output_dir), ignore_errors=True)
+        return None
+    elif found and (resume or resume_from == "latest"):
+        start = found[-1]
+    elif found or saved_config_path.is_file():
+        reason = "its checkpoints" if found else "the outputs of an earlier run"
+        raise ConfigError(
+            f"{output_dir} holds {reason}: run with --resume to continue it, "
+            "--overwrite_output_dir to start again there, or choose another --output_dir"
+        )
+    else:
+        return None
+    saved = saved_identity(start)
+    if saved is not None:
+        diff = differences(saved, config)
+        if diff:
+            raise ConfigError(
+                f"cannot resume {start}: it was trained with other settings ({'; '.join(diff)}); "
+                "use the same flags, --overwrite_output_dir, or another --output_dir"
+            )
+    return start

@@ -1,0 +1,83 @@
+"""The layout docs/layout.md describes: imports only go down, with no cycle and no project
+module imported inside a function to dodge one."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The one project module a function may import: Triton kernels, loaded only for --fused_norm on
+# a GPU (a CPU test sets TRITON_INTERPRET=1 before importing it; importing them at the top would
+# fix the mode for every test).
+LOADED_WHEN_ASKED = {"fused_norm"}
+
+
+def project_modules():
+    """name -> path: the root's modules, and bench/'s as bench.NAME."""
+    found = {p.stem: p for p in ROOT.glob("*.py")}
+    found |= {f"bench.{p.stem}": p for p in (ROOT / "bench").glob("*.py") if p.stem not in ("__init__", "__main__")}
+    return found
+
+
+def imports(path, modules):
+    """(imported at the top, imported inside a function or class): the project modules `path` imports."""
+    top, inner = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found = {name for name in names if name in modules} or {n.split(".")[0] for n in names} & set(modules)
+        (top if node.col_offset == 0 else inner).update(found - {path.stem})
+    return top, inner
+
+
+def graph():
+    modules = project_modules()
+    return {name: imports(path, modules) for name, path in modules.items()}
+
+
+def test_no_project_module_is_imported_inside_a_function():
+    inside = {name: sorted(inner - LOADED_WHEN_ASKED) for name, (_, inner) in graph().items()}
+    assert not {name: found for name, found in inside.items() if found}, "import these at the top (or break the cycle)"
+
+
+def first_cycle(edges):
+    """A list of modules that import each other in a circle, or None."""
+    state = {}
+
+    def visit(name, path):
+        if state.get(name) == "open":
+            return [*path[path.index(name):], name]
+        if state.get(name) == "done":
+            return None
+        state[name] = "open"
+        for other in sorted(edges.get(name, ())):
+            cycle = visit(other, [*path, name])
+            if cycle:
+                return cycle
+        state[name] = "done"
+        return None
+
+    return next((cycle for name in sorted(edges) if (cycle := visit(name, []))), None)
+
+
+def test_imports_only_go_down():
+    cycle = first_cycle({name: top for name, (top, _) in graph().items()})
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_checker_finds_a_cycle_and_an_inner_import(tmp_path):
+    """imports() sees both kinds, so the two tests above can fail."""
+    (tmp_path / "a.py").write_text("import b\n\ndef f():\n    import c\n")
+    top, inner = imports(tmp_path / "a.py", {"a": None, "b": None, "c": None})
+    assert top == {"b"} and inner == {"c"}
+    assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert first_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_tools_live_in_bench():
+    assert not [p.name for p in ROOT.glob("*.py") if p.stem in ("bench", "sweep", "quality")]
+    assert {"bench.speed", "bench.sweep", "bench.quality", "bench.trust"} <= set(project_modules())

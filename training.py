@@ -1,0 +1,76 @@
+"""The training pieces, built once for train.py and the speed ladder alike.
+
+`build(args, ...)` turns a resolved configuration (config.resolve) into the network, the
+noise schedule, the objective, AdamW, the learning-rate schedule and the EMA, in the order
+and with the settings train.py trains with: a row of `python -m bench` and a training run
+built from the same configuration train the same step. What differs is what each does
+with the pieces next (train.py hands them to accelerate and registers them for
+checkpoints; the ladder times one step of them).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+import ema as posthoc_ema
+import model as models
+import sample
+
+
+@dataclass
+class Pieces:
+    network: torch.nn.Module  # the bare network (what is saved, sampled and averaged)
+    model: torch.nn.Module  # what the step calls: the network as `prepare` returned it (accelerate's wrapper)
+    noise_scheduler: object  # diffusers' DDPMScheduler: DDPM's forward process (an EDM run's grids use its config too)
+    objective: torch.nn.Module  # DDPMObjective or EDMObjective; EDM's holds its learned loss weighting
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    ema: object  # diffusers' EMAModel, ema.PowerEMA, or None
+    sampling_scheduler: object
+
+
+def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, write_ema=True, init_state=None,
+          ema_foreach=True, prepare=None, unwrap=None):  # fmt: skip
+    """The pieces of a run with configuration `args` (config.resolve's), `total_steps` long.
+
+    The network is built on the CPU (with `init_state` loaded when given) and moved to
+    `device` before AdamW is made, so that a fused AdamW finds its kernel there. A latent
+    run's network takes its latents' size and channels (args.latent_size, latent_channels).
+    `write_ema`: whether this process writes the power EMA's snapshots (the main one).
+    `prepare(network, optimizer)` -> (model, optimizer): accelerate's, before the EMA is made,
+    so that with several processes every EMA starts from the weights they all train (rank 0's);
+    `unwrap(model)`: the network inside it.
+    """
+    network = models.build_run_network(dict(vars(args), num_classes=num_classes))  # a latent run's: its latents' size
+    if init_state is not None:
+        network.load_state_dict(init_state)
+    network.to(device)
+    if args.gradient_checkpointing:
+        network.enable_gradient_checkpointing()
+    noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
+                                                  args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
+    if args.objective == "edm":
+        objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting)
+    else:
+        objective = models.ddpm_objective(noise_scheduler, args)
+    objective.to(device)
+    # Fused AdamW: one kernel for all parameters, and it can skip a step on the device
+    # (step.NonFiniteGuard), so a NaN costs no host sync per step. channels_last converts
+    # the network in place first.
+    optimizer = models.prepare_for_training(
+        network, args.channels_last, args.fused_adam, also=objective.parameters(),  # EDM's u(sigma) trains too
+        lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay, eps=args.adam_epsilon,
+    )  # fmt: skip
+    if args.fused_norm:  # class swaps in place: the parameters and the state dict stay as they are
+        import fused_norm  # Triton kernels: loaded only when asked for (tests/test_layout.py)
+
+        fused_norm.keep_channels_last(fused_norm.use_fused_norm(network))
+    lr_scheduler = models.make_lr_scheduler(args.lr_scheduler, optimizer, args.lr_warmup_steps, total_steps, lr_ref_steps)
+    model, optimizer = prepare(network, optimizer) if prepare else (network, optimizer)
+    network = unwrap(model) if unwrap else network
+    ema = posthoc_ema.make_ema(args, network, write=write_ema, foreach=ema_foreach)
+    if ema is not None:
+        ema.to(device)
+    sampling_scheduler = sample.make_sampler(args.objective, args.sampler, noise_scheduler.config, args.sigma_data,
+                                             args.churn, clip=not args.vae)  # latents are not clipped to [-1, 1]
+    return Pieces(network, model, noise_scheduler, objective, optimizer, lr_scheduler, ema, sampling_scheduler)
