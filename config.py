@@ -28,6 +28,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -263,7 +264,13 @@ def translate(values, only=None):
     return kept
 
 
-Parser = OneLineParser  # one line and exit code 2 for a bad flag; `source` names a --config file
+class Parser(OneLineParser):
+    """errors.OneLineParser (one line, exit code 2; `source` names a --config file) that reads a
+    negative number as a value, not a flag: -0.5, and numbers after a comma (--P_mean_std -1.2,1.2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d*\.?\d+(e-?\d+)?(,-?\d*\.?\d+(e-?\d+)?)*$")
 
 
 class Range:

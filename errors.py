@@ -11,8 +11,6 @@ import argparse
 import contextlib
 import sys
 
-EXIT_CODES = {"ConfigError": 2, "RunError": 1}
-
 
 class ConfigError(Exception):
     """A bad flag, path or combination: reported as one line, exit code 2."""
@@ -45,5 +43,7 @@ def one_line_errors(prog):
     """ConfigError -> one line and exit code 2, RunError -> one line and exit code 1."""
     try:
         yield
-    except (ConfigError, RunError) as e:
-        fail(prog, e, EXIT_CODES[type(e).__name__])
+    except ConfigError as e:  # and its subclasses (latents.DownloadNeeded)
+        fail(prog, e, 2)
+    except RunError as e:
+        fail(prog, e, 1)
