@@ -16,6 +16,7 @@ import config as config_module
 import flops
 import latents
 import model as models
+import rundir
 import sample
 import train
 from conftest import ROOT
@@ -327,3 +328,19 @@ def test_the_latent_configs_describe_a_256px_run_on_32x32x4_latents(tmp_path, pa
     per_image = flops.step_flops(config["model"], 32, 1, channels=4)["model_flops"]
     assert config["model_flops_per_step"] == per_image * config["train_batch_size"]
     assert yaml.safe_load(path.read_text())["vae"] == config["vae"]
+
+
+def test_ema_py_reconstructs_a_latent_ddpm_run_at_its_latent_size(tmp_path, vae):
+    """ema.py builds a latent run's network at its latents' size and channels (not the image's), and
+    sample.py samples the reconstruction through the run's VAE."""
+    import ema as posthoc_ema
+
+    out = tmp_path / "run"
+    train_latents(out, str(vae), "--max_train_steps", 4, "--ema", "power", "--ema_stds", "0.05,0.1",
+                  "--ema_snapshot_every", 2)  # fmt: skip
+    rebuilt = posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(out), "--std", "0.07"]))
+    network, _ = rundir.RunDir(rebuilt).load()
+    assert network.config.in_channels == 4 and network.config.sample_size == 8  # 8x8x4 latents of 16px images
+    samples = tmp_path / "samples"
+    sample.main(sample.parse_args([str(rebuilt), "--num_images", "2", "--output", str(samples), "--num_inference_steps", "1"]))
+    assert pixels(samples / "000000.png").shape == (16, 16, 3)  # decoded through the run's VAE
