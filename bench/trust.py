@@ -121,7 +121,7 @@ def format_table(rows):
 
 
 def parse_args(argv=None):
-    p = OneLineParser(prog="python -m bench.trust", description="The shape score of known image sets: how far to trust it.")
+    p = OneLineParser(prog="bench.trust", description="The shape score of known image sets: how far to trust it.")
     p.add_argument("grids", nargs="*", help="grid PNGs of a run (train.py's samples/NNNN.png) to score too")
     p.add_argument("--image_size", type=int, default=32, help="image size (the scorer is trained for it once)")
     p.add_argument("--num_images", type=int, default=2048, help="real reference images, and images per altered set")
