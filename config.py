@@ -61,9 +61,8 @@ SMALL = models.PRESETS["small"]
 
 # The bare `python train.py` on a CUDA GPU (the built-in shapes, --model auto at 32px):
 # `small` at batch 4 would leave an H100 idle (MFU well under 1%). These fill what the
-# command line leaves unset instead: Ho et al.'s CIFAR-10 UNet at batch 128 (on an H100,
-# 1,500 steps of ddpm32 at batch 128 learned recognisable digits at 62-78 ms a step:
-# bench/results/2026-11-23-h100/digits-ddpm32-grid.png), the
+# command line leaves unset instead: Ho et al.'s CIFAR-10 UNet at batch 128 (on an H100
+# it learned recognisable digits: BENCHMARKS.md, Speed on a GPU), the
 # small preset's DDPM settings (v-prediction, EDM's noise levels, no EMA: the CPU quality
 # ladder's winners), and 24 epochs of 16,384 generated images, 3,072 steps.
 GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_num_images=16384,

@@ -1,8 +1,8 @@
 """Fused GroupNorm(+SiLU) for channels_last (NHWC) activations, as Triton kernels.
 
 Why: in the compiled channels_last ref128 step on an H100 the GroupNorm, SiLU,
-add and cast kernels took ~65 of 137 ms and layout copies ~33 ms
-(bench/results/2026-11-23-h100/). Each ResNet block normalises twice
+add and cast kernels and the layout copies between them took most of the step's
+time (BENCHMARKS.md, Speed on a GPU). Each ResNet block normalises twice
 and applies SiLU after each norm; one kernel that reads x once and writes
 SiLU(GroupNorm(x)) once, in the convolutions' own layout, replaces the norm,
 activation and cast kernels and the copies between layouts.

@@ -46,7 +46,7 @@ INDUCTOR_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile make
 # about 50 ms of kernels, which the GPU's own work hides once it passes ~10 TFLOP
 # at the MFU ref128 reaches. On an H100 adm64 at batch 32 (1.47 TFLOP) ran several
 # times faster with CUDA graphs, and ref128 at batch 64 (23.8 TFLOP) was bound
-# by the GPU (bench/results/2026-11-23-h100/).
+# by the GPU (BENCHMARKS.md, Speed on a GPU).
 LAUNCH_BOUND_FLOPS = 10e12
 
 
