@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import resume
 import data
 import ema as posthoc_ema
 import flops
@@ -35,6 +34,7 @@ import latents
 import metrics
 import model as models
 import profiling
+import resume
 import rundir
 import sample
 import step as steps
@@ -249,7 +249,7 @@ class Run:
         epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as `self.latents`
         records for train_config.json; `self.decode` turns latents into images for the grids and FID."""
         args, accelerator = self.args, self.accelerator
-        source, _ = latents.parse_vae_flag(args.vae)
+        source = args.latents["source"]  # config.resolve found the VAE: its folder (and subfolder) or Hub id
         vae = latents.load_vae(source, args.latents["subfolder"])
         if self.is_main:
             vae.to(self.device)  # it encodes, and decodes the grids and FID samples
