@@ -14,12 +14,14 @@ and the machine, and checks the combinations; it is idempotent. Only
 of a step (`step.choose_compile_mode`).
 
 A resolved configuration also holds settings that are not flags (`SETTINGS`:
-what train.py always does; bench.py sets the speed ones on the configurations
-it builds) and the values train.py's code reads of merged flags (`_derive`:
-`use_ema` of `--ema`, `center_crop` of `--augment`, ...). A flag that was
-removed (`REMOVED`) is a one-line error on the command line naming what
-replaced it; in a file (a run's train_config.json of an earlier version) its
-value is translated when something says the same now, else the same error.
+what train.py always does; `python -m bench` sets the speed ones on the
+configurations it builds); a run's train_config.json records them apart from
+its flags, under "settings" (`recorded`). The code reads today's flags only
+(what --augment says of flips: `data.random_flips`). A flag that was removed
+(`REMOVED`) is a one-line error on the command line naming what replaced it;
+in a file (a run's train_config.json of an earlier version, its settings
+included) its value is translated when something says the same now, else the
+same error.
 """
 
 import argparse
@@ -38,6 +40,7 @@ import torch
 import data
 import ema as posthoc_ema
 import latents
+import metrics
 import model as models
 import sample
 import step as steps
@@ -87,13 +90,14 @@ INVOCATION_KEYS = ("overwrite_output_dir", "resume", "resume_from_checkpoint", "
 
 # What train.py always does where a flag once chose (issue 33): settings, not flags, that
 # `resolve` puts on every configuration for the code that reads them, and that a run's
-# train_config.json records. The speed ones are bench.py's to vary: it sets them on the
-# configurations it builds (its rows, its own flags) before resolving them; train.py runs
-# fused AdamW with TF32, NCHW without fused_norm.py's kernels, and cudnn.benchmark on a CUDA GPU.
+# train_config.json records under "settings" (`recorded`). The speed ones are `python -m bench`'s
+# to vary: it sets them on the configurations it builds (its rows, its own flags) before resolving
+# them; train.py runs fused AdamW with TF32, NCHW without fused_norm.py's kernels, and
+# cudnn.benchmark on a CUDA GPU.
 SPEED_SETTINGS = ("channels_last", "fused_norm", "fused_adam", "allow_tf32", "cudnn_benchmark")
 SETTINGS = dict(
     fused_norm=False, fused_adam=True, allow_tf32=True,  # channels_last: with fused_norm; cudnn_benchmark: with a GPU
-    num_train_timesteps=1000,  # DDPM's T (Ho et al. 2020, and every config here)
+    num_train_timesteps=models.NUM_TRAIN_TIMESTEPS,  # DDPM's T (Ho et al. 2020, and every config here)
     sigma_data=models.SIGMA_DATA,  # EDM's std of the data in [-1, 1]
     loss_weighting="uncertainty",  # EDM: EDM2's learned weighting (eq. 21)
     label_dropout=0.1,  # a conditional run's labels dropped for classifier-free guidance (Ho & Salimans 2022)
@@ -106,8 +110,9 @@ SETTINGS = dict(
     gradient_checkpointing=False,
     profile_steps=3, profile_top=15, profile_stack=False,  # --profile: steps recorded, rows of its table, no stacks
 )  # fmt: skip
-PRELOAD_MAX_GIB = 8.0  # --preload_data without a size
-FID_BATCH_SIZE = 64  # FID samples and embeds max(this, --eval_batch_size) images at a time
+# Every setting `resolve` puts on a configuration: SETTINGS, and channels_last (with fused_norm) and
+# cudnn_benchmark (with a CUDA GPU), which it derives where a configuration does not set them.
+SETTING_NAMES = (*SETTINGS, *(name for name in SPEED_SETTINGS if name not in SETTINGS))
 ADAM_BETAS = (0.95, 0.999)
 
 
@@ -159,7 +164,7 @@ def _label_column(value, values):
 
 def _preload_max_gib(value, values):
     preload = values.get("preload_data", True)
-    if value is None or value == PRELOAD_MAX_GIB or preload is False:
+    if value is None or value == data.PRELOAD_MAX_GIB or preload is False:
         return {}
     return {"preload_data": value} if preload in (True, value) else None
 
@@ -224,7 +229,7 @@ REMOVED = {
     "strict_data": Removed(_FAULT, _on_fault("on_nonfinite"), switch=True),
     "center_crop": Removed("use --augment crop for random crops (flip,crop for both; none)", _augment, switch=True),
     "random_flip": Removed("use --augment none for no flips (flip,crop adds random crops)", _augment, switch=True),
-    "fid_batch_size": Removed(f"FID samples max({FID_BATCH_SIZE}, --eval_batch_size) images at a time", _dropped),
+    "fid_batch_size": Removed(f"FID samples max({metrics.FID_BATCH_SIZE}, --eval_batch_size) images at a time", _dropped),
     "sigma_data": Removed("EDM's sigma_data is 0.5", _always(SETTINGS["sigma_data"])),
     "num_train_timesteps": Removed("DDPM's T is 1000", _always(SETTINGS["num_train_timesteps"])),
     "loss_weighting": Removed("EDM learns its loss weighting (EDM2's uncertainty)", _always(SETTINGS["loss_weighting"])),
@@ -409,7 +414,7 @@ def build_parser(prog="train.py", source=""):
     flag(d, "augment", "random left-right flips (flip), random crops after resizing instead of the centre, "
          "decoded every epoch (crop), both (flip,crop) or none", "flip", type=augmentations)  # fmt: skip
     switch_or_value(d, "preload_data", "decode the dataset once and keep it in memory as uint8 (on the GPU when "
-                    f"training on one), unless it needs more than MAX_GIB (default: {PRELOAD_MAX_GIB:g}): then stream "
+                    f"training on one), unless it needs more than MAX_GIB (default: {data.PRELOAD_MAX_GIB:g}): then stream "
                     "it from disk; --no-preload_data: always stream", True, "MAX_GIB", type=positive)  # fmt: skip
     flag(d, "dataloader_num_workers", "processes that decode images (default: 4, or fewer CPU cores)",
          min(4, os.cpu_count() or 1), type=at_least(0))  # fmt: skip
@@ -486,7 +491,7 @@ def build_parser(prog="train.py", source=""):
          "into plots/ at the end), wandb (Weights & Biases; WANDB_MODE=offline keeps it on disk) or none",
          "tensorboard", choices=LOGGERS)  # fmt: skip
     flag(o, "save_images_epochs", "write a sample grid every N epochs", 2, type=at_least(1))
-    flag(o, "eval_batch_size", f"images in a sample grid (FID samples max({FID_BATCH_SIZE}, this) at a time)", 16,
+    flag(o, "eval_batch_size", f"images in a sample grid (FID samples max({metrics.FID_BATCH_SIZE}, this) at a time)", 16,
          type=at_least(1))  # fmt: skip
     flag(o, "sampler", "sampler for the grids and FID", sample.DEFAULT_SAMPLER, choices=sample.SAMPLERS)
     flag(o, "churn", sample.CHURN_HELP, sample.EDM_CHURN, type=non_negative)
@@ -574,11 +579,15 @@ def file_flags(path, parser):
     """The command-line words that say what the file at `path` says, to be parsed before the real ones."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
     values = {k: v for k, v in read_file(path).items() if k not in DERIVED_KEYS and k not in INVOCATION_KEYS}
+    settings = values.pop("settings", None) or {}  # a run's (`recorded`): removed flags, read as REMOVED says
+    if not isinstance(settings, dict):
+        raise ConfigError(f"--config {path}: settings holds a {type(settings).__name__}, not 'setting: value' lines")
+    values = settings | values
     unknown = [key for key in values if key not in actions and key not in REMOVED]
     if unknown:
         raise ConfigError(f"--config {path}: '{unknown[0]}' is not a flag of train.py")
     try:
-        values = translate(values)  # a run's train_config.json of an earlier version, or what resolve derives
+        values = translate(values)  # a run's train_config.json of an earlier version, or a run's settings
     except ConfigError as e:
         raise ConfigError(f"--config {path}: {e}") from None
     return [word for key, value in values.items() for word in _words(actions[key], key, value, path)]
@@ -611,8 +620,7 @@ def resolve(args):
     sampling and its P_mean/P_std), batch size, epochs, EMA, learning rate, lr_scheduler and
     (inverse_sqrt) lr_ref_steps; num_inference_steps by the objective's sampler;
     mixed_precision, --compile_mode and cudnn_benchmark by the machine; the SETTINGS that a
-    configuration built by bench.py does not set; ema_stds and guidance_scale as numbers;
-    what train.py's code reads of merged flags (_derive).
+    configuration built by `python -m bench` does not set; ema_stds and guidance_scale as numbers.
     Idempotent: a resolved Namespace comes back the same.
     """
     for name, kind in _ranges().items():
@@ -621,7 +629,7 @@ def resolve(args):
     _fill_latents(args)
     _fill_from_preset(args)
     _fill_from_machine(args)
-    _derive(args)
+    _fill_settings(args)
     if args.objective == "ddpm" and args.num_inference_steps > args.num_train_timesteps:
         raise ConfigError(
             f"--num_inference_steps ({args.num_inference_steps}) cannot exceed DDPM's {args.num_train_timesteps} "
@@ -646,9 +654,9 @@ def resolve(args):
     return args
 
 
-def _derive(args):
-    """What train.py's code (and sample.py, ema.py, metrics.py, data.py, bench.py) read of merged
-    flags, as before they merged, and the SETTINGS a configuration does not set already."""
+def _fill_settings(args):
+    """The SETTINGS a configuration does not set already (`python -m bench` sets the speed ones on
+    the configurations it builds), channels_last and cudnn_benchmark among them."""
     for name, value in SETTINGS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -661,14 +669,14 @@ def _derive(args):
             "--fused_norm needs a CUDA GPU and --channels_last (the kernels run on NHWC CUDA tensors): "
             "drop it or add --channels_last"
         )
-    args.compile = args.compile_mode != "off"
-    args.use_ema = args.ema != "none"
-    args.center_crop, args.random_flip = "crop" not in args.augment.split(","), "flip" in args.augment.split(",")
-    args.on_nonfinite, args.strict_data = args.on_fault, args.on_fault == "stop"
-    args.label_column = args.class_conditional if isinstance(args.class_conditional, str) else None
-    args.preload_max_gib = PRELOAD_MAX_GIB if isinstance(args.preload_data, bool) else args.preload_data
-    args.P_mean, args.P_std = args.P_mean_std
-    args.fid_batch_size = max(FID_BATCH_SIZE, args.eval_batch_size)
+
+
+def recorded(args):
+    """What a run's train_config.json records of the resolved configuration `args`: its flags and what
+    `resolve` found (a latent run's size, channels, normalisation and VAE: DERIVED_KEYS), with its
+    settings (SETTING_NAMES) apart under "settings"; `file_flags` reads them back as REMOVED says."""
+    flags = {name: value for name, value in vars(args).items() if name not in SETTING_NAMES}
+    return dict(flags, settings={name: getattr(args, name) for name in SETTING_NAMES})
 
 
 def on_gpu(args):

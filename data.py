@@ -587,6 +587,33 @@ def to_model_input(images, random_flip=True):
     return x
 
 
+# --- what the data flags say ------------------------------------------------------
+
+PRELOAD_MAX_GIB = 8.0  # --preload_data without a size
+
+
+def random_flips(args):
+    """--augment flip: each image flipped left-right at random in every step (step.TrainStep)."""
+    return "flip" in args.augment.split(",")
+
+
+def random_crops(args):
+    """--augment crop: a random crop of each image after resizing, drawn every epoch, instead of the centre."""
+    return "crop" in args.augment.split(",")
+
+
+def label_column_of(args):
+    """The column --class_conditional LABEL_COLUMN names; None for --class_conditional alone (the labels
+    found by type) or an unconditional run."""
+    return args.class_conditional if isinstance(args.class_conditional, str) else None
+
+
+def preload_max_gib(args):
+    """The most GiB --preload_data keeps in memory: its MAX_GIB, PRELOAD_MAX_GIB without one, 0 with
+    --no-preload_data."""
+    return 0.0 if args.preload_data is False else PRELOAD_MAX_GIB if args.preload_data is True else args.preload_data
+
+
 def load_images(args, unreadable):
     """The training data of the run's flags: (images, labels, class_names).
 
@@ -602,7 +629,7 @@ def load_images(args, unreadable):
     dataset = open_run_dataset(args)
     labels, class_names = dataset.labels, dataset.class_names
     gib = len(dataset) * 3 * args.image_size**2 / 2**30
-    if not args.preload_data or not args.center_crop or gib > args.preload_max_gib:
+    if not args.preload_data or random_crops(args) or gib > preload_max_gib(args):
         check_readable(dataset, unreadable)
         return dataset, labels, class_names
     decode = dict(num_workers=args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)
@@ -613,9 +640,9 @@ def load_images(args, unreadable):
 
 
 def _check_builtin_labels(args):
-    if args.class_conditional and args.label_column:
+    if args.class_conditional and label_column_of(args):
         raise ConfigError(
-            f"--class_conditional {args.label_column} names a column of a datasets dataset; the built-in shapes "
+            f"--class_conditional {label_column_of(args)} names a column of a datasets dataset; the built-in shapes "
             "are labelled by kind: use --class_conditional alone"
         )
 
@@ -623,8 +650,8 @@ def _check_builtin_labels(args):
 def open_run_dataset(args):
     """open_dataset of the run's flags (not the built-in shapes): nothing decoded yet."""
     return open_dataset(
-        args.dataset, args.image_size, args.center_crop, args.dataset_config, args.split, args.image_column,
-        args.class_conditional, args.label_column,
+        args.dataset, args.image_size, not random_crops(args), args.dataset_config, args.split, args.image_column,
+        args.class_conditional, label_column_of(args),
     )  # fmt: skip
 
 
@@ -638,7 +665,7 @@ def images_to_encode(args, unreadable):
     callable, called only to encode them (a cache miss), that returns uint8 batches of every
     readable image once, each batch with its labels, (images, labels), when the run is
     class-conditional; count: how many images there are (some may prove unreadable)."""
-    labelled = dict(class_conditional=bool(args.class_conditional), label_column=args.label_column)
+    labelled = dict(class_conditional=bool(args.class_conditional), label_column=label_column_of(args))
     if args.dataset == BUILTIN:
         _check_builtin_labels(args)
 

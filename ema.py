@@ -182,7 +182,7 @@ def make_ema(args, network, write, foreach=True):
     """
     from diffusers.training_utils import EMAModel
 
-    if not args.use_ema:
+    if args.ema == "none":
         return None
     if args.ema == "power":
         return PowerEMA(

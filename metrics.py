@@ -44,7 +44,14 @@ KID_MAX_IMAGES = 10_000
 KID_SUBSET_SIZE = 1000
 KID_SUBSETS = 100
 REFERENCE_FILE = "fid_reference.pt"
+# A training run's FID samples and embeds max(this, --eval_batch_size) images at a time (fid_batch_size).
+FID_BATCH_SIZE = 64
 RESULTS_FILE = "eval_results.json"
+
+
+def fid_batch_size(eval_batch_size):
+    """The images a training run's evaluation generates and embeds at a time: at least FID_BATCH_SIZE."""
+    return max(FID_BATCH_SIZE, eval_batch_size)
 
 
 # --- the feature extractor -----------------------------------------------------------
@@ -243,7 +250,8 @@ def cached_reference(folder, key, get_images, extractor, device, batch_size, num
 
 def reference_key(options, image_size, extractor_name):
     """What the reference statistics depend on: the dataset options, the size, the network."""
-    key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column", "center_crop")}
+    key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column")}
+    key["center_crop"] = center_crop(options)
     if options.get("dataset") == data.BUILTIN:
         key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"),
                     class_conditional=bool(options.get("class_conditional")))  # one shape per image when conditional
@@ -347,7 +355,7 @@ class TrainingEvaluator:
         computed yet: a latent run's images are then decoded, once; then read from the run folder)."""
         key = reference_key(vars(self.args), self.args.image_size, self.extractor_name)
         self.reference = cached_reference(
-            self.output_dir, key, get_images, self.extractor, self.device, self.args.fid_batch_size,
+            self.output_dir, key, get_images, self.extractor, self.device, fid_batch_size(self.args.eval_batch_size),
             self.args.dataloader_num_workers, self.log,
         )  # fmt: skip
 
@@ -404,7 +412,7 @@ class SampleEvaluation:
         else:
             options = dict(
                 dataset=args.dataset, dataset_config=args.dataset_config, split=args.split or "train",
-                image_column=args.image_column, center_crop=True, shapes_num_images=2048, seed=0,
+                image_column=args.image_column, augment="none", shapes_num_images=2048, seed=0,
             )  # fmt: skip
         self.device = args.device
         self.extractor, self.extractor_name = extractor_for(options, image_size, args.fid_weights, self.device, log)
@@ -426,6 +434,14 @@ class SampleEvaluation:
         return scores | dict(reference_images=self.reference.num_images)
 
 
+def center_crop(options):
+    """Whether the images of `options` (train.py's flags, or a run's train_config.json) are cropped at the
+    centre: --augment without crop; an older run's file without --augment says it as its center_crop."""
+    if options.get("augment") is not None:
+        return "crop" not in str(options["augment"]).split(",")
+    return options.get("center_crop", True)
+
+
 def reference_images(options, image_size):
     """The images `options` (train.py's dataset flags) name, at `image_size`: a tensor or a dataset.
 
@@ -434,6 +450,6 @@ def reference_images(options, image_size):
         conditional = bool(options.get("class_conditional"))
         return data.builtin_images(options["shapes_num_images"], image_size, options["seed"], conditional)[0]
     return data.open_dataset(
-        options["dataset"], image_size, options.get("center_crop", True), options.get("dataset_config"),
+        options["dataset"], image_size, center_crop(options), options.get("dataset_config"),
         options.get("split") or "train", options.get("image_column"),
     )  # fmt: skip

@@ -257,8 +257,11 @@ def null_label(num_classes):
     return num_classes
 
 
-def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="epsilon", zero_terminal_snr=False,
-                         latents=False):  # fmt: skip
+NUM_TRAIN_TIMESTEPS = 1000  # DDPM's T (Ho et al. 2020, and every config here)
+
+
+def make_noise_scheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, beta_schedule="linear", prediction_type="epsilon",
+                         zero_terminal_snr=False, latents=False):  # fmt: skip
     """DDPM's forward process. `zero_terminal_snr`: the betas rescaled so that abar_T = 0, x_T pure
     noise as sampling assumes (Lin et al. 2024, Algorithm 1); it needs v-prediction, as eps says
     nothing of x_0 at t = T. `latents`: a latent run's, saved with its pipeline without
@@ -272,10 +275,17 @@ def make_noise_scheduler(num_train_timesteps=1000, beta_schedule="linear", predi
     )
 
 
+def run_setting(config, name, default):
+    """A setting (config.SETTINGS: not a flag) of the run whose train_config.json is `config`: under its
+    "settings"; a run of before they were kept apart has it beside its flags; else `default`."""
+    return (config.get("settings") or {}).get(name, config.get(name, default))
+
+
 def run_noise_scheduler(config):
     """The noise scheduler a run trained with, from its train_config.json."""
-    return make_noise_scheduler(config["num_train_timesteps"], config["beta_schedule"], config["prediction_type"],
-                                config.get("zero_terminal_snr", False), bool(config.get("vae")))  # fmt: skip
+    return make_noise_scheduler(run_setting(config, "num_train_timesteps", NUM_TRAIN_TIMESTEPS), config["beta_schedule"],
+                                config["prediction_type"], config.get("zero_terminal_snr", False),
+                                bool(config.get("vae")))  # fmt: skip
 
 
 def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_type="epsilon", snr_gamma=None):
@@ -372,8 +382,8 @@ class DDPMObjective(torch.nn.Module):
 
 
 def ddpm_objective(noise_scheduler, args):
-    """train.py's and bench.py's DDPMObjective: from the flags --snr_gamma, --timestep_sampling, --P_mean_std."""
-    return DDPMObjective(noise_scheduler, args.snr_gamma, args.timestep_sampling, args.P_mean, args.P_std)
+    """train.py's and the speed ladder's DDPMObjective: from the flags --snr_gamma, --timestep_sampling, --P_mean_std."""
+    return DDPMObjective(noise_scheduler, args.snr_gamma, args.timestep_sampling, *args.P_mean_std)
 
 
 # --- the training step's fast path (shared by train.py and bench.py) ---------------

@@ -57,7 +57,8 @@ COMPARED_AS = {"mixed_precision": lambda value: value == "fp16",
 # Removed flags (config.REMOVED) that were identity keys: an older checkpoint's record of them
 # is translated into today's flags (an old run's use_ema false is --ema none) and compared as
 # those; a value that no flag says now (fused_adam false, sigma_data 0.25) refuses the resume.
-# The settings they became (config.SETTINGS) are the same for every run.
+# The settings they became (config.SETTINGS) are the same for every run; a run's train_config.json
+# records them under "settings", and those are read as an older run's record of the flags.
 REMOVED_IDENTITY = (
     "label_column", "center_crop", "num_train_timesteps", "sigma_data", "loss_weighting", "adam_beta1",
     "adam_beta2", "adam_epsilon", "fused_adam", "use_ema", "ema_inv_gamma",
@@ -127,6 +128,7 @@ def saved_identity(start):
     run_config = start.parent.parent / "train_config.json"  # output_dir/checkpoints/checkpoint-STEP
     in_a_run = start.parent.name == "checkpoints" and run_config.is_file()
     written = json.loads(run_config.read_text()) if in_a_run else {}
+    written = (written.get("settings") or {}) | written  # its settings (config.recorded), as an older run's beside its flags
     if not recorded and not written:
         return None
     try:  # the record first; the train_config.json tells what it leaves out (an old record's use_ema: which EMA)

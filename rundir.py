@@ -1,6 +1,6 @@
 """Run directories: what a training run leaves on disk, found and read back.
 
-A run's --output_dir holds train_config.json (every flag, and what train.py derived), its
+A run's --output_dir holds train_config.json (every flag, what train.py derived, and its settings), its
 checkpoints (checkpoints/checkpoint-STEP), and once trained its network: a DDPMPipeline, or
 for an EDM run the network alone in unet/ (no diffusers pipeline samples it). `RunDir` takes
 any of these folders (the run, `best/`, an `ema.py reconstruct` output, one checkpoint), reads
@@ -37,9 +37,9 @@ def find_run_config(path):
 
 
 def kept_ema(config):
-    """Whether a run with train_config.json `config` kept an EMA of its weights (True when unknown):
-    its use_ema (config.resolve writes it: --ema is not none; runs before --ema none existed wrote it as
-    their flag, beside an `ema` that named the kind only), else its --ema."""
+    """Whether a run with train_config.json `config` kept an EMA of its weights (True when unknown): its
+    --ema is not none; a run of before --ema none wrote its --use_ema flag beside an `ema` that named the
+    kind only, and config.resolve of before issue 37 wrote use_ema too: where there is one, it decides."""
     config = config or {}
     if config.get("use_ema") is not None:
         return bool(config["use_ema"])
@@ -123,6 +123,10 @@ class RunDir:
 
     def get(self, key, default=None):
         return (self.config or {}).get(key, default)
+
+    def setting(self, name, default):
+        """A setting of the run (config.SETTINGS), as models.run_setting reads it; `default` outside a run."""
+        return models.run_setting(self.config or {}, name, default)
 
     @property
     def objective(self):

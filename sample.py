@@ -317,7 +317,10 @@ def check_guide(main, guide):
     if main.get("objective", "ddpm") == "ddpm":
         keys += ["prediction_type", "beta_schedule", "num_train_timesteps", "zero_terminal_snr"]
     for key in keys:
-        a, b = main.get(key), guide.get(key)
+        if key == "num_train_timesteps":  # a setting (config.SETTINGS), not a flag
+            a, b = (models.run_setting(config, key, models.NUM_TRAIN_TIMESTEPS) for config in (main, guide))
+        else:
+            a, b = main.get(key), guide.get(key)
         if key == "objective":
             a, b = a or "ddpm", b or "ddpm"
         if a != b:
@@ -528,7 +531,7 @@ def run(args):
         )
     if source.objective == "edm":
         steps = args.num_inference_steps or EDM_STEPS
-        sigma_data = source.get("sigma_data", models.SIGMA_DATA)
+        sigma_data = source.setting("sigma_data", models.SIGMA_DATA)
         scheduler = make_sampler("edm", None, sigma_data=sigma_data, churn=args.churn, clip=decode is None)
         sampler_name = scheduler.name
     else:

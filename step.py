@@ -53,12 +53,11 @@ LAUNCH_BOUND_FLOPS = 10e12
 def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
     """(compile mode or None for eager, why) for the flags at hand.
 
-    `args`: compile, compile_mode, gradient_accumulation_steps,
-    mixed_precision, on_nonfinite and fused_adam, as config.resolve gives them
-    (compile: --compile_mode is not off; on_nonfinite: --on_fault; fused_adam: a
-    setting bench.py varies).
+    `args`: compile_mode, gradient_accumulation_steps, mixed_precision,
+    on_fault and fused_adam, as config.resolve gives them (fused_adam: a
+    setting, config.SETTINGS, that `python -m bench` varies).
     """
-    if not args.compile:
+    if args.compile_mode == "off":
         return None, "eager (--compile_mode off)"
     cuda = device.type == "cuda"
     requested = args.compile_mode
@@ -88,7 +87,7 @@ def graph_blockers(args, device, num_processes):
         found.append("--gradient_accumulation_steps above 1")
     if args.mixed_precision == "fp16":
         found.append("fp16's loss scaler reads the gradients on the host")
-    if args.on_nonfinite == "stop":
+    if args.on_fault == "stop":
         found.append("--on_fault stop reads the loss on the host every step")
     if not args.fused_adam:
         found.append("AdamW not fused (the non-finite skip happens inside the fused optimizer)")

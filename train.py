@@ -39,7 +39,7 @@ import rundir
 import sample
 import step as steps
 import training
-from config import network_size, parse_args, resolve
+from config import network_size, parse_args, recorded, resolve
 from errors import ConfigError, RunError, one_line_errors
 
 def main(args):
@@ -90,8 +90,8 @@ def train(args):
 
 
 def describe_run(args, device, world, num_images):
-    """The resolved flags and what follows from them: train_config.json, and what --dry_run
-    prints. `num_images` None: not known before the data loads."""
+    """The resolved flags (with the settings apart: config.recorded) and what follows from them:
+    train_config.json, and what --dry_run prints. `num_images` None: not known before the data loads."""
     # The denoiser's step: a latent run's at its latents' size and channels (the VAE encodes once, before it)
     cost = flops.step_flops(args.model, network_size(args), args.train_batch_size, args.gradient_checkpointing,
                             args.latent_channels or 3)  # fmt: skip
@@ -100,7 +100,7 @@ def describe_run(args, device, world, num_images):
     total_steps = args.max_train_steps or (args.num_epochs * steps_per_epoch if steps_per_epoch else None)
     compile_mode, compile_why = steps.choose_compile_mode(args, device, world, cost["model_flops"])
     config = dict(
-        vars(args),
+        recorded(args),
         num_processes=world,
         num_images=num_images,
         global_batch_size=images_per_step,
@@ -196,7 +196,7 @@ class Run:
 
         # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds;
         # a latent run's encoded to latents, or read from their cache.
-        self.unreadable = data.Unreadable(strict=args.strict_data, verbose=self.is_main)
+        self.unreadable = data.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
         self.decode, self.latents = None, None  # a latent run's: latents -> images, and its record
         if args.vae:
             images, labels, class_names = self._latent_data()
@@ -228,7 +228,7 @@ class Run:
                                              else images)  # fmt: skip
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
         if isinstance(images, torch.Tensor) and self.device.type == "cuda":
-            images = images.to(self.device)  # small enough to sit on the GPU: preload_max_gib
+            images = images.to(self.device)  # small enough to sit on the GPU: --preload_data's MAX_GIB
         self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
                                     self.world, args.dataloader_num_workers, self.unreadable, labels)  # fmt: skip
         self.guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None  # autoguidance
@@ -254,9 +254,9 @@ class Run:
         if self.is_main:
             vae.to(self.device)  # it encodes, and decodes the grids and FID samples
         identity, images, count, class_names = data.images_to_encode(args, self.unreadable)
-        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=args.random_flip)
+        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=data.random_flips(args))
         with accelerator.main_process_first():
-            cache = latents.cached_latents(vae, images, key, max_gib=args.preload_max_gib if args.preload_data else 0.0,
+            cache = latents.cached_latents(vae, images, key, max_gib=data.preload_max_gib(args),
                                            num_images=count, progress=self.is_main, log=accelerator.print)  # fmt: skip
         # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
         target_std = args.sigma_data if args.objective == "edm" else 1.0
@@ -292,7 +292,7 @@ class Run:
             accelerator.register_for_checkpointing(self.objective)
         if self.ema is not None:
             accelerator.register_for_checkpointing(self.ema)
-        self.guard = steps.NonFiniteGuard(self.optimizer, args.on_nonfinite, self.device)
+        self.guard = steps.NonFiniteGuard(self.optimizer, args.on_fault, self.device)
         self.model.train()
 
     def _resume(self, start_from):
@@ -325,7 +325,8 @@ class Run:
         self.meter = meter
         mode = None if self.config["step_compile_mode"] == "eager" else self.config["step_compile_mode"]
         step = steps.TrainStep(self.model, self.model, self.objective, self.optimizer, self.lr_scheduler, self.ema,
-                               self.guard, self.args.max_grad_norm, self.args.random_flip, accelerator=self.accelerator,
+                               self.guard, self.args.max_grad_norm, data.random_flips(self.args),
+                               accelerator=self.accelerator,
                                mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
                                null_label=models.null_label(self.num_classes))  # fmt: skip
         fast = steps.FastStep(step, mode, self.device, say=meter.write)
@@ -430,9 +431,10 @@ class Run:
         labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
 
         def batches_for(w):
-            return sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples, args.fid_batch_size,
-                                           args.seed, args.num_inference_steps, self.accelerator.autocast, labels, w,
-                                           self.guide, self.decode)  # fmt: skip
+            return sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples,
+                                           metrics.fid_batch_size(args.eval_batch_size), args.seed,
+                                           args.num_inference_steps, self.accelerator.autocast, labels, w, self.guide,
+                                           self.decode)  # fmt: skip
 
         sampler = getattr(self.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731
@@ -495,7 +497,7 @@ class Run:
         else:
             meter.report_end(self.skipped(), len(self.unreadable))
             timing = meter.manifest()  # before the pipeline is saved: training ends here
-            if self.args.use_ema and self.args.ema == "power":
+            if self.args.ema == "power":
                 self.ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
             self.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(train_step, timing)))
             self.accelerator.end_training()  # flushes the tensorboard logs that the plots read

@@ -50,7 +50,7 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
                                                   args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
     if args.objective == "edm":
-        objective = models.EDMObjective(args.P_mean, args.P_std, args.sigma_data, args.loss_weighting)
+        objective = models.EDMObjective(*args.P_mean_std, args.sigma_data, args.loss_weighting)
     else:
         objective = models.ddpm_objective(noise_scheduler, args)
     objective.to(device)

@@ -329,21 +329,22 @@ class TrainingStep:
         pieces = training.build(t, TIMED_RUN_STEPS, device, init_state=init_state, write_ema=False,
                                 ema_foreach=settings["ema_foreach"])  # fmt: skip
         self.unet, self.objective, self.ema = pieces.network, pieces.objective, pieces.ema
-        self.optimizer, lr_scheduler = pieces.optimizer, pieces.lr_scheduler
+        self.optimizer, self.lr_scheduler = pieces.optimizer, pieces.lr_scheduler
         if not settings["fused_adam"] and settings["adam_foreach"] is None:  # diffusers' example: torch's default
             adamw = self.optimizer.defaults
             self.optimizer = torch.optim.AdamW(self.unet.parameters(), lr=adamw["lr"], betas=adamw["betas"],
                                                weight_decay=adamw["weight_decay"], eps=adamw["eps"])  # fmt: skip
-            lr_scheduler = models.make_lr_scheduler(t.lr_scheduler, self.optimizer, t.lr_warmup_steps, TIMED_RUN_STEPS)
+            self.lr_scheduler = models.make_lr_scheduler(t.lr_scheduler, self.optimizer, t.lr_warmup_steps, TIMED_RUN_STEPS)
         self.unet.train()
         self.model = steps.compile_network(self.unet, settings["compile_mode"], force_layout=settings["force_layout"])
         # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
-        self.guard = steps.NonFiniteGuard(self.optimizer, t.on_nonfinite, device) if settings["nonfinite_guard"] else None
+        self.guard = steps.NonFiniteGuard(self.optimizer, t.on_fault, device) if settings["nonfinite_guard"] else None
         # train.py's accelerator autocasts the model's forward; the loss is fp32 either way.
         self.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=settings["precision"] == "bf16")
         self.step = steps.build_step(
-            steps.TrainStep(self.model, self.unet, self.objective, self.optimizer, lr_scheduler, self.ema, self.guard,
-                            t.max_grad_norm, t.random_flip, autocast=lambda: torch.autocast(**self.autocast)),
+            steps.TrainStep(self.model, self.unet, self.objective, self.optimizer, self.lr_scheduler, self.ema,
+                            self.guard, t.max_grad_norm, data.random_flips(t),
+                            autocast=lambda: torch.autocast(**self.autocast)),
             settings["compile_mode"],
             device,
         )  # fmt: skip

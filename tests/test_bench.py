@@ -327,7 +327,7 @@ def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys)
     out = tmp_path / "run"
     config = run_train(out, "--max_train_steps", 2, "--compile_mode", "auto", "--logging_steps", 1,
                        "--checkpointing_steps", 2, "--save_images_epochs", 100, channels_last=True)  # fmt: skip
-    assert config["compile"] and config["channels_last"] and config["fused_adam"]
+    assert config["compile_mode"] == "auto" and config["settings"]["channels_last"] and config["settings"]["fused_adam"]
     assert [step for step, _ in scalars(out)["loss"]] == [1, 2]
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars(out)["loss"])
     stdout = capsys.readouterr().out
@@ -348,17 +348,16 @@ def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys)
 
 
 def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
-    flags = ("compile", "cudnn_benchmark")
     cpu = config.resolve(config.parse_args([]))
-    assert not any(getattr(cpu, f) for f in flags)
+    assert cpu.compile_mode == "off" and not cpu.cudnn_benchmark
     assert cpu.fused_adam  # fused AdamW runs on a CPU too, and is what the non-finite guard skips steps in
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = config.resolve(config.parse_args(["--mixed_precision", "no"]))
-    assert all(getattr(gpu, f) for f in flags) and gpu.compile_mode == "auto" and gpu.fused_adam
+    assert gpu.cudnn_benchmark and gpu.compile_mode == "auto" and gpu.fused_adam
     assert not gpu.channels_last  # measured slower for ref128 on an H100 (BENCHMARKS.md)
     chosen = config.parse_args(["--mixed_precision", "no", "--compile_mode", "off"])
     chosen.fused_adam, chosen.channels_last = False, True  # as the ladder sets them: no train.py flag
     chosen = config.resolve(chosen)
-    assert not chosen.compile and not chosen.fused_adam and chosen.channels_last
+    assert chosen.compile_mode == "off" and not chosen.fused_adam and chosen.channels_last
     forced_cpu = config.resolve(config.parse_args(["--mixed_precision", "no", "--cpu"]))
-    assert not any(getattr(forced_cpu, f) for f in flags)
+    assert forced_cpu.compile_mode == "off" and not forced_cpu.cudnn_benchmark

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 import config
+import data
 import train
 from conftest import ROOT
 from errors import ConfigError
@@ -57,6 +58,12 @@ def test_a_runs_train_config_json_resolves_to_the_same_configuration(tmp_path):
     train.main(train.parse_args([*map(str, argv)]))
     assert not (tmp_path / "run" / "logs").exists()  # --logger none: no tensorboard logs
     saved = tmp_path / "run" / "train_config.json"
+    # it records today's flags, the facts of the run and, apart, the settings: no removed flag, nothing derived of one
+    written = json.loads(saved.read_text())
+    flags = {a.dest for a in config.build_parser()._actions if a.option_strings}
+    assert not set(written) - flags - set(config.DERIVED_KEYS) - {"settings"}, "neither a flag nor a fact of the run"
+    assert not set(written) & set(config.REMOVED) and not set(written) & set(config.SETTING_NAMES)
+    assert written["settings"] == {name: getattr(resolved(*argv), name) for name in config.SETTING_NAMES}
     again = vars(resolved("--config", saved))
     first = vars(resolved(*argv))
     assert again.pop("config") == str(saved) and first.pop("config") is None
@@ -74,7 +81,7 @@ def test_a_flag_on_the_command_line_overrides_the_file(tmp_path):
     # typed flags win, even when they say the default (16, --ema standard) or undo a switch (--no-cpu)
     typed = resolved("--config", path, "--train_batch_size", 16, "--ema", "standard", "--no-cpu", "--class_conditional")
     assert (typed.train_batch_size, typed.learning_rate, typed.ema, typed.cpu) == (16, 1e-3, "standard", False)
-    assert typed.class_conditional is True and typed.label_column is None
+    assert typed.class_conditional is True
     # JSON too, and the flags may come before --config
     (tmp_path / "run.json").write_text(json.dumps(dict(model="tiny", image_size=16)))
     assert resolved("--image_size", 32, "--config", tmp_path / "run.json").image_size == 32
@@ -118,7 +125,7 @@ def test_a_pair_starting_negative_is_a_value_not_a_flag():
 
 
 def test_a_switch_with_a_value_takes_none_in_its_no_form(capsys):
-    assert resolved("--class_conditional", "label").label_column == "label"
+    assert data.label_column_of(resolved("--class_conditional", "label")) == "label"
     assert one_line_error(capsys, ["--no-resume", "old/checkpoint"]).startswith(
         "train.py: error: --no-resume takes no value (got 'old/checkpoint')")  # fmt: skip
 
@@ -139,34 +146,34 @@ def test_removed_prefixes_of_flags_are_not_abbreviations():
 # An old key in a file (a run's train_config.json of the version before issue 33, a config of yours):
 # the flags that say the same now, or one line naming what replaced it. One row per rule of config.REMOVED.
 SAME_NOW = [
-    ("compile: false\ncompile_mode: default\n", dict(compile_mode="off", compile=False)),
-    ("compile: true\n", dict(compile_mode="auto", compile=True)),  # auto on a CPU: torch.compile's default mode
+    ("compile: false\ncompile_mode: default\n", dict(compile_mode="off")),
+    ("compile: true\n", dict(compile_mode="auto")),  # auto on a CPU: torch.compile's default mode
     ("compile: true\ncompile_mode: step-graph\n", dict(compile_mode="step-graph")),
-    ("use_ema: false\nema: standard\n", dict(ema="none", use_ema=False)),
-    ("use_ema: true\n", dict(ema="standard", use_ema=True)),  # not the small preset's none
+    ("use_ema: false\nema: standard\n", dict(ema="none")),
+    ("use_ema: true\n", dict(ema="standard")),  # not the small preset's none
     ("use_ema: true\nema: power\n", dict(ema="power")),
-    ("preload_max_gib: 4\n", dict(preload_data=4, preload_max_gib=4)),
+    ("preload_max_gib: 4\n", dict(preload_data=4)),
     ("preload_data: false\npreload_max_gib: 4\n", dict(preload_data=False)),
-    ("preload_max_gib: 8.0\n", dict(preload_data=True, preload_max_gib=8.0)),
-    ("class_conditional: true\nlabel_column: label\n", dict(class_conditional="label", label_column="label")),
-    ("label_column: label\n", dict(class_conditional=False, label_column=None)),  # read by a conditional run only
+    ("preload_max_gib: 8.0\n", dict(preload_data=True)),
+    ("class_conditional: true\nlabel_column: label\n", dict(class_conditional="label")),
+    ("label_column: label\n", dict(class_conditional=False)),  # read by a conditional run only
     ("adam_beta1: 0.9\n", dict(adam_betas=[0.9, 0.999])),
     ("adam_beta1: 0.9\nadam_beta2: 0.99\n", dict(adam_betas=[0.9, 0.99])),
-    ("P_mean: -1.0\nP_std: 1.4\n", dict(P_mean_std=[-1.0, 1.4], P_mean=-1.0, P_std=1.4)),
+    ("P_mean: -1.0\nP_std: 1.4\n", dict(P_mean_std=[-1.0, 1.4])),
     ("guidance_scale: 1.0\neval_guidance_scales: [1.0]\n", dict(guidance_scale=[1.0])),
     ("guide: .\nguidance_scale: 1.5\neval_guidance_scales: [1.5, 3]\n", dict(guidance_scale=[1.5, 3.0])),
-    ("on_nonfinite: stop\nstrict_data: true\n", dict(on_fault="stop", on_nonfinite="stop", strict_data=True)),
+    ("on_nonfinite: stop\nstrict_data: true\n", dict(on_fault="stop")),
     ("strict_data: true\n", dict(on_fault="stop")),
     ("on_nonfinite: skip\nstrict_data: false\n", dict(on_fault="skip")),
-    ("center_crop: false\n", dict(augment="flip,crop", center_crop=False, random_flip=True)),
-    ("random_flip: false\ncenter_crop: true\n", dict(augment="none", random_flip=False)),
+    ("center_crop: false\n", dict(augment="flip,crop")),
+    ("random_flip: false\ncenter_crop: true\n", dict(augment="none")),
     ("sigma_data: 0.5\nnum_train_timesteps: 1000\nloss_weighting: uncertainty\nlabel_dropout: 0.1\n"
      "adam_epsilon: 1.0e-8\nema_inv_gamma: 1.0\n", dict(sigma_data=0.5, num_train_timesteps=1000)),
     ("channels_last: false\nfused_norm: false\nfused_adam: true\nallow_tf32: true\nprofile_only: false\n",
      dict(channels_last=False, fused_adam=True)),
     # how fast a run went or what its report said, never its weights or scores: any value
     ("cudnn_benchmark: true\nfid_batch_size: 16\ntiming_warmup_steps: 1\npeak_tflops: 0.5\nprofile_steps: 2\n"
-     "profile_top: 5\nprofile_stack: true\n", dict(cudnn_benchmark=False, fid_batch_size=64, timing_warmup_steps=5)),
+     "profile_top: 5\nprofile_stack: true\n", dict(cudnn_benchmark=False, eval_batch_size=16, timing_warmup_steps=5)),
     ("resume_from_checkpoint: latest\n", dict(resume=True)),  # what one command asked for once
 ]  # fmt: skip
 
@@ -324,7 +331,7 @@ def gpu_machine(monkeypatch):
 
 def test_cpu_on_a_gpu_machine_trains_in_fp32_uncompiled(gpu_machine):
     on_cpu = resolved("--cpu")
-    assert (on_cpu.mixed_precision, on_cpu.compile, on_cpu.cudnn_benchmark) == ("no", False, False)
+    assert (on_cpu.mixed_precision, on_cpu.compile_mode, on_cpu.cudnn_benchmark) == ("no", "off", False)
     assert resolved().mixed_precision == "bf16"
     assert "drop --cpu" in str(pytest.raises(ConfigError, resolved, "--cpu", "--mixed_precision", "fp16").value)
 

@@ -498,7 +498,7 @@ def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path):
     resumed = Ranks(start_two_ranks(flags(out, *common)))  # the same command again
     assert resumed.codes == [0, 0], resumed
     assert f"resumed from {out / 'checkpoints' / f'checkpoint-{stop_at}'} at step {stop_at}" in resumed.out0, resumed
-    assert json.loads((out / "train_config.json").read_text())["use_ema"], "the comparison covers an EMA"
+    assert json.loads((out / "train_config.json").read_text())["ema"] != "none", "the comparison covers an EMA"
     end = f"checkpoint-{total}"
     assert_identical(checkpoint_contents(out / "checkpoints" / end), checkpoint_contents(straight / "checkpoints" / end))
     assert_same_weights(out, straight)  # the pipeline: the EMA weights

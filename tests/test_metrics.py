@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import data
 import metrics
-import config
 import rundir
 import train
+from conftest import ROOT
 from errors import ConfigError
 
 
@@ -85,6 +85,18 @@ def test_reference_statistics_are_computed_once_and_recomputed_for_other_data(im
     assert again.scores(fake) == first.scores(fake)
     metrics.cached_reference(tmp_path, {"dataset": "b"}, get_images, *args, log=lambda _: None)
     assert len(calls) == 2
+
+
+def test_the_reference_key_reads_crops_from_augment_or_an_older_runs_center_crop():
+    """A run's flags (--augment) and an older run's train_config.json (center_crop, no --augment: before
+    issue 33) key the same reference statistics when they crop alike, so a cached reference stays valid."""
+    old = json.loads((ROOT / "tests" / "fixtures" / "before-issue-33" / "default" / "train_config.json").read_text())
+    now = {k: v for k, v in old.items() if k not in ("center_crop", "random_flip")} | dict(augment="flip")
+    assert "augment" not in old and old["center_crop"] is True
+    centred = metrics.reference_key(now, 16, "x")
+    assert centred == metrics.reference_key(old, 16, "x") and centred["center_crop"] is True
+    cropped = metrics.reference_key(dict(now, augment="flip,crop"), 16, "x")
+    assert cropped == metrics.reference_key(dict(old, center_crop=False), 16, "x") != centred
 
 
 def test_best_checkpoint_keeps_the_lowest_fid_and_remembers_it(tmp_path):
@@ -177,10 +189,10 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     weights = tmp_path / "inception.pth"
     weights.touch()
     out = tmp_path / "run"
-    # FID samples and embeds max(config.FID_BATCH_SIZE, --eval_batch_size) images at a time: with the floor at 2
+    # FID samples and embeds max(metrics.FID_BATCH_SIZE, --eval_batch_size) images at a time: with the floor at 2
     # (64 in train.py), --eval_batch_size's 4, so that the 16 training images and each 6 generated take several
     # batches, the last one short
-    monkeypatch.setattr(config, "FID_BATCH_SIZE", 2)
+    monkeypatch.setattr(metrics, "FID_BATCH_SIZE", 2)
     # 2 steps per epoch, 3 epochs, FID every 2 epochs and at the end: after epochs 1 and 2
     run(out, "--max_train_steps", 6, "--eval_every_epochs", 2, "--eval_num_samples", 6, "--fid_weights", weights)
     stdout = capsys.readouterr().out

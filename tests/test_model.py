@@ -191,8 +191,8 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
 
     def settings(*flags):
         args = config.resolve(config.parse_args(list(flags)))
-        return (args.prediction_type, args.timestep_sampling, args.P_mean, args.P_std, args.train_batch_size,
-                args.num_epochs, args.use_ema)  # fmt: skip
+        return (args.prediction_type, args.timestep_sampling, *args.P_mean_std, args.train_batch_size,
+                args.num_epochs, args.ema != "none")  # fmt: skip
 
     assert settings() == ("v_prediction", "lognormal", -1.2, 1.2, 4, 12, False)  # the bare run: the small preset's
     assert settings("--model", "tiny", "--image_size", "16") == ("epsilon", "uniform", -1.2, 1.2, 16, 8, True)  # Ho et al.'s

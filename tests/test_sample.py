@@ -1,3 +1,6 @@
+import json
+import shutil
+
 import pytest
 import torch
 from PIL import Image
@@ -141,6 +144,39 @@ def test_a_run_without_an_ema_samples_its_raw_weights_by_default_and_refuses_ema
     with pytest.raises(SystemExit):
         sample_main(out, "--ema", "--num_images", 1, "--output", tmp_path / "x")
     assert "kept no EMA" in capsys.readouterr().err
+
+
+def before_issue_37(config):
+    """`config` (a train_config.json) as train.py wrote it before issue 37: its settings beside its flags,
+    and what config.resolve derived of merged flags then (use_ema, center_crop, ...)."""
+    old = {k: v for k, v in config.items() if k not in ("settings", "augment")} | config["settings"]
+    return old | dict(use_ema=config["ema"] != "none", center_crop="crop" not in config["augment"],
+                      random_flip="flip" in config["augment"], compile=config["compile_mode"] != "off")  # fmt: skip
+
+
+@pytest.mark.parametrize("style", ["today", "before issue 37"])
+def test_a_runs_settings_and_ema_are_read_from_its_train_config_json_of_today_or_before(tiny_run, tmp_path, capsys, style):
+    """Today's train_config.json keeps the settings under "settings"; an older one beside the flags, with
+    use_ema deciding whether the run kept an EMA (here: not, though its --ema names one)."""
+    run, step = tmp_path / "run", "checkpoints/checkpoint-4"
+    shutil.copytree(tiny_run / step, run / step)
+    config = json.loads((tiny_run / "train_config.json").read_text())
+    config["settings"] |= dict(num_train_timesteps=500, sigma_data=0.25)  # not train.py's: seen only if read
+    config = before_issue_37(config) | dict(use_ema=False) if style != "today" else config | dict(ema="none")
+    assert ("settings" in config) == (style == "today") and ("use_ema" in config) != (style == "today")
+    (run / "train_config.json").write_text(json.dumps(config))
+
+    source = rundir.RunDir(run)
+    assert source.setting("sigma_data", models.SIGMA_DATA) == 0.25 and not source.kept_ema
+    unet, scheduler = source.load()
+    assert scheduler["num_train_timesteps"] == 500
+    raw = load_file(str(run / step / "model.safetensors"))  # no EMA kept: the raw weights, not the EMA's
+    assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw)
+    with pytest.raises(SystemExit):
+        sample_main(run, "--num_inference_steps", 501, "--num_images", 1, "--output", tmp_path / "x")
+    assert "cannot exceed the model's 500 training timesteps" in capsys.readouterr().err
+    with pytest.raises(sample.ConfigError, match="the guide was trained with num_train_timesteps 1000, the model with 500"):
+        sample.check_guide(config, json.loads((tiny_run / "train_config.json").read_text()))
 
 
 def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, capsys):

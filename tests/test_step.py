@@ -165,10 +165,9 @@ def test_the_captured_step_trains_as_the_eager_step_on_a_gpu():
 
 
 def flags(**changes):
-    """What choose_compile_mode reads of a resolved configuration (compile: --compile_mode is not off;
-    on_nonfinite: --on_fault's; fused_adam: a config.SETTINGS)."""
-    base = dict(compile=True, compile_mode="auto", gradient_accumulation_steps=1, mixed_precision="bf16",
-                on_nonfinite="skip", fused_adam=True)  # fmt: skip
+    """What choose_compile_mode reads of a resolved configuration (fused_adam: a config.SETTINGS)."""
+    base = dict(compile_mode="auto", gradient_accumulation_steps=1, mixed_precision="bf16", on_fault="skip",
+                fused_adam=True)  # fmt: skip
     return argparse.Namespace(**(base | changes))
 
 
@@ -184,9 +183,9 @@ CUDA = torch.device("cuda")
         (flags(), CUDA, 2, 1.47, "default", "2 processes"),
         (flags(gradient_accumulation_steps=2), CUDA, 1, 1.47, "default", "accumulation"),
         (flags(mixed_precision="fp16"), CUDA, 1, 1.47, "default", "fp16"),
-        (flags(on_nonfinite="stop"), CUDA, 1, 1.47, "default", "--on_fault stop"),  # on_nonfinite: --on_fault's
+        (flags(on_fault="stop"), CUDA, 1, 1.47, "default", "--on_fault stop"),
         (flags(), CPU, 1, 0.001, "default", "need a CUDA GPU"),
-        (flags(compile=False, compile_mode="off"), CUDA, 1, 1.47, None, "eager (--compile_mode off)"),
+        (flags(compile_mode="off"), CUDA, 1, 1.47, None, "eager (--compile_mode off)"),
         (flags(compile_mode="max-autotune-no-cudagraphs"), CUDA, 1, 1.47, "max-autotune-no-cudagraphs", "--compile_mode"),
         (flags(compile_mode="step-graph"), CUDA, 1, 1.47, "step-graph", "--compile_mode step-graph"),
     ],

@@ -92,8 +92,8 @@ def test_the_data_loader_sweep_streams_each_worker_count_and_preloads_once(tmp_p
         (["--sweep", "batch_size", "--values", "4"], lambda a: a.train_batch_size == 4),
         (["--sweep", "dataloader_num_workers", "--values", "2"], lambda a: not a.preload_data and a.dataloader_num_workers == 2),
         (["--sweep", "mixed_precision", "--values", "bf16"], lambda a: a.mixed_precision == "bf16"),
-        (["--sweep", "compile", "--values", "on"], lambda a: a.compile),
-        (["--sweep", "compile", "--values", "off"], lambda a: not a.compile),
+        (["--sweep", "compile", "--values", "on"], lambda a: a.compile_mode != "off"),
+        (["--sweep", "compile", "--values", "off"], lambda a: a.compile_mode == "off"),
         # --train_args reach every point, and the swept flag comes after them
         (["--sweep", "batch_size", "--values", "2", "--train_args", "--learning_rate 3e-4"],
          lambda a: a.learning_rate == 3e-4 and a.train_batch_size == 2),
