@@ -212,7 +212,7 @@ def _augment(value, values):
 
 
 _FAULT = "use --on_fault skip or stop (it decides for non-finite steps and unreadable images alike)"
-_BENCH = "bench.py's rows and its --{0} set it on the step they time"
+_BENCH = "the rows of python -m bench and its --{0} set it on the step they time"
 REMOVED = {
     "compile": Removed("use --compile_mode off, auto or a mode", _compile, switch=True),
     "use_ema": Removed("use --ema none, standard or power", _use_ema, switch=True),
@@ -483,7 +483,7 @@ def build_parser(prog="train.py", source=""):
     flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
          "to keep the GPU busy, else default (the rule and its measurements: step.py); torch.compile's modes; "
          "step-graph: the whole step (forward, backward, optimizer, EMA) in one CUDA graph (default: auto on a CUDA "
-         "GPU, else off; bench.py measures the other speed settings)", choices=("off", *steps.COMPILE_MODES))  # fmt: skip
+         "GPU, else off; python -m bench measures the other speed settings)", choices=("off", *steps.COMPILE_MODES))  # fmt: skip
 
     o = p.add_argument_group("outputs")
     flag(o, "output_dir", "where samples, checkpoints and the model go", "ddpm-output")
@@ -763,7 +763,7 @@ def _fill_from_preset(args):
 
 
 def _fill_from_machine(args):
-    """Precision and compilation: the fast path with a CUDA GPU (bench.py measures each part)."""
+    """Precision and compilation: the fast path with a CUDA GPU (`python -m bench` measures each part)."""
     gpu = on_gpu(args)
     if args.mixed_precision == "fp16" and not gpu:
         raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no (or drop --cpu)")

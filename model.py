@@ -386,7 +386,7 @@ def ddpm_objective(noise_scheduler, args):
     return DDPMObjective(noise_scheduler, args.snr_gamma, args.timestep_sampling, *args.P_mean_std)
 
 
-# --- the training step's fast path (shared by train.py and bench.py) ---------------
+# --- the training step's fast path (shared by train.py and python -m bench) ---------
 
 
 def fused_adamw_available(parameters):

@@ -4,7 +4,7 @@
     -> clip -> AdamW (fused: skips a non-finite step on the device) -> LR schedule -> EMA
 
 `TrainStep` does all of it with no host sync (unless --on_fault stop asks
-for one), so train.py's loop and bench.py's rows call the very same code.
+for one), so train.py's loop and `python -m bench`'s rows call the very same code.
 How it runs on a GPU is `--compile_mode`:
 
 - `default`, `max-autotune`...: torch.compile of the network (forward and
@@ -115,7 +115,7 @@ def compile_network(model, mode, force_layout=False):
 def inductor_settings(force_layout=False):
     """Process-wide Inductor settings for compiling the UNet's step; called by compile_network.
 
-    `force_layout` (bench.py's force_layout row only, not a train.py flag yet):
+    `force_layout` (`python -m bench`'s force_layout row only, not a train.py flag yet):
     Inductor's layout optimisation (decide_layout_opt) keeps channels_last
     through a training graph only if no convolution has out_channels * 2 <=
     in_channels; every UNet preset's conv_out (128 -> 3 for ref128) has, so the
@@ -137,7 +137,7 @@ def inductor_settings(force_layout=False):
         and "TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION" not in os.environ
     ):
         config.loop_reindexing_after_fusion = False
-    # Set either way, as it is process-wide: a bench.py row after force_layout must not inherit it.
+    # Set either way, as it is process-wide: a ladder row after force_layout must not inherit it.
     config.force_layout_optimization = force_layout or os.environ.get("TORCHINDUCTOR_FORCE_LAYOUT_OPT") == "1"
 
 
@@ -148,7 +148,7 @@ class TrainStep:
     `model` is the module the optimizer holds, its parameters the ones the EMA
     follows. `objective.loss(net, x0)` draws its own noise on the device.
     With an `accelerator`, it accumulates gradients, scales fp16 losses and
-    syncs DDP; without one (bench.py), `autocast` gives the precision.
+    syncs DDP; without one (`python -m bench`), `autocast` gives the precision.
     `mark(phase)` is called at each phase boundary (train.py's Breakdown).
 
     A micro-batch is a uint8 image tensor, or (images, labels) for a

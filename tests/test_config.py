@@ -3,6 +3,7 @@
 import copy
 import glob
 import json
+import re
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 import config
 import data
 import train
+from bench import speed
 from conftest import ROOT
 from errors import ConfigError
 from test_train import TINY, run, visible
@@ -120,6 +122,14 @@ def test_a_removed_flag_on_the_command_line_names_what_replaced_it(capsys, key):
         assert f"--no-{key} was removed: " in one_line_error(capsys, [f"--no-{key}"])
 
 
+@pytest.mark.parametrize("key", config.SPEED_SETTINGS)
+def test_a_removed_speed_flag_names_the_flag_of_python_m_bench_that_sets_it(capsys, key):
+    line = one_line_error(capsys, [f"--{key}"])
+    named = re.search(r"the rows of python -m bench and its (--[\w-]+) set it on the step they time", line)
+    assert named and "bench.py" not in line, line
+    assert speed.parse_args([named.group(1)]).train_settings  # a flag of python -m bench, setting one of these
+
+
 def test_a_pair_starting_negative_is_a_value_not_a_flag():
     assert resolved("--P_mean_std", "-1.0,1.4").P_mean_std == [-1.0, 1.4]  # no '=' needed
 
@@ -204,7 +214,7 @@ NOTHING_SAYS = [
     ("adam_epsilon: 1.0e-6\n", "adam_epsilon 1e-06 has no equivalent now"),
     ("ema_inv_gamma: 2.0\n", "ema_inv_gamma 2.0 has no equivalent now"),
     ("channels_last: true\n", "channels_last true has no equivalent now (--channels_last was removed: train.py runs "
-     "NCHW; bench.py's rows and its --channels_last set it on the step they time)"),
+     "NCHW; the rows of python -m bench and its --channels_last set it on the step they time)"),
     ("fused_norm: true\n", "fused_norm true has no equivalent now"),
     ("fused_adam: false\n", "fused_adam false has no equivalent now"),
     ("allow_tf32: false\n", "allow_tf32 false has no equivalent now"),
