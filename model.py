@@ -397,22 +397,24 @@ def fused_adamw_available(parameters):
     return all(p.device.type in devices and p.is_floating_point() for p in parameters)
 
 
-def prepare_for_training(unet, channels_last=False, fused_adam=False, also=(), **adamw):
+def prepare_for_training(unet, channels_last=False, fused_adam=False, also=(), foreach=True, **adamw):
     """Put `unet` in the memory format it trains in and build its AdamW; returns the optimizer.
 
     channels_last (NHWC) converts the parameters in place, so checkpoints and
     the saved pipeline see the same module. AdamW is fused (one kernel reads
     each parameter, gradient and moment once per step) when `fused_adam` and
     torch has the kernel for the device, else foreach (a few multi-tensor
-    kernels); never the per-parameter loop. `also`: more parameters to train
-    (EDM's learned loss weighting). `adamw`: lr, betas, weight_decay, eps.
+    kernels); never the per-parameter loop, unless `foreach` is None: then
+    torch picks, as diffusers' example builds its AdamW (the speed ladder's
+    yardstick). `also`: more parameters to train (EDM's learned loss
+    weighting). `adamw`: lr, betas, weight_decay, eps.
     """
     if channels_last:
         unet.to(memory_format=torch.channels_last)
     parameters = list(unet.parameters()) + list(also)
     if fused_adam and fused_adamw_available(parameters):
         return torch.optim.AdamW(parameters, fused=True, **adamw)
-    return torch.optim.AdamW(parameters, foreach=True, **adamw)
+    return torch.optim.AdamW(parameters, foreach=foreach, **adamw)
 
 
 # --- the EDM objective (Karras et al. 2022, "EDM"; Karras et al. 2024, "EDM2") -------

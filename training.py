@@ -30,13 +30,15 @@ class Pieces:
 
 
 def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, write_ema=True, init_state=None,
-          ema_foreach=True, prepare=None, unwrap=None):  # fmt: skip
+          ema_foreach=True, adam_foreach=True, prepare=None, unwrap=None):  # fmt: skip
     """The pieces of a run with configuration `args` (config.resolve's), `total_steps` long.
 
     The network is built on the CPU (with `init_state` loaded when given) and moved to
     `device` before AdamW is made, so that a fused AdamW finds its kernel there. A latent
     run's network takes its latents' size and channels (args.latent_size, latent_channels).
     `write_ema`: whether this process writes the power EMA's snapshots (the main one).
+    `adam_foreach`: an AdamW that is not fused runs foreach (True: train.py's), or as torch picks (None:
+    the speed ladder's diffusers_example row, AdamW as diffusers' example builds it).
     `prepare(network, optimizer)` -> (model, optimizer): accelerate's, before the EMA is made,
     so that with several processes every EMA starts from the weights they all train (rank 0's);
     `unwrap(model)`: the network inside it.
@@ -59,7 +61,8 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     # the network in place first.
     optimizer = models.prepare_for_training(
         network, args.channels_last, args.fused_adam, also=objective.parameters(),  # EDM's u(sigma) trains too
-        lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay, eps=args.adam_epsilon,
+        foreach=adam_foreach, lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
+        eps=args.adam_epsilon,
     )  # fmt: skip
     if args.fused_norm:  # class swaps in place: the parameters and the state dict stay as they are
         import fused_norm  # Triton kernels: loaded only when asked for (tests/test_layout.py)

@@ -325,16 +325,12 @@ class TrainingStep:
         set_backend_flags(settings)
         self.device, self.images = device, images
         t.channels_last, t.fused_adam, t.fused_norm = settings["channels_last"], settings["fused_adam"], settings["fused_norm"]
-        # train.py's pieces (training.build), from the same starting weights; the EMA's update foreach or not
+        # train.py's pieces (training.build), from the same starting weights; the EMA's update foreach or not,
+        # AdamW foreach or (diffusers' example: adam_foreach None) as torch picks
         pieces = training.build(t, TIMED_RUN_STEPS, device, init_state=init_state, write_ema=False,
-                                ema_foreach=settings["ema_foreach"])  # fmt: skip
+                                ema_foreach=settings["ema_foreach"], adam_foreach=settings["adam_foreach"])  # fmt: skip
         self.unet, self.objective, self.ema = pieces.network, pieces.objective, pieces.ema
         self.optimizer, self.lr_scheduler = pieces.optimizer, pieces.lr_scheduler
-        if not settings["fused_adam"] and settings["adam_foreach"] is None:  # diffusers' example: torch's default
-            adamw = self.optimizer.defaults
-            self.optimizer = torch.optim.AdamW(self.unet.parameters(), lr=adamw["lr"], betas=adamw["betas"],
-                                               weight_decay=adamw["weight_decay"], eps=adamw["eps"])  # fmt: skip
-            self.lr_scheduler = models.make_lr_scheduler(t.lr_scheduler, self.optimizer, t.lr_warmup_steps, TIMED_RUN_STEPS)
         self.unet.train()
         self.model = steps.compile_network(self.unet, settings["compile_mode"], force_layout=settings["force_layout"])
         # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.

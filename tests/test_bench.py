@@ -120,14 +120,20 @@ def test_train_default_row_follows_train_py(monkeypatch):
 
 
 def test_a_row_and_a_training_run_take_their_pieces_from_one_builder(fixed_step, tmp_path, monkeypatch):
-    """training.build makes a ladder row's network, objective, optimizer and EMA as it makes a run's."""
+    """training.build makes a ladder row's network, objective, optimizer, LR schedule and EMA as it makes a
+    run's, and the row's step takes them as built: diffusers_example's AdamW too (as torch picks: adam_foreach None)."""
     init_state, images, _, _ = fixed_step
     built, real = [], training.build
     monkeypatch.setattr(training, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
     run_train(tmp_path / "run", "--max_train_steps", 1)
-    bench.TrainingStep(bench.train_default_variant()["settings"], TINY, init_state, images, CPU)
-    assert len(built) == 2
-    run, row = built
+    example, default = (bench.TrainingStep(v["settings"], TINY, init_state, images, CPU)
+                        for v in (bench.DIFFUSERS_EXAMPLE, bench.train_default_variant()))  # fmt: skip
+    assert len(built) == 3
+    run, example_pieces, row = built
+    for step, pieces in ((example, example_pieces), (default, row)):
+        assert step.step.optimizer is pieces.optimizer and step.step.lr_scheduler is pieces.lr_scheduler
+        assert pieces.lr_scheduler.optimizer is pieces.optimizer
+    assert example_pieces.optimizer.defaults["foreach"] is None and not example_pieces.optimizer.defaults["fused"]
     for piece in ("network", "objective", "ema", "noise_scheduler"):
         assert type(getattr(run, piece)) is type(getattr(row, piece)), piece
     adamw = ("betas", "weight_decay", "eps", "fused")  # the run's optimizer is accelerate's wrapper of the same AdamW
