@@ -472,7 +472,7 @@ def build_parser(prog="train.py", source=""):
     flag(t, "ema", "the average of the weights that samples, is saved and is scored: none (the raw weights), "
          "standard (decay with warm-up: --ema_max_decay, --ema_power) or power (Karras et al. 2024's power-function "
          "EMAs, snapshots for post-hoc reconstruction: --ema_stds, ema.py reconstruct) (default: the preset's; "
-         f"{translate(SMALL['flags']).get('ema', PRESET_FALLBACKS['ema'])} for small, else {PRESET_FALLBACKS['ema']})",
+         f"{SMALL['flags']['ema']} for small, else {PRESET_FALLBACKS['ema']})",
          choices=("none", "standard", "power"))  # fmt: skip
     flag(t, "ema_max_decay", "standard EMA: decay after warm-up", 0.9999, type=unit_interval)
     flag(t, "ema_power", "standard EMA: warm-up power, decay = 1 - (1 + step)^-power", 0.75, type=non_negative)

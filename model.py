@@ -80,7 +80,7 @@ PRESETS = {
         # raw weights scored better than the EMA in every comparison (BENCHMARKS.md).
         # 12 epochs (6,144 steps): minutes on a 2-core CPU, and the first length whose
         # grid holds triangles and squares (BENCHMARKS.md).
-        flags=dict(train_batch_size=4, num_epochs=12, use_ema=False),
+        flags=dict(train_batch_size=4, num_epochs=12, ema="none"),
         unet=_unet((32, 64, 64), attention_at=(), layers_per_block=1, norm_num_groups=8),
     ),
     # For tests and smoke runs: a few hundred thousand parameters.
