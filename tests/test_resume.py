@@ -148,7 +148,10 @@ def test_a_flag_declared_safe_may_change(tmp_path, flag):
 
 
 def old_record(config=BASE):
-    return {key: config[key] for key in OLD_IDENTITY}
+    """What a checkpoint of before issue 32 recorded of `config`: OLD_IDENTITY, center_crop and use_ema as
+    config.resolve derived them then."""
+    derived = dict(center_crop="crop" not in config["augment"], use_ema=config["ema"] != "none")
+    return {key: (config | derived)[key] for key in OLD_IDENTITY}
 
 
 def test_an_old_checkpoint_resumes_with_the_new_settings_at_their_defaults(tmp_path):
