@@ -621,28 +621,70 @@ def _floats(x, channels):
     return values
 
 
+def vae_constants(vae):
+    """Kind "vae"'s constants from the VAE's config: scaling_factor, and latents_mean and latents_std
+    (per channel) where the config sets both, else shift_factor (None where unset)."""
+    config, channels = vae.config, latent_channels(vae)
+    defaults = set(config.get("_use_default_values", None) or [])
+    if config.get("scaling_factor") is None or "scaling_factor" in defaults:
+        raise ConfigError(
+            "the VAE's config.json sets no scaling_factor: normalise by the dataset's own mean and std instead"
+        )
+    constants = dict(scaling_factor=float(config["scaling_factor"]))
+    if config.get("latents_mean") is not None and config.get("latents_std") is not None:
+        return constants | dict(latents_mean=_floats(config["latents_mean"], channels),
+                                latents_std=_floats(config["latents_std"], channels))  # fmt: skip
+    return constants | dict(shift_factor=config.get("shift_factor"))
+
+
+VAE_CONSTANTS = ("scaling_factor", "shift_factor", "latents_mean", "latents_std")
+
+
+def latent_space(encoder_sha256, normalization):
+    """What a latent run's network takes, as resume and guidance compare it: the encoder's weights (their
+    hash: vae_identity) and the normalisation's kind, with the VAE's constants for kind "vae" (`normalization`:
+    a record of `normalization()`, or the kind and vae_constants). Not the --vae text: the same weights
+    spelled otherwise (another path, a `,vae` suffix) are the same latent space. A "dataset" normalisation's
+    mean and std follow from the data and the encoder, both compared."""
+    same = {"kind": normalization["kind"]}
+    if same["kind"] == "vae":
+        same |= {k: normalization[k] for k in VAE_CONSTANTS if normalization.get(k) is not None}
+    return dict(encoder_sha256=encoder_sha256, normalization=same)
+
+
+def recorded_latent_space(config):
+    """The latent space a run's train_config.json (`config`) records: its latent_space, else (a run of before
+    it) its latents record's, else None: a run on pixels."""
+    if config.get("latent_space") is not None:
+        return config["latent_space"]
+    record = config.get("latents")
+    return latent_space(record["encoder_sha256"], record["normalization"]) if record else None
+
+
+def latent_space_change(saved, now):
+    """A change of latent space (latent_space's, or None for pixels) in words: pixels <-> latents, another
+    encoder, another normalisation."""
+    if saved is None or now is None:
+        return f"--vae: {'pixels' if saved is None else 'latents'} -> {'pixels' if now is None else 'latents'}"
+    if saved["encoder_sha256"] != now["encoder_sha256"]:
+        return (f"--vae: another VAE (its encoder's weights: SHA-256 {saved['encoder_sha256'][:12]}... -> "
+                f"{now['encoder_sha256'][:12]}...)")  # fmt: skip
+    return f"the latents' normalisation {saved['normalization']} -> {now['normalization']}"
+
+
 def normalization(cache, vae, kind="vae", target_std=1.0):
     """The per-channel normalisation record (module doc): kind "vae" or "dataset"."""
     channels = cache.channels
     mean, std = cache.stats["mean"], cache.stats["std"]
     if kind == "vae":
-        config = vae.config
-        defaults = set(config.get("_use_default_values", None) or [])
-        if config.get("scaling_factor") is None or "scaling_factor" in defaults:
-            raise ConfigError(
-                "the VAE's config.json sets no scaling_factor: normalise by the dataset's own mean and std instead"
-            )
-        factor = float(config["scaling_factor"])
-        record = dict(kind="vae", scaling_factor=factor)
-        if config.get("latents_mean") is not None and config.get("latents_std") is not None:
-            shift = _floats(config["latents_mean"], channels)
-            scale = [factor * target_std / s for s in _floats(config["latents_std"], channels)]
-            record |= dict(latents_mean=shift, latents_std=_floats(config["latents_std"], channels))
+        record = dict(kind="vae") | vae_constants(vae)
+        factor = record["scaling_factor"]
+        if "latents_mean" in record:
+            shift = record["latents_mean"]
+            scale = [factor * target_std / s for s in record["latents_std"]]
         else:
-            shift_factor = config.get("shift_factor")
-            shift = _floats(shift_factor or 0.0, channels)
+            shift = _floats(record["shift_factor"] or 0.0, channels)
             scale = [factor * target_std] * channels
-            record |= dict(shift_factor=shift_factor)
     elif kind == "dataset":
         shift = [float(m) for m in mean]
         scale = [target_std / max(float(s), 1e-12) for s in std]

@@ -197,11 +197,15 @@ class Run:
         # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds;
         # a latent run's encoded to latents, or read from their cache.
         self.unreadable = data.Unreadable(strict=args.strict_data, verbose=self.is_main)
-        self.decode, self.latents = None, None  # a latent run's: latents -> images, and its record
-        if args.vae:
-            images, labels, class_names = self._latent_data()
+        self.decode, self.latents, self.latent_space = None, None, None  # a latent run's: latents -> images, records
+        resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
+        if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
+            source = self._latent_source()
+            start_from = self._choose_start(source["class_names"], resume_from)
+            images, labels, class_names = self._latent_data(source)
         else:
             images, labels, class_names = data.load_images(args, self.unreadable)
+            start_from = self._choose_start(class_names, resume_from)
         self.images_per_step = args.train_batch_size * self.world * args.gradient_accumulation_steps
         if len(images) < self.images_per_step:
             raise ConfigError(
@@ -212,17 +216,12 @@ class Run:
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
         self.config["data_path"] = "preloaded" if isinstance(images, torch.Tensor) else "latents" if args.vae else "streamed"
         if self.latents is not None:
-            self.config["latents"] = self.latents
+            self.config |= dict(latents=self.latents, latent_space=self.latent_space)
         # The classes of a conditional run, kept with it: sample.py takes their names.
         self.num_classes = len(class_names) if class_names else 0
         self.config |= dict(num_classes=self.num_classes, class_names=class_names,
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
-        resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
-        start_from = resume.choose_start(
-            args.output_dir, self.config, args.resume is not False, resume_from, args.overwrite_output_dir
-        )
-        accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
         if self.evaluator is not None:  # a latent run's reference: its images, decoded (once: then cached)
             self.evaluator.prepare_reference(lambda: metrics.reference_images(vars(args), args.image_size) if args.vae
                                              else images)  # fmt: skip
@@ -242,22 +241,42 @@ class Run:
         if self.step < self.total_steps:
             self._announce()
 
-    def _latent_data(self):
-        """A latent run's data: (latents.LatentDataset, labels, class names). The VAE, then the latents of
-        the dataset from their cache: the main process encodes them into it when they are not there (one
+    def _choose_start(self, class_names, resume_from):
+        """The checkpoint to continue from (resume.choose_start), checked against what the run is before
+        anything is encoded: the flags, the processes, the classes, a latent run's latent space."""
+        identity = dict(vars(self.args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
+                        latent_space=self.latent_space)  # fmt: skip
+        args = self.args
+        start = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from, args.overwrite_output_dir)
+        self.accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
+        return start
+
+    def _latent_source(self):
+        """A latent run's VAE and dataset, nothing encoded yet: the VAE loaded and hashed (`self.latent_space`,
+        what resume compares), the dataset opened (its identity, count and classes) and the cache's key."""
+        args = self.args
+        vae = latents.load_vae(args.latents["source"], args.latents["subfolder"])  # config.resolve found it
+        identity, images, count, class_names = data.images_to_encode(args, self.unreadable)
+        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=args.random_flip)
+        kind = args.latent_normalization
+        self.latent_space = latents.latent_space(key["vae"]["encoder_sha256"],
+                                                 dict(kind=kind) | (latents.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
+        return dict(vae=vae, images=images, count=count, class_names=class_names, key=key)
+
+    def _latent_data(self, found):
+        """A latent run's data: (latents.LatentDataset, labels, class names). The latents of the dataset
+        from their cache: the main process encodes them into it when they are not there (one
         line says how fast; a cache hit decodes no image and says so), the others wait and read them. Each
         epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as `self.latents`
         records for train_config.json; `self.decode` turns latents into images for the grids and FID."""
         args, accelerator = self.args, self.accelerator
-        source = args.latents["source"]  # config.resolve found the VAE: its folder (and subfolder) or Hub id
-        vae = latents.load_vae(source, args.latents["subfolder"])
+        vae, key, source = found["vae"], found["key"], args.latents["source"]
         if self.is_main:
             vae.to(self.device)  # it encodes, and decodes the grids and FID samples
-        identity, images, count, class_names = data.images_to_encode(args, self.unreadable)
-        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=args.random_flip)
         with accelerator.main_process_first():
-            cache = latents.cached_latents(vae, images, key, max_gib=args.preload_max_gib if args.preload_data else 0.0,
-                                           num_images=count, progress=self.is_main, log=accelerator.print)  # fmt: skip
+            cache = latents.cached_latents(vae, found["images"], key, num_images=found["count"], progress=self.is_main,
+                                           max_gib=args.preload_max_gib if args.preload_data else 0.0,
+                                           log=accelerator.print)  # fmt: skip
         # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
         target_std = args.sigma_data if args.objective == "edm" else 1.0
         record = latents.normalization(cache, vae, args.latent_normalization, target_std)
@@ -274,7 +293,7 @@ class Run:
             encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
         )  # fmt: skip
         self.decode = lambda z: latents.decode(vae, z, record)
-        return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, class_names
+        return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, found["class_names"]
 
     def _build_training(self):
         """Network, objective, optimizer, learning-rate schedule and EMA, as the speed ladder's rows

@@ -129,16 +129,48 @@ def test_resume_is_bit_identical(tmp_path, vae, capsys):
             assert all(torch.equal(x, y) for x, y in zip(a_ema["shadow_params"], b_ema["shadow_params"]))
 
 
-def test_resume_refuses_another_vae_or_normalisation_in_one_line(tmp_path, vae, capsys):
+def refused(out, capsys, *flags):
+    """train.py's one-line refusal (exit code 2) of `flags` on `out`: the line."""
+    with pytest.raises(SystemExit) as stopped:
+        run(out, *FEW, *map(str, flags))
+    err = visible(capsys.readouterr().err)
+    assert stopped.value.code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_resume_refuses_another_vae_before_encoding_in_one_line(tmp_path, vae, capsys, monkeypatch):
     out = tmp_path / "run"
     train_latents(out, vae, "--max_train_steps", 1)
+    written = (out / "train_config.json").read_text()
+    # a second VAE in another folder, and other weights saved over the run's own VAE folder
+    other = make_kl(tmp_path / "other", seed=1)
+    overwritten = shutil.copytree(vae, tmp_path / "overwritten")
+    train_latents(tmp_path / "run2", overwritten, "--max_train_steps", 1)
+    make_kl(overwritten, seed=1)
+    fresh = tmp_path / "fresh-cache"  # no cache: a resume that encoded first would fill it
+    monkeypatch.setenv(latents.CACHE_ENV, str(fresh))
     capsys.readouterr()
-    for other, says in ((f"{vae},dataset", "latent_normalization 'vae' -> 'dataset'"), (None, f"--vae '{vae}' -> None")):
-        flags = [*FEW, "--max_train_steps", 2] + (["--vae", other] if other else [])
-        with pytest.raises(SystemExit) as stopped:
-            run(out, *flags)
-        err = visible(capsys.readouterr().err)
-        assert stopped.value.code == 2 and len(err) == 1 and "cannot resume" in err[0] and says in err[0], err
+    for folder, flag in ((out, other), (tmp_path / "run2", overwritten)):
+        says = refused(folder, capsys, "--max_train_steps", 2, "--vae", flag)
+        assert says.startswith("train.py: error: cannot resume") and "(--vae: another VAE (its encoder's weights: " in says
+    assert not fresh.exists()  # refused before any image was encoded
+    assert (out / "train_config.json").read_text() == written  # nor was the run's record written over
+    # the normalisation, and pixels, are refused too
+    assert "the latents' normalisation {'kind': 'vae', 'scaling_factor': 0.18215" in refused(
+        out, capsys, "--max_train_steps", 2, "--vae", f"{vae},dataset")  # fmt: skip
+    assert "(--vae: latents -> pixels)" in refused(out, capsys, "--max_train_steps", 2)
+
+
+def test_the_same_vae_spelled_otherwise_resumes(tmp_path, vae, capsys, monkeypatch):
+    """Its suffix, a relative path, another folder holding the same weights: the same latent space."""
+    out = tmp_path / "run"
+    train_latents(out, vae, "--max_train_steps", 1)
+    copy = shutil.copytree(vae, tmp_path / "elsewhere" / "same-vae")
+    monkeypatch.chdir(vae.parent)
+    for step, flag in enumerate((f"{vae},vae", vae.name, copy), start=2):
+        train_latents(out, flag, "--max_train_steps", step)
+        assert f"resumed from {out / 'checkpoints' / f'checkpoint-{step - 1}'} at step {step - 1}" in capsys.readouterr().out
+    assert (out / "checkpoints" / "checkpoint-4").is_dir()
 
 
 def test_the_cache_is_reused_and_rebuilt_for_another_vae_or_image_size(tmp_path, vae, capsys, monkeypatch):

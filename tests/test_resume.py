@@ -9,8 +9,9 @@ import json
 import pytest
 
 import checkpoint
-import resume as rules
 import config
+import latents
+import resume as rules
 from errors import ConfigError
 from test_config import OLD_RUNS, SAME_AS_OLD_RUN
 from test_train import TINY
@@ -27,8 +28,15 @@ CHANGED = dict(
     seed=1, objective="edm", prediction_type="sample", beta_schedule="squaredcos_cap_v2",
     zero_terminal_snr=True, learning_rate=1e-3, adam_betas=[0.9, 0.99], weight_decay=0.0, ema="power",
     ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_power=2 / 3, mixed_precision="fp16",
-    vae="vae-folder/", latent_normalization="dataset",  # a latent run's latent space (issue 34)
+    latent_space=dict(encoder_sha256="ab" * 32, normalization=dict(kind="dataset")),  # a latent run's (issue 37)
 )  # fmt: skip
+
+# How a refusal names a change of each identity key: "--flag before -> after", or in words.
+def change_words(key, before, after):
+    if key == "latent_space":
+        return latents.latent_space_change(before, after)
+    return f"{named(key)} {before!r} -> {after!r}"
+
 
 # RUN_IDENTITY before issue 32: what the "run" of an older checkpoint holds.
 OLD_IDENTITY = (
@@ -41,7 +49,7 @@ OLD_IDENTITY = (
 def resolved(*flags):
     """The config train.py hands choose_start for TINY plus `flags` (one process, unconditional)."""
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", *flags]))
-    return vars(args) | dict(num_processes=1, num_classes=0)
+    return vars(args) | dict(num_processes=1, num_classes=0, latent_space=None)
 
 
 BASE = resolved()
@@ -105,13 +113,13 @@ def test_a_changed_identity_key_is_refused_naming_it(tmp_path, key):
     assert CHANGED[key] != BASE[key]
     write_checkpoint(tmp_path, rules.run_identity(BASE))
     message = refusal(tmp_path, BASE | {key: CHANGED[key]})
-    assert f"({named(key)} {BASE[key]!r} -> {CHANGED[key]!r})" in message  # that one difference, and only it
+    assert f"({change_words(key, BASE[key], CHANGED[key])})" in message  # that one difference, and only it
 
 
 @pytest.mark.parametrize("key", CHANGED)
 def test_the_change_is_refused_the_other_way_too(tmp_path, key):
     write_checkpoint(tmp_path, rules.run_identity(BASE | {key: CHANGED[key]}))
-    assert f"{named(key)} {CHANGED[key]!r} -> {BASE[key]!r}" in refusal(tmp_path, BASE)
+    assert change_words(key, CHANGED[key], BASE[key]) in refusal(tmp_path, BASE)
 
 
 def test_all_differences_are_listed_on_one_line(tmp_path):
