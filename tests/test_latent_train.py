@@ -5,6 +5,7 @@ the tiny network trains on 8x8x4 latents for a few steps, and samples in 1 step.
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -347,6 +348,17 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, vae, capsys, flags, mes
 
 
 LATENT_CONFIGS = sorted((ROOT / "configs").glob("*latent*.yaml"))
+
+
+def test_the_tests_read_no_users_hugging_face_cache():
+    """conftest points the Hub's and datasets' caches at a folder of the test run's own: a user's cache holding
+    SD's VAE would otherwise let the offline dry run below find it (and a Hub id load in other tests)."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+    from conftest import HF_HOME
+
+    for cache in (hub.HF_HUB_CACHE, datasets.config.HF_DATASETS_CACHE):
+        assert Path(cache).is_relative_to(HF_HOME), cache
 
 
 @pytest.mark.parametrize("path", LATENT_CONFIGS, ids=[p.name for p in LATENT_CONFIGS])
