@@ -659,17 +659,20 @@ def images_to_encode(args, unreadable):
 
 def dataset_identity(args, dataset):
     """What a FileImages or HubImages of the run's --dataset holds, read without decoding an image: for a
-    folder its path and a hash of its files' paths, sizes and modification times; for a `datasets`
-    dataset its name (a saved one's path), configuration, split, image column, rows and the
-    fingerprint `datasets` gives its contents."""
+    folder its resolved path and a hash of its files' paths (as listed under the folder as given, so a
+    symlinked folder or symlinked files hash as their names there), and the sizes and modification times
+    of what they point to; for a `datasets` dataset its name (a saved one's resolved path),
+    configuration, split, image column, rows and the fingerprint `datasets` gives its contents."""
     path = Path(args.dataset).expanduser()
     if isinstance(dataset, FileImages):
-        folder = path.resolve()
         digest = hashlib.sha256()
         for image in dataset.paths:
-            stat = Path(image).stat()
-            digest.update(f"{Path(image).resolve().relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-        return dict(folder=str(folder), files=len(dataset.paths), fingerprint=digest.hexdigest())
+            try:
+                stat = Path(image).stat()  # follows a symlink: what the image is
+            except OSError as e:
+                raise ConfigError(f"cannot read image {image} ({e}): remove or replace the file") from None
+            digest.update(f"{Path(image).relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+        return dict(folder=str(path.resolve()), files=len(dataset.paths), fingerprint=digest.hexdigest())
     return dict(dataset=str(path.resolve()) if path.is_dir() else args.dataset, config=args.dataset_config,
                 split=args.split, image_column=dataset.column, rows=len(dataset),
                 fingerprint=getattr(dataset.dataset, "_fingerprint", None))  # fmt: skip

@@ -1,0 +1,85 @@
+"""data.py for latent runs (issue 37): the dataset's identity for the latent cache key (symlinked folders
+and files too), the encoding pass over a range of the dataset (sharded encoding), and latent draws
+prefetched by DataLoader workers."""
+
+import pytest
+import torch
+from PIL import Image
+
+import config
+import data
+import latents
+from errors import ConfigError
+
+CPU = torch.device("cpu")
+
+
+def run_args(*argv):
+    """Resolved flags of a tiny run; no DataLoader worker processes."""
+    return config.resolve(config.parse_args(["--image_size", "8", "--dataloader_num_workers", "0", *map(str, argv)]))
+
+
+def write_images(folder, count=4, classes=("a", "b")):
+    """`count` plain images in each class subfolder of `folder`, each of its own red; returns the folder."""
+    for c, name in enumerate(classes):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            Image.new("RGB", (10, 10), (10 * (c * count + i), 50, 0)).save(folder / name / f"{i}.png")
+    return folder
+
+
+def symlinked_files(target, folder):
+    """`folder`: the same tree as `target`, each image a symlink to `target`'s."""
+    for image in sorted(target.rglob("*.png")):
+        link = folder / image.relative_to(target)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(image)
+    return folder
+
+
+def identity(folder, *flags):
+    return data.images_to_encode(run_args("--dataset", folder, *flags), data.Unreadable(verbose=False))[0]
+
+
+def test_identity_of_a_folder_survives_symlinks(tmp_path):
+    images = write_images(tmp_path / "images")
+    plain = identity(images)
+    assert plain == identity(images) and plain["folder"] == str(images.resolve()) and plain["files"] == 8
+    # a symlink to the folder: the same folder, the same files
+    (tmp_path / "link").symlink_to(images, target_is_directory=True)
+    assert identity(tmp_path / "link") == plain
+    # a folder of symlinked files: computed (no traceback) and stable; the same names, sizes and times hash the same
+    linked = identity(symlinked_files(images, tmp_path / "linked"))
+    assert linked == identity(tmp_path / "linked") and linked["folder"] == str((tmp_path / "linked").resolve())
+    assert linked["fingerprint"] == plain["fingerprint"]
+    # what the links point to counts: another image behind one name is another dataset
+    Image.new("RGB", (12, 10), (0, 0, 0)).save(images / "a" / "0.png")
+    assert identity(tmp_path / "linked")["fingerprint"] != linked["fingerprint"]
+    conditional = identity(tmp_path / "linked", "--class_conditional")
+    assert conditional["class_conditional"] and conditional["fingerprint"] == identity(tmp_path / "linked")["fingerprint"]
+
+
+def test_identity_of_a_saved_dataset_is_stable(tmp_path):
+    import datasets
+
+    pictures = [Image.new("RGB", (10, 10), (40 * i, 0, 0)) for i in range(3)]
+    rows = datasets.Dataset.from_dict({"image": pictures}).cast_column("image", datasets.Image())
+    rows.save_to_disk(str(tmp_path / "saved"))
+    found = identity(tmp_path / "saved")
+    assert found == identity(tmp_path / "saved")
+    assert found["dataset"] == str((tmp_path / "saved").resolve()) and found["rows"] == 3 and found["fingerprint"]
+
+
+def test_a_latent_run_trains_on_a_folder_of_symlinked_images(tmp_path, monkeypatch):
+    """train.py --vae on symlinked image files (the identity of their folder crashed with a traceback before):
+    16px images, a tiny random VAE, two steps."""
+    from test_latents import make_kl
+    from test_train import run
+
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
+    folder = symlinked_files(write_images(tmp_path / "images"), tmp_path / "linked")
+    result = run(tmp_path / "run", "--dataset", folder, "--vae", make_kl(tmp_path / "kl"), "--train_batch_size", 4,
+                 "--max_train_steps", 2, "--num_inference_steps", 1, "--save_images_epochs", 100,
+                 "--logger", "none")  # fmt: skip
+    assert result["latents"]["cache_key"]["dataset"]["folder"] == str(folder.resolve())
+    assert (tmp_path / "run" / "unet").is_dir()
