@@ -16,6 +16,7 @@ decoding the batches it skips.
 import hashlib
 import logging
 import math
+import operator
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from errors import ConfigError
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 BUILTIN = "shapes"
 SHAPE_KINDS = ["circle", "square", "triangle"]  # make_shapes' kind 0, 1, 2
+ENCODE_BATCH = 64  # images a batch of decoding (preload) and of a latent run's encoding pass (images_to_encode)
 
 
 # --- the built-in dataset ----------------------------------------------------
@@ -439,10 +441,12 @@ def check_readable(dataset, unreadable):
     raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
 
 
-def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, labels=None, batch_size=64):
+def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, labels=None, batch_size=ENCODE_BATCH,
+                    require_readable=True):  # fmt: skip
     """Every readable image of `dataset` once, in order: uint8 batches (B, 3, S, S), or with `labels` (one
     per item of `dataset`) (images, their labels). Unreadable images are passed to `unreadable` (default:
-    strict, the first one is an error) and left out; none readable is an error."""
+    strict, the first one is an error) and left out; none readable is an error (with `require_readable`,
+    else no batch: a part of a dataset may hold only unreadable images)."""
     from tqdm.auto import tqdm
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
@@ -457,7 +461,7 @@ def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, lab
                 yield images if labels is None else (images, labels[start : start + len(decoded)][decoded])
             start += len(decoded)
             bar.update(len(decoded))
-    if not found:
+    if not found and require_readable:
         raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
 
 
@@ -637,24 +641,50 @@ def images_to_encode(args, unreadable):
     identity: what the images are, for the latent cache's key (latents.cache_key); images: a
     callable, called only to encode them (a cache miss), that returns uint8 batches of every
     readable image once, each batch with its labels, (images, labels), when the run is
-    class-conditional; count: how many images there are (some may prove unreadable)."""
+    class-conditional; count: how many images there are (some may prove unreadable).
+
+    `images(start=0, stop=None)` gives those of the dataset's items [start, stop) only (a shard of
+    the encoding): when `start` is a multiple of 64, the very batches of 64 that the whole pass gives
+    for those items. A range of unreadable images only gives no batch; the whole dataset unreadable
+    is an error."""
     labelled = dict(class_conditional=bool(args.class_conditional), label_column=args.label_column)
     if args.dataset == BUILTIN:
         _check_builtin_labels(args)
+        count = args.shapes_num_images
 
-        def generated():
-            images, labels, _ = builtin_images(args.shapes_num_images, args.image_size, args.seed, args.class_conditional)
-            return images.split(64) if labels is None else zip(images.split(64), labels.split(64))
+        def generated(start=0, stop=None):
+            start, stop = _item_range(start, stop, count)
+            # the first `stop` images of a larger set are those of a smaller one (make_shapes)
+            images, labels, _ = builtin_images(stop, args.image_size, args.seed, args.class_conditional)
+            images = images[start:].split(ENCODE_BATCH)
+            return images if labels is None else zip(images, labels[start:].split(ENCODE_BATCH))
 
-        identity = dict(dataset=BUILTIN, num_images=args.shapes_num_images, seed=args.seed, **labelled)
-        return identity, generated, args.shapes_num_images, list(SHAPE_KINDS) if args.class_conditional else None
+        identity = dict(dataset=BUILTIN, num_images=count, seed=args.seed, **labelled)
+        return identity, generated, count, list(SHAPE_KINDS) if args.class_conditional else None
     dataset = open_run_dataset(args)
     identity = dict(dataset_identity(args, dataset), **labelled)
 
-    def decoded():
-        return decoded_batches(dataset, args.dataloader_num_workers, unreadable=unreadable, labels=dataset.labels)
+    def decoded(start=0, stop=None):
+        start, stop = _item_range(start, stop, len(dataset))
+        labels = None if dataset.labels is None else dataset.labels[start:stop]
+        whole = (start, stop) == (0, len(dataset))
+        items = dataset if whole else torch.utils.data.Subset(dataset, range(start, stop))
+        return decoded_batches(items, args.dataloader_num_workers, unreadable=unreadable, labels=labels,
+                               batch_size=ENCODE_BATCH, require_readable=whole)  # fmt: skip
 
     return identity, decoded, len(dataset), dataset.class_names
+
+
+def _item_range(start, stop, count):
+    """[start, stop) of `count` items, checked: (start, stop) with stop None read as `count`."""
+    bad = ConfigError(f"images [{start}, {stop}) of a dataset of {count}: a range needs 0 <= start < stop <= {count}")
+    try:
+        start, stop = operator.index(start), count if stop is None else operator.index(stop)
+    except TypeError:
+        raise bad from None
+    if isinstance(start, bool) or isinstance(stop, bool) or not 0 <= start < stop <= count:
+        raise bad
+    return start, stop
 
 
 def dataset_identity(args, dataset):

@@ -83,3 +83,43 @@ def test_a_latent_run_trains_on_a_folder_of_symlinked_images(tmp_path, monkeypat
                  "--logger", "none")  # fmt: skip
     assert result["latents"]["cache_key"]["dataset"]["folder"] == str(folder.resolve())
     assert (tmp_path / "run" / "unet").is_dir()
+
+
+def batches_equal(a, b):
+    """Two lists of batches, each a tensor or a tuple of tensors, equal batch for batch."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        x, y = (x, y) if isinstance(x, tuple) else ((x,), (y,))
+        assert len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+def test_a_range_of_the_images_to_encode_is_the_same_batches(tmp_path):
+    """images(start, stop): a shard of the encoding pass, in the batches of 64 the whole pass gives (labels too)."""
+    folder = write_images(tmp_path / "images", count=40)  # 80 images: batches of 64 and 16
+    (folder / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")  # item 80 (sorted last), in the second batch
+    unreadable = data.Unreadable(verbose=False)
+    _, images, count, class_names = data.images_to_encode(run_args("--dataset", folder, "--class_conditional"), unreadable)
+    assert count == 81 and class_names == ["a", "b"]
+    whole = list(images())
+    assert [len(x) for x, _ in whole] == [64, 16] and len(unreadable) == 1
+    batches_equal(list(images(0, 64)) + list(images(64, None)), whole)
+    batches_equal(list(images(64)), whole[1:])
+    # a range off the batches of 64: the same images and labels, in other batches
+    middle = list(images(10, 70))
+    assert torch.equal(torch.cat([x for x, _ in middle]), torch.cat([x for x, _ in whole])[10:70])
+    assert torch.equal(torch.cat([y for _, y in middle]), torch.cat([y for _, y in whole])[10:70])
+    assert list(images(80, 81)) == []  # only the broken image: no batch, and no error
+    for start, stop in [(-1, 3), (5, 5), (0, 82), (1.5, 3), (None, 3)]:
+        with pytest.raises(ConfigError, match=r"a range needs 0 <= start < stop <= 81"):
+            images(start, stop)
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_a_range_of_the_builtin_images_to_encode(conditional):
+    flags = ["--shapes_num_images", 70, "--image_size", 8] + (["--class_conditional"] if conditional else [])
+    _, images, count, _ = data.images_to_encode(run_args(*flags), data.Unreadable(verbose=False))
+    whole = list(images())
+    assert count == 70 and len(whole) == 2 and isinstance(whole[0], tuple) == conditional
+    batches_equal(list(images(0, 64)) + list(images(64, None)), whole)
+    with pytest.raises(ConfigError, match="a range needs"):
+        images(60, 71)
