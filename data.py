@@ -6,13 +6,16 @@ label per image: from the subfolder of a folder in ImageFolder layout, from a
 `datasets` column, or, for the built-in shapes, the kind of the one shape each
 image then holds (`load_images`). Random flips and the scaling to [-1, 1] happen on whole batches on
 the training device (`to_model_input`), so a dataset that is decoded once
-(`preload`) never needs decoding again.
+(`preload_in_place`) never needs decoding again. Preloaded or streamed, a dataset
+gives the same batches: an unreadable image keeps its index, and its place in a
+batch goes to a readable image of that batch alike (`Batches`).
 
 Batches come from a per-epoch permutation that depends only on the seed and
 the epoch (`epoch_batches`), so a resumed run starts mid-epoch without
 decoding the batches it skips.
 """
 
+import copy
 import hashlib
 import logging
 import math
@@ -441,37 +444,98 @@ def check_readable(dataset, unreadable):
     raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
 
 
+def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_readable):
+    """(images that decoded or None, errors, a bool tensor of which items decoded) of each batch of
+    `dataset`, in order (decoded_batches)."""
+    from tqdm.auto import tqdm
+
+    unreadable = Unreadable(strict=True) if unreadable is None else unreadable
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                         collate_fn=_collate_decoded)  # fmt: skip
+    found = False
+    with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
+        for images, errors, decoded in loader:
+            unreadable.report(errors)
+            found = found or images is not None
+            yield images, errors, decoded
+            bar.update(len(decoded))
+    if not found and require_readable:
+        raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
+
+
 def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, labels=None, batch_size=ENCODE_BATCH,
                     require_readable=True):  # fmt: skip
     """Every readable image of `dataset` once, in order: uint8 batches (B, 3, S, S), or with `labels` (one
     per item of `dataset`) (images, their labels). Unreadable images are passed to `unreadable` (default:
     strict, the first one is an error) and left out; none readable is an error (with `require_readable`,
     else no batch: a part of a dataset may hold only unreadable images)."""
-    from tqdm.auto import tqdm
-
-    unreadable = Unreadable(strict=True) if unreadable is None else unreadable
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                                         collate_fn=_collate_decoded)  # fmt: skip
-    found, start = False, 0
-    with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
-        for images, errors, decoded in loader:
-            unreadable.report(errors)
-            if images is not None:
-                found = True
-                yield images if labels is None else (images, labels[start : start + len(decoded)][decoded])
-            start += len(decoded)
-            bar.update(len(decoded))
-    if not found and require_readable:
-        raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
+    start = 0
+    for images, _, decoded in _decoding(dataset, num_workers, progress, unreadable, batch_size, require_readable):
+        if images is not None:
+            yield images if labels is None else (images, labels[start : start + len(decoded)][decoded])
+        start += len(decoded)
 
 
-def preload(dataset, num_workers=0, progress=False, unreadable=None, labels=None):
+def preload(dataset, num_workers=0, progress=False, unreadable=None):
     """Decode every image once into one uint8 tensor (N, 3, S, S) (decoded_batches: the unreadable
-    left out). With `labels` (one per item of `dataset`) returns (images, the labels of the images kept)."""
-    parts = list(decoded_batches(dataset, num_workers, progress, unreadable, labels))
-    if labels is None:
-        return torch.cat(parts)
-    return torch.cat([images for images, _ in parts]), torch.cat([kept for _, kept in parts])
+    left out)."""
+    return torch.cat(list(decoded_batches(dataset, num_workers, progress, unreadable)))
+
+
+class PreloadedImages(torch.utils.data.Dataset):
+    """A preloaded dataset some of whose images are unreadable, each item at its index, as a streamed
+    dataset has them: `images` (K, 3, S, S) holds the K readable images in order, `rows[i]` the row of
+    item i, -1 where it is unreadable, and `errors[i]` why. An item is (image, None) or (None, error),
+    as FileImages' are; Batches fills the places of the unreadable as it does for a stream (`filled`)."""
+
+    def __init__(self, images, readable, errors):
+        self.images, self.errors = images, errors
+        self.rows = torch.where(readable, readable.long().cumsum(0) - 1, -1)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = int(self.rows[i])
+        return (self.images[row], None) if row >= 0 else (None, self.errors[i])
+
+    @property
+    def device(self):
+        return self.images.device
+
+    def to(self, device):
+        """The same items, their images on `device`."""
+        moved = copy.copy(self)
+        moved.images = self.images.to(device)
+        return moved
+
+    def filled(self, batches):
+        """(picks, failure): for each batch of indices the indices it takes, the places of its unreadable
+        images filled as Batches fills a streamed batch's (`_refill`), up to the first batch with no
+        readable image; `failure` is then the error that batch raises when streamed, else None."""
+        picks = []
+        for index in batches:
+            readable = index[self.rows[index] >= 0]
+            if not len(readable):
+                return picks, f"every image of a batch was unreadable ({self.errors[int(index[0])]}): check the dataset"
+            picks.append(readable[_refill(len(readable), len(index))])
+        return picks, None
+
+
+def preload_in_place(dataset, num_workers=0, progress=False, unreadable=None):
+    """Decode every image once, each keeping its index: a uint8 tensor (N, 3, S, S) when all N are
+    readable, else a PreloadedImages of the N, which remembers the unreadable (reported to `unreadable`,
+    default strict). So a preloaded dataset has the images, the steps per epoch and the batches of the
+    same dataset streamed. None readable is an error."""
+    parts, readable, errors, start = [], [], {}, 0
+    for images, failed, decoded in _decoding(dataset, num_workers, progress, unreadable, ENCODE_BATCH, True):
+        if images is not None:
+            parts.append(images)
+        errors |= dict(zip((start + (~decoded).nonzero()[:, 0]).tolist(), failed))
+        readable.append(decoded)
+        start += len(decoded)
+    images = torch.cat(parts)
+    return PreloadedImages(images, torch.cat(readable), errors) if errors else images
 
 
 # --- batches -------------------------------------------------------------------
@@ -502,8 +566,8 @@ class _IndexBatches(torch.utils.data.Sampler):
 
 
 class Batches:
-    """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader; or a
-    latent run's float latents, drawn from a latents.LatentDataset for each epoch.
+    """uint8 batches on `device`, from a preloaded tensor (or PreloadedImages) or streamed through a
+    DataLoader; or a latent run's float latents, drawn from a latents.LatentDataset for each epoch.
 
     With `labels` (a LongTensor, one per index of `source`: the labels that
     `load_images` returns, which for a streamed dataset are its `labels`) each
@@ -516,10 +580,10 @@ class Batches:
     ):  # fmt: skip
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
-        self.preloaded = isinstance(source, torch.Tensor)
+        self.preloaded = isinstance(source, (torch.Tensor, PreloadedImages))
         self.drawn = hasattr(source, "set_epoch") and hasattr(source, "batch")  # latents.LatentDataset
         # Streamed images are decoded every epoch; one that fails is left out, and readable images of its batch
-        # take its place (`epoch`).
+        # take its place (`epoch`; a PreloadedImages' unreadable likewise, reported when it was preloaded).
         self.unreadable = Unreadable() if unreadable is None else unreadable
         if labels is not None and len(labels) != len(source):
             raise ValueError(f"{len(labels)} labels for {len(source)} images")
@@ -543,15 +607,24 @@ class Batches:
                 yield latents if self.labels is None else (latents, self.labels[index].to(self.device, non_blocking=True))
             return
         if self.preloaded:
+            # picks: the indices each batch takes; rows: where their images lie. A PreloadedImages' unreadable
+            # images have no row: their places go to readable images of their batch, as a stream fills them.
+            images, picks, rows, failure = self.source, batches, batches, None
+            if isinstance(images, PreloadedImages):
+                picks, failure = images.filled(batches)
+                images, rows = images.images, [images.rows[pick] for pick in picks]
             # The epoch's order goes to the images' device in one copy: a blocking
             # copy per batch would make the host wait for the GPU at every step.
-            order = torch.stack(batches).to(self.source.device) if batches else []
-            for index in order:
-                images = self.source[index].to(self.device, non_blocking=True)
+            order = torch.stack(rows).to(images.device) if rows else []
+            taken = torch.stack(picks).to(images.device) if picks is not rows and picks and self.labels is not None else order
+            for step, index in enumerate(order):
+                batch = images[index].to(self.device, non_blocking=True)
                 if self.labels is None:
-                    yield images
+                    yield batch
                 else:
-                    yield images, self.labels[index].to(self.device, non_blocking=True)
+                    yield batch, self.labels[taken[step]].to(self.device, non_blocking=True)
+            if failure is not None:
+                raise ConfigError(failure)
             return
         loader = torch.utils.data.DataLoader(
             self.source,
@@ -570,13 +643,19 @@ class Batches:
                 # The batch's readable images, from its first on, again in the places of the unreadable: a
                 # captured or compiled step's static shapes need the full batch, and what repeats depends
                 # only on which images failed, so the same seed still gives the same batches.
-                fill = torch.arange(len(index)) % len(images)
+                fill = _refill(len(images), len(index))
                 images, labels = images[fill], None if labels is None else labels[fill]
             images = images.to(self.device, non_blocking=True)
             if labels is None:
                 yield images
             else:
                 yield images, labels.to(self.device, non_blocking=True)
+
+
+def _refill(readable, size):
+    """Which of a batch's `readable` images (in its order) fill its `size` places: the readable from the
+    first on, again in the places of the unreadable. Streamed and preloaded batches both fill so."""
+    return torch.arange(size) % readable
 
 
 def to_model_input(images, random_flip=True):
@@ -594,10 +673,12 @@ def to_model_input(images, random_flip=True):
 def load_images(args, unreadable):
     """The training data of the run's flags: (images, labels, class_names).
 
-    images: a uint8 tensor (generated or preloaded), or a Dataset to stream when
-    preloading is off, needs random crops, or would pass --preload_data MAX_GIB.
-    labels: None, or with --class_conditional a LongTensor of class indices, one
-    per index of images (a preloaded dataset's unreadable images lose theirs).
+    images: a uint8 tensor (generated or preloaded), a PreloadedImages (preloaded, some images unreadable:
+    `preload_in_place`), or a Dataset to stream when preloading is off, needs random crops, or would pass
+    --preload_data MAX_GIB. Preloaded or streamed, a dataset has as many items, the unreadable included,
+    and the same batches (Batches).
+    labels: None, or with --class_conditional a LongTensor of class indices, one per index of images
+    (an unreadable image's too).
     class_names: None, or the name of each class index.
     """
     if args.dataset == BUILTIN:
@@ -610,10 +691,7 @@ def load_images(args, unreadable):
         check_readable(dataset, unreadable)
         return dataset, labels, class_names
     decode = dict(num_workers=args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)
-    if labels is None:
-        return preload(dataset, **decode), None, None
-    images, labels = preload(dataset, **decode, labels=labels)
-    return images, labels, class_names
+    return preload_in_place(dataset, **decode), labels, class_names
 
 
 def _check_builtin_labels(args):
