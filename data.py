@@ -565,9 +565,35 @@ class _IndexBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+class _EpochDraws(torch.utils.data.Dataset):
+    """A latents.LatentDataset at one epoch, for DataLoader workers: `__getitems__` draws a whole batch of
+    indices with its `batch`, set to the epoch in the worker itself, so that a worker's batch is the one
+    this process would draw. A draw reads only its images' rows of the cache's array (a forked worker
+    shares the array: nothing copies it)."""
+
+    def __init__(self, dataset, epoch):
+        self.dataset, self.epoch = dataset, epoch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, indices):
+        self.dataset.set_epoch(self.epoch)
+        return self.dataset.batch(torch.tensor(indices, dtype=torch.long))
+
+    def __getitem__(self, i):
+        return self.__getitems__([i])[0]
+
+
+def _as_drawn(batch):
+    """A DataLoader's collate_fn for _EpochDraws: the batch is drawn whole already."""
+    return batch
+
+
 class Batches:
     """uint8 batches on `device`, from a preloaded tensor (or PreloadedImages) or streamed through a
-    DataLoader; or a latent run's float latents, drawn from a latents.LatentDataset for each epoch.
+    DataLoader; or a latent run's float latents, drawn from a latents.LatentDataset for each epoch (with
+    `num_workers`, drawn ahead by that many DataLoader workers: the same batches).
 
     With `labels` (a LongTensor, one per index of `source`: the labels that
     `load_images` returns, which for a streamed dataset are its `labels`) each
@@ -601,9 +627,22 @@ class Batches:
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
         batches = batches[start:]
         if self.drawn:  # a latent run's: each image's latent drawn for this epoch (latents.LatentDataset)
-            self.source.set_epoch(epoch)
-            for index in batches:
-                latents = self.source.batch(index).to(self.device, non_blocking=True)
+            if self.num_workers and batches:
+                # Drawn ahead by worker processes, batch for batch the same as in this process (_EpochDraws);
+                # forked, they share the cache's array.
+                draws = torch.utils.data.DataLoader(
+                    _EpochDraws(self.source, epoch),
+                    batch_sampler=_IndexBatches(batches),
+                    num_workers=self.num_workers,
+                    collate_fn=_as_drawn,
+                    pin_memory=self.device.type == "cuda",
+                    persistent_workers=False,
+                )
+            else:
+                self.source.set_epoch(epoch)
+                draws = map(self.source.batch, batches)
+            for index, latents in zip(batches, draws):
+                latents = latents.to(self.device, non_blocking=True)
                 yield latents if self.labels is None else (latents, self.labels[index].to(self.device, non_blocking=True))
             return
         if self.preloaded:

@@ -123,3 +123,35 @@ def test_a_range_of_the_builtin_images_to_encode(conditional):
     batches_equal(list(images(0, 64)) + list(images(64, None)), whole)
     with pytest.raises(ConfigError, match="a range needs"):
         images(60, 71)
+
+
+@pytest.mark.parametrize("memmapped", [False, True])
+def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tmp_path, memmapped):
+    """--dataloader_num_workers on a latent run: workers draw the epoch's batches ahead, each the batch (and the
+    labels) the main process draws, at the epoch asked for."""
+    from test_latents import make_kl
+
+    vae = latents.load_vae(make_kl(tmp_path / "kl"))
+    images = torch.randint(0, 256, (12, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(12) % 3
+    key = latents.cache_key(dict(name="prefetch"), vae, 16)
+    cache = latents.cached_latents(vae, lambda: [(images, labels)], key, root=tmp_path / "cache", progress=False,
+                                   log=lambda line: None)  # fmt: skip
+    cache = latents.LatentCache(cache.path, max_gib=0.0 if memmapped else 8.0)
+    assert cache.memmapped == memmapped
+    record = latents.normalization(cache, vae, "dataset")
+    dataset = latents.LatentDataset(cache, record, seed=3)
+    here = data.Batches(dataset, 4, 3, CPU, labels=cache.labels)
+    ahead = data.Batches(dataset, 4, 3, CPU, num_workers=2, labels=cache.labels)
+    drawn = {epoch: list(here.epoch(epoch)) for epoch in (0, 1)}  # this process' dataset is left at epoch 1
+    in_here, batch = [], dataset.batch
+    dataset.batch = lambda indices: in_here.append(indices) or batch(indices)  # a forked worker counts in its copy
+    for epoch in (0, 1):
+        got = list(ahead.epoch(epoch))
+        assert len(got) == 3
+        for (z, y), (same_z, same_y), index in zip(got, drawn[epoch], data.epoch_batches(12, 4, 3, epoch), strict=True):
+            assert torch.equal(z, same_z) and torch.equal(y, same_y) and torch.equal(y, labels[index])
+            assert torch.equal(z, latents.normalize(cache.draw(index, epoch, 3), record))
+    resumed = list(ahead.epoch(1, start=2))
+    assert len(resumed) == 1 and torch.equal(resumed[0][0], drawn[1][2][0])
+    assert in_here == []  # every batch drawn by the workers
