@@ -446,7 +446,8 @@ def check_readable(dataset, unreadable):
 
 def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_readable):
     """(images that decoded or None, errors, a bool tensor of which items decoded) of each batch of
-    `dataset`, in order (decoded_batches)."""
+    `dataset`, in order, the errors reported to `unreadable` (default strict); none readable is an
+    error with `require_readable` (decoded_batches)."""
     from tqdm.auto import tqdm
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
@@ -517,7 +518,8 @@ class PreloadedImages(torch.utils.data.Dataset):
         for index in batches:
             readable = index[self.rows[index] >= 0]
             if not len(readable):
-                return picks, f"every image of a batch was unreadable ({self.errors[int(index[0])]}): check the dataset"
+                error = self.errors[int(index[0])]
+                return picks, f"every image of a batch was unreadable ({error}): check the dataset"
             picks.append(readable[_refill(len(readable), len(index))])
         return picks, None
 
@@ -655,7 +657,9 @@ class Batches:
             # The epoch's order goes to the images' device in one copy: a blocking
             # copy per batch would make the host wait for the GPU at every step.
             order = torch.stack(rows).to(images.device) if rows else []
-            taken = torch.stack(picks).to(images.device) if picks is not rows and picks and self.labels is not None else order
+            taken = order  # where the labels lie: at the indices, where a PreloadedImages' rows are not
+            if picks is not rows and picks and self.labels is not None:
+                taken = torch.stack(picks).to(images.device)
             for step, index in enumerate(order):
                 batch = images[index].to(self.device, non_blocking=True)
                 if self.labels is None:

@@ -233,6 +233,8 @@ def test_preloaded_and_streamed_data_with_an_unreadable_image_are_the_same_batch
     fast = data.Batches(preloaded, 3, seed=4, device=cpu, **quiet)
     slow = data.Batches(streamed, 3, seed=4, device=cpu, **quiet)
     assert fast.preloaded and len(fast) == len(slow) == 11 and fast.batches_per_epoch() == slow.batches_per_epoch() == 3
+    moved = data.Batches(preloaded.to(cpu), 3, seed=4, device=cpu, **quiet)  # train.py's move to the GPU
+    assert_same_batches(list(moved.epoch(0)), list(slow.epoch(0)))
     filled = 0
     for epoch in range(3):
         batches = list(fast.epoch(epoch))
