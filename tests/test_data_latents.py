@@ -57,6 +57,12 @@ def test_identity_of_a_folder_survives_symlinks(tmp_path):
     assert identity(tmp_path / "linked")["fingerprint"] != linked["fingerprint"]
     conditional = identity(tmp_path / "linked", "--class_conditional")
     assert conditional["class_conditional"] and conditional["fingerprint"] == identity(tmp_path / "linked")["fingerprint"]
+    # a link left dangling after the folder was listed: one line, no traceback
+    args = run_args("--dataset", tmp_path / "linked")
+    dataset = data.open_run_dataset(args)
+    (images / "b" / "3.png").unlink()
+    with pytest.raises(ConfigError, match=r"cannot read image .*linked/b/3.png \(.*\): remove or replace the file"):
+        data.dataset_identity(args, dataset)
 
 
 def test_identity_of_a_saved_dataset_is_stable(tmp_path):
