@@ -452,7 +452,7 @@ def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_re
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                                         collate_fn=_collate_decoded)  # fmt: skip
+                                         collate_fn=_collate_decoded, generator=loader_generator(0, 0))  # fmt: skip
     found = False
     with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
         for images, errors, decoded in loader:
@@ -556,6 +556,14 @@ def epoch_batches(num_images, batch_size, seed, epoch, rank=0, world_size=1):
     return [order[s * per_step + rank * batch_size : s * per_step + (rank + 1) * batch_size] for s in range(steps)]
 
 
+def loader_generator(seed, epoch):
+    """A DataLoader's own generator: its workers' base seed is drawn from it, not from torch's global one. A
+    loader made without one draws from the global generator, so that streaming, or drawing latents ahead in
+    workers, would change the noise every later step draws, where preloading or drawing in process does not:
+    with it, every way of reading the data leaves the training noise as it is (a resume may switch them)."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch) + 7)
+
+
 class _IndexBatches(torch.utils.data.Sampler):
     def __init__(self, batches):
         self.batches = batches
@@ -639,6 +647,7 @@ class Batches:
                     collate_fn=_as_drawn,
                     pin_memory=self.device.type == "cuda",
                     persistent_workers=False,
+                    generator=loader_generator(self.seed, epoch),
                 )
             else:
                 self.source.set_epoch(epoch)
@@ -676,6 +685,7 @@ class Batches:
             collate_fn=_collate_decoded,
             pin_memory=self.device.type == "cuda",
             persistent_workers=False,
+            generator=loader_generator(self.seed, epoch),
         )
         for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)

@@ -152,6 +152,9 @@ def latent_words(args):
     return line
 
 
+# Images decoded once and kept (unreadable ones remembered in their places: data.PreloadedImages).
+PRELOADED = (torch.Tensor, data.PreloadedImages)
+
 # With several processes, how often they agree on whether a signal asked them to stop.
 STOP_CHECK_STEPS = 10
 
@@ -214,7 +217,7 @@ class Run:
                 "lower --train_batch_size or --gradient_accumulation_steps"
             )
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
-        self.config["data_path"] = "preloaded" if isinstance(images, torch.Tensor) else "latents" if args.vae else "streamed"
+        self.config["data_path"] = "preloaded" if isinstance(images, PRELOADED) else "latents" if args.vae else "streamed"
         if self.latents is not None:
             self.config |= dict(latents=self.latents, latent_space=self.latent_space)
         # The classes of a conditional run, kept with it: sample.py takes their names.
@@ -226,7 +229,7 @@ class Run:
             self.evaluator.prepare_reference(lambda: metrics.reference_images(vars(args), args.image_size) if args.vae
                                              else images)  # fmt: skip
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
-        if isinstance(images, torch.Tensor) and self.device.type == "cuda":
+        if isinstance(images, PRELOADED) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: preload_max_gib
         self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
                                     self.world, args.dataloader_num_workers, self.unreadable, labels)  # fmt: skip

@@ -7,7 +7,9 @@ train_config.json where a row needs one): milliseconds. Two `train.main` runs at
 import json
 import re
 
+import numpy as np
 import pytest
+import torch
 
 import checkpoint
 import config
@@ -17,7 +19,7 @@ import resume as rules
 from errors import ConfigError
 from test_config import OLD_RUNS, SAME_AS_OLD_RUN
 from test_metrics import TinyFeatures
-from test_train import TINY
+from test_train import TINY, tensors_of
 from test_train import run as train
 
 DERIVED = tuple(rules.DERIVED_IDENTITY)
@@ -162,8 +164,9 @@ CHANGED_ON_RESUME = [
     "--logging_steps", 1, "--profile", "kernels", "--resume",
 ]  # fmt: skip
 # Tried elsewhere: an EDM run's (churn, below); the invocation's own (below); each with a path (added in the test);
-# the data's reading on a folder (preload_data, dataloader_num_workers, on_fault: below); the VAE spelled otherwise
+# the data's reading again on a folder with an unreadable image (FOLDER_CHANGES, below); the VAE spelled otherwise
 # (tests/test_latent_train.py, test_the_same_vae_spelled_otherwise_resumes).
+FOLDER_CHANGES = ["--no-preload_data", "--dataloader_num_workers", 1]
 EDM_CHANGES = ["--churn", 10]
 WITH_A_PATH = ["guide", "fid_weights"]
 INVOCATION = ["output_dir", "config", "dry_run", "overwrite_output_dir"]
@@ -175,7 +178,8 @@ def flags_of(argv):
 
 
 def test_every_flag_declared_safe_is_tried_on_a_real_resume():
-    tried = flags_of(CHANGED_ON_RESUME) | flags_of(EDM_CHANGES) | set(WITH_A_PATH + INVOCATION + ELSEWHERE)
+    tried = flags_of(CHANGED_ON_RESUME) | flags_of(EDM_CHANGES) | flags_of(FOLDER_CHANGES)
+    tried |= set(WITH_A_PATH + INVOCATION + ELSEWHERE)
     assert tried == set(SAFE)
 
 
@@ -200,6 +204,28 @@ def test_a_run_resumed_with_every_safe_flag_changed_trains_on(tmp_path, capsys, 
     stdout = trains_on(out, capsys, 2, *CHANGED_ON_RESUME, "--guide", guide, "--fid_weights", fid_weights)
     assert re.search(r"^eval epoch 1 step 4 \| .*FID", stdout, re.M), stdout
     assert [p.name for p in checkpoint.checkpoint_dirs(out)] == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_a_folder_with_an_unreadable_image_resumed_streamed_trains_as_preloaded(tmp_path, capsys):
+    """--preload_data, --dataloader_num_workers and --on_fault on a folder whose one image is unreadable: the
+    run preloaded for 2 steps, resumed streamed through a worker, ends with the weights of 4 steps preloaded
+    (preloading keeps the unreadable image's place as streaming does: the same batches, steps per epoch)."""
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(8):
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    (folder / "8.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    flags = [*FEW, "--dataset", folder, "--on_fault", "skip", "--checkpointing_steps", 2, "--save_images_epochs", 100]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, *flags, "--max_train_steps", 4, "--preload_data")
+    train(resumed, *flags, "--max_train_steps", 2, "--preload_data")
+    trains_on(resumed, capsys, 2, *flags, "--max_train_steps", 4, *FOLDER_CHANGES)
+    a, b = (tensors_of(run / "checkpoints" / "checkpoint-4")[0] for run in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    saved = [json.loads((run / "train_config.json").read_text()) for run in (straight, resumed)]
+    assert saved[0]["num_images"] == saved[1]["num_images"] == 9 and saved[1]["data_path"] == "streamed"
 
 
 def test_an_edm_run_resumed_with_another_churn_trains_on(tmp_path, capsys):
