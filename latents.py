@@ -24,9 +24,14 @@ The core of issue 34, on its own: train.py, data.py and sample.py call it. The A
     cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_images=None,
                    progress=True, log=print) -> LatentCache
         The cache of `key`, read when it is there (one line says so; `images` is not touched), else
-        `images` encoded, written, and read back. `images`: an iterable of batches (B, 3, S, S) in
-        [-1, 1] (or uint8), or of (images, labels) pairs, or a callable returning one (called only
-        on a miss, so a hit decodes no image).
+        `images` encoded, written, and read back. `images`: a callable images(start, stop) returning the
+        batches of dataset items [start, stop) (`num_images` items in all), each batch (B, 3, S, S) uint8
+        or in [-1, 1], or (images, labels) pairs; an unreadable item may be left out of its batch. For one
+        process it may also be a callable with no argument returning such batches, or the batches
+        themselves. Called only on a miss, so a hit decodes no image. With a torch.distributed process
+        group of several processes it must be images(start, stop): each process encodes its share (below).
+    shares(num_images, world_size) -> [(start, stop)]   each rank's share: contiguous, in rank order,
+        starting at multiples of SHARD_ALIGN (64, data.decoded_batches' batch)
     LatentCache                             .num_images, .channels, .resolution, .labels, .stats, .meta,
                                             .path, .memmapped, .encode_seconds, .images_per_second
         .draw(indices, epoch, seed) -> (B, C, h, w) float32  raw latents, fresh per epoch (below)
@@ -36,7 +41,8 @@ The core of issue 34, on its own: train.py, data.py and sample.py call it. The A
         per-channel mean and std); `shift`, `scale` (normalised = (z - shift) * scale), the numbers
         they came from, and `normalized_std`, the std of each channel after it on this dataset.
     normalize(z, record) / denormalize(z, record)   (…, C, h, w) tensors, per channel
-    decode(vae, latents, record, batch_size=32) -> images in [-1, 1]  (denormalises, then decodes)
+    decode(vae, latents, record, batch_size=None) -> images in [-1, 1]  (denormalises, then decodes, at most
+        ENCODE_PIXELS image pixels at once unless batch_size says)
     LatentDataset(cache, record=None, seed=0)   a torch Dataset of normalised draws: .set_epoch(epoch),
         [i] -> latent (or (latent, label)), .batch(indices) -> a batch of them, .epoch
 
@@ -61,8 +67,11 @@ deterministic: its latents alone are stored, and its draws differ between epochs
 
 The array is (N, F, K, C, h, w) float32: F orientations (1, or 2 with flips: [original, flipped]), K
 = 2 (mean, std) for a KL VAE or 1 (latents) for a Tiny one. A draw for image i in epoch e depends on
-(seed, e, i) alone (a generator seeded by their hash), so it does not depend on the batch an image
-lands in, the number of processes, or where a run resumed: a resumed run draws bit-identical latents.
+(seed, e, i) alone, so it does not depend on the batch an image lands in, the number of processes, or
+where a run resumed: a resumed run draws bit-identical latents. A batch is drawn at once: its rows read
+with one fancy index (ascending, for a memory map), its orientations and noise from a counter-based
+generator in vectorised int64 ops (splitmix64 streams keyed by (seed, e, i), Box-Muller on 24-bit
+uniforms: normals to 5.77 sigma), not a torch.Generator an image (`_draw_keys`, `_words`, `_normals`).
 
 The key and where the cache lives. The key (`cache_key`) is the dataset's identity as the caller
 gives it, the VAE's identity, the image size, the crop and the flips, with this file's FORMAT. The
@@ -79,13 +88,40 @@ Caches live in `cache_root()`: `root` (the future `--latent_cache DIR`), else $D
 else $XDG_CACHE_HOME/ddpm-train/latents, else ~/.cache/ddpm-train/latents: next to the user's other
 caches (~/.cache/huggingface for `datasets`, ~/.cache/torch/hub for torch hub), shared by every run
 and output folder. One folder per key, named by the key's hash: latents.npy, labels.npy (when the
-images came with labels), meta.json (the full key, shape, stats, encoding time). It is written in a
-hidden temporary folder beside it and renamed into place when complete, so a killed encode leaves no
-cache that is later read; the next encode of that key removes such leftovers of dead processes.
+images came with labels), meta.json (the full key, shape, stats, encoding time, what each process
+encoded). It is written in a hidden temporary folder beside it (.NAME.tmp-HOST-PID-TOKEN) and renamed
+into place when complete, so a killed encode leaves no cache that is later read; the next encode of
+that key removes such leftovers of dead processes of this host (the HOST in the name matched exactly).
+A valid published cache is never deleted: a process that finds the final folder there when it
+publishes reads it, and where it is a valid cache of the key (another run encoded it at the same time)
+keeps it, discards its own and reads that one. Only an invalid or mismatched folder is replaced, and
+it is first renamed aside atomically (a valid cache that appeared meanwhile is put back).
+
+Several processes. With a torch.distributed process group of more than one process, one small
+all_reduce on the default group tells whether every process's folder holds the cache; if so nobody
+encodes. Else every process encodes its share of the items (`shares`: contiguous, the boundaries
+multiples of SHARD_ALIGN, so each share's batches are the batches one process would see and the
+latents the same bits on a CPU; on GPUs they are as deterministic as the encoder's kernels), on its
+own device, into the temporary folder of its cache folder. Processes may share one cache folder (one
+filesystem) or not (node-local caches: each process's `cache_root()` differs): each leaves a marker
+named with a token of rank 0's in its cache root, and after a barrier the markers a process sees tell
+which processes share its folder. The lowest rank of each folder receives the shares its folder lacks
+through torch.distributed (gloo, TRANSFER_BYTES at a time, never the dataset in memory at once),
+concatenates the shares in rank order, computes the stats from the assembled array (STATS_ROWS images
+a chunk: the numbers one process computes), and publishes; then every process reads its folder's
+cache, and each node ends with the full cache. Every wait of the build runs in a gloo group created
+for it with the timeout ENCODE_WAIT (24 h), the longest being the wait for the slowest share, so that
+the default group (NCCL's, of short timeout) is never held in a barrier during the encode. A share
+that fails is told to every process at that wait, so all stop at once. One line says what each rank
+encoded, another the "encoded N images" line (the main process prints them where log is
+accelerator.print). A folder that already holds the cache while another lacks it is encoded again
+all the same (its valid cache is kept at publishing).
 
 Memory: latents.npy is a plain .npy. It is read into memory when its size is at most `max_gib` GiB
 (the in-memory budget, train.py's --preload_data MAX_GIB), memory-mapped read-only (np.load(mmap_mode="r"))
-when larger, so a cache of any size trains with the page cache holding what fits.
+when larger, so a cache of any size trains with the page cache holding what fits. The in-memory copy
+is per process (8 processes of a node hold 8 copies: the budget is a process's); a memory-mapped one
+shares the node's page cache.
 
 Normalisation: "vae" uses the VAE's own constants, (z - shift_factor) * scaling_factor (diffusers'
 convention: Stable Diffusion's 0.18215; SD3's and FLUX's shift too), or (z - latents_mean) *
