@@ -651,7 +651,9 @@ def _publish(tmp, final, key, max_gib):
                 os.rename(aside, tmp)
             continue
         shutil.rmtree(aside, ignore_errors=True)
-    raise RuntimeError(f"latents: could not publish the cache {final} in {PUBLISH_TRIES} tries (other processes kept replacing it)")
+    raise RuntimeError(
+        f"latents: could not publish the cache {final} in {PUBLISH_TRIES} tries (other processes kept replacing it)"
+    )
 
 
 def _world():
@@ -797,6 +799,10 @@ def _assemble(tmp, everyone):
             (tmp / name).unlink(missing_ok=True)
 
 
+def _error(e):
+    return "ConfigError" if isinstance(e, ConfigError) else type(e).__name__, _first_line(e, 300)
+
+
 def _raise_failed(everyone, failure, what):
     failed = [m for m in everyone if m.get("error")]
     if not failed:
@@ -861,31 +867,33 @@ def _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, gr
         batches = images(start, stop) if stop > start else []  # an empty share (few images) opens none
         mine |= _encode_share(vae, batches, key, tmp / f"share-{rank}.npy", stop - start, progress)
     except Exception as e:  # told to every process below, so that none waits for this share
-        failure, mine["error"] = e, ("ConfigError" if isinstance(e, ConfigError) else type(e).__name__, _first_line(e, 300))
+        failure, mine["error"] = e, _error(e)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)  # the wait for the slowest share (ENCODE_WAIT)
     _raise_failed(everyone, failure, "encode its share")
     # The shares a folder lacks (encoded in another folder) travel to its leader, in chunks, in one fixed order.
     for m in everyone:
         for receiver in sorted(set(leaders) - {leaders[m["rank"]]}):
-            for name, size in ((f"share-{m['rank']}.npy", m["latents_bytes"]), (f"share-{m['rank']}-labels.npy", m["labels_bytes"])):
+            files = (f"share-{m['rank']}.npy", m["latents_bytes"]), (f"share-{m['rank']}-labels.npy", m["labels_bytes"])
+            for name, size in files:
                 if size and rank == m["rank"]:
                     _send_file(tmp / name, receiver, group)
                 elif size and rank == receiver:
                     _recv_file(tmp / name, size, m["rank"], group)
-    outcome, failure, kept = dict(rank=rank), None, False
+    outcome, failure, kept, cache = dict(rank=rank), None, False, None
     if rank == leaders[rank]:
         try:
             _assemble(tmp, everyone)
             ranks = [{k: m[k] for k in ("rank", "host", "device", "start", "stop", "images", "seconds")} for m in everyone]
             _finish(vae, key, tmp, ranks)
-            kept = not _publish(tmp, final, key, max_gib)[1]
+            cache, ours = _publish(tmp, final, key, max_gib)
+            kept = not ours
         except Exception as e:
-            failure, outcome["error"] = e, ("ConfigError" if isinstance(e, ConfigError) else type(e).__name__, _first_line(e, 300))
+            failure, outcome["error"] = e, _error(e)
     outcomes = [None] * world
     dist.all_gather_object(outcomes, outcome, group=group)  # the folders' caches published
     _raise_failed(outcomes, failure, "assemble the cache")
-    cache = _read(final, key, max_gib)
+    cache = cache or _read(final, key, max_gib)  # the leader read it as it published it
     if cache is None:
         raise RuntimeError(f"latents: rank {rank} cannot read the cache {final} that rank {leaders[rank]} published")
     folders = len(set(leaders))

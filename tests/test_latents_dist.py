@@ -60,8 +60,8 @@ def launch(mode, world, out, **spec):
     import multiprocessing
 
     port, context = free_port(), multiprocessing.get_context("fork")
-    procs = [context.Process(target=_child, args=(json.dumps(dict(spec, mode=mode, rank=r, world=world, port=port, out=str(out))),))
-             for r in range(world)]  # fmt: skip
+    specs = [json.dumps(dict(spec, mode=mode, rank=r, world=world, port=port, out=str(out))) for r in range(world)]
+    procs = [context.Process(target=_child, args=(s,)) for s in specs]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 120
