@@ -268,18 +268,21 @@ class Run:
 
     def _latent_data(self, found):
         """A latent run's data: (latents.LatentDataset, labels, class names). The latents of the dataset
-        from their cache: the main process encodes them into it when they are not there (one
-        line says how fast; a cache hit decodes no image and says so), the others wait and read them. Each
+        from their cache: when they are not there every process encodes its share of the dataset into it (one
+        line says how fast; a cache hit decodes no image and says so), and reads the cache assembled. Each
         epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as `self.latents`
         records for train_config.json; `self.decode` turns latents into images for the grids and FID."""
         args, accelerator = self.args, self.accelerator
         vae, key, source = found["vae"], found["key"], args.latents["source"]
+        # Every process encodes its share on its own device (latents.cached_latents: the waits for the slowest
+        # share in a gloo group of their own, with an explicit timeout); the main process decodes grids and FID.
         if self.is_main:
-            vae.to(self.device)  # it encodes, and decodes the grids and FID samples
-        with accelerator.main_process_first():
-            cache = latents.cached_latents(vae, found["images"], key, num_images=found["count"], progress=self.is_main,
-                                           max_gib=args.preload_max_gib if args.preload_data else 0.0,
-                                           log=accelerator.print)  # fmt: skip
+            vae.to(self.device)
+        cache = latents.cached_latents(vae, found["images"], key, device=self.device, num_images=found["count"],
+                                       progress=self.is_main, max_gib=args.preload_max_gib if args.preload_data else 0.0,
+                                       log=accelerator.print)  # fmt: skip
+        if not self.is_main:
+            vae.to("cpu")  # nothing more to encode: its memory back to training
         # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
         target_std = args.sigma_data if args.objective == "edm" else 1.0
         record = latents.normalization(cache, vae, args.latent_normalization, target_std)

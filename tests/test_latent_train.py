@@ -23,6 +23,7 @@ import train
 from conftest import ROOT
 from errors import ConfigError
 from test_latents import make_kl
+from test_faults import Ranks, start_two_ranks
 from test_train import TINY, run, tensors_of, visible
 
 # On top of test_train's TINY: 16 images, 4 steps an epoch, 1 sampling step, 4 images a grid (2 by 2).
@@ -160,6 +161,25 @@ def test_resume_refuses_another_vae_before_encoding_in_one_line(tmp_path, vae, c
     assert "the latents' normalisation {'kind': 'vae', 'scaling_factor': 0.18215" in refused(
         out, capsys, "--max_train_steps", 2, "--vae", f"{vae},dataset")  # fmt: skip
     assert "(--vae: latents -> pixels)" in refused(out, capsys, "--max_train_steps", 2)
+
+
+def test_two_processes_encode_a_share_each_and_train_on_the_cache(tmp_path, vae, monkeypatch):
+    """train.py --vae on two processes (gloo on the CPU): each encodes its share of a cold cache, the cache
+    assembled is the one a single process makes, and both train on it."""
+    out, images = tmp_path / "run", 80  # shares of whole 64-image blocks: [0, 64) and [64, 80)
+    argv = [*TINY, *map(str, FEW), "--shapes_num_images", images, "--vae", vae, "--max_train_steps", 2,
+            "--output_dir", out, "--save_images_epochs", 100]  # fmt: skip
+    ranks = Ranks(start_two_ranks(argv))
+    assert ranks.codes == [0, 0], ranks
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["num_processes"] == 2 and (out / "checkpoints" / "checkpoint-2").is_dir()
+    two = latents.LatentCache(saved["latents"]["cache"])
+    assert [(r["rank"], r["images"]) for r in two.meta["ranks"]] == [(0, 64), (1, 16)]
+    # one process, another cache folder: the same latents, byte for byte
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "one-process"))
+    train_latents(tmp_path / "one", vae, "--shapes_num_images", images, "--max_train_steps", 1)
+    one = latents.LatentCache(json.loads((tmp_path / "one" / "train_config.json").read_text())["latents"]["cache"])
+    assert one.path != two.path and np.array_equal(one.array, two.array) and one.stats == two.stats
 
 
 def test_the_same_vae_spelled_otherwise_resumes(tmp_path, vae, capsys, monkeypatch):
