@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -155,6 +156,15 @@ def latent_words(args):
 # Images decoded once and kept (unreadable ones remembered in their places: data.PreloadedImages).
 PRELOADED = (torch.Tensor, data.PreloadedImages)
 
+# With several processes, how long a process may wait in a collective, set explicitly (torch's defaults: NCCL 10
+# minutes, gloo 30). STEP_WAIT: the default group's, that of the steps, a checkpoint's save and the starting line, each
+# far under it. MAIN_WORK_WAIT: while the main process works between steps and the others wait (grids, FID/KID and
+# its reference statistics, the pipeline), in a gloo group of its own: FID over 50,000 samples of a large network on
+# one GPU takes hours, and the wait fires only when the main process hangs (one that dies ends it at once). A latent
+# run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
+STEP_WAIT = timedelta(minutes=15)
+MAIN_WORK_WAIT = timedelta(hours=12)
+
 # With several processes, how often they agree on whether a signal asked them to stop.
 STOP_CHECK_STEPS = 10
 
@@ -178,7 +188,7 @@ class Run:
 
     def __init__(self, args):
         from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration, set_seed
+        from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
         self.args, self.output_dir = args, Path(args.output_dir)
         self.accelerator = accelerator = Accelerator(
@@ -187,9 +197,13 @@ class Run:
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             log_with=None if args.logger == "none" else args.logger,
             project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(self.output_dir / "logs")),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=STEP_WAIT)],
         )
         self.device, self.world = accelerator.device, accelerator.num_processes
         self.is_main = accelerator.is_main_process
+        self.main_work_group = None  # the others' wait for the main process's work between steps (MAIN_WORK_WAIT)
+        if self.world > 1:
+            self.main_work_group = torch.distributed.new_group(backend="gloo", timeout=MAIN_WORK_WAIT)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
         self.evaluator = None
@@ -225,9 +239,9 @@ class Run:
         self.config |= dict(num_classes=self.num_classes, class_names=class_names,
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
-        if self.evaluator is not None:  # a latent run's reference: its images, decoded (once: then cached)
-            self.evaluator.prepare_reference(lambda: metrics.reference_images(vars(args), args.image_size) if args.vae
-                                             else images)  # fmt: skip
+        if args.eval_every_epochs:  # the reference statistics (a latent run's: its images, decoded; once, then cached)
+            self.on_main_process(lambda: self.evaluator.prepare_reference(
+                lambda: metrics.reference_images(vars(args), args.image_size) if args.vae else images))  # fmt: skip
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
         if isinstance(images, PRELOADED) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: preload_max_gib
@@ -405,11 +419,11 @@ class Run:
         if self.is_main:
             try:
                 work()
-            except RunError as e:
+            except (RunError, ConfigError) as e:
                 error = e
-        failed = torch.tensor(float(error is not None), device=self.device)
-        if self.world > 1:
-            failed = self.accelerator.reduce(failed, reduction="sum")  # also the barrier
+        failed = torch.tensor(float(error is not None))
+        if self.world > 1:  # also the barrier: in the group that waits long enough for the main process's work
+            torch.distributed.all_reduce(failed, group=self.main_work_group)
         if error is not None:
             raise error
         if failed.item():
