@@ -79,7 +79,7 @@ DERIVED_KEYS = (
     "config", "num_processes", "num_images", "data_path", "global_batch_size", "steps_per_epoch",
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
     "step_compile_mode", "device", "num_classes", "class_names", "class_counts",
-    "latent_size", "latent_channels", "latent_normalization", "latents",
+    "latent_size", "latent_channels", "latent_normalization", "latents", "latent_space",
 )  # fmt: skip
 
 # What one command asks for once, not what a run is: a file read with --config never

@@ -6,16 +6,20 @@ label per image: from the subfolder of a folder in ImageFolder layout, from a
 `datasets` column, or, for the built-in shapes, the kind of the one shape each
 image then holds (`load_images`). Random flips and the scaling to [-1, 1] happen on whole batches on
 the training device (`to_model_input`), so a dataset that is decoded once
-(`preload`) never needs decoding again.
+(`preload_in_place`) never needs decoding again. Preloaded or streamed, a dataset
+gives the same batches: an unreadable image keeps its index, and its place in a
+batch goes to a readable image of that batch alike (`Batches`).
 
 Batches come from a per-epoch permutation that depends only on the seed and
 the epoch (`epoch_batches`), so a resumed run starts mid-epoch without
 decoding the batches it skips.
 """
 
+import copy
 import hashlib
 import logging
 import math
+import operator
 import os
 import sys
 from pathlib import Path
@@ -30,6 +34,7 @@ from errors import ConfigError
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 BUILTIN = "shapes"
 SHAPE_KINDS = ["circle", "square", "triangle"]  # make_shapes' kind 0, 1, 2
+ENCODE_BATCH = 64  # images a batch of decoding (preload) and of a latent run's encoding pass (images_to_encode)
 
 
 # --- the built-in dataset ----------------------------------------------------
@@ -439,35 +444,100 @@ def check_readable(dataset, unreadable):
     raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
 
 
-def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, labels=None, batch_size=64):
-    """Every readable image of `dataset` once, in order: uint8 batches (B, 3, S, S), or with `labels` (one
-    per item of `dataset`) (images, their labels). Unreadable images are passed to `unreadable` (default:
-    strict, the first one is an error) and left out; none readable is an error."""
+def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_readable):
+    """(images that decoded or None, errors, a bool tensor of which items decoded) of each batch of
+    `dataset`, in order, the errors reported to `unreadable` (default strict); none readable is an
+    error with `require_readable` (decoded_batches)."""
     from tqdm.auto import tqdm
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                                         collate_fn=_collate_decoded)  # fmt: skip
-    found, start = False, 0
+                                         collate_fn=_collate_decoded, generator=loader_generator(0, 0))  # fmt: skip
+    found = False
     with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
         for images, errors, decoded in loader:
             unreadable.report(errors)
-            if images is not None:
-                found = True
-                yield images if labels is None else (images, labels[start : start + len(decoded)][decoded])
-            start += len(decoded)
+            found = found or images is not None
+            yield images, errors, decoded
             bar.update(len(decoded))
-    if not found:
+    if not found and require_readable:
         raise ConfigError(f"none of the {len(dataset)} images could be read: point --dataset at readable images")
 
 
-def preload(dataset, num_workers=0, progress=False, unreadable=None, labels=None):
+def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, labels=None, batch_size=ENCODE_BATCH,
+                    require_readable=True):  # fmt: skip
+    """Every readable image of `dataset` once, in order: uint8 batches (B, 3, S, S), or with `labels` (one
+    per item of `dataset`) (images, their labels). Unreadable images are passed to `unreadable` (default:
+    strict, the first one is an error) and left out; none readable is an error (with `require_readable`,
+    else no batch: a part of a dataset may hold only unreadable images)."""
+    start = 0
+    for images, _, decoded in _decoding(dataset, num_workers, progress, unreadable, batch_size, require_readable):
+        if images is not None:
+            yield images if labels is None else (images, labels[start : start + len(decoded)][decoded])
+        start += len(decoded)
+
+
+def preload(dataset, num_workers=0, progress=False, unreadable=None):
     """Decode every image once into one uint8 tensor (N, 3, S, S) (decoded_batches: the unreadable
-    left out). With `labels` (one per item of `dataset`) returns (images, the labels of the images kept)."""
-    parts = list(decoded_batches(dataset, num_workers, progress, unreadable, labels))
-    if labels is None:
-        return torch.cat(parts)
-    return torch.cat([images for images, _ in parts]), torch.cat([kept for _, kept in parts])
+    left out)."""
+    return torch.cat(list(decoded_batches(dataset, num_workers, progress, unreadable)))
+
+
+class PreloadedImages(torch.utils.data.Dataset):
+    """A preloaded dataset some of whose images are unreadable, each item at its index, as a streamed
+    dataset has them: `images` (K, 3, S, S) holds the K readable images in order, `rows[i]` the row of
+    item i, -1 where it is unreadable, and `errors[i]` why. An item is (image, None) or (None, error),
+    as FileImages' are; Batches fills the places of the unreadable as it does for a stream (`filled`)."""
+
+    def __init__(self, images, readable, errors):
+        self.images, self.errors = images, errors
+        self.rows = torch.where(readable, readable.long().cumsum(0) - 1, -1)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = int(self.rows[i])
+        return (self.images[row], None) if row >= 0 else (None, self.errors[i])
+
+    @property
+    def device(self):
+        return self.images.device
+
+    def to(self, device):
+        """The same items, their images on `device`."""
+        moved = copy.copy(self)
+        moved.images = self.images.to(device)
+        return moved
+
+    def filled(self, batches):
+        """(picks, failure): for each batch of indices the indices it takes, the places of its unreadable
+        images filled as Batches fills a streamed batch's (`_refill`), up to the first batch with no
+        readable image; `failure` is then the error that batch raises when streamed, else None."""
+        picks = []
+        for index in batches:
+            readable = index[self.rows[index] >= 0]
+            if not len(readable):
+                error = self.errors[int(index[0])]
+                return picks, f"every image of a batch was unreadable ({error}): check the dataset"
+            picks.append(readable[_refill(len(readable), len(index))])
+        return picks, None
+
+
+def preload_in_place(dataset, num_workers=0, progress=False, unreadable=None):
+    """Decode every image once, each keeping its index: a uint8 tensor (N, 3, S, S) when all N are
+    readable, else a PreloadedImages of the N, which remembers the unreadable (reported to `unreadable`,
+    default strict). So a preloaded dataset has the images, the steps per epoch and the batches of the
+    same dataset streamed. None readable is an error."""
+    parts, readable, errors, start = [], [], {}, 0
+    for images, failed, decoded in _decoding(dataset, num_workers, progress, unreadable, ENCODE_BATCH, True):
+        if images is not None:
+            parts.append(images)
+        errors |= dict(zip((start + (~decoded).nonzero()[:, 0]).tolist(), failed))
+        readable.append(decoded)
+        start += len(decoded)
+    images = torch.cat(parts)
+    return PreloadedImages(images, torch.cat(readable), errors) if errors else images
 
 
 # --- batches -------------------------------------------------------------------
@@ -486,6 +556,14 @@ def epoch_batches(num_images, batch_size, seed, epoch, rank=0, world_size=1):
     return [order[s * per_step + rank * batch_size : s * per_step + (rank + 1) * batch_size] for s in range(steps)]
 
 
+def loader_generator(seed, epoch):
+    """A DataLoader's own generator: its workers' base seed is drawn from it, not from torch's global one. A
+    loader made without one draws from the global generator, so that streaming, or drawing latents ahead in
+    workers, would change the noise every later step draws, where preloading or drawing in process does not:
+    with it, every way of reading the data leaves the training noise as it is (a resume may switch them)."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch) + 7)
+
+
 class _IndexBatches(torch.utils.data.Sampler):
     def __init__(self, batches):
         self.batches = batches
@@ -497,9 +575,35 @@ class _IndexBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+class _EpochDraws(torch.utils.data.Dataset):
+    """A latents.LatentDataset at one epoch, for DataLoader workers: `__getitems__` draws a whole batch of
+    indices with its `batch`, set to the epoch in the worker itself, so that a worker's batch is the one
+    this process would draw. A draw reads only its images' rows of the cache's array (a forked worker
+    shares the array: nothing copies it)."""
+
+    def __init__(self, dataset, epoch):
+        self.dataset, self.epoch = dataset, epoch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, indices):
+        self.dataset.set_epoch(self.epoch)
+        return self.dataset.batch(torch.tensor(indices, dtype=torch.long))
+
+    def __getitem__(self, i):
+        return self.__getitems__([i])[0]
+
+
+def _as_drawn(batch):
+    """A DataLoader's collate_fn for _EpochDraws: the batch is drawn whole already."""
+    return batch
+
+
 class Batches:
-    """uint8 batches on `device`, from a preloaded tensor or streamed through a DataLoader; or a
-    latent run's float latents, drawn from a latents.LatentDataset for each epoch.
+    """uint8 batches on `device`, from a preloaded tensor (or PreloadedImages) or streamed through a
+    DataLoader; or a latent run's float latents, drawn from a latents.LatentDataset for each epoch (with
+    `num_workers`, drawn ahead by that many DataLoader workers: the same batches).
 
     With `labels` (a LongTensor, one per index of `source`: the labels that
     `load_images` returns, which for a streamed dataset are its `labels`) each
@@ -512,10 +616,10 @@ class Batches:
     ):  # fmt: skip
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
-        self.preloaded = isinstance(source, torch.Tensor)
+        self.preloaded = isinstance(source, (torch.Tensor, PreloadedImages))
         self.drawn = hasattr(source, "set_epoch") and hasattr(source, "batch")  # latents.LatentDataset
         # Streamed images are decoded every epoch; one that fails is left out, and readable images of its batch
-        # take its place (`epoch`).
+        # take its place (`epoch`; a PreloadedImages' unreadable likewise, reported when it was preloaded).
         self.unreadable = Unreadable() if unreadable is None else unreadable
         if labels is not None and len(labels) != len(source):
             raise ValueError(f"{len(labels)} labels for {len(source)} images")
@@ -533,21 +637,46 @@ class Batches:
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
         batches = batches[start:]
         if self.drawn:  # a latent run's: each image's latent drawn for this epoch (latents.LatentDataset)
-            self.source.set_epoch(epoch)
-            for index in batches:
-                latents = self.source.batch(index).to(self.device, non_blocking=True)
+            if self.num_workers and batches:
+                # Drawn ahead by worker processes, batch for batch the same as in this process (_EpochDraws);
+                # forked, they share the cache's array.
+                draws = torch.utils.data.DataLoader(
+                    _EpochDraws(self.source, epoch),
+                    batch_sampler=_IndexBatches(batches),
+                    num_workers=self.num_workers,
+                    collate_fn=_as_drawn,
+                    pin_memory=self.device.type == "cuda",
+                    persistent_workers=False,
+                    generator=loader_generator(self.seed, epoch),
+                )
+            else:
+                self.source.set_epoch(epoch)
+                draws = map(self.source.batch, batches)
+            for index, latents in zip(batches, draws):
+                latents = latents.to(self.device, non_blocking=True)
                 yield latents if self.labels is None else (latents, self.labels[index].to(self.device, non_blocking=True))
             return
         if self.preloaded:
+            # picks: the indices each batch takes; rows: where their images lie. A PreloadedImages' unreadable
+            # images have no row: their places go to readable images of their batch, as a stream fills them.
+            images, picks, rows, failure = self.source, batches, batches, None
+            if isinstance(images, PreloadedImages):
+                picks, failure = images.filled(batches)
+                images, rows = images.images, [images.rows[pick] for pick in picks]
             # The epoch's order goes to the images' device in one copy: a blocking
             # copy per batch would make the host wait for the GPU at every step.
-            order = torch.stack(batches).to(self.source.device) if batches else []
-            for index in order:
-                images = self.source[index].to(self.device, non_blocking=True)
+            order = torch.stack(rows).to(images.device) if rows else []
+            taken = order  # where the labels lie: at the indices, where a PreloadedImages' rows are not
+            if picks is not rows and picks and self.labels is not None:
+                taken = torch.stack(picks).to(images.device)
+            for step, index in enumerate(order):
+                batch = images[index].to(self.device, non_blocking=True)
                 if self.labels is None:
-                    yield images
+                    yield batch
                 else:
-                    yield images, self.labels[index].to(self.device, non_blocking=True)
+                    yield batch, self.labels[taken[step]].to(self.device, non_blocking=True)
+            if failure is not None:
+                raise ConfigError(failure)
             return
         loader = torch.utils.data.DataLoader(
             self.source,
@@ -556,6 +685,7 @@ class Batches:
             collate_fn=_collate_decoded,
             pin_memory=self.device.type == "cuda",
             persistent_workers=False,
+            generator=loader_generator(self.seed, epoch),
         )
         for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)
@@ -566,13 +696,19 @@ class Batches:
                 # The batch's readable images, from its first on, again in the places of the unreadable: a
                 # captured or compiled step's static shapes need the full batch, and what repeats depends
                 # only on which images failed, so the same seed still gives the same batches.
-                fill = torch.arange(len(index)) % len(images)
+                fill = _refill(len(images), len(index))
                 images, labels = images[fill], None if labels is None else labels[fill]
             images = images.to(self.device, non_blocking=True)
             if labels is None:
                 yield images
             else:
                 yield images, labels.to(self.device, non_blocking=True)
+
+
+def _refill(readable, size):
+    """Which of a batch's `readable` images (in its order) fill its `size` places: the readable from the
+    first on, again in the places of the unreadable. Streamed and preloaded batches both fill so."""
+    return torch.arange(size) % readable
 
 
 def to_model_input(images, random_flip=True):
@@ -617,10 +753,12 @@ def preload_max_gib(args):
 def load_images(args, unreadable):
     """The training data of the run's flags: (images, labels, class_names).
 
-    images: a uint8 tensor (generated or preloaded), or a Dataset to stream when
-    preloading is off, needs random crops, or would pass --preload_data MAX_GIB.
-    labels: None, or with --class_conditional a LongTensor of class indices, one
-    per index of images (a preloaded dataset's unreadable images lose theirs).
+    images: a uint8 tensor (generated or preloaded), a PreloadedImages (preloaded, some images unreadable:
+    `preload_in_place`), or a Dataset to stream when preloading is off, needs random crops, or would pass
+    --preload_data MAX_GIB. Preloaded or streamed, a dataset has as many items, the unreadable included,
+    and the same batches (Batches).
+    labels: None, or with --class_conditional a LongTensor of class indices, one per index of images
+    (an unreadable image's too).
     class_names: None, or the name of each class index.
     """
     if args.dataset == BUILTIN:
@@ -633,10 +771,7 @@ def load_images(args, unreadable):
         check_readable(dataset, unreadable)
         return dataset, labels, class_names
     decode = dict(num_workers=args.dataloader_num_workers, progress=unreadable.verbose, unreadable=unreadable)
-    if labels is None:
-        return preload(dataset, **decode), None, None
-    images, labels = preload(dataset, **decode, labels=labels)
-    return images, labels, class_names
+    return preload_in_place(dataset, **decode), labels, class_names
 
 
 def _check_builtin_labels(args):
@@ -664,39 +799,68 @@ def images_to_encode(args, unreadable):
     identity: what the images are, for the latent cache's key (latents.cache_key); images: a
     callable, called only to encode them (a cache miss), that returns uint8 batches of every
     readable image once, each batch with its labels, (images, labels), when the run is
-    class-conditional; count: how many images there are (some may prove unreadable)."""
+    class-conditional; count: how many images there are (some may prove unreadable).
+
+    `images(start=0, stop=None)` gives those of the dataset's items [start, stop) only (a shard of
+    the encoding): when `start` is a multiple of 64, the very batches of 64 that the whole pass gives
+    for those items. A range of unreadable images only gives no batch; the whole dataset unreadable
+    is an error."""
     labelled = dict(class_conditional=bool(args.class_conditional), label_column=label_column_of(args))
     if args.dataset == BUILTIN:
         _check_builtin_labels(args)
+        count = args.shapes_num_images
 
-        def generated():
-            images, labels, _ = builtin_images(args.shapes_num_images, args.image_size, args.seed, args.class_conditional)
-            return images.split(64) if labels is None else zip(images.split(64), labels.split(64))
+        def generated(start=0, stop=None):
+            start, stop = _item_range(start, stop, count)
+            # the first `stop` images of a larger set are those of a smaller one (make_shapes)
+            images, labels, _ = builtin_images(stop, args.image_size, args.seed, args.class_conditional)
+            images = images[start:].split(ENCODE_BATCH)
+            return images if labels is None else zip(images, labels[start:].split(ENCODE_BATCH))
 
-        identity = dict(dataset=BUILTIN, num_images=args.shapes_num_images, seed=args.seed, **labelled)
-        return identity, generated, args.shapes_num_images, list(SHAPE_KINDS) if args.class_conditional else None
+        identity = dict(dataset=BUILTIN, num_images=count, seed=args.seed, **labelled)
+        return identity, generated, count, list(SHAPE_KINDS) if args.class_conditional else None
     dataset = open_run_dataset(args)
     identity = dict(dataset_identity(args, dataset), **labelled)
 
-    def decoded():
-        return decoded_batches(dataset, args.dataloader_num_workers, unreadable=unreadable, labels=dataset.labels)
+    def decoded(start=0, stop=None):
+        start, stop = _item_range(start, stop, len(dataset))
+        labels = None if dataset.labels is None else dataset.labels[start:stop]
+        whole = (start, stop) == (0, len(dataset))
+        items = dataset if whole else torch.utils.data.Subset(dataset, range(start, stop))
+        return decoded_batches(items, args.dataloader_num_workers, unreadable=unreadable, labels=labels,
+                               batch_size=ENCODE_BATCH, require_readable=whole)  # fmt: skip
 
     return identity, decoded, len(dataset), dataset.class_names
 
 
+def _item_range(start, stop, count):
+    """[start, stop) of `count` items, checked: (start, stop) with stop None read as `count`."""
+    bad = ConfigError(f"images [{start}, {stop}) of a dataset of {count}: a range needs 0 <= start < stop <= {count}")
+    try:
+        start, stop = operator.index(start), count if stop is None else operator.index(stop)
+    except TypeError:
+        raise bad from None
+    if isinstance(start, bool) or isinstance(stop, bool) or not 0 <= start < stop <= count:
+        raise bad
+    return start, stop
+
+
 def dataset_identity(args, dataset):
     """What a FileImages or HubImages of the run's --dataset holds, read without decoding an image: for a
-    folder its path and a hash of its files' paths, sizes and modification times; for a `datasets`
-    dataset its name (a saved one's path), configuration, split, image column, rows and the
-    fingerprint `datasets` gives its contents."""
+    folder its resolved path and a hash of its files' paths (as listed under the folder as given, so a
+    symlinked folder or symlinked files hash as their names there), and the sizes and modification times
+    of what they point to; for a `datasets` dataset its name (a saved one's resolved path),
+    configuration, split, image column, rows and the fingerprint `datasets` gives its contents."""
     path = Path(args.dataset).expanduser()
     if isinstance(dataset, FileImages):
-        folder = path.resolve()
         digest = hashlib.sha256()
         for image in dataset.paths:
-            stat = Path(image).stat()
-            digest.update(f"{Path(image).resolve().relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-        return dict(folder=str(folder), files=len(dataset.paths), fingerprint=digest.hexdigest())
+            try:
+                stat = Path(image).stat()  # follows a symlink: what the image is
+            except OSError as e:
+                raise ConfigError(f"cannot read image {image} ({e}): remove or replace the file") from None
+            digest.update(f"{Path(image).relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+        return dict(folder=str(path.resolve()), files=len(dataset.paths), fingerprint=digest.hexdigest())
     return dict(dataset=str(path.resolve()) if path.is_dir() else args.dataset, config=args.dataset_config,
                 split=args.split, image_column=dataset.column, rows=len(dataset),
                 fingerprint=getattr(dataset.dataset, "_fingerprint", None))  # fmt: skip

@@ -24,9 +24,14 @@ The core of issue 34, on its own: train.py, data.py and sample.py call it. The A
     cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_images=None,
                    progress=True, log=print) -> LatentCache
         The cache of `key`, read when it is there (one line says so; `images` is not touched), else
-        `images` encoded, written, and read back. `images`: an iterable of batches (B, 3, S, S) in
-        [-1, 1] (or uint8), or of (images, labels) pairs, or a callable returning one (called only
-        on a miss, so a hit decodes no image).
+        `images` encoded, written, and read back. `images`: a callable images(start, stop) returning the
+        batches of dataset items [start, stop) (`num_images` items in all), each batch (B, 3, S, S) uint8
+        or in [-1, 1], or (images, labels) pairs; an unreadable item may be left out of its batch. For one
+        process it may also be a callable with no argument returning such batches, or the batches
+        themselves. Called only on a miss, so a hit decodes no image. With a torch.distributed process
+        group of several processes it must be images(start, stop): each process encodes its share (below).
+    shares(num_images, world_size) -> [(start, stop)]   each rank's share: contiguous, in rank order,
+        starting at multiples of SHARD_ALIGN (64, data.decoded_batches' batch)
     LatentCache                             .num_images, .channels, .resolution, .labels, .stats, .meta,
                                             .path, .memmapped, .encode_seconds, .images_per_second
         .draw(indices, epoch, seed) -> (B, C, h, w) float32  raw latents, fresh per epoch (below)
@@ -36,7 +41,8 @@ The core of issue 34, on its own: train.py, data.py and sample.py call it. The A
         per-channel mean and std); `shift`, `scale` (normalised = (z - shift) * scale), the numbers
         they came from, and `normalized_std`, the std of each channel after it on this dataset.
     normalize(z, record) / denormalize(z, record)   (…, C, h, w) tensors, per channel
-    decode(vae, latents, record, batch_size=32) -> images in [-1, 1]  (denormalises, then decodes)
+    decode(vae, latents, record, batch_size=None) -> images in [-1, 1]  (denormalises, then decodes, at most
+        ENCODE_PIXELS image pixels at once unless batch_size says)
     LatentDataset(cache, record=None, seed=0)   a torch Dataset of normalised draws: .set_epoch(epoch),
         [i] -> latent (or (latent, label)), .batch(indices) -> a batch of them, .epoch
 
@@ -61,8 +67,11 @@ deterministic: its latents alone are stored, and its draws differ between epochs
 
 The array is (N, F, K, C, h, w) float32: F orientations (1, or 2 with flips: [original, flipped]), K
 = 2 (mean, std) for a KL VAE or 1 (latents) for a Tiny one. A draw for image i in epoch e depends on
-(seed, e, i) alone (a generator seeded by their hash), so it does not depend on the batch an image
-lands in, the number of processes, or where a run resumed: a resumed run draws bit-identical latents.
+(seed, e, i) alone, so it does not depend on the batch an image lands in, the number of processes, or
+where a run resumed: a resumed run draws bit-identical latents. A batch is drawn at once: its rows read
+with one fancy index (ascending, for a memory map), its orientations and noise from a counter-based
+generator in vectorised int64 ops (splitmix64 streams keyed by (seed, e, i), Box-Muller on 24-bit
+uniforms: normals to 5.77 sigma), not a torch.Generator an image (`_draw_keys`, `_words`, `_normals`).
 
 The key and where the cache lives. The key (`cache_key`) is the dataset's identity as the caller
 gives it, the VAE's identity, the image size, the crop and the flips, with this file's FORMAT. The
@@ -79,13 +88,40 @@ Caches live in `cache_root()`: `root` (the future `--latent_cache DIR`), else $D
 else $XDG_CACHE_HOME/ddpm-train/latents, else ~/.cache/ddpm-train/latents: next to the user's other
 caches (~/.cache/huggingface for `datasets`, ~/.cache/torch/hub for torch hub), shared by every run
 and output folder. One folder per key, named by the key's hash: latents.npy, labels.npy (when the
-images came with labels), meta.json (the full key, shape, stats, encoding time). It is written in a
-hidden temporary folder beside it and renamed into place when complete, so a killed encode leaves no
-cache that is later read; the next encode of that key removes such leftovers of dead processes.
+images came with labels), meta.json (the full key, shape, stats, encoding time, what each process
+encoded). It is written in a hidden temporary folder beside it (.NAME.tmp-HOST-PID-TOKEN) and renamed
+into place when complete, so a killed encode leaves no cache that is later read; the next encode of
+that key removes such leftovers of dead processes of this host (the HOST in the name matched exactly).
+A valid published cache is never deleted: a process that finds the final folder there when it
+publishes reads it, and where it is a valid cache of the key (another run encoded it at the same time)
+keeps it, discards its own and reads that one. Only an invalid or mismatched folder is replaced, and
+it is first renamed aside atomically (a valid cache that appeared meanwhile is put back).
+
+Several processes. With a torch.distributed process group of more than one process, one small
+all_reduce on the default group tells whether every process's folder holds the cache; if so nobody
+encodes. Else every process encodes its share of the items (`shares`: contiguous, the boundaries
+multiples of SHARD_ALIGN, so each share's batches are the batches one process would see and the
+latents the same bits on a CPU; on GPUs they are as deterministic as the encoder's kernels), on its
+own device, into the temporary folder of its cache folder. Processes may share one cache folder (one
+filesystem) or not (node-local caches: each process's `cache_root()` differs): each leaves a marker
+named with a token of rank 0's in its cache root, and after a barrier the markers a process sees tell
+which processes share its folder. The lowest rank of each folder receives the shares its folder lacks
+through torch.distributed (gloo, TRANSFER_BYTES at a time, never the dataset in memory at once),
+concatenates the shares in rank order, computes the stats from the assembled array (STATS_ROWS images
+a chunk: the numbers one process computes), and publishes; then every process reads its folder's
+cache, and each node ends with the full cache. Every wait of the build runs in a gloo group created
+for it with the timeout ENCODE_WAIT (24 h), the longest being the wait for the slowest share, so that
+the default group (NCCL's, of short timeout) is never held in a barrier during the encode. A share
+that fails is told to every process at that wait, so all stop at once. One line says what each rank
+encoded, another the "encoded N images" line (the main process prints them where log is
+accelerator.print). A folder that already holds the cache while another lacks it is encoded again
+all the same (its valid cache is kept at publishing).
 
 Memory: latents.npy is a plain .npy. It is read into memory when its size is at most `max_gib` GiB
 (the in-memory budget, train.py's --preload_data MAX_GIB), memory-mapped read-only (np.load(mmap_mode="r"))
-when larger, so a cache of any size trains with the page cache holding what fits.
+when larger, so a cache of any size trains with the page cache holding what fits. The in-memory copy
+is per process (8 processes of a node hold 8 copies: the budget is a process's); a memory-mapped one
+shares the node's page cache.
 
 Normalisation: "vae" uses the VAE's own constants, (z - shift_factor) * scaling_factor (diffusers'
 convention: Stable Diffusion's 0.18215; SD3's and FLUX's shift too), or (z - latents_mean) *
@@ -98,7 +134,9 @@ its latents at sigma_data = 0.5).
 """
 
 import hashlib
+import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -106,6 +144,7 @@ import socket
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -391,6 +430,19 @@ def cache_folder(key, root=None):
 
 # --- writing -------------------------------------------------------------------------------------
 
+# Shares of the dataset begin at multiples of this: the decode batch of data.decoded_batches, so that a
+# share's batches are the batches a one-process encode sees and the latents are the same bits.
+SHARD_ALIGN = 64
+STATS_ROWS = 256  # images a chunk when the stats are summed over the assembled array: a fixed order, the same sums
+TRANSFER_BYTES = 64 * 2**20  # a share a folder lacks travels through torch.distributed in chunks of this
+PUBLISH_TRIES = 8  # looks at the final folder before publishing gives up (each a rename that lost a race)
+# How long a process may wait for the slowest share (and for the shares and the cache to travel and be assembled), in
+# a gloo group of its own: NCCL's default group keeps its short timeout. It fires only when a peer hangs (a peer that
+# dies closes its connections and the wait fails at once), so it sits well above the longest encode of a share: an
+# estimate, not a measurement, ImageNet's 1.28M images at 512px with flips on 2 GPUs at ~20 images/s each (two SD-VAE
+# encodes an image) is ~9 h; 24 h leaves more than 2x and still ends a hung job within a day.
+ENCODE_WAIT = timedelta(hours=24)
+
 
 def _npy_header(shape, dtype=np.float32):
     """A .npy (version 1.0) header of exactly NPY_HEADER_BYTES bytes."""
@@ -409,19 +461,62 @@ def _alive(pid):
     return True
 
 
+def _temporary(final, host=None, pid=None, token=None):
+    """A hidden folder beside `final`: .NAME.tmp-HOST-PID-TOKEN, HOST and PID those of the process that owns it."""
+    host = socket.gethostname() if host is None else host
+    pid = os.getpid() if pid is None else pid
+    return final.parent / f".{final.name}.tmp-{host}-{pid}-{token or uuid.uuid4().hex[:8]}"
+
+
 def _remove_leftovers(final):
-    """Remove temporary folders of this key left by dead processes of this host (a killed encode)."""
-    host = socket.gethostname()
-    for tmp in final.parent.glob(f".{final.name}.tmp-*"):
-        if not tmp.name.startswith(f".{final.name}.tmp-{host}-"):
+    """Remove temporary folders of this key left by dead processes of this host (a killed encode). The host in
+    the name must be this host exactly: `node1` leaves `node1-b`'s and `node10`'s folders alone."""
+    host, prefix = socket.gethostname(), f".{final.name}.tmp-"
+    for tmp in final.parent.glob(f"{prefix}*"):
+        parts = tmp.name[len(prefix) :].rsplit("-", 2)  # HOST-PID-TOKEN (HOST may hold dashes)
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
             continue  # another host's (a shared filesystem): it may be writing
-        pid = tmp.name.rsplit("-", 2)[1]  # .NAME.tmp-HOST-PID-RANDOM (HOST may hold dashes)
-        if not pid.isdigit():
-            continue
-        pid = int(pid)
+        pid = int(parts[1])
         if str(tmp) in _IN_PROGRESS or (pid != os.getpid() and _alive(pid)):
             continue
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shares(num_images, world_size):
+    """[(start, stop)] of each rank's share of items [0, num_images): contiguous, in rank order, each starting at
+    a multiple of SHARD_ALIGN, as even as that allows (a share may be empty when there are few images)."""
+    blocks = -(-int(num_images) // SHARD_ALIGN)
+    bounds = [min(int(num_images), -(-blocks * r // world_size) * SHARD_ALIGN) for r in range(world_size + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _takes_range(images):
+    """Whether `images` is called as images(start, stop)."""
+    if not callable(images):
+        return False
+    try:
+        params = list(inspect.signature(images).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _check_images(images, num_images, world):
+    ranged = _takes_range(images)
+    if world > 1 and not ranged:
+        raise ConfigError(
+            f"latents: {world} processes encode a share each: `images` must be a callable images(start, stop) "
+            "returning the batches of dataset items [start, stop)"
+        )
+    if ranged and (num_images is None or int(num_images) < 0):
+        raise ConfigError("latents: `images(start, stop)` needs num_images, the number of dataset items")
+
+
+def _batches(images, start, stop):
+    if _takes_range(images):
+        return images(start, stop)
+    return images() if callable(images) else images
 
 
 def _as_input(batch):
@@ -440,111 +535,376 @@ def _encode_batch(vae, x):
         return torch.stack([dist.mean, dist.std], 1).float()
 
 
-def _write(vae, images, key, tmp, num_images, progress):
-    """Encode `images` into the folder `tmp`; returns the meta dict written there."""
+def _encode_share(vae, batches, key, file, total, progress):
+    """Encode `batches` into the .npy `file` (and `file`-labels.npy when they come with labels): a dict of the
+    images encoded, their shape (F, K, C, h, w) (None when none), the seconds, the files' sizes in bytes."""
     from tqdm.auto import tqdm
 
     flips, size = key["flips"], key["image_size"]
-    latents_file = tmp / LATENTS_FILE
-    sums = None
     labels, count, shape = [], 0, None
     start = time.perf_counter()
-    with open(latents_file, "wb") as f, tqdm(
-        total=num_images, desc="encoding latents", unit="img", disable=not progress, leave=False, file=sys.stderr
+    with open(file, "wb") as f, tqdm(
+        total=total, desc="encoding latents", unit="img", disable=not progress, leave=False, file=sys.stderr
     ) as bar:
         f.write(b"\0" * NPY_HEADER_BYTES)
-        for batch in images:
+        for batch in batches:
             if isinstance(batch, (tuple, list)):
                 batch, batch_labels = batch
-                labels.append(torch.as_tensor(batch_labels).long().cpu())
+                labels.append(torch.as_tensor(batch_labels).long().cpu().reshape(-1))
             x = _as_input(batch)
             if x.shape[-2:] != (size, size):
                 raise ValueError(f"images of {tuple(x.shape[-2:])} pixels for a cache of {size}x{size}")
             x = torch.cat([x, x.flip(3)]) if flips else x
             z = torch.cat([_encode_batch(vae, part) for part in x.split(max(1, ENCODE_PIXELS // size**2))])
-            if flips:  # (B, 2 orientations, K, C, h, w)
-                z = torch.stack(z.chunk(2), 1)
-            else:
-                z = z[:, None]
-            z = z.cpu()
+            z = (torch.stack(z.chunk(2), 1) if flips else z[:, None]).cpu()  # (B, orientations, K, C, h, w)
             shape = tuple(z.shape[1:])
             f.write(np.ascontiguousarray(z.numpy(), dtype="<f4").tobytes())
-            # Per-channel moments of the latents as drawn: mean^2 + std^2 is E[z^2] of a draw.
-            mean = z[:, :, 0].double().transpose(0, 2).flatten(1)  # (C, B*F*h*w)
-            square = mean.square()
-            if z.shape[2] == 2:
-                square = square + z[:, :, 1].double().transpose(0, 2).flatten(1).square()
-            moments = torch.stack([mean.sum(1), square.sum(1), torch.full_like(mean[:, 0], mean.shape[1])])
-            sums = moments if sums is None else sums + moments
             count += len(z)
             bar.update(len(z))
-        if count == 0:
-            raise ValueError("no images to encode")
         f.seek(0)
-        f.write(_npy_header((count, *shape)))
+        f.write(_npy_header((count, *(shape or ()))))
         f.flush()
         os.fsync(f.fileno())
     seconds = time.perf_counter() - start
+    labels_file, labels_bytes = _labels_file(file), 0
     if labels:
-        np.save(tmp / LABELS_FILE, torch.cat(labels).numpy())
-        if len(np.load(tmp / LABELS_FILE)) != count:
-            raise ValueError(f"{len(np.load(tmp / LABELS_FILE))} labels for {count} images")
+        labels = torch.cat(labels)
+        if len(labels) != count:
+            raise ValueError(f"{len(labels)} labels for {count} images")
+        np.save(labels_file, labels.numpy())
+        labels_bytes = labels_file.stat().st_size
+    return dict(images=count, shape=list(shape) if shape else None, seconds=seconds,
+                latents_bytes=file.stat().st_size, labels_bytes=labels_bytes)  # fmt: skip
+
+
+def _labels_file(file):
+    return file.parent / LABELS_FILE if file.name == LATENTS_FILE else file.with_name(f"{file.stem}-labels.npy")
+
+
+def _stats(file):
+    """Per-channel mean and std of the latents as drawn (both orientations, the posterior noise: mean^2 + std^2
+    is E[z^2] of a draw), summed over the array in chunks of STATS_ROWS images: the same numbers however the
+    array was encoded."""
+    array = np.load(file, mmap_mode="r")
+    sums = torch.zeros(3, array.shape[3], dtype=torch.float64)
+    for i in range(0, len(array), STATS_ROWS):
+        z = torch.from_numpy(np.array(array[i : i + STATS_ROWS]))
+        mean = z[:, :, 0].double().transpose(0, 2).flatten(1)  # (C, B*F*h*w)
+        square = mean.square()
+        if z.shape[2] == 2:
+            square = square + z[:, :, 1].double().transpose(0, 2).flatten(1).square()
+        sums += torch.stack([mean.sum(1), square.sum(1), torch.full_like(mean[:, 0], mean.shape[1])])
     mean = sums[0] / sums[2]
     std = (sums[1] / sums[2] - mean.square()).clamp(min=0).sqrt()
-    device = next(vae.parameters()).device
+    return dict(mean=mean.tolist(), std=std.tolist())
+
+
+def _finish(vae, key, tmp, ranks):
+    """Write meta.json of the complete latents.npy (and labels.npy) in `tmp`; returns the meta dict. `ranks`:
+    what each process encoded (its rank, host, device, items [start, stop), images, seconds)."""
+    array = np.load(tmp / LATENTS_FILE, mmap_mode="r")
+    count = len(array)
+    seconds = max(r["seconds"] for r in ranks)  # the processes encode at once: the slowest share's time
+    devices = sorted({r["device"] for r in ranks})
     meta = dict(
         key=key,
         vae_source=getattr(vae, "latents_source", None),
-        shape=[count, *shape],
+        shape=list(array.shape),
         layout="(N, orientations [original, flipped], [mean, std] or [latents], C, h, w)",
-        stats=dict(mean=mean.tolist(), std=std.tolist()),
+        stats=_stats(tmp / LATENTS_FILE),
         encode_seconds=seconds,
         images_per_second=count / seconds if seconds > 0 else None,
-        encode_device=str(device),
+        encode_device=", ".join(devices) + (f" ({len(ranks)} processes)" if len(ranks) > 1 else ""),
+        ranks=ranks,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
+    del array
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     return meta
 
 
-def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_images=None, progress=True, log=print):
-    """The LatentCache of `key`: read if it is there, else `images` encoded and cached (module doc)."""
-    final = cache_folder(key, root)
-    cache = _read(final, key, max_gib)
-    if cache is not None:
-        log(
-            f"latents: reusing the cache {final} ({cache.num_images} images, encoded once at "
-            f"{cache.images_per_second or 0:.1f} images/s): encoding nothing"
-        )
-        return cache
-    if device is not None:
-        vae = vae.to(device)
-    if callable(images):
-        images = images()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(final)
-    tmp = final.parent / f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    _IN_PROGRESS.add(str(tmp))
-    try:
-        meta = _write(vae, images, key, tmp, num_images, progress)
-        if final.exists():  # a stale or mismatched cache of this name: replace it
-            shutil.rmtree(final, ignore_errors=True)
+def _publish(tmp, final, key, max_gib):
+    """Rename the complete cache `tmp` into place as `final` and read it: (LatentCache, True). A valid cache of
+    `key` already there (another process published it first) is kept and read instead: (it, False), and the
+    caller discards `tmp`. Only an invalid or mismatched folder is replaced, renamed aside atomically first
+    (never removed in place, which would race another publisher)."""
+    for _ in range(PUBLISH_TRIES):
         try:
             os.rename(tmp, final)
         except OSError:
-            if _read(final, key, max_gib) is None:  # not another process's finished cache of this key
-                raise
+            pass  # `final` is there (a non-empty folder)
+        else:
+            return LatentCache(final, max_gib), True
+        existing = _read(final, key, max_gib)
+        if existing is not None:
+            return existing, False  # another process's valid cache of this key: keep it, never delete it
+        aside = _temporary(final)
+        try:
+            os.rename(final, aside)  # an invalid folder: out of the way, atomically
+        except OSError:
+            continue  # gone or replaced meanwhile: look again
+        if _read(aside, key, max_gib) is not None:  # published between the look and the move: put it back
+            try:
+                os.rename(aside, final)
+            except OSError:  # yet another took its place: that one is looked at next, this one is our candidate
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.rename(aside, tmp)
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+    raise RuntimeError(
+        f"latents: could not publish the cache {final} in {PUBLISH_TRIES} tries (other processes kept replacing it)"
+    )
+
+
+def _world():
+    """(rank, world size) of the torch.distributed process group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _everywhere(flag):
+    """Whether `flag` holds on every process: one all_reduce of one number on the default group (on the
+    device its backend takes: CUDA for NCCL)."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    cpu = "gloo" in backend or "mpi" in backend or not torch.cuda.is_available()
+    flag = torch.tensor([int(bool(flag))], device="cpu" if cpu else torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _reuse_line(final, cache):
+    return (
+        f"latents: reusing the cache {final} ({cache.num_images} images, encoded once at "
+        f"{cache.images_per_second or 0:.1f} images/s): encoding nothing"
+    )
+
+
+def _encoded_line(meta, key, final, kept):
+    count, seconds = meta["shape"][0], meta["encode_seconds"]
+    return (
+        f"encoded {count} images to latents in {seconds:.1f} s ({count / max(seconds, 1e-9):.1f} images/s"
+        f"{', both flips' if key['flips'] else ''}, on {meta['encode_device']}); cached in {final}"
+        + (" (another process published this key first: reading its cache)" if kept else "")
+    )
+
+
+def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_images=None, progress=True, log=print):
+    """The LatentCache of `key`: read if it is there, else `images` encoded and cached (module doc). With a
+    torch.distributed process group of several processes every process encodes its share (`images(start,
+    stop)`, `num_images` items in all) and each cache folder is assembled once."""
+    rank, world = _world()
+    if world > 1 or _takes_range(images):
+        _check_images(images, num_images, world)
+    final = cache_folder(key, root)
+    cache = _read(final, key, max_gib)
+    if world > 1:
+        if _everywhere(cache is not None):  # every process's folder holds it: nobody encodes
+            log(_reuse_line(final, cache))
+            return cache
+        return _encode_shared(vae, images, key, final, rank, world, max_gib, device, num_images, progress, log)
+    if cache is not None:
+        log(_reuse_line(final, cache))
+        return cache
+    if device is not None:
+        vae = vae.to(device)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(final)
+    tmp = _temporary(final)
+    tmp.mkdir()
+    _IN_PROGRESS.add(str(tmp))
+    try:
+        share = _encode_share(vae, _batches(images, 0, num_images), key, tmp / LATENTS_FILE, num_images, progress)
+        if share["images"] == 0:
+            raise ValueError("no images to encode")
+        mine = dict(rank=0, host=socket.gethostname(), device=str(next(vae.parameters()).device), start=0,
+                    stop=share["images"] if num_images is None else int(num_images), images=share["images"],
+                    seconds=share["seconds"])  # fmt: skip
+        meta = _finish(vae, key, tmp, [mine])
+        cache, ours = _publish(tmp, final, key, max_gib)
     finally:
         _IN_PROGRESS.discard(str(tmp))
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    count, seconds = meta["shape"][0], meta["encode_seconds"]
+    log(_encoded_line(meta, key, final, kept=not ours))
+    return cache
+
+
+# --- several processes -----------------------------------------------------------------------------
+
+
+def _folder_leaders(seen):
+    """The lowest rank of each rank's folder: `seen[r]`, the ranks whose markers rank r saw, joined into
+    groups (seeing a marker proves the same folder; a listing that missed one only splits nothing)."""
+    leader = list(range(len(seen)))
+
+    def find(r):
+        while leader[r] != r:
+            r = leader[r]
+        return r
+
+    for r, ranks in enumerate(seen):
+        for s in ranks:
+            a, b = find(r), find(s)
+            leader[max(a, b)] = min(a, b)
+    return [find(r) for r in range(len(seen))]
+
+
+def _send_file(file, dst, group):
+    import torch.distributed as dist
+
+    with open(file, "rb") as f:
+        while chunk := f.read(TRANSFER_BYTES):
+            dist.send(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), dst, group=group)
+
+
+def _recv_file(file, size, src, group):
+    import torch.distributed as dist
+
+    with open(file, "wb") as f:
+        while size > 0:
+            chunk = torch.empty(min(size, TRANSFER_BYTES), dtype=torch.uint8)
+            dist.recv(chunk, src, group=group)
+            f.write(chunk.numpy().tobytes())
+            size -= len(chunk)
+
+
+def _assemble(tmp, everyone):
+    """latents.npy (and labels.npy) in `tmp`: the shares' files concatenated in rank order, then removed."""
+    parts = [m for m in everyone if m["images"]]
+    if not parts:
+        raise ValueError("no images to encode")
+    shape = parts[0]["shape"]
+    if any(m["shape"] != shape for m in parts):
+        raise ValueError(f"the shares' latents differ in shape: {sorted({tuple(m['shape']) for m in parts})}")
+    if len({m["labels_bytes"] > 0 for m in parts}) > 1:
+        raise ValueError("some shares came with labels, some without")
+    count = sum(m["images"] for m in parts)
+    with open(tmp / LATENTS_FILE, "wb") as f:
+        f.write(_npy_header((count, *shape)))
+        for m in parts:
+            with open(tmp / f"share-{m['rank']}.npy", "rb") as share:
+                share.seek(NPY_HEADER_BYTES)
+                shutil.copyfileobj(share, f, TRANSFER_BYTES)
+        f.flush()
+        os.fsync(f.fileno())
+    if parts[0]["labels_bytes"]:
+        np.save(tmp / LABELS_FILE, np.concatenate([np.load(tmp / f"share-{m['rank']}-labels.npy") for m in parts]))
+    for m in everyone:
+        for name in (f"share-{m['rank']}.npy", f"share-{m['rank']}-labels.npy"):
+            (tmp / name).unlink(missing_ok=True)
+
+
+def _error(e):
+    return "ConfigError" if isinstance(e, ConfigError) else type(e).__name__, _first_line(e, 300)
+
+
+def _raise_failed(everyone, failure, what):
+    failed = [m for m in everyone if m.get("error")]
+    if not failed:
+        return
+    if failure is not None:
+        raise failure
+    m = failed[0]
+    kind, message = m["error"]
+    if kind == "ConfigError":
+        raise ConfigError(f"{message} (rank {m['rank']})")
+    raise RuntimeError(f"latents: rank {m['rank']} could not {what}: {kind}: {message}")
+
+
+def _encode_shared(vae, images, key, final, rank, world, max_gib, device, num_images, progress, log):
+    """Every process encodes its share into its folder's build; the lowest rank of each folder receives the
+    shares its folder lacks, assembles and publishes the cache; every process reads it (module doc)."""
+    import torch.distributed as dist
+
+    if device is not None:
+        vae = vae.to(device)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(final)
+    group = dist.new_group(backend="gloo", timeout=ENCODE_WAIT)  # the long waits: not the default (NCCL) group
+    try:
+        host, pid = socket.gethostname(), os.getpid()
+        people = [None] * world
+        dist.all_gather_object(people, (host, pid, uuid.uuid4().hex[:12]), group=group)
+        token = people[0][2]  # rank 0's: this build's
+        # Which processes see this folder: each leaves a marker, and after a barrier lists the markers it sees.
+        marker = final.parent / f".{final.name}.mark-{token}-{rank}"
+        try:
+            marker.touch()
+            dist.barrier(group=group)
+            mine = {int(p.name.rsplit("-", 1)[1]) for p in final.parent.glob(f".{final.name}.mark-{token}-*")}
+            seen = [None] * world
+            dist.all_gather_object(seen, sorted(mine | {rank}), group=group)  # every listing done before a marker goes
+        finally:
+            marker.unlink(missing_ok=True)
+        leaders = _folder_leaders(seen)
+        leader = leaders[rank]
+        tmp = _temporary(final, *people[leader][:2], token)  # named for its leader: whose death makes it a leftover
+        tmp.mkdir(exist_ok=True)
+        _IN_PROGRESS.add(str(tmp))
+        try:
+            return _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, group, max_gib,
+                                 num_images, progress, log)  # fmt: skip
+        finally:
+            _IN_PROGRESS.discard(str(tmp))
+            if rank == leader and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, group, max_gib, num_images, progress, log):
+    import torch.distributed as dist
+
+    start, stop = shares(num_images, world)[rank]
+    mine = dict(rank=rank, host=people[rank][0], device=str(next(vae.parameters()).device), start=start, stop=stop)
+    failure = None
+    try:
+        batches = images(start, stop) if stop > start else []  # an empty share (few images) opens none
+        mine |= _encode_share(vae, batches, key, tmp / f"share-{rank}.npy", stop - start, progress)
+    except Exception as e:  # told to every process below, so that none waits for this share
+        failure, mine["error"] = e, _error(e)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)  # the wait for the slowest share (ENCODE_WAIT)
+    _raise_failed(everyone, failure, "encode its share")
+    # The shares a folder lacks (encoded in another folder) travel to its leader, in chunks, in one fixed order.
+    for m in everyone:
+        for receiver in sorted(set(leaders) - {leaders[m["rank"]]}):
+            files = (f"share-{m['rank']}.npy", m["latents_bytes"]), (f"share-{m['rank']}-labels.npy", m["labels_bytes"])
+            for name, size in files:
+                if size and rank == m["rank"]:
+                    _send_file(tmp / name, receiver, group)
+                elif size and rank == receiver:
+                    _recv_file(tmp / name, size, m["rank"], group)
+    outcome, failure, kept, cache = dict(rank=rank), None, False, None
+    if rank == leaders[rank]:
+        try:
+            _assemble(tmp, everyone)
+            ranks = [{k: m[k] for k in ("rank", "host", "device", "start", "stop", "images", "seconds")} for m in everyone]
+            _finish(vae, key, tmp, ranks)
+            cache, ours = _publish(tmp, final, key, max_gib)
+            kept = not ours
+        except Exception as e:
+            failure, outcome["error"] = e, _error(e)
+    outcomes = [None] * world
+    dist.all_gather_object(outcomes, outcome, group=group)  # the folders' caches published
+    _raise_failed(outcomes, failure, "assemble the cache")
+    cache = cache or _read(final, key, max_gib)  # the leader read it as it published it
+    if cache is None:
+        raise RuntimeError(f"latents: rank {rank} cannot read the cache {final} that rank {leaders[rank]} published")
+    folders = len(set(leaders))
     log(
-        f"encoded {count} images to latents in {seconds:.1f} s ({count / max(seconds, 1e-9):.1f} images/s"
-        f"{', both flips' if key['flips'] else ''}, on {meta['encode_device']}); cached in {final}"
-    )
-    return LatentCache(final, max_gib)
+        f"latents: {world} processes encoded a share each, "
+        + ", ".join(f"rank {m['rank']} items [{m['start']}, {m['stop']}): {m['images']} images in {m['seconds']:.1f} s on "
+                    f"{m['device']}" for m in everyone)
+        + f"; assembled in {folders} cache folder{'s' if folders > 1 else ''}"
+    )  # fmt: skip
+    log(_encoded_line(cache.meta, key, final, kept))
+    return cache
 
 
 # --- reading and drawing ---------------------------------------------------------------------------
@@ -567,9 +927,61 @@ def _read(folder, key, max_gib):
         return None
 
 
-def _item_seed(seed, epoch, index):
-    digest = hashlib.blake2b(f"{int(seed)},{int(epoch)},{int(index)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+# A counter-based generator: splitmix64 (Steele, Lea and Flood 2014) on int64 tensors, whose arithmetic wraps
+# modulo 2^64 as unsigned arithmetic does, with shifts made logical. Each image's words are a splitmix64 stream
+# seeded by its key, itself the element `index` of a stream seeded by (seed, epoch): a draw depends on (seed,
+# epoch, index) alone, and a whole batch is drawn in a few vectorised integer ops.
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK = 2**64 - 1
+
+
+def _signed(x):
+    x &= _MASK
+    return x - 2**64 if x >= 2**63 else x
+
+
+def _shr(x, s):
+    """Logical right shift of an int64 tensor (torch's >> is arithmetic)."""
+    shifted = x >> s
+    return shifted.bitwise_and_((1 << (64 - s)) - 1)
+
+
+def _mix(x):
+    """splitmix64's finaliser, elementwise on an int64 tensor (the bits of the uint64); x is not changed."""
+    x = x ^ _shr(x, 30)
+    x.mul_(_signed(_MIX1))
+    x.bitwise_xor_(_shr(x, 27)).mul_(_signed(_MIX2))
+    return x.bitwise_xor_(_shr(x, 31))
+
+
+def _mix_int(x):
+    """_mix on a Python int, in exact uint64 arithmetic: the reference the tensor version is tested against."""
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK
+    return x ^ (x >> 31)
+
+
+def _draw_keys(seed, epoch, indices):
+    """(B,) int64: each image's key, a function of (seed, epoch, index) alone."""
+    base = _mix_int(_mix_int(int(seed) + _GOLDEN) + int(epoch) * _GOLDEN)
+    return _mix(torch.as_tensor(indices, dtype=torch.int64) * _signed(_GOLDEN) + _signed(base))
+
+
+def _words(keys, count):
+    """(B, count) int64 random words: words 0, 1, ... of each key's stream."""
+    counter = torch.arange(1, count + 1, dtype=torch.int64) * _signed(_GOLDEN)
+    return _mix(keys[:, None] + counter)
+
+
+def _normals(words, count):
+    """(B, count) float32 standard normals from (B, ceil(count / 2)) words: Box-Muller on two 24-bit uniforms
+    of each word (float32 holds them exactly): bits 40-63 in (0, 1] give the radius, bits 8-31 the angle. The
+    radius tops out at sqrt(2 ln 2^24) = 5.77: a draw beyond 5.77 sigma (p = 8e-9) is left out."""
+    high = _shr(words, 40).add_(1).float().mul_(2.0**-24)
+    low = _shr(words, 8).bitwise_and_(0xFFFFFF).float().mul_(2 * math.pi * 2.0**-24)
+    radius = high.log_().mul_(-2).sqrt_()
+    return torch.cat([low.cos().mul_(radius), low.sin_().mul_(radius)], 1)[:, :count]
 
 
 class LatentCache:
@@ -595,20 +1007,23 @@ class LatentCache:
         return self.num_images
 
     def draw(self, indices, epoch, seed):
-        """Raw latents (B, C, h, w) of images `indices` for `epoch`: an orientation and the posterior
-        noise each drawn from (seed, epoch, index) alone."""
-        indices = torch.as_tensor(indices).reshape(-1).tolist()
-        out = torch.empty(len(indices), self.channels, self.resolution, self.resolution)
-        for row, i in enumerate(indices):
-            g = torch.Generator().manual_seed(_item_seed(seed, epoch, i))
-            side = int(torch.randint(self.orientations, (1,), generator=g)) if self.orientations > 1 else 0
-            stored = torch.from_numpy(np.array(self.array[i, side]))  # a copy: the memmap is read-only
-            if self.stochastic:
-                eps = torch.randn(stored.shape[1:], generator=g)
-                out[row] = stored[0] + stored[1] * eps
-            else:
-                out[row] = stored[0]
-        return out
+        """Raw latents (B, C, h, w) of images `indices` for `epoch`: an orientation and the posterior noise each
+        drawn from (seed, epoch, index) alone, the whole batch at once: its rows read with one fancy index (in
+        ascending order, for a memory map), its random numbers from a counter-based generator (_draw_keys)."""
+        indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        keys = _draw_keys(seed, epoch, indices)
+        size = self.channels * self.resolution**2
+        # word 0 of each stream picks the orientation, words 1... the noise
+        words = _words(keys, 1 + (-(-size // 2) if self.stochastic else 0))
+        sides = _shr(words[:, 0], 33) % self.orientations
+        order = torch.argsort(indices)
+        rows = self.array[indices[order].numpy(), sides[order].numpy()]  # (B, K, C, h, w), ascending rows
+        stored = torch.empty(rows.shape)
+        stored[order] = torch.from_numpy(np.ascontiguousarray(rows))
+        if not self.stochastic:
+            return stored[:, 0]
+        eps = _normals(words[:, 1:], size).view_as(stored[:, 0])
+        return stored[:, 0] + stored[:, 1] * eps
 
 
 # --- normalisation and decoding -----------------------------------------------------------------
@@ -621,28 +1036,70 @@ def _floats(x, channels):
     return values
 
 
+def vae_constants(vae):
+    """Kind "vae"'s constants from the VAE's config: scaling_factor, and latents_mean and latents_std
+    (per channel) where the config sets both, else shift_factor (None where unset)."""
+    config, channels = vae.config, latent_channels(vae)
+    defaults = set(config.get("_use_default_values", None) or [])
+    if config.get("scaling_factor") is None or "scaling_factor" in defaults:
+        raise ConfigError(
+            "the VAE's config.json sets no scaling_factor: normalise by the dataset's own mean and std instead"
+        )
+    constants = dict(scaling_factor=float(config["scaling_factor"]))
+    if config.get("latents_mean") is not None and config.get("latents_std") is not None:
+        return constants | dict(latents_mean=_floats(config["latents_mean"], channels),
+                                latents_std=_floats(config["latents_std"], channels))  # fmt: skip
+    return constants | dict(shift_factor=config.get("shift_factor"))
+
+
+VAE_CONSTANTS = ("scaling_factor", "shift_factor", "latents_mean", "latents_std")
+
+
+def latent_space(encoder_sha256, normalization):
+    """What a latent run's network takes, as resume and guidance compare it: the encoder's weights (their
+    hash: vae_identity) and the normalisation's kind, with the VAE's constants for kind "vae" (`normalization`:
+    a record of `normalization()`, or the kind and vae_constants). Not the --vae text: the same weights
+    spelled otherwise (another path, a `,vae` suffix) are the same latent space. A "dataset" normalisation's
+    mean and std follow from the data and the encoder, both compared."""
+    same = {"kind": normalization["kind"]}
+    if same["kind"] == "vae":
+        same |= {k: normalization[k] for k in VAE_CONSTANTS if normalization.get(k) is not None}
+    return dict(encoder_sha256=encoder_sha256, normalization=same)
+
+
+def recorded_latent_space(config):
+    """The latent space a run's train_config.json (`config`) records: its latent_space, else (a run of before
+    it) its latents record's, else None: a run on pixels."""
+    if config.get("latent_space") is not None:
+        return config["latent_space"]
+    record = config.get("latents")
+    return latent_space(record["encoder_sha256"], record["normalization"]) if record else None
+
+
+def latent_space_change(saved, now):
+    """A change of latent space (latent_space's, or None for pixels) in words: pixels <-> latents, another
+    encoder, another normalisation."""
+    if saved is None or now is None:
+        return f"--vae: {'pixels' if saved is None else 'latents'} -> {'pixels' if now is None else 'latents'}"
+    if saved["encoder_sha256"] != now["encoder_sha256"]:
+        return (f"--vae: another VAE (its encoder's weights: SHA-256 {saved['encoder_sha256'][:12]}... -> "
+                f"{now['encoder_sha256'][:12]}...)")  # fmt: skip
+    return f"the latents' normalisation {saved['normalization']} -> {now['normalization']}"
+
+
 def normalization(cache, vae, kind="vae", target_std=1.0):
     """The per-channel normalisation record (module doc): kind "vae" or "dataset"."""
     channels = cache.channels
     mean, std = cache.stats["mean"], cache.stats["std"]
     if kind == "vae":
-        config = vae.config
-        defaults = set(config.get("_use_default_values", None) or [])
-        if config.get("scaling_factor") is None or "scaling_factor" in defaults:
-            raise ConfigError(
-                "the VAE's config.json sets no scaling_factor: normalise by the dataset's own mean and std instead"
-            )
-        factor = float(config["scaling_factor"])
-        record = dict(kind="vae", scaling_factor=factor)
-        if config.get("latents_mean") is not None and config.get("latents_std") is not None:
-            shift = _floats(config["latents_mean"], channels)
-            scale = [factor * target_std / s for s in _floats(config["latents_std"], channels)]
-            record |= dict(latents_mean=shift, latents_std=_floats(config["latents_std"], channels))
+        record = dict(kind="vae") | vae_constants(vae)
+        factor = record["scaling_factor"]
+        if "latents_mean" in record:
+            shift = record["latents_mean"]
+            scale = [factor * target_std / s for s in record["latents_std"]]
         else:
-            shift_factor = config.get("shift_factor")
-            shift = _floats(shift_factor or 0.0, channels)
+            shift = _floats(record["shift_factor"] or 0.0, channels)
             scale = [factor * target_std] * channels
-            record |= dict(shift_factor=shift_factor)
     elif kind == "dataset":
         shift = [float(m) for m in mean]
         scale = [target_std / max(float(s), 1e-12) for s in std]
@@ -666,8 +1123,13 @@ def denormalize(z, record):
     return z / _per_channel(record["scale"], z) + _per_channel(record["shift"], z)
 
 
-def decode(vae, latents, record, batch_size=32):
-    """Images in [-1, 1] (B, 3, H, W) on the latents' device, from normalised latents."""
+def decode(vae, latents, record, batch_size=None):
+    """Images in [-1, 1] (B, 3, H, W) on the latents' device, from normalised latents, `batch_size` at a time:
+    by default as many as make ENCODE_PIXELS image pixels (the VAE's factor times the latents' side, squared),
+    the bound encoding keeps."""
+    if batch_size is None:
+        side = latents.shape[-1] * vae_factor(vae)
+        batch_size = max(1, ENCODE_PIXELS // side**2)
     param = next(vae.parameters())
     out = []
     with torch.no_grad():

@@ -16,6 +16,7 @@ from pathlib import Path
 import checkpoint
 import config
 import ema as posthoc_ema
+import latents
 from errors import ConfigError
 
 # What a checkpoint holds or means: resuming it with any of these changed is
@@ -38,17 +39,18 @@ RUN_IDENTITY = (
     "ema", "ema_stds", "ema_max_decay", "ema_power",
     # fp16 saves a GradScaler's state and loads one: compared as fp16 or not (bf16 <-> no saves the same)
     "mixed_precision",
-    # a latent run's latent space: the network's inputs and outputs are latents of this VAE, normalised so
-    # (--vae's normalisation, resolved: vae or dataset)
-    "vae", "latent_normalization",
+    # a latent run's latent space: the network's inputs and outputs are latents of this encoder (its weights'
+    # hash, not the --vae text), normalised so (latents.latent_space; None for a run on pixels)
+    "latent_space",
 )  # fmt: skip
 
 # Identity keys train.py computes (config.DERIVED_KEYS), not flags, and what a run that did
 # not record one had: num_classes 0, unconditional (None: always recorded, or see PIXEL_RUN).
-DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_normalization": None}
+DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None}
 
-# Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels.
-PIXEL_RUN = {"vae": None, "latent_normalization": None}
+# Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels,
+# or is a latent run of before latent_space, whose train_config.json's latents record gives it.
+PIXEL_RUN = {"latent_space": None}
 
 # What of a value the checkpoint depends on, where it is not the whole value.
 COMPARED_AS = {"mixed_precision": lambda value: value == "fp16",
@@ -86,6 +88,10 @@ CHANGES_ON_RESUME = {
         "output_dir", "logger", "save_images_epochs", "eval_batch_size", "sampler", "churn",
         "num_inference_steps", "guidance_scale", "guide", "ema_snapshot_every", "eval_every_epochs",
         "eval_num_samples", "fid_weights",
+    ),
+    "which VAE, as spelled: its weights and normalisation are compared (latent_space), so the same VAE in "
+    "another folder, by a relative path or with its ',vae' suffix resumes": (
+        "vae",
     ),
     "checkpoints, faults and this invocation": (
         "checkpointing_steps", "checkpoints_total_limit", "resume", "overwrite_output_dir", "on_fault", "config",
@@ -135,6 +141,8 @@ def saved_identity(start):
         known = config.translate(written | recorded, only=REMOVED_IDENTITY)
     except ConfigError as e:
         raise ConfigError(f"cannot resume {start}: {e}; use --overwrite_output_dir or another --output_dir") from None
+    if "latent_space" not in known and known.get("latents"):  # a latent run of before latent_space
+        known["latent_space"] = latents.recorded_latent_space(known)
     saved = {}
     for key in RUN_IDENTITY:
         if key in known:
@@ -149,10 +157,17 @@ def saved_identity(start):
 def differences(saved, current):
     """'--flag saved -> now' for each identity key that differs; a key not in `saved` is not compared."""
     return [
-        f"{key if key in DERIVED_IDENTITY else '--' + key} {saved[key]!r} -> {current.get(key)!r}"
+        _difference(key, saved[key], current.get(key))
         for key in RUN_IDENTITY
         if key in saved and _compared(key, saved[key]) != _compared(key, current.get(key))
     ]
+
+
+def _difference(key, saved, now):
+    if key == "latent_space":
+        return latents.latent_space_change(saved, now)
+    return f"{key if key in DERIVED_IDENTITY else '--' + key} {saved!r} -> {now!r}"
+
 
 
 def _compared(key, value):

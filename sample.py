@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import latents
 import metrics
 import model as models
 from errors import ConfigError, OneLineParser, one_line_errors
@@ -313,9 +314,14 @@ def check_guide(main, guide):
     the same objective, image size, classes and latent space (VAE and normalisation; none for
     pixel runs), and for DDPM the same noise schedule and prediction, since their outputs are
     combined as they are."""
-    keys = ["objective", "image_size", "class_names", "vae", "latent_normalization"]
+    keys = ["objective", "image_size", "class_names"]
     if main.get("objective", "ddpm") == "ddpm":
         keys += ["prediction_type", "beta_schedule", "num_train_timesteps", "zero_terminal_snr"]
+    # the latent space as resume compares it: the encoder's weights and the normalisation, not the --vae text
+    space, guide_space = latents.recorded_latent_space(main), latents.recorded_latent_space(guide)
+    if space != guide_space:
+        raise ConfigError("the guide was trained on another latent space (" + latents.latent_space_change(guide_space, space) +
+                          "): guide with a run on the same VAE's latents, normalised the same way")  # fmt: skip
     for key in keys:
         if key == "num_train_timesteps":  # a setting (config.SETTINGS), not a flag
             a, b = (models.run_setting(config, key, models.NUM_TRAIN_TIMESTEPS) for config in (main, guide))

@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -152,6 +153,18 @@ def latent_words(args):
     return line
 
 
+# Images decoded once and kept (unreadable ones remembered in their places: data.PreloadedImages).
+PRELOADED = (torch.Tensor, data.PreloadedImages)
+
+# With several processes, how long a process may wait in a collective, set explicitly (torch's defaults: NCCL 10
+# minutes, gloo 30). STEP_WAIT: the default group's, that of the steps, a checkpoint's save and the starting line, each
+# far under it. MAIN_WORK_WAIT: while the main process works between steps and the others wait (grids, FID/KID and
+# its reference statistics, the pipeline), in a gloo group of its own: FID over 50,000 samples of a large network on
+# one GPU takes hours, and the wait fires only when the main process hangs (one that dies ends it at once). A latent
+# run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
+STEP_WAIT = timedelta(minutes=15)
+MAIN_WORK_WAIT = timedelta(hours=12)
+
 # With several processes, how often they agree on whether a signal asked them to stop.
 STOP_CHECK_STEPS = 10
 
@@ -175,7 +188,7 @@ class Run:
 
     def __init__(self, args):
         from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration, set_seed
+        from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
         self.args, self.output_dir = args, Path(args.output_dir)
         self.accelerator = accelerator = Accelerator(
@@ -184,9 +197,13 @@ class Run:
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             log_with=None if args.logger == "none" else args.logger,
             project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(self.output_dir / "logs")),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=STEP_WAIT)],
         )
         self.device, self.world = accelerator.device, accelerator.num_processes
         self.is_main = accelerator.is_main_process
+        self.main_work_group = None  # the others' wait for the main process's work between steps (MAIN_WORK_WAIT)
+        if self.world > 1:
+            self.main_work_group = torch.distributed.new_group(backend="gloo", timeout=MAIN_WORK_WAIT)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
         self.evaluator = None
@@ -197,11 +214,15 @@ class Run:
         # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds;
         # a latent run's encoded to latents, or read from their cache.
         self.unreadable = data.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
-        self.decode, self.latents = None, None  # a latent run's: latents -> images, and its record
-        if args.vae:
-            images, labels, class_names = self._latent_data()
+        self.decode, self.latents, self.latent_space = None, None, None  # a latent run's: latents -> images, records
+        resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
+        if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
+            source = self._latent_source()
+            start_from = self._choose_start(source["class_names"], resume_from)
+            images, labels, class_names = self._latent_data(source)
         else:
             images, labels, class_names = data.load_images(args, self.unreadable)
+            start_from = self._choose_start(class_names, resume_from)
         self.images_per_step = args.train_batch_size * self.world * args.gradient_accumulation_steps
         if len(images) < self.images_per_step:
             raise ConfigError(
@@ -210,24 +231,19 @@ class Run:
                 "lower --train_batch_size or --gradient_accumulation_steps"
             )
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
-        self.config["data_path"] = "preloaded" if isinstance(images, torch.Tensor) else "latents" if args.vae else "streamed"
+        self.config["data_path"] = "preloaded" if isinstance(images, PRELOADED) else "latents" if args.vae else "streamed"
         if self.latents is not None:
-            self.config["latents"] = self.latents
+            self.config |= dict(latents=self.latents, latent_space=self.latent_space)
         # The classes of a conditional run, kept with it: sample.py takes their names.
         self.num_classes = len(class_names) if class_names else 0
         self.config |= dict(num_classes=self.num_classes, class_names=class_names,
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
-        resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
-        start_from = resume.choose_start(
-            args.output_dir, self.config, args.resume is not False, resume_from, args.overwrite_output_dir
-        )
-        accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
-        if self.evaluator is not None:  # a latent run's reference: its images, decoded (once: then cached)
-            self.evaluator.prepare_reference(lambda: metrics.reference_images(vars(args), args.image_size) if args.vae
-                                             else images)  # fmt: skip
+        if args.eval_every_epochs:  # the reference statistics (a latent run's: its images, decoded; once, then cached)
+            self.on_main_process(lambda: self.evaluator.prepare_reference(
+                lambda: metrics.reference_images(vars(args), args.image_size) if args.vae else images))  # fmt: skip
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
-        if isinstance(images, torch.Tensor) and self.device.type == "cuda":
+        if isinstance(images, PRELOADED) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: --preload_data's MAX_GIB
         self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
                                     self.world, args.dataloader_num_workers, self.unreadable, labels)  # fmt: skip
@@ -242,22 +258,45 @@ class Run:
         if self.step < self.total_steps:
             self._announce()
 
-    def _latent_data(self):
-        """A latent run's data: (latents.LatentDataset, labels, class names). The VAE, then the latents of
-        the dataset from their cache: the main process encodes them into it when they are not there (one
-        line says how fast; a cache hit decodes no image and says so), the others wait and read them. Each
+    def _choose_start(self, class_names, resume_from):
+        """The checkpoint to continue from (resume.choose_start), checked against what the run is before
+        anything is encoded: the flags, the processes, the classes, a latent run's latent space."""
+        identity = dict(vars(self.args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
+                        latent_space=self.latent_space)  # fmt: skip
+        args = self.args
+        start = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from, args.overwrite_output_dir)
+        self.accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
+        return start
+
+    def _latent_source(self):
+        """A latent run's VAE and dataset, nothing encoded yet: the VAE loaded and hashed (`self.latent_space`,
+        what resume compares), the dataset opened (its identity, count and classes) and the cache's key."""
+        args = self.args
+        vae = latents.load_vae(args.latents["source"], args.latents["subfolder"])  # config.resolve found it
+        identity, images, count, class_names = data.images_to_encode(args, self.unreadable)
+        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=data.random_flips(args))
+        kind = args.latent_normalization
+        self.latent_space = latents.latent_space(key["vae"]["encoder_sha256"],
+                                                 dict(kind=kind) | (latents.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
+        return dict(vae=vae, images=images, count=count, class_names=class_names, key=key)
+
+    def _latent_data(self, found):
+        """A latent run's data: (latents.LatentDataset, labels, class names). The latents of the dataset
+        from their cache: when they are not there every process encodes its share of the dataset into it (one
+        line says how fast; a cache hit decodes no image and says so), and reads the cache assembled. Each
         epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as `self.latents`
         records for train_config.json; `self.decode` turns latents into images for the grids and FID."""
         args, accelerator = self.args, self.accelerator
-        source = args.latents["source"]  # config.resolve found the VAE: its folder (and subfolder) or Hub id
-        vae = latents.load_vae(source, args.latents["subfolder"])
+        vae, key, source = found["vae"], found["key"], args.latents["source"]
+        # Every process encodes its share on its own device (latents.cached_latents: the waits for the slowest
+        # share in a gloo group of their own, with an explicit timeout); the main process decodes grids and FID.
         if self.is_main:
-            vae.to(self.device)  # it encodes, and decodes the grids and FID samples
-        identity, images, count, class_names = data.images_to_encode(args, self.unreadable)
-        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=data.random_flips(args))
-        with accelerator.main_process_first():
-            cache = latents.cached_latents(vae, images, key, max_gib=data.preload_max_gib(args),
-                                           num_images=count, progress=self.is_main, log=accelerator.print)  # fmt: skip
+            vae.to(self.device)
+        cache = latents.cached_latents(vae, found["images"], key, device=self.device, num_images=found["count"],
+                                       progress=self.is_main, max_gib=data.preload_max_gib(args),
+                                       log=accelerator.print)  # fmt: skip
+        if not self.is_main:
+            vae.to("cpu")  # nothing more to encode: its memory back to training
         # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
         target_std = args.sigma_data if args.objective == "edm" else 1.0
         record = latents.normalization(cache, vae, args.latent_normalization, target_std)
@@ -274,7 +313,7 @@ class Run:
             encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
         )  # fmt: skip
         self.decode = lambda z: latents.decode(vae, z, record)
-        return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, class_names
+        return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, found["class_names"]
 
     def _build_training(self):
         """Network, objective, optimizer, learning-rate schedule and EMA, as the speed ladder's rows
@@ -381,11 +420,11 @@ class Run:
         if self.is_main:
             try:
                 work()
-            except RunError as e:
+            except (RunError, ConfigError) as e:
                 error = e
-        failed = torch.tensor(float(error is not None), device=self.device)
-        if self.world > 1:
-            failed = self.accelerator.reduce(failed, reduction="sum")  # also the barrier
+        failed = torch.tensor(float(error is not None))
+        if self.world > 1:  # also the barrier: in the group that waits long enough for the main process's work
+            torch.distributed.all_reduce(failed, group=self.main_work_group)
         if error is not None:
             raise error
         if failed.item():

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the network
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# ... nor read the user's Hugging Face cache (a VAE there would make an offline Hub id loadable): a folder of this
+# run's, set before huggingface_hub reads it at import, and inherited by the processes the tests start
+HF_HOME = Path(tempfile.mkdtemp(prefix="tests-hf-home-"))
+for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "HF_XET_CACHE", "HF_ASSETS_CACHE"):
+    os.environ.pop(variable, None)
+os.environ["HF_HOME"] = str(HF_HOME)
+atexit.register(shutil.rmtree, HF_HOME, True)
 
 
 @pytest.fixture(autouse=True)

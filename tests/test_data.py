@@ -195,3 +195,71 @@ def test_model_input_is_scaled_and_flipped():
     assert torch.all(x[~flipped, :, :, 0] == 1)
     unflipped = data.to_model_input(images.clone(), random_flip=False)
     assert torch.all(unflipped[..., 0] == 1) and torch.all(unflipped[..., 1:] == -1)
+
+
+def run_args(*argv):
+    import config
+
+    return config.resolve(config.parse_args(["--image_size", "8", "--dataloader_num_workers", "0", *map(str, argv)]))
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for (x, y), (u, v) in zip(a, b):
+        assert torch.equal(x, u) and torch.equal(y, v)
+
+
+def test_preloaded_and_streamed_data_with_an_unreadable_image_are_the_same_batches(tmp_path, monkeypatch):
+    """--preload_data may change on resume: with an unreadable image (--on_fault skip) the preloaded dataset
+    keeps its index too, as many images and labels (class counts, steps per epoch), and the same batches."""
+    monkeypatch.setattr(data, "ENCODE_BATCH", 4)  # preloaded in batches of 4: the unreadable image in the second
+    for i in range(5):
+        write_image(tmp_path / "red" / f"{i}.png", color=(200, 20 * i, 0))
+        write_image(tmp_path / "blue" / f"{i}.png", color=(0, 20 * i, 200))
+    (tmp_path / "blue" / "3b.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")  # item 4: blue/0, 1, 2, 3, 3b, 4
+    loaded = {}
+    for flag in ("--preload_data", "--no-preload_data"):
+        unreadable = data.Unreadable(verbose=False)
+        images, labels, _ = data.load_images(run_args("--dataset", tmp_path, "--class_conditional", flag), unreadable)
+        loaded[flag] = images, labels, unreadable
+    (preloaded, labels, unreadable), (streamed, same_labels, _) = loaded.values()
+    assert isinstance(preloaded, data.PreloadedImages) and isinstance(streamed, data.FileImages)
+    assert len(preloaded) == len(streamed) == 11 and torch.equal(labels, same_labels)  # train.py: class_counts
+    assert len(unreadable) == 1 and preloaded.rows.tolist() == [0, 1, 2, 3, -1, 4, 5, 6, 7, 8, 9]
+    image, error = preloaded[4]
+    assert image is None and "3b.png" in error and torch.equal(preloaded[5][0], streamed[5][0])
+    cpu = torch.device("cpu")
+    quiet = dict(unreadable=data.Unreadable(verbose=False), labels=labels)
+    fast = data.Batches(preloaded, 3, seed=4, device=cpu, **quiet)
+    slow = data.Batches(streamed, 3, seed=4, device=cpu, **quiet)
+    assert fast.preloaded and len(fast) == len(slow) == 11 and fast.batches_per_epoch() == slow.batches_per_epoch() == 3
+    moved = data.Batches(preloaded.to(cpu), 3, seed=4, device=cpu, **quiet)  # train.py's move to the GPU
+    assert_same_batches(list(moved.epoch(0)), list(slow.epoch(0)))
+    filled = 0
+    for epoch in range(3):
+        batches = list(fast.epoch(epoch))
+        assert_same_batches(batches, list(slow.epoch(epoch)))
+        assert_same_batches(list(fast.epoch(epoch, start=1)), batches[1:])
+        shown = [tuple(image[:, 0, 0].tolist()) for images, _ in batches for image in images]
+        filled += len(set(shown)) < len(shown)  # an image shown twice: the unreadable image's place
+        for images, batch_labels in batches:
+            assert torch.equal(batch_labels, (images[:, 0, 0, 0] > 100).long())  # red is class 1
+    assert filled  # some epoch drew the unreadable image
+
+
+def test_a_batch_of_only_unreadable_images_stops_preloaded_data_as_streamed(tmp_path):
+    write_image(tmp_path / "a.png")
+    write_image(tmp_path / "b.png", color=(0, 0, 200))
+    for name in ("c.png", "d.png"):
+        (tmp_path / name).write_bytes(b"not an image")
+    cpu, outcomes = torch.device("cpu"), []
+    for flag in ("--preload_data", "--no-preload_data"):
+        unreadable = data.Unreadable(verbose=False)
+        images, _, _ = data.load_images(run_args("--dataset", tmp_path, flag), unreadable)
+        got = []
+        with pytest.raises(ConfigError, match=r"every image of a batch was unreadable \(cannot read image .*[cd].png"):
+            for epoch in range(2):  # seed 2: epoch 1's second batch is c and d
+                got += data.Batches(images, 2, seed=2, device=cpu, unreadable=unreadable).epoch(epoch)
+        outcomes.append(got)
+    preloaded, streamed = outcomes
+    assert len(preloaded) == len(streamed) == 3 and all(torch.equal(a, b) for a, b in zip(preloaded, streamed))

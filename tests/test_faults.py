@@ -455,6 +455,32 @@ train.main(train.parse_args(sys.argv[1:]))
 """
 
 
+# The steps' group waits STEP_WAIT (here 6 s) and no longer; rank 0 draws its grid for 15 s while rank 1 waits.
+SLOW_GRID = """
+import sys, time
+from datetime import timedelta
+sys.path.insert(0, {root!r})
+import train
+train.STEP_WAIT = timedelta(seconds=6)
+write = train.Run.write_samples
+def write_samples(self, epoch):
+    time.sleep(15)
+    write(self, epoch)
+train.Run.write_samples = write_samples
+train.main(train.parse_args(sys.argv[1:]))
+"""
+
+
+def test_the_others_wait_for_the_main_processs_work_longer_than_the_steps_timeout(tmp_path):
+    """The steps' collectives time out after train.STEP_WAIT; the wait for the main process's work between
+    steps (a grid here; FID in a real run, hours) is in a group of its own with MAIN_WORK_WAIT."""
+    out = tmp_path / "run"
+    ranks = Ranks(start_two_ranks(flags(out, "--max_train_steps", 2, "--save_images_epochs", 1),
+                                  script=SLOW_GRID.format(root=str(ROOT))))  # fmt: skip
+    assert ranks.codes == [0, 0], ranks
+    assert (out / "samples" / "0000.png").is_file()
+
+
 def checkpoint_contents(folder):
     """The weights, EMA, optimizer and schedule of a checkpoint: everything but the RNG states."""
     contents = {"model.safetensors": load_file(folder / "model.safetensors")}

@@ -49,13 +49,18 @@ def check_aligned(images, labels, classes):
     assert [classes[int(red)] for red in images[:, 0, 0, 0]] == labels.tolist()
 
 
-def test_class_folders_give_labels_and_an_unreadable_image_loses_its_label(tmp_path):
+def test_class_folders_give_labels_and_an_unreadable_image_keeps_its_place_and_label(tmp_path):
     classes = class_tree(tmp_path)
     images, labels, class_names, unreadable = load("--dataset", tmp_path, "--class_conditional")
     assert class_names == ["cat", "dog"]
-    assert isinstance(images, torch.Tensor) and len(images) == 6 and len(unreadable) == 1  # broken.png dropped
-    check_aligned(images, labels, classes)
-    assert labels.bincount().tolist() == [3, 3]  # dog/deeper/2.png is a dog
+    # preloaded as streamed: broken.png (cat's item 3) keeps its index and its label, and has no image
+    assert isinstance(images, data.PreloadedImages) and len(images) == len(labels) == 7 and len(unreadable) == 1
+    readable = images.rows >= 0
+    assert readable.tolist() == [True] * 3 + [False] + [True] * 3
+    check_aligned(images.images, labels[readable], classes)
+    assert labels.bincount().tolist() == [4, 3]  # dog/deeper/2.png is a dog; broken.png is a cat
+    unconditional, *_ = load("--dataset", tmp_path / "dog")  # all readable: one tensor
+    assert isinstance(unconditional, torch.Tensor) and len(unconditional) == 3
 
 
 def test_streamed_class_folders_give_aligned_labels_in_batches(tmp_path):
@@ -74,7 +79,8 @@ def test_unconditional_folder_has_no_labels_and_the_same_images(tmp_path):
     class_tree(tmp_path)
     images, labels, class_names, _ = load("--dataset", tmp_path)
     assert labels is None and class_names is None
-    assert torch.equal(images, load("--dataset", tmp_path, "--class_conditional")[0])
+    conditional = load("--dataset", tmp_path, "--class_conditional")[0]  # broken.png: both PreloadedImages
+    assert torch.equal(images.images, conditional.images) and torch.equal(images.rows, conditional.rows)
 
 
 def save_dataset(path, column, values, feature):

@@ -5,6 +5,7 @@ the tiny network trains on 8x8x4 latents for a few steps, and samples in 1 step.
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ import train
 from conftest import ROOT
 from errors import ConfigError
 from test_latents import make_kl
+from test_faults import Ranks, start_two_ranks
 from test_train import TINY, run, tensors_of, visible
 
 # On top of test_train's TINY: 16 images, 4 steps an epoch, 1 sampling step, 4 images a grid (2 by 2).
@@ -129,16 +131,67 @@ def test_resume_is_bit_identical(tmp_path, vae, capsys):
             assert all(torch.equal(x, y) for x, y in zip(a_ema["shadow_params"], b_ema["shadow_params"]))
 
 
-def test_resume_refuses_another_vae_or_normalisation_in_one_line(tmp_path, vae, capsys):
+def refused(out, capsys, *flags):
+    """train.py's one-line refusal (exit code 2) of `flags` on `out`: the line."""
+    with pytest.raises(SystemExit) as stopped:
+        run(out, *FEW, *map(str, flags))
+    err = visible(capsys.readouterr().err)
+    assert stopped.value.code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_resume_refuses_another_vae_before_encoding_in_one_line(tmp_path, vae, capsys, monkeypatch):
     out = tmp_path / "run"
     train_latents(out, vae, "--max_train_steps", 1)
+    written = (out / "train_config.json").read_text()
+    # a second VAE in another folder, and other weights saved over the run's own VAE folder
+    other = make_kl(tmp_path / "other", seed=1)
+    overwritten = shutil.copytree(vae, tmp_path / "overwritten")
+    train_latents(tmp_path / "run2", overwritten, "--max_train_steps", 1)
+    make_kl(overwritten, seed=1)
+    fresh = tmp_path / "fresh-cache"  # no cache: a resume that encoded first would fill it
+    monkeypatch.setenv(latents.CACHE_ENV, str(fresh))
     capsys.readouterr()
-    for other, says in ((f"{vae},dataset", "latent_normalization 'vae' -> 'dataset'"), (None, f"--vae '{vae}' -> None")):
-        flags = [*FEW, "--max_train_steps", 2] + (["--vae", other] if other else [])
-        with pytest.raises(SystemExit) as stopped:
-            run(out, *flags)
-        err = visible(capsys.readouterr().err)
-        assert stopped.value.code == 2 and len(err) == 1 and "cannot resume" in err[0] and says in err[0], err
+    for folder, flag in ((out, other), (tmp_path / "run2", overwritten)):
+        says = refused(folder, capsys, "--max_train_steps", 2, "--vae", flag)
+        assert says.startswith("train.py: error: cannot resume") and "(--vae: another VAE (its encoder's weights: " in says
+    assert not fresh.exists()  # refused before any image was encoded
+    assert (out / "train_config.json").read_text() == written  # nor was the run's record written over
+    # the normalisation, and pixels, are refused too
+    assert "the latents' normalisation {'kind': 'vae', 'scaling_factor': 0.18215" in refused(
+        out, capsys, "--max_train_steps", 2, "--vae", f"{vae},dataset")  # fmt: skip
+    assert "(--vae: latents -> pixels)" in refused(out, capsys, "--max_train_steps", 2)
+
+
+def test_two_processes_encode_a_share_each_and_train_on_the_cache(tmp_path, vae, monkeypatch):
+    """train.py --vae on two processes (gloo on the CPU): each encodes its share of a cold cache, the cache
+    assembled is the one a single process makes, and both train on it."""
+    out, images = tmp_path / "run", 80  # shares of whole 64-image blocks: [0, 64) and [64, 80)
+    argv = [*TINY, *map(str, FEW), "--shapes_num_images", images, "--vae", vae, "--max_train_steps", 2,
+            "--output_dir", out, "--save_images_epochs", 100]  # fmt: skip
+    ranks = Ranks(start_two_ranks(argv))
+    assert ranks.codes == [0, 0], ranks
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["num_processes"] == 2 and (out / "checkpoints" / "checkpoint-2").is_dir()
+    two = latents.LatentCache(saved["latents"]["cache"])
+    assert [(r["rank"], r["images"]) for r in two.meta["ranks"]] == [(0, 64), (1, 16)]
+    # one process, another cache folder: the same latents, byte for byte
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "one-process"))
+    train_latents(tmp_path / "one", vae, "--shapes_num_images", images, "--max_train_steps", 1)
+    one = latents.LatentCache(json.loads((tmp_path / "one" / "train_config.json").read_text())["latents"]["cache"])
+    assert one.path != two.path and np.array_equal(one.array, two.array) and one.stats == two.stats
+
+
+def test_the_same_vae_spelled_otherwise_resumes(tmp_path, vae, capsys, monkeypatch):
+    """Its suffix, a relative path, another folder holding the same weights: the same latent space."""
+    out = tmp_path / "run"
+    train_latents(out, vae, "--max_train_steps", 1)
+    copy = shutil.copytree(vae, tmp_path / "elsewhere" / "same-vae")
+    monkeypatch.chdir(vae.parent)
+    for step, flag in enumerate((f"{vae},vae", vae.name, copy), start=2):
+        train_latents(out, flag, "--max_train_steps", step)
+        assert f"resumed from {out / 'checkpoints' / f'checkpoint-{step - 1}'} at step {step - 1}" in capsys.readouterr().out
+    assert (out / "checkpoints" / "checkpoint-4").is_dir()
 
 
 def test_the_cache_is_reused_and_rebuilt_for_another_vae_or_image_size(tmp_path, vae, capsys, monkeypatch):
@@ -315,6 +368,17 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, vae, capsys, flags, mes
 
 
 LATENT_CONFIGS = sorted((ROOT / "configs").glob("*latent*.yaml"))
+
+
+def test_the_tests_read_no_users_hugging_face_cache():
+    """conftest points the Hub's and datasets' caches at a folder of the test run's own: a user's cache holding
+    SD's VAE would otherwise let the offline dry run below find it (and a Hub id load in other tests)."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+    from conftest import HF_HOME
+
+    for cache in (hub.HF_HUB_CACHE, datasets.config.HF_DATASETS_CACHE):
+        assert Path(cache).is_relative_to(HF_HOME), cache
 
 
 @pytest.mark.parametrize("path", LATENT_CONFIGS, ids=[p.name for p in LATENT_CONFIGS])

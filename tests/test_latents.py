@@ -1,6 +1,8 @@
 """latents.py on tiny randomly initialised VAEs saved to temporary folders (seconds on a CPU)."""
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -452,3 +454,193 @@ def test_a_tiny_vae_stores_its_latents_alone(tmp_path):
     record = latents.normalization(cache, vae, "vae")  # TAESD's scaling_factor 1.0, shift 0
     assert record["scale"] == [1.0] * 4 and record["shift"] == [0.0] * 4
     assert latents.decode(vae, cache.draw([0, 1], 0, 0), record).shape == (2, 3, SIZE, SIZE)
+
+
+# --- shares, publishing, leftovers ------------------------------------------------------------
+
+
+def test_shares_are_contiguous_aligned_to_the_decode_batch_and_cover_every_item():
+    assert latents.SHARD_ALIGN == 64
+    assert latents.shares(200, 2) == [(0, 128), (128, 200)]
+    assert latents.shares(20, 2) == [(0, 20), (20, 20)]  # few images: a share may be empty
+    assert latents.shares(200, 1) == [(0, 200)]
+    for n, world in ((1000, 3), (64 * 7, 4), (1, 8), (12345, 8)):
+        parts = latents.shares(n, world)
+        assert len(parts) == world and parts[0][0] == 0 and parts[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, in rank order
+        assert all(start % 64 == 0 or start == n for start, _ in parts)
+        blocks = [-(-(stop - start) // 64) for start, stop in parts]  # decode batches a share
+        assert max(blocks) - min(blocks) <= 1
+
+
+def ranged(x, labels=None, batch_size=64, left_out=()):
+    """images(start, stop) as data.decoded_batches gives them: batches of 64 items from `start`, unreadable
+    items (`left_out`) dropped from their batch."""
+
+    def images(start, stop):
+        for i in range(start, stop, batch_size):
+            keep = [j for j in range(i, min(i + batch_size, stop)) if j not in left_out]
+            yield x[keep] if labels is None else (x[keep], labels[keep])
+
+    return images
+
+
+def test_images_of_start_and_stop_encode_as_the_whole_dataset_does_on_one_process(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    x, labels = images(70), torch.arange(70) % 3
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    whole = latents.cached_latents(vae, lambda: batches(x, 64, labels), key, root=tmp_path / "a", progress=False, log=print)
+    shared = latents.cached_latents(vae, ranged(x, labels), key, root=tmp_path / "b", num_images=70, progress=False,
+                                    log=print)  # fmt: skip
+    assert (whole.path / "latents.npy").read_bytes() == (shared.path / "latents.npy").read_bytes()
+    assert torch.equal(shared.labels, labels) and shared.stats == whole.stats
+    assert shared.meta["ranks"] == [dict(rank=0, host=shared.meta["ranks"][0]["host"], device="cpu", start=0, stop=70,
+                                         images=70, seconds=shared.meta["ranks"][0]["seconds"])]  # fmt: skip
+    one_line_error(lambda: latents.cached_latents(vae, ranged(x), key, root=tmp_path / "c", progress=False),
+                   "images(start, stop)", "num_images")  # fmt: skip
+
+
+def test_publishing_keeps_a_valid_cache_and_replaces_an_invalid_one_aside(tmp_path, kl_folder, monkeypatch):
+    vae = latents.load_vae(kl_folder)
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    first = encode(vae, images(), tmp_path)
+    final, inode = first.path, (first.path / "latents.npy").stat().st_ino
+    shutil.copytree(final, tmp_path / "good")
+
+    def candidate(seed):  # a complete cache of the key in a temporary folder, as an encode leaves it
+        tmp = latents._temporary(final)
+        shutil.copytree(tmp_path / "good", tmp)
+        array = np.load(tmp / "latents.npy")
+        np.save(tmp / "latents.npy", array + seed)
+        return tmp
+
+    tmp = candidate(1)
+    cache, ours = latents._publish(tmp, final, key, 8.0)
+    assert not ours and cache.path == final and (final / "latents.npy").stat().st_ino == inode  # kept
+    assert np.array_equal(cache.array, first.array)
+
+    # A valid cache that turns up between the look and the move aside is put back, not deleted.
+    read, looks = latents._read, []
+
+    def late(folder, *a):
+        looks.append(folder)
+        return None if len(looks) == 1 else read(folder, *a)
+
+    monkeypatch.setattr(latents, "_read", late)
+    cache, ours = latents._publish(tmp, final, key, 8.0)
+    monkeypatch.setattr(latents, "_read", read)
+    assert not ours and (final / "latents.npy").stat().st_ino == inode
+    shutil.rmtree(tmp)
+
+    # An invalid folder (another key's meta.json, or none) is renamed aside and replaced; nothing is left over.
+    for broken in ("other key", "no meta"):
+        meta = json.loads((final / "meta.json").read_text())
+        if broken == "other key":
+            (final / "meta.json").write_text(json.dumps(meta | dict(key=dict(other=1))))
+        else:
+            (final / "meta.json").unlink()
+        tmp = candidate(2)
+        cache, ours = latents._publish(tmp, final, key, 8.0)
+        assert ours and cache.path == final and np.array_equal(cache.array, first.array + 2)
+        assert [p.name for p in final.parent.iterdir()] == [final.name]
+
+
+def dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_leftovers_are_removed_for_this_host_exactly(tmp_path, monkeypatch):
+    final = tmp_path / "abc"
+    pid = dead_pid()
+    names = {host: tmp_path / f".abc.tmp-{host}-{pid}-0123abcd" for host in ("node1", "node1-b", "node10", "xnode1")}
+    alive = tmp_path / f".abc.tmp-node1-{os.getpid()}-fedc0000"
+    for folder in (*names.values(), alive):
+        folder.mkdir()
+    latents._IN_PROGRESS.add(str(alive))
+    monkeypatch.setattr(latents.socket, "gethostname", lambda: "node1")
+    try:
+        latents._remove_leftovers(final)
+    finally:
+        latents._IN_PROGRESS.discard(str(alive))
+    assert not names["node1"].exists()  # this host's, its process dead
+    assert names["node1-b"].exists() and names["node10"].exists() and names["xnode1"].exists()  # other hosts'
+    assert alive.exists()  # being written
+    monkeypatch.setattr(latents.socket, "gethostname", lambda: "node1-b")
+    latents._remove_leftovers(final)
+    assert not names["node1-b"].exists() and names["node10"].exists()
+
+
+# --- draws, decoding (vectorised) -----------------------------------------------------------------
+
+
+def test_the_draws_generator_is_splitmix64_in_exact_uint64_arithmetic():
+    values = [0, 1, 2**32 - 1, 2**63 - 1, 2**63, 2**64 - 1, 0x123456789ABCDEF0]
+    mixed = latents._mix(torch.tensor([latents._signed(v) for v in values], dtype=torch.int64))
+    assert [v % 2**64 for v in mixed.tolist()] == [latents._mix_int(v) for v in values]
+    assert latents._mix_int(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF  # splitmix64's first output for seed 0
+    x = torch.tensor([5, -7])
+    assert latents._shr(x, 1).tolist() == [2, 2**63 - 4]  # logical
+
+
+def test_draws_are_standard_normal_and_independent_across_indices_and_epochs():
+    keys = latents._draw_keys(3, 0, torch.arange(512))
+    eps = latents._normals(latents._words(keys, 128), 256)  # 512 images of 256 normals
+    assert eps.dtype == torch.float32 and eps.shape == (512, 256)
+    flat = eps.double().flatten()
+    assert abs(flat.mean()) < 0.01 and abs(flat.std() - 1) < 0.01
+    assert abs((flat.abs() < 1).double().mean() - 0.6827) < 0.01 and abs((flat.abs() < 2).double().mean() - 0.9545) < 0.005
+    assert abs(((flat**4).mean() - 3)) < 0.1  # the kurtosis of a normal
+    per_element = eps.mean(0)  # each element across images: no offset of its own
+    assert per_element.abs().max() < 5 / 512**0.5
+    assert abs(torch.corrcoef(torch.stack([eps[:-1].flatten(), eps[1:].flatten()]))[0, 1]) < 0.02  # index i vs i+1
+    assert abs(torch.corrcoef(torch.stack([eps[:, :-1].flatten(), eps[:, 1:].flatten()]))[0, 1]) < 0.02
+    other = latents._normals(latents._words(latents._draw_keys(3, 1, torch.arange(512)), 128), 256)
+    assert abs(torch.corrcoef(torch.stack([eps.flatten(), other.flatten()]))[0, 1]) < 0.02  # epoch e vs e+1
+    reseeded = latents._normals(latents._words(latents._draw_keys(4, 0, torch.arange(512)), 128), 256)
+    assert abs(torch.corrcoef(torch.stack([eps.flatten(), reseeded.flatten()]))[0, 1]) < 0.02
+
+
+def test_a_batch_draw_is_the_draws_of_its_images_alone(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    cache = encode(vae, images(64), tmp_path)
+    a, b = cache.draw([5], epoch=3, seed=1), cache.draw([40], epoch=3, seed=1)
+    assert torch.equal(cache.draw([5, 40], epoch=3, seed=1), torch.cat([a, b]))
+    assert torch.equal(cache.draw([40, 5, 40], epoch=3, seed=1), torch.cat([b, a, b]))  # any order, repeats
+    everything = cache.draw(torch.arange(64), epoch=3, seed=1)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cache.draw(order, epoch=3, seed=1), everything[order])
+    mapped = latents.LatentCache(cache.path, max_gib=0.0)
+    assert mapped.memmapped and torch.equal(mapped.draw(order, epoch=3, seed=1), everything[order])
+    # Orientations: about half of the images drawn flipped in an epoch, each image both ways over epochs.
+    stored = torch.from_numpy(np.array(cache.array))  # (N, 2, 2, C, h, w)
+    eps = [(everything - stored[:, s, 0]) / stored[:, s, 1] for s in (0, 1)]
+    sides = torch.stack([e.flatten(1).abs().max(1).values for e in eps]).argmin(0)
+    assert 16 <= int(sides.sum()) <= 48
+    chosen = torch.stack([eps[int(s)][i] for i, s in enumerate(sides)])
+    assert chosen.abs().max() < 6 and abs(chosen.std() - 1) < 0.05
+
+
+def test_decode_is_bounded_by_pixels(tmp_path, kl_folder, monkeypatch):
+    vae = count_decodes(latents.load_vae(kl_folder))
+    z = torch.randn(7, 4, SIZE // 2, SIZE // 2)
+    record = dict(shift=[0.0] * 4, scale=[1.0] * 4)
+    monkeypatch.setattr(latents, "ENCODE_PIXELS", 3 * SIZE * SIZE)  # 3 images of SIZE px at once
+    out = latents.decode(vae, z, record)
+    assert vae.sizes == [3, 3, 1] and out.shape == (7, 3, SIZE, SIZE)
+    monkeypatch.setattr(latents, "ENCODE_PIXELS", 32 * SIZE * SIZE)
+    vae.sizes.clear()
+    latents.decode(vae, z, record)
+    assert vae.sizes == [7]
+
+
+def count_decodes(vae):
+    decode, vae.sizes = vae.decode, []
+
+    def counted(z, *args, **kwargs):
+        vae.sizes.append(len(z))
+        return decode(z, *args, **kwargs)
+
+    vae.decode = counted
+    return vae

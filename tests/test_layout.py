@@ -2,6 +2,7 @@
 module imported inside a function to dodge one."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,9 +65,33 @@ def first_cycle(edges):
     return next((cycle for name in sorted(edges) if (cycle := visit(name, []))), None)
 
 
-def test_imports_only_go_down():
+def test_no_import_cycle():
     cycle = first_cycle({name: top for name, (top, _) in graph().items()})
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def layers(text):
+    """module -> its row in docs/layout.md's table of layers (0: the top row), from the backticked
+    names of each row's modules column (`bench/speed.py` is bench.speed)."""
+    rows = [line.split("|")[2] for line in text.splitlines() if line.startswith("| ") and "`" in line.split("|")[2]]
+    found = {}
+    for row, cell in enumerate(rows):
+        for name in re.findall(r"`([\w/]+)\.py`", cell):
+            found[name.replace("/", ".")] = row
+    return found
+
+
+def upward_imports(edges, rows):
+    """'a (row i) imports b (row j < i)' for each import that goes up the table."""
+    return [f"{a} (row {rows[a]}) imports {b} (row {rows[b]})" for a in sorted(edges) for b in sorted(edges[a])
+            if rows[b] < rows[a]]  # fmt: skip
+
+
+def test_imports_only_go_down_the_layers_of_docs_layout():
+    rows = layers((ROOT / "docs" / "layout.md").read_text())
+    edges = {name: top for name, (top, _) in graph().items()}
+    assert set(edges) == set(rows), "docs/layout.md's table must name every module, once"
+    assert not upward_imports(edges, rows), "move the import down, or the module up docs/layout.md's table"
 
 
 def test_the_checker_finds_a_cycle_and_an_inner_import(tmp_path):
@@ -76,6 +101,9 @@ def test_the_checker_finds_a_cycle_and_an_inner_import(tmp_path):
     assert top == {"b"} and inner == {"c"}
     assert first_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert first_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    table = "| layer | modules |\n|---|---|\n| top | `a.py`, `bench/t.py` |\n| low | `b.py` |\n"
+    assert layers(table) == {"a": 0, "bench.t": 0, "b": 1}
+    assert upward_imports({"a": {"b"}, "b": {"a"}, "bench.t": set()}, layers(table)) == ["b (row 1) imports a (row 0)"]
 
 
 def test_the_tools_live_in_bench():

@@ -5,15 +5,21 @@ train_config.json where a row needs one): milliseconds. Two `train.main` runs at
 """
 
 import json
+import re
 
+import numpy as np
 import pytest
+import torch
 
 import checkpoint
-import resume as rules
 import config
+import latents
+import metrics
+import resume as rules
 from errors import ConfigError
 from test_config import OLD_RUNS, SAME_AS_OLD_RUN
-from test_train import TINY
+from test_metrics import TinyFeatures
+from test_train import TINY, tensors_of
 from test_train import run as train
 
 DERIVED = tuple(rules.DERIVED_IDENTITY)
@@ -27,8 +33,15 @@ CHANGED = dict(
     seed=1, objective="edm", prediction_type="sample", beta_schedule="squaredcos_cap_v2",
     zero_terminal_snr=True, learning_rate=1e-3, adam_betas=[0.9, 0.99], weight_decay=0.0, ema="power",
     ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_power=2 / 3, mixed_precision="fp16",
-    vae="vae-folder/", latent_normalization="dataset",  # a latent run's latent space (issue 34)
+    latent_space=dict(encoder_sha256="ab" * 32, normalization=dict(kind="dataset")),  # a latent run's (issue 37)
 )  # fmt: skip
+
+# How a refusal names a change of each identity key: "--flag before -> after", or in words.
+def change_words(key, before, after):
+    if key == "latent_space":
+        return latents.latent_space_change(before, after)
+    return f"{named(key)} {before!r} -> {after!r}"
+
 
 # RUN_IDENTITY before issue 32: what the "run" of an older checkpoint holds.
 OLD_IDENTITY = (
@@ -41,7 +54,7 @@ OLD_IDENTITY = (
 def resolved(*flags):
     """The config train.py hands choose_start for TINY plus `flags` (one process, unconditional)."""
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", *flags]))
-    return vars(args) | dict(num_processes=1, num_classes=0)
+    return vars(args) | dict(num_processes=1, num_classes=0, latent_space=None)
 
 
 BASE = resolved()
@@ -105,13 +118,13 @@ def test_a_changed_identity_key_is_refused_naming_it(tmp_path, key):
     assert CHANGED[key] != BASE[key]
     write_checkpoint(tmp_path, rules.run_identity(BASE))
     message = refusal(tmp_path, BASE | {key: CHANGED[key]})
-    assert f"({named(key)} {BASE[key]!r} -> {CHANGED[key]!r})" in message  # that one difference, and only it
+    assert f"({change_words(key, BASE[key], CHANGED[key])})" in message  # that one difference, and only it
 
 
 @pytest.mark.parametrize("key", CHANGED)
 def test_the_change_is_refused_the_other_way_too(tmp_path, key):
     write_checkpoint(tmp_path, rules.run_identity(BASE | {key: CHANGED[key]}))
-    assert f"{named(key)} {CHANGED[key]!r} -> {BASE[key]!r}" in refusal(tmp_path, BASE)
+    assert change_words(key, CHANGED[key], BASE[key]) in refusal(tmp_path, BASE)
 
 
 def test_all_differences_are_listed_on_one_line(tmp_path):
@@ -138,10 +151,103 @@ def test_augment_is_compared_by_its_crops_alone(tmp_path):
     assert "--augment 'flip' -> 'flip,crop'" in refusal(tmp_path, BASE | dict(augment="flip,crop"))
 
 
-@pytest.mark.parametrize("flag", SAFE)
-def test_a_flag_declared_safe_may_change(tmp_path, flag):
-    folder = write_checkpoint(tmp_path, rules.run_identity(BASE))
-    assert resume(tmp_path, BASE | {flag: "changed"}) == folder
+# --- every flag declared safe, changed on a real resume: the run trains on (train.main) ----------------
+
+# A pixel DDPM run's resume with all of these changed at once (the first run has TINY's, FEW's and the defaults).
+CHANGED_ON_RESUME = [
+    "--num_epochs", 5, "--max_train_steps", 4, "--lr_scheduler", "constant", "--lr_warmup_steps", 0,
+    "--lr_ref_steps", 7, "--timestep_sampling", "lognormal", "--P_mean_std", "-1.0,1.4", "--snr_gamma", 5,
+    "--max_grad_norm", 0.5, "--no-preload_data", "--dataloader_num_workers", 1, "--cpu", "--compile_mode", "off",
+    "--logger", "tensorboard", "--save_images_epochs", 1, "--eval_batch_size", 2, "--sampler", "ddim",
+    "--num_inference_steps", 2, "--guidance_scale", "1.5", "--eval_every_epochs", 1, "--eval_num_samples", 8,
+    "--ema_snapshot_every", 1, "--checkpointing_steps", 1, "--checkpoints_total_limit", 2, "--on_fault", "skip",
+    "--logging_steps", 1, "--profile", "kernels", "--resume",
+]  # fmt: skip
+# Tried elsewhere: an EDM run's (churn, below); the invocation's own (below); each with a path (added in the test);
+# the data's reading again on a folder with an unreadable image (FOLDER_CHANGES, below); the VAE spelled otherwise
+# (tests/test_latent_train.py, test_the_same_vae_spelled_otherwise_resumes).
+FOLDER_CHANGES = ["--no-preload_data", "--dataloader_num_workers", 1]
+EDM_CHANGES = ["--churn", 10]
+WITH_A_PATH = ["guide", "fid_weights"]
+INVOCATION = ["output_dir", "config", "dry_run", "overwrite_output_dir"]
+ELSEWHERE = ["vae"]
+
+
+def flags_of(argv):
+    return {str(a).removeprefix("--").removeprefix("no-") for a in argv if str(a).startswith("--")}
+
+
+def test_every_flag_declared_safe_is_tried_on_a_real_resume():
+    tried = flags_of(CHANGED_ON_RESUME) | flags_of(EDM_CHANGES) | flags_of(FOLDER_CHANGES)
+    tried |= set(WITH_A_PATH + INVOCATION + ELSEWHERE)
+    assert tried == set(SAFE)
+
+
+def trains_on(out, capsys, step, *flags, run=None):
+    """train.py in `out` with `flags`: it resumes from the checkpoint of `step` (of `run`, else of `out`)
+    and trains on."""
+    capsys.readouterr()
+    train(out, *FEW, *flags)
+    stdout = capsys.readouterr().out
+    assert f"resumed from {(run or out) / 'checkpoints' / f'checkpoint-{step}'} at step {step}" in stdout, stdout
+    return stdout
+
+
+def test_a_run_resumed_with_every_safe_flag_changed_trains_on(tmp_path, capsys, monkeypatch):
+    out, guide = tmp_path / "run", tmp_path / "guide"
+    train(guide, "--max_train_steps", 2, *FEW)  # a run of the same data, to guide with (it trains 2 steps too)
+    train(out, "--max_train_steps", 2, *FEW, "--compile_mode", "auto")
+    # Inception's weights given: FID on test_metrics' stand-in for Inception
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    fid_weights = tmp_path / "inception.pth"
+    fid_weights.touch()
+    stdout = trains_on(out, capsys, 2, *CHANGED_ON_RESUME, "--guide", guide, "--fid_weights", fid_weights)
+    assert re.search(r"^eval epoch 1 step 4 \| .*FID", stdout, re.M), stdout
+    assert [p.name for p in checkpoint.checkpoint_dirs(out)] == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_a_folder_with_an_unreadable_image_resumed_streamed_trains_as_preloaded(tmp_path, capsys):
+    """--preload_data, --dataloader_num_workers and --on_fault on a folder whose one image is unreadable: the
+    run preloaded for 2 steps, resumed streamed through a worker, ends with the weights of 4 steps preloaded
+    (preloading keeps the unreadable image's place as streaming does: the same batches, steps per epoch)."""
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(8):
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    (folder / "8.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    flags = [*FEW, "--dataset", folder, "--on_fault", "skip", "--checkpointing_steps", 2, "--save_images_epochs", 100]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, *flags, "--max_train_steps", 4, "--preload_data")
+    train(resumed, *flags, "--max_train_steps", 2, "--preload_data")
+    trains_on(resumed, capsys, 2, *flags, "--max_train_steps", 4, *FOLDER_CHANGES)
+    a, b = (tensors_of(run / "checkpoints" / "checkpoint-4")[0] for run in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    saved = [json.loads((run / "train_config.json").read_text()) for run in (straight, resumed)]
+    assert saved[0]["num_images"] == saved[1]["num_images"] == 9 and saved[1]["data_path"] == "streamed"
+
+
+def test_an_edm_run_resumed_with_another_churn_trains_on(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(out, "--max_train_steps", 2, *FEW, "--objective", "edm")
+    trains_on(out, capsys, 2, "--max_train_steps", 3, "--objective", "edm", *EDM_CHANGES)
+    assert (out / "checkpoints" / "checkpoint-3").is_dir()
+
+
+def test_the_invocations_own_flags_resume_or_start_as_they_say(tmp_path, capsys):
+    out, other = tmp_path / "run", tmp_path / "other"
+    train(out, "--max_train_steps", 2, *FEW)
+    # another --output_dir, continuing this run's checkpoint; the run's train_config.json as --config
+    trains_on(other, capsys, 2, "--max_train_steps", 3, "--resume", out / "checkpoints" / "checkpoint-2", run=out)
+    trains_on(out, capsys, 2, "--config", out / "train_config.json", "--max_train_steps", 3)
+    assert (other / "checkpoints" / "checkpoint-3").is_dir() and (out / "checkpoints" / "checkpoint-3").is_dir()
+    config = train(out, *FEW, "--max_train_steps", 5, "--dry_run")  # describes, trains nothing
+    assert config["total_train_steps"] == 5 and not (out / "checkpoints" / "checkpoint-5").exists()
+    capsys.readouterr()
+    train(out, *FEW, "--max_train_steps", 1, "--overwrite_output_dir")  # starts again: no resume
+    assert "resumed from" not in capsys.readouterr().out
+    assert [p.name for p in checkpoint.checkpoint_dirs(out)] == ["checkpoint-1"]
 
 
 # --- checkpoints written before a key was checked ------------------------------------------
