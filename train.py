@@ -617,6 +617,9 @@ class Meter:
         return self
 
     def __exit__(self, *exc):
+        if self.profiler is not None:  # the run ended while --profile recorded: what it holds is written, and no
+            self.profiler.stop()  # profiler is left running to the interpreter's exit (a segmentation fault there)
+            self.profiler = None
         return self.progress.__exit__(*exc)  # the bar is closed before any error is printed
 
     def write(self, text):

@@ -16,18 +16,13 @@ import pytest
 import torch
 
 import latents
+from test_latents import _one_thread  # noqa: F401  (autouse: convolutions this small run on one thread)
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 N, LEFT_OUT = 200, 130  # shares [0, 128) and [128, 200) on two processes; item 130 unreadable
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def dataset():

@@ -88,6 +88,17 @@ def test_profile_writes_a_trace_a_table_and_a_chart(tmp_path, capsys):
     assert is_png(out / "profile" / "top_ops.png")
 
 
+def test_a_run_that_ends_while_profiling_writes_what_it_recorded_and_leaves_no_profiler_running(tmp_path, capsys):
+    """--max_train_steps 4 of the 5 a whole recording takes: the profiler is stopped at the end of training and
+    what it recorded written, none left running to the interpreter's exit (which crashed)."""
+    out = tmp_path / "run"
+    run(out, "--profile", "--max_train_steps", 4)
+    assert not torch.autograd.profiler._is_profiler_enabled
+    trace = json.loads((out / "profile" / "trace.json").read_text())
+    steps = sorted(e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#"))
+    assert steps[:2] == ["ProfilerStep#1", "ProfilerStep#2"]
+
+
 class CountedStep:
     """What step.FastStep needs of a TrainStep to count its calls; it computes nothing."""
 
