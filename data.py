@@ -632,6 +632,13 @@ class Batches:
     def batches_per_epoch(self):
         return len(self.source) // (self.batch_size * self.world_size)
 
+    def _loader(self, dataset, batches, collate, epoch):
+        """A DataLoader of `batches` (index tensors) of `dataset` through the workers, pinned on CUDA, its workers'
+        seeds from a generator of its own (loader_generator)."""
+        return torch.utils.data.DataLoader(dataset, batch_sampler=_IndexBatches(batches), num_workers=self.num_workers,
+                                           collate_fn=collate, pin_memory=self.device.type == "cuda",
+                                           persistent_workers=False, generator=loader_generator(self.seed, epoch))  # fmt: skip
+
     def epoch(self, epoch, start=0):
         """The epoch's batches from batch index `start` on."""
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
@@ -640,15 +647,7 @@ class Batches:
             if self.num_workers and batches:
                 # Drawn ahead by worker processes, batch for batch the same as in this process (_EpochDraws);
                 # forked, they share the cache's array.
-                draws = torch.utils.data.DataLoader(
-                    _EpochDraws(self.source, epoch),
-                    batch_sampler=_IndexBatches(batches),
-                    num_workers=self.num_workers,
-                    collate_fn=_as_drawn,
-                    pin_memory=self.device.type == "cuda",
-                    persistent_workers=False,
-                    generator=loader_generator(self.seed, epoch),
-                )
+                draws = self._loader(_EpochDraws(self.source, epoch), batches, _as_drawn, epoch)
             else:
                 self.source.set_epoch(epoch)
                 draws = map(self.source.batch, batches)
@@ -678,15 +677,7 @@ class Batches:
             if failure is not None:
                 raise ConfigError(failure)
             return
-        loader = torch.utils.data.DataLoader(
-            self.source,
-            batch_sampler=_IndexBatches(batches),
-            num_workers=self.num_workers,
-            collate_fn=_collate_decoded,
-            pin_memory=self.device.type == "cuda",
-            persistent_workers=False,
-            generator=loader_generator(self.seed, epoch),
-        )
+        loader = self._loader(self.source, batches, _collate_decoded, epoch)
         for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)
             if images is None:
