@@ -261,9 +261,9 @@ class Run:
     def _choose_start(self, class_names, resume_from):
         """The checkpoint to continue from (resume.choose_start), checked against what the run is before
         anything is encoded: the flags, the processes, the classes, a latent run's latent space."""
-        identity = dict(vars(self.args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
-                        latent_space=self.latent_space)  # fmt: skip
         args = self.args
+        identity = dict(vars(args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
+                        latent_space=self.latent_space)  # fmt: skip
         start = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from, args.overwrite_output_dir)
         self.accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
         return start
