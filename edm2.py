@@ -92,8 +92,13 @@ def mp_silu(x):
 
 
 def mp_sum(a, b, t=0.5):
-    """(1-t) a + t b, scaled to keep unit magnitude, eq. (88)."""
-    return a.lerp(b, t) / math.sqrt((1 - t) ** 2 + t ** 2)
+    """(1-t) a + t b, scaled to keep unit magnitude, eq. (88), in the wider of the two dtypes.
+
+    Under CUDA autocast the residual stream can be fp32 while the branch is bf16 (a
+    convolution's output), and lerp takes no mixed dtypes.
+    """
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype).lerp(b.to(dtype), t) / math.sqrt((1 - t) ** 2 + t ** 2)
 
 
 def mp_cat(a, b, dim=1, t=0.5):

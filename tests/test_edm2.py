@@ -55,6 +55,16 @@ def test_mp_sum_keeps_unit_magnitude(t):
     assert mean_square(a + b) == pytest.approx(2, rel=TOL)
 
 
+def test_mp_sum_takes_an_fp32_stream_and_a_bf16_branch():
+    """Under CUDA autocast a block's residual is fp32 and its convolution's output bf16: the
+    first eager forward (a sample grid) of an EDM2 run crashed in lerp (H200, 2026-11-26)."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, generator=g), torch.randn(64, generator=g).bfloat16()
+    out = mp_sum(a, b, 0.3)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, mp_sum(a, b.float(), 0.3))
+
+
 @pytest.mark.parametrize("t", [0.3, 0.5])
 def test_mp_cat_keeps_unit_magnitude_and_gives_b_its_share(t):
     g = torch.Generator().manual_seed(2)
