@@ -144,15 +144,16 @@ def _apply_kernel(
 
 @triton.jit
 def _grad_tile(
-    x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, CG,
-    SILU: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, n, c, c_mask, mask, offsets, G, CG, SILU: tl.constexpr,
 ):
     """Load this program's x and dy tiles, recompute xhat from x and return dL/dz with it.
 
-    xhat and dz are zero outside the tile; also returns the tile's indices, w and rstd.
+    xhat and dz are zero outside the tile; also returns w and rstd. The tile's indices come in
+    from `_tile`, not out of here: Inductor's mutation analysis (torch.compile) traces a store's
+    address back through a call's arguments, so an address computed from what a call taking
+    w_ptr returned made w (a parameter) look written, and the compiled UNet failed to build
+    ("a leaf Variable that requires grad is being used in an in-place operation", H200, 2026-11-26).
     """
-    pid_hw, pid_c, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c, c_mask, mask, offsets = _tile(pid_hw, pid_c, n, HW, C, BLOCK_HW, BLOCK_C)
     acc = mean_ptr.dtype.element_ty
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc)
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(acc)
@@ -161,7 +162,7 @@ def _grad_tile(
         s = 1.0 / (1.0 + tl.exp(-z))
         dy = dy * s * (1.0 + z * (1.0 - s))
     xhat, dz = tl.where(mask, xhat, 0.0), tl.where(mask, dy, 0.0)
-    return n, pid_hw, c, c_mask, mask, offsets, xhat, dz, w, rstd
+    return xhat, dz, w, rstd
 
 
 @triton.jit
@@ -169,9 +170,9 @@ def _bwd_reduce_kernel(
     x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dzx_ptr, dz_ptr, HW, C, G, CG,
     SILU: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    n, pid_hw, c, c_mask, _, _, xhat, dz, _, _ = _grad_tile(
-        x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, CG, SILU, BLOCK_HW, BLOCK_C
-    )
+    pid_hw, pid_c, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, c_mask, mask, offsets = _tile(pid_hw, pid_c, n, HW, C, BLOCK_HW, BLOCK_C)
+    xhat, dz, _, _ = _grad_tile(x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, n, c, c_mask, mask, offsets, G, CG, SILU)
     slot = (n * tl.num_programs(0) + pid_hw).to(tl.int64) * C + c
     tl.store(dzx_ptr + slot, tl.sum(dz * xhat, axis=0), mask=c_mask)
     tl.store(dz_ptr + slot, tl.sum(dz, axis=0), mask=c_mask)
@@ -182,9 +183,9 @@ def _bwd_dx_kernel(
     x_ptr, dy_ptr, dx_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ka_ptr, kb_ptr, HW, C, G, CG,
     SILU: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    n, _, c, c_mask, mask, offsets, xhat, dz, w, rstd = _grad_tile(
-        x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, CG, SILU, BLOCK_HW, BLOCK_C
-    )
+    pid_hw, pid_c, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, c_mask, mask, offsets = _tile(pid_hw, pid_c, n, HW, C, BLOCK_HW, BLOCK_C)
+    xhat, dz, w, rstd = _grad_tile(x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, n, c, c_mask, mask, offsets, G, CG, SILU)
     g = n * G + c // CG
     ka = tl.load(ka_ptr + g, mask=c_mask, other=0.0)  # rstd * mean_g(w dz xhat)
     kb = tl.load(kb_ptr + g, mask=c_mask, other=0.0)  # rstd * mean_g(w dz)

@@ -277,6 +277,56 @@ def test_training_saves_only_channels_last_activations():
     assert fused_nchw == [] and output_nhwc, fused_nchw
 
 
+def test_inductor_sees_each_kernel_write_only_its_outputs():
+    """torch.compile functionalises the kernels by what Inductor's TTIR analysis says they write;
+    a parameter taken as written fails the compiled UNet's build on a GPU (H200, 2026-11-26:
+    the backward kernels' store addresses came out of a call that took w_ptr). The analysis
+    needs only a target, so a Hopper one stands in for the GPU here."""
+    import triton
+    from torch._higher_order_ops import triton_kernel_wrap
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    import fused_norm
+
+    if not isinstance(fused_norm._stats_kernel, JITFunction):
+        pytest.skip("fused_norm was imported under TRITON_INTERPRET")
+    N, C, H, W, G = 2, 32, 8, 8, 8
+    HW, CG = H * W, C // G
+    block_hw, block_c = fused_norm._blocks(HW, C)
+    tile = lambda *shape: torch.randn(*shape)  # noqa: E731
+    x, dy, y, dx = (tile(N, C, H, W).to(memory_format=torch.channels_last) for _ in range(4))
+    w, b, mean, rstd, ka, kb = tile(C), tile(C), tile(N, G), tile(N, G), tile(N, G), tile(N, G)
+    parts = tile(N, triton.cdiv(HW, block_hw), C), tile(N, triton.cdiv(HW, block_hw), C)
+    sizes = dict(HW=HW, C=C, BLOCK_HW=block_hw, BLOCK_C=block_c)
+    norm = dict(w_ptr=w, b_ptr=b, mean_ptr=mean, rstd_ptr=rstd, G=G, CG=CG, SILU=True, **sizes)
+    launches = {
+        "_stats_kernel": (dict(x_ptr=x, mean_ptr=parts[0], m2_ptr=parts[1], **sizes), {"mean_ptr", "m2_ptr"}),
+        "_apply_kernel": (dict(x_ptr=x, y_ptr=y, **norm), {"y_ptr"}),
+        "_bwd_reduce_kernel": (dict(x_ptr=x, dy_ptr=dy, dzx_ptr=parts[0], dz_ptr=parts[1], **norm), {"dzx_ptr", "dz_ptr"}),
+        "_bwd_dx_kernel": (dict(x_ptr=x, dy_ptr=dy, dx_ptr=dx, ka_ptr=ka, kb_ptr=kb, **norm), {"dx_ptr"}),
+    }
+    analyse = getattr(triton_kernel_wrap, "identify_accessed_tensors", None)
+    if analyse is None:
+        pytest.skip("this torch has no identify_accessed_tensors")
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    before = driver._active  # reset_active() would make the default driver, which a CPU lacks
+    driver.set_active(Hopper())
+    try:
+        for name, (kwargs, outputs) in launches.items():
+            kernel = getattr(fused_norm, name)
+            kwargs = {k: kwargs[k] for k in kernel.arg_names}
+            writes = {dep.name for dep in analyse(kernel, kwargs, {}).read_writes.writes}
+            assert writes == outputs, (name, writes)
+    finally:
+        driver._active = before
+
+
 # --- natively on a GPU -----------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
