@@ -21,6 +21,9 @@
 #   mkdir -p .ext && cp <diffusers>/examples/unconditional_image_generation/train_unconditional.py .ext/
 #   run(command="bash bench/on_gpu.sh ref128", carry=[".whl", ".ext"], timeout_s=600)
 #
+# PYTHON names the interpreter (default python3 from PATH; the tests pass their own, so that a
+# venv's interpreter works without activating the venv).
+#
 # ON_GPU_CPU=1 is the CPU mode (tests/test_on_gpu.py): every run becomes a 2-step tiny run on the
 # CPU and the CUDA tests are not run, so that each part's pack is shown to be written before a GPU
 # ever sees this script.
@@ -35,6 +38,7 @@ esac
 dest=${2:-${OUT:-bench/results/gpu}}
 cpu=${ON_GPU_CPU:-0}
 deadline_s=${DEADLINE_S:-480}
+python=${PYTHON:-python3}
 mkdir -p "$dest"
 dest=$(cd "$dest" && pwd)
 work=$(mktemp -d /tmp/on_gpu.XXXXXX)
@@ -45,7 +49,7 @@ export TORCHINDUCTOR_CACHE_DIR=$work/inductor # one cache per call: the first co
 export MPLBACKEND=Agg
 
 finish() {  # the pack, whatever happened before
-  python3 bench/pack_summary.py "$work" "$part" > "$pack/summary.txt" 2>&1
+  "$python" bench/pack_summary.py "$work" "$part" > "$pack/summary.txt" 2>&1
   cp "$pack/summary.txt" "$dest/$part-summary.txt"
   tar czf "$dest/$part.tar.gz" -C "$pack" .
   cat "$pack/summary.txt"
@@ -56,11 +60,11 @@ exec > >(tee "$pack/on_gpu.log") 2>&1
 
 echo "== on_gpu.sh $part at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), deadline ${deadline_s}s"
 if ((!cpu)) && compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" .whl/*.whl \
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" .whl/*.whl \
     && export PYTHONPATH=$work/site
 fi
 (nvidia-smi || echo "no nvidia-smi") > "$pack/nvidia-smi.txt" 2>&1
-python3 - > "$pack/versions.txt" 2>&1 << 'EOF'
+"$python" - > "$pack/versions.txt" 2>&1 << 'EOF'
 import importlib, sys, torch
 print("python", sys.version.split()[0])
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
@@ -97,7 +101,7 @@ run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, 
 train_run() {  # train_run NAME BUDGET_S train.py flags...: the run's printed lines, run.json, config and last grid packed
   local name=$1 budget=$2 dir=$work/runs/$1
   shift 2
-  run_within "$name" "$budget" python3 train.py --output_dir "$dir" "$@"
+  run_within "$name" "$budget" "$python" train.py --output_dir "$dir" "$@"
   [[ -f $dir/run.json ]] && cp "$dir/run.json" "$pack/$name.run.json"
   [[ -f $dir/train_config.json ]] && cp "$dir/train_config.json" "$pack/$name.train_config.json"
   local grid
@@ -109,7 +113,7 @@ train_run() {  # train_run NAME BUDGET_S train.py flags...: the run's printed li
 bench_run() {  # bench_run NAME BUDGET_S python -m bench flags...: the ladder's table and JSON packed
   local name=$1 budget=$2 dir=$work/runs/$1
   shift 2
-  run_within "$name" "$budget" python3 -m bench --output "$dir" --tag "$name" "$@"
+  run_within "$name" "$budget" "$python" -m bench --output "$dir" --tag "$name" "$@"
   [[ -f $dir/$name.json ]] && cp "$dir/$name.json" "$pack/$name.bench.json"
   return 0
 }
@@ -122,7 +126,7 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
     return 0
   fi
   if [[ -n $preset ]]; then  # the preset's UNet as a config file the script reads
-    python3 -c "import model, sys; model.build_unet(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
+    "$python" -c "import model, sys; model.build_unet(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
       "$preset" "$resolution" "$work/unet-$preset"
     config=(--model_config_name_or_path "$work/unet-$preset")
   fi
@@ -130,7 +134,7 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
   ((cpu)) && precision=no epochs=1 workers=0
   # The yardstick as its users run it: bf16, EMA, DataLoader workers; sampling cut to 10 steps
   # (it samples after the last epoch) and no checkpoints, so that the time is the training's.
-  run_within "$name" "$budget" python3 .ext/train_unconditional.py --train_data_dir "$data" --resolution "$resolution" \
+  run_within "$name" "$budget" "$python" .ext/train_unconditional.py --train_data_dir "$data" --resolution "$resolution" \
     --train_batch_size "$batch" --num_epochs $epochs --mixed_precision $precision --use_ema \
     --dataloader_num_workers $workers --save_images_epochs 1000 --save_model_epochs 1000 \
     --ddpm_num_inference_steps 10 --checkpointing_steps 100000 --logger tensorboard \
@@ -140,7 +144,7 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
 
 make_folder() {  # make_folder DIR N SIDE: N JPEGs of the built-in shapes, SIDE px, as a user's folder would hold
   (($(left) < 20)) && return 0  # no run will have the time to read it
-  python3 - "$@" << 'EOF'
+  "$python" - "$@" << 'EOF'
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -192,7 +196,9 @@ tests)
     printf 'cuda-tests\tCPU mode\t0\t0\t0\n' >> "$work/runs.tsv"
   else
     # Every test that skips without a CUDA GPU (their skip reasons name CUDA), by node id.
-    run_within cuda-tests 200 python3 -m pytest -p no:cacheprovider -q -rA \
+    # -p no:logging: pytest's log capture switched on torch's DEBUG structured trace, and the
+    # first GPU run (H200, 2026-11-26) got through 7 of 25 tests in 170 s against 25 in 127 s without it.
+    run_within cuda-tests 240 "$python" -m pytest -p no:cacheprovider -p no:logging -q -rA --tb=short \
       tests/test_gpu.py \
       tests/test_step.py::test_the_captured_step_trains_as_the_eager_step_on_a_gpu \
       tests/test_fused_norm.py::test_cuda_bf16_matches_fp32_reference \
@@ -200,7 +206,7 @@ tests)
   fi
   train_run bare 240 "${bare[@]}"
   if [[ -f $work/runs/bare/model_index.json ]]; then
-    run_within bare-shape-fd 50 python3 sample.py "$work/runs/bare" --fid --num_images $((cpu ? 8 : 256)) --batch_size 64
+    run_within bare-shape-fd 50 "$python" sample.py "$work/runs/bare" --fid --num_images $((cpu ? 8 : 256)) --batch_size 64
   fi
   ;;
 ref128)

@@ -24,7 +24,8 @@ RUNS = {
 
 
 def on_gpu(part, folder, **env):
-    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"ON_GPU_CPU": "1"} | env
+    """The script run by this interpreter (PYTHON), as a venv's python -m pytest runs it without activating the venv."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"ON_GPU_CPU": "1", "PYTHON": sys.executable} | env
     return subprocess.run(["bash", str(ROOT / "bench" / "on_gpu.sh"), part, str(folder)], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
 
@@ -35,9 +36,16 @@ def packed(folder, part):
 
 
 def test_a_part_packs_every_run_into_two_files(tmp_path):
-    """The shortest part, whole: its runs' printed lines, run.json and grids land in the pack."""
+    """The shortest part, whole: its runs' printed lines, run.json and grids land in the pack. A python3
+    first on PATH that has no torch (an unactivated venv's case) is not used: PYTHON is."""
     part = "fused"
-    done = on_gpu(part, tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\necho \"No module named 'torch'\" >&2\nexit 1\n")
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    done = on_gpu(part, out, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    tmp_path = out
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{part}-summary.txt", f"{part}.tar.gz"]
     names = packed(tmp_path, part)
