@@ -79,7 +79,7 @@ DERIVED_KEYS = (
     "config", "num_processes", "num_images", "data_path", "global_batch_size", "steps_per_epoch",
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
     "step_compile_mode", "device", "num_classes", "class_names", "class_counts",
-    "latent_size", "latent_channels", "latent_normalization", "latents", "latent_space",
+    "latent_size", "latent_channels", "latent_normalization", "latents", "latent_space", "flow_sigmas",
 )  # fmt: skip
 
 # What one command asks for once, not what a run is: a file read with --config never
@@ -277,6 +277,18 @@ class Parser(OneLineParser):
         self._negative_number_matcher = re.compile(r"^-\d*\.?\d+(e-?\d+)?(,-?\d*\.?\d+(e-?\d+)?)*$")
 
 
+def objective_flag(text):
+    """--objective's type: ddpm, edm, flow or flow:SHIFT, spelled one way (model.canonical_objective)."""
+    try:
+        return models.canonical_objective(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--objective {text}: ")) from None
+
+
+# Flags of DDPM's noise process: a flow run has none of them.
+DDPM_ONLY = ("prediction_type", "beta_schedule", "snr_gamma", "zero_terminal_snr")
+
+
 class Range:
     """A flag's `type=`: reads the number from the command line; `check` holds it to its range.
 
@@ -429,18 +441,21 @@ def build_parser(prog="train.py", source=""):
     flag(m, "model", f"preset: {', '.join(models.PRESETS)}; auto: "
          f"{', '.join(f'{name} at {size}px' for size, name in models.AUTO_MODEL.items())}, small otherwise "
          f"({GPU_BARE_RUN['model']} for the built-in shapes at 32px on a GPU)", "auto")  # fmt: skip
-    flag(m, "beta_schedule", "DDPM's noise schedule over its 1000 timesteps", "linear",
+    flag(m, "beta_schedule", "DDPM's noise schedule over its 1000 timesteps (default: linear)",
          choices=("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"))  # fmt: skip
     flag(m, "objective", "ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with "
-         "EDM2's learned loss weighting, sampled with EDM's Heun sampler (default: edm for the EDM2 presets, "
-         "else ddpm)", choices=("ddpm", "edm"))  # fmt: skip
-    flag(m, "timestep_sampling", "DDPM: how training draws t: uniform (Ho et al. 2020), or lognormal: t such that "
-         "ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's timesteps (default: the preset's; "
+         "EDM2's learned loss weighting, sampled with EDM's Heun sampler; flow: flow matching (SiT, SD3: "
+         "x = (1-sigma) x0 + sigma noise, the network predicts noise - x0), flow:SHIFT with SD3's timestep shift "
+         "(docs/training.md) (default: edm for the EDM2 presets, else ddpm)", type=objective_flag)  # fmt: skip
+    flag(m, "timestep_sampling", "DDPM and flow: how training draws the noise level: uniform (Ho et al. 2020; "
+         "SiT), or lognormal: DDPM's t such that ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's "
+         "timesteps; flow's sigma logit-normal, SD3's (default: flow lognormal; else the preset's, "
          f"{SMALL['ddpm']['timestep_sampling']} for small, else {PRESET_FALLBACKS['timestep_sampling']})",
          choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
     flag(m, "P_mean_std", "EDM, and DDPM's --timestep_sampling lognormal: ln(sigma) ~ N(P_mean, P_std^2) in "
          f"training (default: the preset's, else {models.P_MEAN},{models.P_STD}: EDM's CIFAR-10 values, as the "
-         "EDM2 seed's configs; EDM2 used -0.8,1.6 for ImageNet-64, -0.4,1.0 for ImageNet-512 latents)",
+         "EDM2 seed's configs; EDM2 used -0.8,1.6 for ImageNet-64, -0.4,1.0 for ImageNet-512 latents); flow: "
+         f"logit(sigma) ~ N(P_mean, P_std^2) (default: SD3's {models.FLOW_P_MEAN:g},{models.FLOW_P_STD:g})",
          metavar="P_MEAN,P_STD", type=Range(numbers(2, "pair"), lambda v: v[1] > 0, "two numbers, P_std greater than 0"))  # fmt: skip
     flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; "
          f"{SMALL['ddpm']['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']})",
@@ -493,7 +508,9 @@ def build_parser(prog="train.py", source=""):
     flag(o, "save_images_epochs", "write a sample grid every N epochs", 2, type=at_least(1))
     flag(o, "eval_batch_size", f"images in a sample grid (FID samples max({metrics.FID_BATCH_SIZE}, this) at a time)", 16,
          type=at_least(1))  # fmt: skip
-    flag(o, "sampler", "sampler for the grids and FID", sample.DEFAULT_SAMPLER, choices=sample.SAMPLERS)
+    flag(o, "sampler", f"sampler for the grids and FID: DDPM's {', '.join(sample.SAMPLERS)} (default: "
+         f"{sample.DEFAULT_SAMPLER}); flow's {', '.join(sample.FLOW_SAMPLERS)} (default: {sample.DEFAULT_FLOW_SAMPLER})",
+         choices=sample.SAMPLERS + sample.FLOW_SAMPLERS)  # fmt: skip
     flag(o, "churn", sample.CHURN_HELP, sample.EDM_CHURN, type=non_negative)
     flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {sample.DEFAULT_STEPS}; "
          f"{sample.EDM_STEPS} for EDM's Heun sampler, {2 * sample.EDM_STEPS - 1} network evaluations)",
@@ -689,8 +706,8 @@ def _fill_gpu_bare_run(args):
     elsewhere only the built-in dataset's size."""
     if args.dataset == data.BUILTIN and args.model == "auto" and args.image_size == 32 and not args.vae and on_gpu(args):
         for name, value in GPU_BARE_RUN.items():
-            if name in SMALL["ddpm"] and args.objective == "edm":
-                continue  # DDPM's settings; --objective edm draws its own noise levels
+            if name in SMALL["ddpm"] and models.objective_kind(args.objective) != "ddpm":
+                continue  # DDPM's settings; --objective edm or flow draws its own noise levels
             if name == "model" or getattr(args, name) is None:
                 setattr(args, name, value)
     if args.shapes_num_images is None:
@@ -741,13 +758,20 @@ def _fill_from_preset(args):
     edm2_network = preset.get("network") == "edm2"
     if args.objective is None:
         args.objective = "edm" if edm2_network else "ddpm"
+    if edm2_network and models.objective_kind(args.objective) == "flow":
+        raise ConfigError(f"--model {args.model} is an EDM2 network, not built for --objective flow yet: "
+                          "choose a UNet preset (small, ddpm32, adm64, ref128, ...)")  # fmt: skip
     if edm2_network and args.objective != "edm":
         raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm: drop --objective ddpm")
     if args.objective == "edm" and args.timestep_sampling not in (None, "uniform"):
-        raise ConfigError("--timestep_sampling is DDPM's: EDM draws its noise levels by --P_mean_std")
+        raise ConfigError("--timestep_sampling is DDPM's and flow's: EDM draws its noise levels by --P_mean_std")
+    _fill_flow(args)
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
     ddpm = preset.get("ddpm", {}) if args.objective == "ddpm" else {}
+    flow = models.objective_kind(args.objective) == "flow"
     for name, value in translate(PRESET_FALLBACKS | ddpm | preset.get("flags", {})).items():
+        if flow and name in DDPM_ONLY:
+            continue  # none for a flow run: its train_config.json must not read back as DDPM's flags
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.learning_rate is None:
@@ -758,8 +782,33 @@ def _fill_from_preset(args):
     if args.lr_scheduler == "inverse_sqrt" and args.lr_ref_steps is None:
         images_per_step = args.train_batch_size * num_processes() * args.gradient_accumulation_steps
         args.lr_ref_steps = lr_ref_steps(args.model, images_per_step)
+    if args.beta_schedule is None and not flow:
+        args.beta_schedule = "linear"
     if args.num_inference_steps is None:
         args.num_inference_steps = sample.EDM_STEPS if args.objective == "edm" else sample.DEFAULT_STEPS
+
+
+def _fill_flow(args):
+    """A flow run's defaults (SD3's logit-normal(0, 1) σ, the flow sampler) and its refusals: DDPM's
+    flags and samplers. Other runs: a DDPM sampler."""
+    flow = models.objective_kind(args.objective) == "flow"
+    if args.sampler is None:
+        args.sampler = sample.DEFAULT_FLOW_SAMPLER if flow else sample.DEFAULT_SAMPLER
+    if not flow:
+        if args.sampler in sample.FLOW_SAMPLERS:
+            raise ConfigError(f"--sampler {args.sampler} is a flow sampler: use it with --objective flow, or choose "
+                              f"one of {', '.join(sample.SAMPLERS)}")  # fmt: skip
+        return
+    given = [name for name in DDPM_ONLY if getattr(args, name) not in (None, False)]
+    if given:
+        raise ConfigError(f"--{given[0]} is DDPM's: --objective flow predicts noise - x0 on a straight path; drop it")
+    if args.sampler not in sample.FLOW_SAMPLERS:
+        raise ConfigError(f"--sampler {args.sampler} is DDPM's: a flow run samples with "
+                          f"{' or '.join(sample.FLOW_SAMPLERS)}")  # fmt: skip
+    if args.timestep_sampling is None:
+        args.timestep_sampling = "lognormal"
+    if args.P_mean_std is None:
+        args.P_mean_std = [models.FLOW_P_MEAN, models.FLOW_P_STD]
 
 
 def _fill_from_machine(args):

@@ -282,7 +282,9 @@ def run_setting(config, name, default):
 
 
 def run_noise_scheduler(config):
-    """The noise scheduler a run trained with, from its train_config.json."""
+    """The noise scheduler a run trained with, from its train_config.json (a flow run's: make_flow_scheduler)."""
+    if objective_kind(config.get("objective")) == "flow":
+        return make_flow_scheduler(flow_shift(config["objective"]))
     return make_noise_scheduler(run_setting(config, "num_train_timesteps", NUM_TRAIN_TIMESTEPS), config["beta_schedule"],
                                 config["prediction_type"], config.get("zero_terminal_snr", False),
                                 bool(config.get("vae")))  # fmt: skip
@@ -547,6 +549,106 @@ class EDMObjective(torch.nn.Module):
             return (self.weight(sigma) * per_image).mean()
         u = self.logvar(sigma)
         return (self.weight(sigma) / u.exp() * per_image + u).mean()
+
+
+# --- flow matching ------------------------------------------------------------------------
+# The rectified-flow objective of SiT (Ma et al. 2024) and SD3 (Esser et al. 2024), in diffusers'
+# FlowMatchEulerDiscreteScheduler's convention: x_σ = (1 - σ) x0 + σ ε, the network predicts
+# v = ε - x0 and takes t = σ · 1000.
+
+OBJECTIVES = ("ddpm", "edm", "flow")
+FLOW_P_MEAN, FLOW_P_STD = 0.0, 1.0  # SD3's logit-normal(0, 1), its best-ranked formulation (Esser et al. 2024, Table 1)
+
+
+def parse_objective(text):
+    """'ddpm', 'edm', 'flow' or 'flow:SHIFT' -> (kind, shift); shift None but for flow (1 when not given)."""
+    kind, _, shift = str(text).partition(":")
+    if kind not in OBJECTIVES or (shift and kind != "flow"):
+        raise ConfigError(f"--objective {text}: choose ddpm, edm, flow or flow:SHIFT (SD3's timestep shift, e.g. flow:3)")
+    if kind != "flow":
+        return kind, None
+    try:
+        value = float(shift) if shift else 1.0
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"--objective {text}: the shift must be a number greater than 0 (1 is no shift)")
+    return kind, value
+
+
+def objective_kind(objective):
+    """'ddpm', 'edm' or 'flow' of an --objective value (None: ddpm, a run that did not record it)."""
+    return parse_objective(objective or "ddpm")[0]
+
+
+def flow_shift(objective):
+    """The SD3 shift of a flow --objective (1 for plain 'flow'); None for ddpm and edm."""
+    return parse_objective(objective or "ddpm")[1]
+
+
+def canonical_objective(objective):
+    """'flow:3.0' -> 'flow:3', 'flow:1' -> 'flow': one spelling per meaning, as runs record and compare it."""
+    kind, shift = parse_objective(objective)
+    return kind if shift in (None, 1.0) else f"flow:{shift:g}"
+
+
+def shift_sigmas(sigma, shift):
+    """SD3's timestep shift (Esser et al. 2024, eq. 23): σ' = s σ / (1 + (s - 1) σ); s > 1 moves noise levels up."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def make_flow_scheduler(shift=1.0):
+    """diffusers' FlowMatchEulerDiscreteScheduler for a flow run: its Euler sampler, and what a flow run's
+    DDPMPipeline holds, so that `DDPMPipeline.from_pretrained(run)()` samples as train.py's grids do."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=shift)
+
+
+class FlowObjective(torch.nn.Module):
+    """Flow matching (rectified flow): `loss(net, x0)` = ‖net(x_σ, 1000 σ) - (ε - x0)‖², mean over pixels.
+
+    σ is drawn logit-normal(P_mean, P_std) (SD3's default (0, 1)), or uniform in [0, 1) with
+    `timestep_sampling="uniform"` (SiT's), then shifted by `shift` (shift_sigmas), as the
+    sampler's schedule is. Drawn on x0's device, so the step needs no host sync.
+    """
+
+    def __init__(self, shift=1.0, timestep_sampling="lognormal", P_mean=FLOW_P_MEAN, P_std=FLOW_P_STD):
+        super().__init__()
+        if timestep_sampling not in TIMESTEP_SAMPLINGS:
+            raise ConfigError(f"unknown --timestep_sampling '{timestep_sampling}': choose {' or '.join(TIMESTEP_SAMPLINGS)}")
+        self.shift, self.timestep_sampling, self.P_mean, self.P_std = shift, timestep_sampling, P_mean, P_std
+
+    def sigmas(self, n, device):
+        if self.timestep_sampling == "uniform":
+            sigma = torch.rand(n, device=device)
+        else:
+            sigma = torch.sigmoid(torch.randn(n, device=device) * self.P_std + self.P_mean)
+        return shift_sigmas(sigma, self.shift)
+
+    def loss(self, net, x0):
+        x0 = x0.float()
+        return self.loss_at(net, x0, self.sigmas(len(x0), x0.device), torch.randn_like(x0))
+
+    forward = loss
+
+    def loss_at(self, net, x0, sigma, noise):
+        """The loss at given σ (one per image) and noise."""
+        x0, noise, sigma = x0.float(), noise.float(), sigma.float().flatten()
+        s = sigma.view(-1, *([1] * (x0.ndim - 1)))
+        prediction = net((1 - s) * x0 + s * noise, sigma * NUM_TRAIN_TIMESTEPS, return_dict=False)[0]
+        return F.mse_loss(prediction.float(), noise - x0)
+
+
+def flow_sigma_distribution(args):
+    """What a flow run's σ draw is, as resume compares it (None for other objectives): 'uniform' or
+    'logit_normal(m,s)'. The shift is in --objective."""
+    if objective_kind(args.get("objective")) != "flow":
+        return None
+    if args.get("timestep_sampling") == "uniform":
+        return "uniform"
+    mean, std = args.get("P_mean_std") or (FLOW_P_MEAN, FLOW_P_STD)
+    return f"logit_normal({float(mean):g},{float(std):g})"
 
 
 def load_network(path):

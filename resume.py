@@ -17,6 +17,7 @@ import checkpoint
 import config
 import ema as posthoc_ema
 import latents
+import model as models
 from errors import ConfigError
 
 # What a checkpoint holds or means: resuming it with any of these changed is
@@ -42,11 +43,15 @@ RUN_IDENTITY = (
     # a latent run's latent space: the network's inputs and outputs are latents of this encoder (its weights'
     # hash, not the --vae text), normalised so (latents.latent_space; None for a run on pixels)
     "latent_space",
+    # a flow run's σ distribution (model.flow_sigma_distribution: uniform or logit-normal(m, s); None for
+    # other objectives, whose --timestep_sampling and --P_mean_std may change): what the network was
+    # taught where; its shift is in --objective
+    "flow_sigmas",
 )  # fmt: skip
 
 # Identity keys train.py computes (config.DERIVED_KEYS), not flags, and what a run that did
 # not record one had: num_classes 0, unconditional (None: always recorded, or see PIXEL_RUN).
-DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None}
+DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None, "flow_sigmas": None}
 
 # Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels,
 # or is a latent run of before latent_space, whose train_config.json's latents record gives it.
@@ -141,6 +146,8 @@ def saved_identity(start):
         known = config.translate(written | recorded, only=REMOVED_IDENTITY)
     except ConfigError as e:
         raise ConfigError(f"cannot resume {start}: {e}; use --overwrite_output_dir or another --output_dir") from None
+    if "flow_sigmas" not in known:  # derived from what the run recorded: none of flow's before flow runs
+        known["flow_sigmas"] = models.flow_sigma_distribution(known)
     if "latent_space" not in known and known.get("latents"):  # a latent run of before latent_space
         known["latent_space"] = latents.recorded_latent_space(known)
     saved = {}

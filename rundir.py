@@ -181,7 +181,7 @@ class RunDir:
             with torch.no_grad():
                 for parameter, value in zip(unet.parameters(), shadow, strict=True):
                     parameter.copy_(value)
-        if config.get("objective", "ddpm") != "ddpm":
+        if config.get("objective", "ddpm") == "edm":
             return unet.eval(), None
         return unet.eval(), models.run_noise_scheduler(config).config
 

@@ -51,6 +51,11 @@ SAMPLERS = ("ddpm", "ddim", "dpmsolver", "dpmsolver_sde")
 # (BENCHMARKS.md; docs/sampling.md: Samplers).
 DEFAULT_SAMPLER = "dpmsolver_sde"
 DEFAULT_STEPS = 25
+# A flow run's ODE samplers: diffusers' FlowMatchEulerDiscreteScheduler and FlowMatchHeunDiscreteScheduler,
+# on their grid (make_flow_sampler). Euler is what the run's DDPMPipeline holds; the default until the
+# quality ladder measures them.
+FLOW_SAMPLERS = ("euler", "heun")
+DEFAULT_FLOW_SAMPLER = "euler"
 GRID_IMAGES = 64
 
 
@@ -207,14 +212,32 @@ class EDMHeunSampler:
         )  # fmt: skip
 
 
+def make_flow_sampler(name, training_config):
+    """A flow run's sampler `name` (FLOW_SAMPLERS) from its FlowMatchEulerDiscreteScheduler config (its shift).
+
+    The grid is diffusers': N noise levels from σ = 1 down to the shifted σ_min, each shifted (again, for the
+    last: diffusers #13243), then 0; the network's velocity v = ε - x0 integrated as dx/dσ = v. It is the
+    grid DDPMPipeline.from_pretrained(run) samples on, so both give the same images. No clipping: the
+    estimate of x0 is not in the loop.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler
+
+    if name == "euler":
+        return FlowMatchEulerDiscreteScheduler.from_config(training_config)
+    if name == "heun":
+        return FlowMatchHeunDiscreteScheduler.from_config(training_config)
+    raise ConfigError(f"--sampler {name} is DDPM's: a flow run samples with {' or '.join(FLOW_SAMPLERS)}")
+
+
 def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_DATA, churn=EDM_CHURN, clip=True):
     """What samples a run trained with `objective`: EDM's Heun sampler for "edm" (stochastic with
-    `churn` > 0), else make_scheduler(name, ...). `clip` False: a latent run's, whose samples
-    are latents, not images in [-1, 1]."""
-    if objective == "edm":
+    `churn` > 0), a flow run's make_flow_sampler, else make_scheduler(name, ...). `clip` False: a
+    latent run's, whose samples are latents, not images in [-1, 1]."""
+    kind = models.objective_kind(objective)
+    if kind == "edm":
         return EDMHeunSampler(sigma_data, churn=churn, clip=clip)
-    if objective != "ddpm":
-        raise ConfigError(f"unknown objective '{objective}': choose ddpm or edm")
+    if kind == "flow":
+        return make_flow_sampler(name, training_config or models.run_noise_scheduler(dict(objective=objective)).config)
     return make_scheduler(name, training_config, clip)
 
 
@@ -382,10 +405,11 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
         x = scheduler.sample(unet, x, num_inference_steps, autocast, generators)
     else:
         scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history
-        x = x * scheduler.init_noise_sigma
+        x = x * getattr(scheduler, "init_noise_sigma", 1.0)  # a flow scheduler starts at σ = 1 and has none
+        scale = getattr(scheduler, "scale_model_input", lambda x, t: x)
         for t in scheduler.timesteps:
             with autocast():
-                model_output = unet(scheduler.scale_model_input(x, t), t, return_dict=False)[0]
+                model_output = unet(scale(x, t), t, return_dict=False)[0]
             # the DDPM sampler's fresh noise comes from the same per-image generators
             x = scheduler.step(model_output.float(), t, x, generator=generators).prev_sample
     return to_uint8(x if decode is None else decode(x))
@@ -420,8 +444,9 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=16, help="images generated at once")
     p.add_argument("--seed", type=int, default=0, help="image i's noise is seeded by (seed, i)")
     p.add_argument(
-        "--sampler", default=DEFAULT_SAMPLER, choices=SAMPLERS,
-        help="diffusers scheduler that samples a DDPM run (an EDM run always samples with EDM's Heun sampler)",
+        "--sampler", default=None, choices=SAMPLERS + FLOW_SAMPLERS,
+        help=f"diffusers scheduler that samples a DDPM run (default: {DEFAULT_SAMPLER}) or a flow run (default: "
+             f"{DEFAULT_FLOW_SAMPLER}; {' or '.join(FLOW_SAMPLERS)}); an EDM run always samples with EDM's Heun sampler",
     )  # fmt: skip
     p.add_argument("--churn", type=float, default=EDM_CHURN, help=CHURN_HELP)
     p.add_argument(
@@ -540,8 +565,15 @@ def run(args):
         sigma_data = source.setting("sigma_data", models.SIGMA_DATA)
         scheduler = make_sampler("edm", None, sigma_data=sigma_data, churn=args.churn, clip=decode is None)
         sampler_name = scheduler.name
+    elif models.objective_kind(source.objective) == "flow":
+        steps = args.num_inference_steps or DEFAULT_STEPS
+        sampler_name = args.sampler or DEFAULT_FLOW_SAMPLER
+        scheduler = make_flow_sampler(sampler_name, training_config)
     else:
         steps = args.num_inference_steps or DEFAULT_STEPS
+        args.sampler = args.sampler or DEFAULT_SAMPLER
+        if args.sampler in FLOW_SAMPLERS:
+            raise ConfigError(f"--sampler {args.sampler} samples a flow run; {run_dir} is DDPM's: choose one of {', '.join(SAMPLERS)}")
         if training_config["num_train_timesteps"] < steps:
             raise ConfigError(
                 f"--num_inference_steps ({steps}) cannot exceed the model's "

@@ -236,7 +236,7 @@ class Run:
             self.config |= dict(latents=self.latents, latent_space=self.latent_space)
         # The classes of a conditional run, kept with it: sample.py takes their names.
         self.num_classes = len(class_names) if class_names else 0
-        self.config |= dict(num_classes=self.num_classes, class_names=class_names,
+        self.config |= dict(num_classes=self.num_classes, class_names=class_names, flow_sigmas=models.flow_sigma_distribution(vars(args)),
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
         if args.eval_every_epochs:  # the reference statistics (a latent run's: its images, decoded; once, then cached)
@@ -263,7 +263,7 @@ class Run:
         anything is encoded: the flags, the processes, the classes, a latent run's latent space."""
         args = self.args
         identity = dict(vars(args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
-                        latent_space=self.latent_space)  # fmt: skip
+                        latent_space=self.latent_space, flow_sigmas=models.flow_sigma_distribution(vars(args)))  # fmt: skip
         start = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from, args.overwrite_output_dir)
         self.accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
         return start
@@ -435,10 +435,10 @@ class Run:
         return posthoc_ema.averaged_copy(self.accelerator.unwrap_model(self.model), self.ema)
 
     def pipeline_saved(self):
-        return (self.output_dir / ("model_index.json" if self.args.objective == "ddpm" else "unet/config.json")).is_file()
+        return (self.output_dir / ("unet/config.json" if self.args.objective == "edm" else "model_index.json")).is_file()
 
     def save_network(self, network, folder):
-        rundir.save_network(network, folder, self.noise_scheduler if self.args.objective == "ddpm" else None)
+        rundir.save_network(network, folder, None if self.args.objective == "edm" else self.noise_scheduler)
 
     def save_pipeline(self):
         """The EMA weights (or the raw ones) in output_dir."""

@@ -21,8 +21,8 @@ import sample
 class Pieces:
     network: torch.nn.Module  # the bare network (what is saved, sampled and averaged)
     model: torch.nn.Module  # what the step calls: the network as `prepare` returned it (accelerate's wrapper)
-    noise_scheduler: object  # diffusers' DDPMScheduler: DDPM's forward process (an EDM run's grids use its config too)
-    objective: torch.nn.Module  # DDPMObjective or EDMObjective; EDM's holds its learned loss weighting
+    noise_scheduler: object  # DDPMScheduler (DDPM's forward process; an EDM run's grids use its config too), or a flow run's
+    objective: torch.nn.Module  # DDPMObjective, EDMObjective (holds its learned loss weighting) or FlowObjective
     optimizer: torch.optim.Optimizer
     lr_scheduler: object
     ema: object  # diffusers' EMAModel, ema.PowerEMA, or None
@@ -49,10 +49,15 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     network.to(device)
     if args.gradient_checkpointing:
         network.enable_gradient_checkpointing()
-    noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
-                                                  args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
+    if models.objective_kind(args.objective) == "flow":
+        noise_scheduler = models.make_flow_scheduler(models.flow_shift(args.objective))
+    else:
+        noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
+                                                      args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
     if args.objective == "edm":
         objective = models.EDMObjective(*args.P_mean_std, args.sigma_data, args.loss_weighting)
+    elif models.objective_kind(args.objective) == "flow":
+        objective = models.FlowObjective(models.flow_shift(args.objective), args.timestep_sampling, *args.P_mean_std)
     else:
         objective = models.ddpm_objective(noise_scheduler, args)
     objective.to(device)

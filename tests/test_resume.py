@@ -15,6 +15,7 @@ import checkpoint
 import config
 import latents
 import metrics
+import model as models
 import resume as rules
 from errors import ConfigError
 from test_config import OLD_RUNS, SAME_AS_OLD_RUN
@@ -34,6 +35,7 @@ CHANGED = dict(
     zero_terminal_snr=True, learning_rate=1e-3, adam_betas=[0.9, 0.99], weight_decay=0.0, ema="power",
     ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_power=2 / 3, mixed_precision="fp16",
     latent_space=dict(encoder_sha256="ab" * 32, normalization=dict(kind="dataset")),  # a latent run's (issue 37)
+    flow_sigmas="logit_normal(0,1)",  # a flow run's (issue 38)
 )  # fmt: skip
 
 # How a refusal names a change of each identity key: "--flag before -> after", or in words.
@@ -54,7 +56,8 @@ OLD_IDENTITY = (
 def resolved(*flags):
     """The config train.py hands choose_start for TINY plus `flags` (one process, unconditional)."""
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", *flags]))
-    return vars(args) | dict(num_processes=1, num_classes=0, latent_space=None)
+    return vars(args) | dict(num_processes=1, num_classes=0, latent_space=None,
+                             flow_sigmas=models.flow_sigma_distribution(vars(args)))  # fmt: skip
 
 
 BASE = resolved()

@@ -198,7 +198,8 @@ SAMPLE_ERRORS = [
     (["{run}/nothing", "--output", "x"], "no such folder"),
     (["{run}", "--no-ema", "--output", "x"], "holds the EMA weights only"),
     (["{run}", "--num_inference_steps", "2000", "--output", "x"], "cannot exceed"),
-    (["{run}", "--sampler", "euler", "--output", "x"], "invalid choice: 'euler'"),
+    (["{run}", "--sampler", "euler", "--output", "x"], "--sampler euler samples a flow run"),
+    (["{run}", "--sampler", "lms", "--output", "x"], "invalid choice: 'lms'"),
 ]
 
 

@@ -1,0 +1,170 @@
+"""--objective flow: the objective's path, target and time, SD3's shift in training and sampling, the
+flow samplers on an ODE they must solve exactly, the saved DDPMPipeline against sample.py, and the
+refusals (DDPM's flags and samplers, a bad shift, a changed objective or σ draw on resume)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import config
+import model as models
+import resume as rules
+import sample
+from errors import ConfigError
+from test_resume import resolved, write_checkpoint
+from test_train import TINY
+from test_train import run as train
+
+
+# --- the objective --------------------------------------------------------------------------
+
+
+def test_the_loss_is_zero_for_the_true_velocity_at_t_1000_sigma():
+    """x_σ = (1-σ) x0 + σ ε and v = ε - x0 = (x_σ - x0) / σ, with t = 1000 σ: a network that knows x0
+    and reads σ from t has loss 0; any other path, target or time scale does not."""
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 3, 8, 8, generator=g)
+    sigma = torch.tensor([0.1, 0.4, 0.7, 0.95])
+    oracle = lambda x, t, return_dict=False: ((x - x0) / (t / 1000).view(-1, 1, 1, 1),)  # noqa: E731
+    objective = models.FlowObjective(shift=3.0)
+    assert objective.loss_at(oracle, x0, sigma, noise).item() < 1e-10
+    wrong_time = lambda x, t, return_dict=False: ((x - x0) / t.view(-1, 1, 1, 1),)  # noqa: E731
+    assert objective.loss_at(wrong_time, x0, sigma, noise).item() > 0.1
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_sigma_is_logit_normal_then_shifted(shift):
+    """logit(σ) ~ N(0, 1) has median 1/2; the shift moves it to s / (1 + s) (3 -> 0.75), as SD3's eq. 23."""
+    torch.manual_seed(0)
+    sigma = models.FlowObjective(shift=shift).sigmas(20000, "cpu")
+    assert 0 < sigma.min() and sigma.max() < 1
+    assert sigma.median().item() == pytest.approx(shift / (1 + shift), abs=0.01)
+    uniform = models.FlowObjective(shift=1.0, timestep_sampling="uniform").sigmas(20000, "cpu")
+    assert uniform.mean().item() == pytest.approx(0.5, abs=0.01) and uniform.std().item() == pytest.approx(12**-0.5, abs=0.01)
+
+
+# --- the samplers ---------------------------------------------------------------------------
+
+
+class PointVelocity(torch.nn.Module):
+    """The exact velocity field of data that is one image c: v(x, σ) = (x - c) / σ. Its ODE paths are
+    straight lines, so Euler and Heun land on c from any noise on any grid."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.config = dict(sample_size=c.shape[-1], in_channels=c.shape[0])
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x, t, return_dict=False):
+        sigma = torch.as_tensor(t, dtype=torch.float32).reshape(-1)[:1] / 1000
+        return ((x - self.c) / sigma.clamp(min=1e-6).view(-1, 1, 1, 1),)
+
+
+@pytest.mark.parametrize("name", sample.FLOW_SAMPLERS)
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
+    c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
+    scheduler = sample.make_flow_sampler(name, models.make_flow_scheduler(shift).config)
+    images = sample.generate(PointVelocity(c), scheduler, [0, 1], 5)
+    assert (images.float() - sample.to_uint8(c[None]).float()).abs().max() <= 1
+
+
+# --- a run, its pipeline, its refusals -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flow_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flow")
+    train(out, "--objective", "flow:3", "--max_train_steps", 4, "--checkpointing_steps", 2)
+    return out
+
+
+def test_a_flow_run_saves_a_pipeline_that_diffusers_samples_as_train_py_does(flow_run):
+    """DDPMPipeline.from_pretrained(run) holds a FlowMatchEulerDiscreteScheduler with the run's shift,
+    and from the same noise gives sample.py's Euler images: with a shift of 3 the two agree only if both
+    use diffusers' grid (its set_timesteps shifts again: diffusers #13243)."""
+    from diffusers import DDPMPipeline
+
+    recorded = json.loads((flow_run / "train_config.json").read_text())
+    assert recorded["objective"] == "flow:3" and recorded["flow_sigmas"] == "logit_normal(0,1)"
+    pipeline = DDPMPipeline.from_pretrained(str(flow_run))
+    assert type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and pipeline.scheduler.config.shift == 3
+    seeds = [5, 6, 7]
+    theirs = pipeline(batch_size=3, generator=[torch.Generator().manual_seed(s) for s in seeds], num_inference_steps=6,
+                      output_type="np").images  # fmt: skip
+    scheduler = sample.make_flow_sampler("euler", pipeline.scheduler.config)
+    ours = sample.generate(pipeline.unet, scheduler, seeds, 6).permute(0, 2, 3, 1).numpy()
+    assert np.abs(np.round(theirs * 255) - ours.astype(np.float64)).max() <= 1
+    assert ours.std() > 5  # images, not a constant
+
+
+def test_sample_py_samples_a_flow_run_with_each_flow_sampler(flow_run, tmp_path):
+    for name in sample.FLOW_SAMPLERS:
+        sample.main(sample.parse_args([str(flow_run), "--num_images", "2", "--num_inference_steps", "3",
+                                       "--sampler", name, "--output", str(tmp_path / name)]))  # fmt: skip
+        assert (tmp_path / name / "000001.png").is_file()
+    euler, heun = (np.asarray(Image.open(tmp_path / name / "000000.png")) for name in sample.FLOW_SAMPLERS)
+    assert not np.array_equal(euler, heun)  # each its own sampler
+    with pytest.raises(SystemExit) as stopped:
+        sample.main(sample.parse_args([str(flow_run), "--num_images", "2", "--sampler", "ddim"]))
+    assert stopped.value.code == 2
+
+
+def test_a_flow_run_resumed_with_another_shift_is_one_line_and_exit_2(flow_run, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train(flow_run, "--objective", "flow", "--max_train_steps", 6, "--checkpointing_steps", 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "--objective 'flow:3' -> 'flow'" in err[0], err
+
+
+@pytest.mark.parametrize("before, after, words", [
+    (["--objective", "flow"], ["--objective", "ddpm"], "--objective 'flow' -> 'ddpm'"),
+    (["--objective", "flow"], ["--objective", "flow:2"], "--objective 'flow' -> 'flow:2'"),
+    (["--objective", "flow"], ["--objective", "flow", "--timestep_sampling", "uniform"], "'logit_normal(0,1)' -> 'uniform'"),
+    (["--objective", "flow"], ["--objective", "flow", "--P_mean_std", "-0.5,1"], "'logit_normal(0,1)' -> 'logit_normal(-0.5,1)'"),
+])  # fmt: skip
+def test_resume_refuses_a_changed_objective_shift_or_sigma_draw(tmp_path, before, after, words):
+    write_checkpoint(tmp_path, rules.run_identity(resolved(*before)))
+    with pytest.raises(ConfigError) as refused:
+        rules.choose_start(tmp_path, resolved(*after), True, None, False)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_ddpm_run_may_still_change_its_noise_draw_on_resume(tmp_path):
+    write_checkpoint(tmp_path, rules.run_identity(resolved()))
+    assert rules.choose_start(tmp_path, resolved("--timestep_sampling", "lognormal"), True, None, False) is not None
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--objective", "flow", "--prediction_type", "v_prediction"], "--prediction_type is DDPM's"),
+    (["--objective", "flow", "--beta_schedule", "linear"], "--beta_schedule is DDPM's"),
+    (["--objective", "flow", "--snr_gamma", "5"], "--snr_gamma is DDPM's"),
+    (["--objective", "flow", "--zero_terminal_snr"], "--zero_terminal_snr is DDPM's"),
+    (["--objective", "flow", "--sampler", "dpmsolver"], "--sampler dpmsolver is DDPM's"),
+    (["--sampler", "euler"], "--sampler euler is a flow sampler"),
+    (["--objective", "flow", "--model", "edm2tiny"], "not built for --objective flow yet"),
+    (["--objective", "flow:0"], "greater than 0"),
+    (["--objective", "flow:-2"], "greater than 0"),
+    (["--objective", "flow:x"], "greater than 0"),
+    (["--objective", "ddpm:3"], "choose ddpm, edm, flow or flow:SHIFT"),
+])  # fmt: skip
+def test_bad_flow_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, says):
+    import train as trainer
+
+    with pytest.raises(SystemExit) as stopped:
+        trainer.main(trainer.parse_args([*TINY, "--output_dir", str(tmp_path), *flags]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "train_config.json").exists()
+
+
+def test_the_shift_is_spelled_one_way():
+    assert [models.canonical_objective(x) for x in ("flow", "flow:1", "flow:3.0", "flow:0.5")] == ["flow", "flow", "flow:3", "flow:0.5"]
+    args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", "--objective", "flow:3.0"]))
+    assert args.objective == "flow:3" and args.sampler == "euler" and args.prediction_type is None
+    assert config.resolve(args) is args and args.objective == "flow:3"  # idempotent
