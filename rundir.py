@@ -110,6 +110,74 @@ def save_network(unet, folder, noise_scheduler=None):
         unet.save_pretrained(str(Path(folder) / "unet"))
 
 
+OBJECTIVE_WORDS = {"ddpm": "DDPM (Ho et al. 2020)", "edm": "EDM (Karras et al. 2022) with EDM2's loss weighting",
+                   "flow": "flow matching (rectified flow, as SiT and SD3)"}  # fmt: skip
+
+
+def write_model_card(folder, config):
+    """folder/README.md: a Hugging Face model card (huggingface_hub.ModelCard) for the run in `folder`, so that
+    the output folder is a model repository as it stands: metadata (library diffusers, the pipeline tag, the
+    dataset where it is a Hub id, the objective in the tags), the run's settings and FLOPs from its
+    train_config.json (`config`) and run.json, its newest grid, and the lines that load it. Uploading is
+    the Hub's own command (`hf upload`), which the card gives."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    folder = Path(folder)
+    run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
+    objective = config.get("objective") or "ddpm"
+    kind, shift = models.objective_kind(objective), models.flow_shift(objective)
+    conditional, latent = bool(config.get("num_classes")), bool(config.get("latents"))
+    dataset = str(config.get("dataset") or "")
+    shown = "the built-in shapes" if dataset == "shapes" else f"`{dataset}`" if dataset else "its data"
+    hub_dataset = dataset if dataset.count("/") == 1 and not Path(dataset).exists() else None
+    tags = ["ddpm-train", {"flow": "flow-matching"}.get(kind, kind), "class-conditional" if conditional else "unconditional"]
+    if latent:
+        tags.append("latent-diffusion")
+    data = ModelCardData(library_name="diffusers", pipeline_tag=None if conditional else "unconditional-image-generation",
+                         tags=tags, datasets=[hub_dataset] if hub_dataset else None)  # fmt: skip
+    grids = sorted((folder / "samples").glob("*.png"))
+    size = f"{config.get('image_size')}px" + (f" ({config.get('latent_size')}x{config.get('latent_size')}x"
+                                              f"{config.get('latent_channels')} latents of {config['latents'].get('vae')})"
+                                              if latent else "")  # fmt: skip
+    objective_line = OBJECTIVE_WORDS[kind] + (f", SD3's timestep shift {shift:g}" if kind == "flow" and shift != 1 else "")
+    if kind == "flow":
+        objective_line += f"; noise levels drawn {config.get('flow_sigmas')}; sampler {config.get('sampler')}"
+    lines = [
+        f"# {config.get('model')} trained with ddpm-train",
+        "",
+        f"A `{config.get('model')}` network ({config.get('params', 0):,} parameters) trained on {shown} "
+        f"at {size} by ddpm-train's `train.py`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| objective | {objective_line} |",
+        f"| training | {run.get('steps', config.get('total_train_steps'))} steps of {config.get('global_batch_size')} images, "
+        f"learning rate {config.get('learning_rate')}, EMA {config.get('ema')}, mixed precision {config.get('mixed_precision')} |",
+        f"| FLOPs | {config.get('model_flops_per_step', 0) / 1e12:.4g} TFLOP per step"
+        + (f"; {run['mfu'] * 100:.1f}% MFU on {run.get('device', {}).get('name', 'its device')}" if run.get("mfu") else "")
+        + " |",
+        f"| classes | {', '.join(map(str, config.get('class_names') or [])) or 'none (unconditional)'} |",
+        "",
+    ]
+    if grids:
+        lines += [f"![samples after training](samples/{grids[-1].name})", ""]
+    lines += ["## Use", ""]
+    if kind != "edm" and not conditional and not latent:
+        lines += ["```python", "from diffusers import DDPMPipeline", "",
+                  'pipeline = DDPMPipeline.from_pretrained("USER/REPO")  # or this folder',
+                  f"images = pipeline(batch_size=16, num_inference_steps={config.get('num_inference_steps')}).images",
+                  "```", ""]  # fmt: skip
+        if kind == "flow":
+            lines += ["The pipeline's scheduler is `FlowMatchEulerDiscreteScheduler`"
+                      f" (shift {shift:g}): the network predicts noise - image at t = 1000 sigma.", ""]  # fmt: skip
+    else:
+        why = "a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
+        lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER --num_images 16 --output samples/`.", ""]
+    lines += ["## Upload", "", "The folder is a model repository as it is:", "",
+              "```bash", "hf upload USER/REPO THIS_FOLDER --exclude 'checkpoints/*'", "```", ""]  # fmt: skip
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).save(folder / "README.md")
+
+
 class RunDir:
     """A run, pipeline or checkpoint folder, with the config of the run it belongs to read once.
 

@@ -538,7 +538,8 @@ class Run:
             timing = meter.manifest()  # before the pipeline is saved: training ends here
             if self.args.ema == "power":
                 self.ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
-            self.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(train_step, timing)))
+            self.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(train_step, timing),
+                                          rundir.write_model_card(self.output_dir, self.config)))  # fmt: skip
             self.accelerator.end_training()  # flushes the tensorboard logs that the plots read
             if self.is_main:
                 profiling.draw_run_plots(self.output_dir)

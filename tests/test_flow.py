@@ -168,3 +168,42 @@ def test_the_shift_is_spelled_one_way():
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", "--objective", "flow:3.0"]))
     assert args.objective == "flow:3" and args.sampler == "euler" and args.prediction_type is None
     assert config.resolve(args) is args and args.objective == "flow:3"  # idempotent
+
+
+def test_a_class_conditional_latent_flow_run_guides_evaluates_and_samples_by_class(tmp_path, monkeypatch, default_shape_scorer):
+    """Flow on a VAE's latents with class labels: the grids at two guidance scales, FID/KID on decoded
+    images, sample.py by class name, and autoguidance through the same Guided path."""
+    import latents
+    from test_latents import make_kl
+
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
+    out = tmp_path / "run"
+    train(out, "--vae", make_kl(tmp_path / "kl"), "--objective", "flow:2", "--class_conditional", "--max_train_steps", 4,
+          "--shapes_num_images", 16, "--train_batch_size", 4, "--guidance_scale", "1,2", "--eval_every_epochs", 1,
+          "--eval_num_samples", 6, "--logger", "none")  # fmt: skip
+    (result,) = json.loads((out / "eval_results.json").read_text())
+    assert [s["guidance_scale"] for s in result["scales"]] == [1.0, 2.0] and np.isfinite(result["fid"])
+
+    def by_class(labels, folder, *flags):
+        sample.main(sample.parse_args([str(out), "--num_images", "2", "--class_labels", labels, "--output",
+                                       str(tmp_path / folder), "--num_inference_steps", "3", *flags]))  # fmt: skip
+        return np.asarray(Image.open(tmp_path / folder / "000000.png"))
+
+    circle, square = by_class("circle", "c", "--guidance_scale", "2"), by_class("square", "s", "--guidance_scale", "2")
+    assert circle.shape == (16, 16, 3) and not np.array_equal(circle, square)
+    # autoguidance by the run itself is the run alone: D_guide + w (D - D_guide) = D
+    assert np.array_equal(by_class("circle", "g", "--guide", str(out), "--guidance_scale", "2"), by_class("circle", "u"))
+
+
+def test_the_output_folder_is_a_model_repository_with_a_card(flow_run):
+    """README.md is a model card ModelCard reads: diffusers' metadata, the objective, the FLOPs, a grid
+    that is there, and the lines that load the pipeline."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(flow_run / "README.md")
+    assert card.data.library_name == "diffusers" and card.data.pipeline_tag == "unconditional-image-generation"
+    assert "flow-matching" in card.data.tags and "SD3's timestep shift 3" in card.text
+    recorded = json.loads((flow_run / "train_config.json").read_text())
+    assert f"{recorded['model_flops_per_step'] / 1e12:.4g} TFLOP per step" in card.text
+    grid = card.text.split("![samples after training](")[1].split(")")[0]
+    assert (flow_run / grid).is_file() and "DDPMPipeline.from_pretrained" in card.text and "hf upload" in card.text
