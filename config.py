@@ -758,11 +758,9 @@ def _fill_from_preset(args):
     edm2_network = preset.get("network") == "edm2"
     if args.objective is None:
         args.objective = "edm" if edm2_network else "ddpm"
-    if edm2_network and models.objective_kind(args.objective) == "flow":
-        raise ConfigError(f"--model {args.model} is an EDM2 network, not built for --objective flow yet: "
-                          "choose a UNet preset (small, ddpm32, adm64, ref128, ...)")  # fmt: skip
-    if edm2_network and args.objective != "edm":
-        raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm: drop --objective ddpm")
+    if edm2_network and args.objective == "ddpm":
+        raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm or flow: "
+                          "drop --objective ddpm")  # fmt: skip
     if args.objective == "edm" and args.timestep_sampling not in (None, "uniform"):
         raise ConfigError("--timestep_sampling is DDPM's and flow's: EDM draws its noise levels by --P_mean_std")
     _fill_flow(args)

@@ -288,7 +288,7 @@ def reconstruct_command(args):
         raise ConfigError(f"{run_dir}: not a training run folder (no train_config.json)")
     state, used = reconstruct(run_dir / SNAPSHOT_DIR, args.std, args.step)
     output = Path(args.output) if args.output else run_dir / f"ema-std-{args.std:g}"
-    if config.get("objective", "ddpm") == "edm":
+    if not models.saves_pipeline(config):
         # The snapshots hold parameters only; the run's saved network brings its buffers
         # (the fixed random Fourier frequencies of EDM2's noise embedding).
         if not (run_dir / "unet" / "config.json").is_file():

@@ -459,10 +459,7 @@ def c_noise_scale_for(net):
 
     EDM2's networks take c_noise = ln(σ)/4 itself into their Fourier features.
     """
-    net = getattr(net, "func", net)  # functools.partial, which passes the class labels
-    net = getattr(net, "_orig_mod", net)  # torch.compile's wrapper
-    net = getattr(net, "module", net)  # DistributedDataParallel's
-    return UNET_C_NOISE_SCALE if isinstance(net, UNet2DModel) else 1.0
+    return UNET_C_NOISE_SCALE if isinstance(unwrapped(net), UNet2DModel) else 1.0
 
 
 def edm_precondition(net, x, sigma, sigma_data=SIGMA_DATA, c_noise_scale=1.0):
@@ -636,8 +633,49 @@ class FlowObjective(torch.nn.Module):
         """The loss at given σ (one per image) and noise."""
         x0, noise, sigma = x0.float(), noise.float(), sigma.float().flatten()
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        prediction = net((1 - s) * x0 + s * noise, sigma * NUM_TRAIN_TIMESTEPS, return_dict=False)[0]
+        prediction = net((1 - s) * x0 + s * noise, flow_timestep(net, sigma), return_dict=False)[0]
         return F.mse_loss(prediction.float(), noise - x0)
+
+
+def unwrapped(net):
+    """The network inside functools.partial (class labels), torch.compile's and DDP's wrappers."""
+    net = getattr(net, "func", net)
+    net = getattr(net, "_orig_mod", net)
+    return getattr(net, "module", net)
+
+
+def saves_pipeline(config):
+    """Whether a run saves a diffusers DDPMPipeline (a UNet2DModel with DDPM or flow), or its network alone in
+    unet/ (EDM's objective, or an EDM2 network: no diffusers pipeline samples them)."""
+    return config.get("objective") != "edm" and PRESETS[config["model"]].get("network") != "edm2"
+
+
+# An EDM2 network takes c_noise = ln(σ_EDM) / 4 (EDM2 eq. 7). On the flow path x_σ / (1 - σ) = x0 + σ_EDM ε with
+# σ_EDM = σ / (1 - σ), so a flow run gives it c_noise = logit(σ) / 4: the same noise level, the same input
+# scale to its Fourier features. σ is held inside (FLOW_SIGMA_EDGE, 1 - FLOW_SIGMA_EDGE): σ = 1 (pure noise,
+# the sampler's first step) would be an infinite σ_EDM; the edge is σ_EDM ≈ 10^4, past EDM's σ_max of 80.
+FLOW_SIGMA_EDGE = 1e-4
+
+
+def flow_timestep(net, sigma):
+    """What `net` takes for a flow noise level σ: t = 1000 σ (a UNet2DModel, as FlowMatchEulerDiscreteScheduler
+    gives it), or an EDM2 network's c_noise = logit(σ) / 4."""
+    if isinstance(unwrapped(net), EDM2UNet):
+        sigma = sigma.clamp(FLOW_SIGMA_EDGE, 1 - FLOW_SIGMA_EDGE)
+        return (sigma / (1 - sigma)).log() / 4
+    return sigma * NUM_TRAIN_TIMESTEPS
+
+
+class FlowTime(torch.nn.Module):
+    """An EDM2 network as a flow sampler calls a network, net(x, t = 1000 σ): it gets flow_timestep's c_noise."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.config = net, net.config
+
+    def forward(self, x, t, return_dict=False, **kwargs):
+        sigma = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(-1) / NUM_TRAIN_TIMESTEPS
+        return self.net(x, flow_timestep(self.net, sigma.expand(len(x))), return_dict=False, **kwargs)
 
 
 def flow_sigma_distribution(args):

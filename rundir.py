@@ -249,7 +249,7 @@ class RunDir:
             with torch.no_grad():
                 for parameter, value in zip(unet.parameters(), shadow, strict=True):
                     parameter.copy_(value)
-        if config.get("objective", "ddpm") == "edm":
+        if not models.saves_pipeline(config):
             return unet.eval(), None
         return unet.eval(), models.run_noise_scheduler(config).config
 

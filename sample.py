@@ -229,6 +229,10 @@ def make_flow_sampler(name, training_config):
     raise ConfigError(f"--sampler {name} is DDPM's: a flow run samples with {' or '.join(FLOW_SAMPLERS)}")
 
 
+def is_flow_sampler(scheduler):
+    return type(scheduler).__name__ in ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
+
+
 def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_DATA, churn=EDM_CHURN, clip=True):
     """What samples a run trained with `objective`: EDM's Heun sampler for "edm" (stochastic with
     `churn` > 0), a flow run's make_flow_sampler, else make_scheduler(name, ...). `clip` False: a
@@ -396,7 +400,11 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
     run's latents -> images in [-1, 1] (RunDir.decoder: through its VAE).
     """
     device = network_device(unet)
-    objective = "edm" if isinstance(scheduler, EDMHeunSampler) else "ddpm"
+    objective = "edm" if isinstance(scheduler, EDMHeunSampler) else "flow" if is_flow_sampler(scheduler) else "ddpm"
+    if objective == "flow":  # an EDM2 network takes its c_noise, not t = 1000 σ (model.flow_timestep)
+        unet = models.FlowTime(unet) if isinstance(models.unwrapped(unet), models.EDM2UNet) else unet
+        if guide is not None and isinstance(models.unwrapped(guide), models.EDM2UNet):
+            guide = models.FlowTime(guide)
     labels = None if labels is None else torch.as_tensor(labels).to(device)
     unet = guided_network(unet, objective, labels, guidance_scale, guide)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
@@ -568,7 +576,7 @@ def run(args):
     elif models.objective_kind(source.objective) == "flow":
         steps = args.num_inference_steps or DEFAULT_STEPS
         sampler_name = args.sampler or DEFAULT_FLOW_SAMPLER
-        scheduler = make_flow_sampler(sampler_name, training_config)
+        scheduler = make_flow_sampler(sampler_name, training_config or models.run_noise_scheduler(config).config)
     else:
         steps = args.num_inference_steps or DEFAULT_STEPS
         args.sampler = args.sampler or DEFAULT_SAMPLER

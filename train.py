@@ -435,10 +435,11 @@ class Run:
         return posthoc_ema.averaged_copy(self.accelerator.unwrap_model(self.model), self.ema)
 
     def pipeline_saved(self):
-        return (self.output_dir / ("unet/config.json" if self.args.objective == "edm" else "model_index.json")).is_file()
+        pipeline = models.saves_pipeline(vars(self.args))
+        return (self.output_dir / ("model_index.json" if pipeline else "unet/config.json")).is_file()
 
     def save_network(self, network, folder):
-        rundir.save_network(network, folder, None if self.args.objective == "edm" else self.noise_scheduler)
+        rundir.save_network(network, folder, self.noise_scheduler if models.saves_pipeline(vars(self.args)) else None)
 
     def save_pipeline(self):
         """The EMA weights (or the raw ones) in output_dir."""

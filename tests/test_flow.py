@@ -147,7 +147,7 @@ def test_a_ddpm_run_may_still_change_its_noise_draw_on_resume(tmp_path):
     (["--objective", "flow", "--zero_terminal_snr"], "--zero_terminal_snr is DDPM's"),
     (["--objective", "flow", "--sampler", "dpmsolver"], "--sampler dpmsolver is DDPM's"),
     (["--sampler", "euler"], "--sampler euler is a flow sampler"),
-    (["--objective", "flow", "--model", "edm2tiny"], "not built for --objective flow yet"),
+    (["--objective", "ddpm", "--model", "edm2tiny"], "trained with --objective edm or flow"),
     (["--objective", "flow:0"], "greater than 0"),
     (["--objective", "flow:-2"], "greater than 0"),
     (["--objective", "flow:x"], "greater than 0"),
@@ -207,3 +207,23 @@ def test_the_output_folder_is_a_model_repository_with_a_card(flow_run):
     assert f"{recorded['model_flops_per_step'] / 1e12:.4g} TFLOP per step" in card.text
     grid = card.text.split("![samples after training](")[1].split(")")[0]
     assert (flow_run / grid).is_file() and "DDPMPipeline.from_pretrained" in card.text and "hf upload" in card.text
+
+
+def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path, capsys):
+    """EDM2's networks take c_noise = logit(σ)/4 from a flow run (σ_EDM = σ / (1 - σ) on the flow path), also
+    at σ = 1, the sampler's first step; the run saves unet/ (no diffusers pipeline samples an EDM2 network),
+    which sample.py samples with the flow sampler, and the grids come out finite."""
+    from edm2 import EDM2UNet
+
+    sigma = torch.tensor([0.0, 0.5, 1 - 1 / 81, 1.0])
+    network = models.build_unet("edm2tiny", 16)
+    assert isinstance(network, EDM2UNet)
+    c_noise = models.flow_timestep(network, sigma)
+    assert torch.isfinite(c_noise).all() and c_noise[1] == 0 and c_noise[2].item() == pytest.approx(np.log(80) / 4)
+    out = tmp_path / "run"
+    train(out, "--model", "edm2tiny", "--objective", "flow", "--max_train_steps", 4, "--save_images_epochs", 1)
+    assert (out / "unet" / "config.json").is_file() and not (out / "model_index.json").exists()
+    result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--num_inference_steps", "3",
+                                            "--output", str(tmp_path / "s")]))  # fmt: skip
+    image = np.asarray(Image.open(tmp_path / "s" / "000000.png"))
+    assert result["num_images"] == 2 and image.std() > 0
