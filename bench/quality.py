@@ -74,6 +74,10 @@ ROWS = {
     "edm2tiny": ("an EDM2 network (Config G, 16 channels) with the EDM objective", ["--model", "edm2tiny"]),
     "edm2small": ("an EDM2 network of the UNet's cost (Config G, 32 channels, 1.26M) with the EDM objective",
                   ["--model", "edm2small"]),
+    "flow": ("flow matching (SiT, SD3): logit-normal(0, 1) noise levels, velocity prediction, Euler 25 steps",
+             ["--objective", "flow", "--sampler", "euler"]),
+    "flow_heun": ("flow with Heun 13 steps (25 network evaluations)",
+                  ["--objective", "flow", "--sampler", "heun", "--num_inference_steps", "13"]),
     # On lognormal_t_v (the small preset trains it at batch 4, without an EMA):
     "lr_5e-4": ("a lower learning rate", ["--learning_rate", "5e-4"]),
     "batch_8": ("batch 8: twice the optimizer steps for the same images", ["--train_batch_size", "8"]),
