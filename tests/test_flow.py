@@ -227,3 +227,15 @@ def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path
                                             "--output", str(tmp_path / "s")]))  # fmt: skip
     image = np.asarray(Image.open(tmp_path / "s" / "000000.png"))
     assert result["num_images"] == 2 and image.std() > 0
+
+
+def test_a_flow_run_with_the_power_ema_reconstructs_a_flow_pipeline(tmp_path):
+    """ema.py reconstruct of a flow run saves the flow pipeline: FlowMatchEulerDiscreteScheduler with the run's shift."""
+    import ema
+    from diffusers import DDPMPipeline
+
+    out = tmp_path / "run"
+    train(out, "--objective", "flow:2", "--ema", "power", "--ema_snapshot_every", 2, "--max_train_steps", 4)
+    folder = ema.main(ema.parse_args(["reconstruct", str(out), "--std", "0.07"]))
+    scheduler = DDPMPipeline.from_pretrained(str(folder)).scheduler
+    assert type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and scheduler.config.shift == 2
