@@ -239,3 +239,18 @@ def test_a_flow_run_with_the_power_ema_reconstructs_a_flow_pipeline(tmp_path):
     folder = ema.main(ema.parse_args(["reconstruct", str(out), "--std", "0.07"]))
     scheduler = DDPMPipeline.from_pretrained(str(folder)).scheduler
     assert type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and scheduler.config.shift == 2
+
+
+def test_two_processes_train_a_flow_run_as_one_and_save_its_pipeline_once(tmp_path):
+    """Two gloo processes: the flow objective draws each process's own σ and noise, the step averages the
+    gradients, and rank 0 alone writes the flow pipeline."""
+    from test_faults import Ranks, start_two_ranks
+
+    out = tmp_path / "run"
+    ranks = Ranks(start_two_ranks([*TINY, "--objective", "flow:2", "--max_train_steps", 2, "--output_dir", out,
+                                   "--save_images_epochs", 100, "--logger", "none"]))  # fmt: skip
+    assert ranks.codes == [0, 0], ranks
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["num_processes"] == 2 and saved["objective"] == "flow:2"
+    scheduler = json.loads((out / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == 2
