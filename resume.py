@@ -121,6 +121,8 @@ def identity_defaults():
     later defaults to what runs did before it) or DERIVED_IDENTITY's; None where unknown
     (config.resolve fills it from the preset or the machine)."""
     defaults = {key: value for key, value in vars(config.build_parser().parse_args([])).items() if key in RUN_IDENTITY}
+    if defaults.get("beta_schedule") is None:  # filled by config.resolve since flow runs have none; DDPM's was linear
+        defaults["beta_schedule"] = "linear"
     if isinstance(defaults.get("ema_stds"), str):
         defaults["ema_stds"] = posthoc_ema.parse_stds(defaults["ema_stds"])  # as config.resolve gives it
     return defaults | DERIVED_IDENTITY
