@@ -152,7 +152,7 @@ def _grad_tile(
     from `_tile`, not out of here: Inductor's mutation analysis (torch.compile) traces a store's
     address back through a call's arguments, so an address computed from what a call taking
     w_ptr returned made w (a parameter) look written, and the compiled UNet failed to build
-    ("a leaf Variable that requires grad is being used in an in-place operation", H200, 2026-11-26).
+    ("a leaf Variable that requires grad is being used in an in-place operation"; the first GPU run, BENCHMARKS.md).
     """
     acc = mean_ptr.dtype.element_ty
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(acc)

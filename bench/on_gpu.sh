@@ -197,7 +197,7 @@ tests)
   else
     # Every test that skips without a CUDA GPU (their skip reasons name CUDA), by node id.
     # -p no:logging: pytest's log capture switched on torch's DEBUG structured trace, and the
-    # first GPU run (H200, 2026-11-26) got through 7 of 25 tests in 170 s against 25 in 127 s without it.
+    # first GPU run was several times slower with it (the first GPU run, BENCHMARKS.md).
     run_within cuda-tests 240 "$python" -m pytest -p no:cacheprovider -p no:logging -q -rA --tb=short \
       tests/test_gpu.py \
       tests/test_step.py::test_the_captured_step_trains_as_the_eager_step_on_a_gpu \

@@ -57,7 +57,7 @@ def test_mp_sum_keeps_unit_magnitude(t):
 
 def test_mp_sum_takes_an_fp32_stream_and_a_bf16_branch():
     """Under CUDA autocast a block's residual is fp32 and its convolution's output bf16: the
-    first eager forward (a sample grid) of an EDM2 run crashed in lerp (H200, 2026-11-26)."""
+    first eager forward (a sample grid) of an EDM2 run crashed in lerp (the first GPU run, BENCHMARKS.md)."""
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(64, generator=g), torch.randn(64, generator=g).bfloat16()
     out = mp_sum(a, b, 0.3)

@@ -279,7 +279,7 @@ def test_training_saves_only_channels_last_activations():
 
 def test_inductor_sees_each_kernel_write_only_its_outputs():
     """torch.compile functionalises the kernels by what Inductor's TTIR analysis says they write;
-    a parameter taken as written fails the compiled UNet's build on a GPU (H200, 2026-11-26:
+    a parameter taken as written fails the compiled UNet's build on a GPU (the first GPU run, BENCHMARKS.md:
     the backward kernels' store addresses came out of a call that took w_ptr). The analysis
     needs only a target, so a Hopper one stands in for the GPU here."""
     import triton

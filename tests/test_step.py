@@ -48,7 +48,7 @@ def assert_same_change(after, reference, start, rel):
     over all tensors at once. On a GPU, element-wise checks fail by design: AdamW moves a weight by about
     its learning rate whatever its gradient's size, so a gradient near zero that rounds to the other sign
     in another kernel (Inductor's fusions, cuDNN's choice, TF32) moves that weight the other way
-    (3 to 6 weights of each GPU test on an H200, 2026-11-26). A wrong step (a learning rate 10% off, a
+    (the first GPU run, BENCHMARKS.md). A wrong step (a learning rate 10% off, a
     skipped update) moves the whole vector and fails."""
     change = torch.cat([(a - s).detach().flatten().double() for a, s in zip(after, start)])
     wanted = torch.cat([(r - s).detach().flatten().double() for r, s in zip(reference, start)])
