@@ -236,7 +236,7 @@ class Run:
             self.config |= dict(latents=self.latents, latent_space=self.latent_space)
         # The classes of a conditional run, kept with it: sample.py takes their names.
         self.num_classes = len(class_names) if class_names else 0
-        self.config |= dict(num_classes=self.num_classes, class_names=class_names, flow_sigmas=models.flow_sigma_distribution(vars(args)),
+        self.config |= dict(num_classes=self.num_classes, class_names=class_names, flow_sigmas=self.flow_sigmas,
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
         if args.eval_every_epochs:  # the reference statistics (a latent run's: its images, decoded; once, then cached)
@@ -262,8 +262,9 @@ class Run:
         """The checkpoint to continue from (resume.choose_start), checked against what the run is before
         anything is encoded: the flags, the processes, the classes, a latent run's latent space."""
         args = self.args
+        self.flow_sigmas = models.flow_sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
         identity = dict(vars(args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
-                        latent_space=self.latent_space, flow_sigmas=models.flow_sigma_distribution(vars(args)))  # fmt: skip
+                        latent_space=self.latent_space, flow_sigmas=self.flow_sigmas)  # fmt: skip
         start = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from, args.overwrite_output_dir)
         self.accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
         return start
