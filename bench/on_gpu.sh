@@ -21,6 +21,9 @@
 #   mkdir -p .ext && cp <diffusers>/examples/unconditional_image_generation/train_unconditional.py .ext/
 #   run(command="bash bench/on_gpu.sh ref128", carry=[".whl", ".ext"], timeout_s=600)
 #
+# ON_GPU_RUNS="NAME ..." runs only the runs named (the others get a "not chosen" row), for a call
+# that must leave out what an earlier record already measured.
+#
 # PYTHON names the interpreter (default python3 from PATH; the tests pass their own, so that a
 # venv's interpreter works without activating the venv).
 #
@@ -39,6 +42,7 @@ dest=${2:-${OUT:-bench/results/gpu}}
 cpu=${ON_GPU_CPU:-0}
 deadline_s=${DEADLINE_S:-480}
 python=${PYTHON:-python3}
+chosen=${ON_GPU_RUNS:-}
 mkdir -p "$dest"
 dest=$(cd "$dest" && pwd)
 work=$(mktemp -d /tmp/on_gpu.XXXXXX)
@@ -82,6 +86,11 @@ left() { echo $((deadline_s - SECONDS)); }
 run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, a row in runs.tsv
   local name=$1 budget=$2 code start
   shift 2
+  if [[ -n $chosen && " $chosen " != *" $name "* ]]; then
+    echo "== not chosen (ON_GPU_RUNS): $name"
+    printf '%s\tnot chosen\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    return 0
+  fi
   local limit
   limit=$(left)
   ((limit < budget)) && budget=$limit
@@ -213,7 +222,7 @@ ref128)
   make_folder "$work/data128" $images "${sides[0]}"
   train_run ref128-default-cold 200 --dataset "$work/data128" "${ref128[@]}"
   train_run ref128-default-warm 70 --dataset "$work/data128" "${ref128[@]}"
-  diffusers_run ref128-diffusers 100 "$work/data128" "$(((cpu)) && echo 16 || echo 128)" "$(((cpu)) && echo 4 || echo 64)" \
+  diffusers_run ref128-diffusers 130 "$work/data128" "$(((cpu)) && echo 16 || echo 128)" "$(((cpu)) && echo 4 || echo 64)" \
     "$(((cpu)) && echo tiny || echo ref128)"
   train_run ref128-step-graph 90 --dataset "$work/data128" "${ref128[@]}" --compile_mode step-graph
   ;;

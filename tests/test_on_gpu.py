@@ -92,3 +92,13 @@ def test_the_summary_reads_diffusers_progress_bar_after_its_first_epoch():
     assert pack_summary.log_notes("..\n==== 9 passed, 1 failed in 80.1s ====\n") == "9 passed, 1 failed in 80.1s"
     table = [dict(run="ref128-diffusers", **{"ms/step": 222.0}), dict(run="ref128-default-warm", **{"ms/step": 74.0})]
     assert pack_summary.comparisons(table) == ["ref128-default-warm: 3.00x diffusers' step"]
+
+
+def test_only_the_runs_named_in_on_gpu_runs_run(tmp_path):
+    """ON_GPU_RUNS leaves out what an earlier record measured: the others get a "not chosen" row, the
+    named one goes on to the deadline (0 here, so it is skipped there, not left out)."""
+    done = on_gpu("ref128", tmp_path, DEADLINE_S="0", ON_GPU_RUNS="ref128-default-cold")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("\t")[0]: line.split("\t")[1] for line in (tmp_path / "ref128-summary.txt").read_text().splitlines()[2:]}
+    assert rows["ref128-default-cold"] == "skipped"
+    assert {rows[run] for run in RUNS["ref128"][1:] if run != "ref128-diffusers"} == {"not chosen"}
