@@ -801,8 +801,7 @@ def _fill_flow(args):
     if given:
         raise ConfigError(f"--{given[0]} is DDPM's: --objective flow predicts noise - x0 on a straight path; drop it")
     if args.sampler not in sample.FLOW_SAMPLERS:
-        raise ConfigError(f"--sampler {args.sampler} is DDPM's: a flow run samples with "
-                          f"{' or '.join(sample.FLOW_SAMPLERS)}")  # fmt: skip
+        raise ConfigError(f"--sampler {args.sampler} is DDPM's: a flow run samples with {sample.flow_sampler_names()}")
     if args.timestep_sampling is None:
         args.timestep_sampling = "lognormal"
     if args.P_mean_std is None:

@@ -23,7 +23,8 @@ The samplers are diffusers schedulers built from the training schedule
 (`make_scheduler`); train.py uses the same ones for its grids and FID. A run
 whose train_config.json says "objective": "edm" samples with EDM's
 Heun sampler instead (`edm_heun_sample`, 18 steps by default), stochastic
-(`--churn`, EDM's S_churn; 0 for the deterministic one).
+(`--churn`, EDM's S_churn; 0 for the deterministic one). A flow run samples with
+Euler (its default), Heun or SiT's Euler-Maruyama SDE sampler (`make_flow_sampler`).
 Every sampler takes classifier-free guidance and autoguidance through
 `Guided`, which combines the network's outputs (docs/conditional.md).
 """
@@ -34,6 +35,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -51,10 +53,10 @@ SAMPLERS = ("ddpm", "ddim", "dpmsolver", "dpmsolver_sde")
 # (BENCHMARKS.md; docs/sampling.md: Samplers).
 DEFAULT_SAMPLER = "dpmsolver_sde"
 DEFAULT_STEPS = 25
-# A flow run's ODE samplers: diffusers' FlowMatchEulerDiscreteScheduler and FlowMatchHeunDiscreteScheduler,
-# on their grid (make_flow_sampler). Euler is what the run's DDPMPipeline holds; the default until the
-# quality ladder measures them.
-FLOW_SAMPLERS = ("euler", "heun")
+# A flow run's samplers: the ODE's, diffusers' FlowMatchEulerDiscreteScheduler and FlowMatchHeunDiscreteScheduler
+# on their grid, and the SDE's, SiT's Euler-Maruyama (FlowEulerMaruyama) (make_flow_sampler). Euler is what the
+# run's DDPMPipeline holds; the default until the quality ladder measures them (Euler-Maruyama is not measured yet).
+FLOW_SAMPLERS = ("euler", "heun", "euler_maruyama")
 DEFAULT_FLOW_SAMPLER = "euler"
 GRID_IMAGES = 64
 
@@ -212,13 +214,82 @@ class EDMHeunSampler:
         )  # fmt: skip
 
 
+# --- flow's SDE sampler: SiT's Euler-Maruyama ----------------------------------------------
+# SiT (Ma et al. 2024, willisma/SiT transport/) samples the reverse SDE of the linear path whose marginals are the
+# ODE's: in our σ (SiT's time is 1 - σ), with a diffusion coefficient w(σ),
+#     dx = [-v + w(σ) ∇log p_σ(x)] d(-σ) + √(2 w(σ)) dW,    ∇log p_σ(x) = -(x + (1 - σ) v) / σ
+# (the score of x_σ = (1 - σ) x0 + σ ε is -E[ε | x] / σ, and E[ε | x] = x + (1 - σ) v). Its sample.py and
+# sample_ddp.py default (train_utils.parse_sde_args): diffusion form "sigma", w = norm · σ (SiT's path's σ_t)
+# with norm 1; Euler-Maruyama on N - 1 equal steps from σ = 1 to σ = 0.04; then the "Mean" last step of 0.04,
+# the SDE's drift without noise, to σ = 0. N network evaluations in all, as Euler's N steps.
+SDE_DIFFUSION_NORM = 1.0
+SDE_LAST_STEP_SIZE = 0.04
+
+
+def flow_sde_sigmas(num_steps, shift=1.0, last_step_size=SDE_LAST_STEP_SIZE):
+    """The Euler-Maruyama sampler's N noise levels, then 0 (float64): SiT's grid, N equally spaced levels from 1
+    to `last_step_size` (1 alone for N = 1), each moved by SD3's shift (model.shift_sigmas) as training's σ
+    draw is and as Euler's grid is."""
+    sigmas = torch.linspace(1.0, last_step_size, num_steps, dtype=torch.float64)
+    return torch.cat([models.shift_sigmas(sigmas, shift), sigmas.new_zeros(1)])
+
+
+class FlowEulerMaruyama:
+    """SiT's Euler-Maruyama sampler for a flow run, in the place of a diffusers scheduler (`generate` drives it
+    as it drives FlowMatchEulerDiscreteScheduler: set_timesteps, then step per t in timesteps).
+
+    From σ to the next level σ' (Δ = σ - σ' > 0), with the network's v at t = 1000 σ:
+        w = norm · σ,    score = -(x + (1 - σ) v) / σ
+        mean = x + Δ (-v + w · score)
+        x' = mean + √(2 w Δ) z,   z ~ N(0, I) from image k's own generator
+    and on the last step (σ' = 0) x' = mean: SiT's "Mean" last step. Fresh noise at each step makes the
+    images depend on the seeds beyond the starting noise; `generate` passes the per-image generators.
+    """
+
+    name = "euler_maruyama"
+    init_noise_sigma = 1.0  # starts from pure noise at σ = 1
+
+    def __init__(self, shift=1.0, diffusion_norm=SDE_DIFFUSION_NORM, last_step_size=SDE_LAST_STEP_SIZE):
+        self.shift, self.diffusion_norm, self.last_step_size = float(shift), diffusion_norm, last_step_size
+        self.config = dict(shift=self.shift, diffusion_norm=diffusion_norm, last_step_size=last_step_size)
+        self.timesteps = None
+
+    def set_timesteps(self, num_inference_steps, device=None):
+        self.sigmas = flow_sde_sigmas(num_inference_steps, self.shift, self.last_step_size)
+        self.timesteps = (self.sigmas[:-1] * models.NUM_TRAIN_TIMESTEPS).to(device=device, dtype=torch.float32)
+        self._levels = [float(s) for s in self.sigmas]  # Python numbers: no device sync in the loop
+        self._index = 0
+
+    def step(self, model_output, timestep, sample, generator=None, return_dict=True):
+        sigma, sigma_next = self._levels[self._index], self._levels[self._index + 1]
+        self._index += 1
+        x, v = sample.float(), model_output.float()
+        w = self.diffusion_norm * sigma
+        score = -(x + (1 - sigma) * v) / sigma
+        x = x + (sigma - sigma_next) * (-v + w * score)
+        if sigma_next > 0:
+            x = x + math.sqrt(2 * w * (sigma - sigma_next)) * step_noise(generator, x)
+        return SimpleNamespace(prev_sample=x)
+
+
+def step_noise(generator, like):
+    """Unit Gaussian noise shaped as `like`: image k's from generators[k] (a list, as `generate` passes), or
+    from one generator, or the global one for None."""
+    if isinstance(generator, (list, tuple)):
+        return image_noise(generator, like.shape[1:], like.device).to(like.dtype)
+    if generator is None:
+        return torch.randn_like(like)
+    return torch.randn(like.shape, generator=generator, device=generator.device).to(like.device, like.dtype)
+
+
 def make_flow_sampler(name, training_config):
     """A flow run's sampler `name` (FLOW_SAMPLERS) from its FlowMatchEulerDiscreteScheduler config (its shift).
 
-    The grid is diffusers': N noise levels from σ = 1 down to the shifted σ_min, each shifted (again, for the
-    last: diffusers #13243), then 0; the network's velocity v = ε - x0 integrated as dx/dσ = v. It is the
-    grid DDPMPipeline.from_pretrained(run) samples on, so both give the same images. No clipping: the
-    estimate of x0 is not in the loop.
+    Euler and Heun integrate the network's velocity v = ε - x0 as dx/dσ = v on diffusers' grid: N noise levels
+    from σ = 1 down to the shifted σ_min, each shifted (again, for the last: diffusers #13243), then 0. It is
+    the grid DDPMPipeline.from_pretrained(run) samples on, so both give the same images. "euler_maruyama" is
+    SiT's SDE sampler on SiT's grid with the same shift (FlowEulerMaruyama). No clipping: the estimate of x0
+    is not in the loop.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler
 
@@ -226,11 +297,19 @@ def make_flow_sampler(name, training_config):
         return FlowMatchEulerDiscreteScheduler.from_config(training_config)
     if name == "heun":
         return FlowMatchHeunDiscreteScheduler.from_config(training_config)
-    raise ConfigError(f"--sampler {name} is DDPM's: a flow run samples with {' or '.join(FLOW_SAMPLERS)}")
+    if name == "euler_maruyama":
+        return FlowEulerMaruyama(shift=training_config.get("shift", 1.0))
+    raise ConfigError(f"--sampler {name} is DDPM's: a flow run samples with {flow_sampler_names()}")
+
+
+def flow_sampler_names():
+    """'euler, heun or euler_maruyama': the flow samplers, as an error line names them."""
+    return ", ".join(FLOW_SAMPLERS[:-1]) + " or " + FLOW_SAMPLERS[-1]
 
 
 def is_flow_sampler(scheduler):
-    return type(scheduler).__name__ in ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
+    return isinstance(scheduler, FlowEulerMaruyama) or type(scheduler).__name__ in (
+        "FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
 
 
 def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_DATA, churn=EDM_CHURN, clip=True):
@@ -454,7 +533,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--sampler", default=None, choices=SAMPLERS + FLOW_SAMPLERS,
         help=f"diffusers scheduler that samples a DDPM run (default: {DEFAULT_SAMPLER}) or a flow run (default: "
-             f"{DEFAULT_FLOW_SAMPLER}; {' or '.join(FLOW_SAMPLERS)}); an EDM run always samples with EDM's Heun sampler",
+             f"{DEFAULT_FLOW_SAMPLER}; {flow_sampler_names()}); an EDM run always samples with EDM's Heun sampler",
     )  # fmt: skip
     p.add_argument("--churn", type=float, default=EDM_CHURN, help=CHURN_HELP)
     p.add_argument(
