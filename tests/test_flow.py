@@ -64,13 +64,53 @@ class PointVelocity(torch.nn.Module):
         return ((x - self.c) / sigma.clamp(min=1e-6).view(-1, 1, 1, 1),)
 
 
-@pytest.mark.parametrize("name", sample.FLOW_SAMPLERS)
+@pytest.mark.parametrize("name", ["euler", "heun"])  # the ODE's (the SDE's: test_euler_maruyama_*)
 @pytest.mark.parametrize("shift", [1.0, 3.0])
 def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
     scheduler = sample.make_flow_sampler(name, models.make_flow_scheduler(shift).config)
     images = sample.generate(PointVelocity(c), scheduler, [0, 1], 5)
     assert (images.float() - sample.to_uint8(c[None]).float()).abs().max() <= 1
+
+
+def euler_maruyama_ends(c, seeds, steps, shift=1.0):
+    """The float samples (before uint8) of SiT's Euler-Maruyama on PointVelocity(c), through sample.generate."""
+    ends = []
+    scheduler = sample.make_flow_sampler("euler_maruyama", models.make_flow_scheduler(shift).config)
+    sample.generate(PointVelocity(c), scheduler, seeds, steps, decode=lambda x: ends.append(x) or x)
+    return ends[0]
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_euler_maruyama_lands_near_the_one_image_as_steps_grow(shift):
+    """SiT's reverse SDE on one-image data: each step pulls x back onto the path and adds fresh noise, and
+    the noise-free last step from σ_L (SiT's 0.04, shifted) to 0 ends at x0 - σ_L ε̂. So the error falls
+    with the steps to σ_L times unit noise: 0.04 rms, 0.111 with shift 3. A wrong score, noise scale, time
+    or grid misses that, and the end forgets the starting noise (the fresh noise replaced it)."""
+    c = torch.linspace(-0.9, 0.9, 3 * 8 * 8).view(3, 8, 8)
+    seeds = list(range(16))
+    rms = {n: (euler_maruyama_ends(c, seeds, n, shift) - c).pow(2).mean().sqrt().item() for n in (3, 10, 200)}
+    last = models.shift_sigmas(sample.SDE_LAST_STEP_SIZE, shift)
+    assert rms[3] > rms[10] > rms[200] and rms[200] == pytest.approx(last, rel=0.15), rms
+    error = (euler_maruyama_ends(c, seeds, 200, shift) - c).flatten()
+    start = torch.stack([torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(s)) for s in seeds]).flatten()
+    assert abs(torch.corrcoef(torch.stack([error, start]))[0, 1].item()) < 0.2
+    scheduler = sample.make_flow_sampler("euler_maruyama", models.make_flow_scheduler(shift).config)
+    scheduler.set_timesteps(5)  # SiT's grid 1, 0.76, 0.52, 0.28, 0.04, shifted as Euler's and training's σ
+    grid = models.shift_sigmas(torch.tensor([1.0, 0.76, 0.52, 0.28, 0.04]), shift)
+    assert torch.allclose(scheduler.timesteps, 1000 * grid) and scheduler.sigmas[-1] == 0
+
+
+def test_euler_maruyama_draws_its_noise_from_the_seeds():
+    """Same seeds, same images; other seeds, other images; image i's noise (the start and every step's)
+    from its own seed, whatever else is in the batch."""
+    c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
+    scheduler = sample.make_flow_sampler("euler_maruyama", models.make_flow_scheduler().config)
+    images = sample.generate(PointVelocity(c), scheduler, [0, 1, 2], 4)
+    assert torch.equal(images, sample.generate(PointVelocity(c), scheduler, [0, 1, 2], 4))
+    assert not torch.equal(images, sample.generate(PointVelocity(c), scheduler, [3, 4, 5], 4))
+    split = [sample.generate(PointVelocity(c), scheduler, part, 4) for part in ([0], [1, 2])]
+    assert torch.equal(images, torch.cat(split))
 
 
 # --- a run, its pipeline, its refusals -------------------------------------------------------
@@ -103,15 +143,31 @@ def test_a_flow_run_saves_a_pipeline_that_diffusers_samples_as_train_py_does(flo
 
 
 def test_sample_py_samples_a_flow_run_with_each_flow_sampler(flow_run, tmp_path):
-    for name in sample.FLOW_SAMPLERS:
+    def images(name, folder, *flags):
         sample.main(sample.parse_args([str(flow_run), "--num_images", "2", "--num_inference_steps", "3",
-                                       "--sampler", name, "--output", str(tmp_path / name)]))  # fmt: skip
-        assert (tmp_path / name / "000001.png").is_file()
-    euler, heun = (np.asarray(Image.open(tmp_path / name / "000000.png")) for name in sample.FLOW_SAMPLERS)
-    assert not np.array_equal(euler, heun)  # each its own sampler
+                                       "--sampler", name, "--output", str(tmp_path / folder), *flags]))  # fmt: skip
+        return np.asarray(Image.open(tmp_path / folder / "000001.png"))
+
+    first = [images(name, name) for name in sample.FLOW_SAMPLERS]
+    assert sample.FLOW_SAMPLERS == ("euler", "heun", "euler_maruyama")
+    assert all(not np.array_equal(a, b) for i, a in enumerate(first) for b in first[i + 1 :])  # each its own sampler
+    assert np.array_equal(images("euler_maruyama", "again"), first[2])  # the SDE's noise: the seed's
+    assert not np.array_equal(images("euler_maruyama", "seed1", "--seed", "1"), first[2])
     with pytest.raises(SystemExit) as stopped:
         sample.main(sample.parse_args([str(flow_run), "--num_images", "2", "--sampler", "ddim"]))
     assert stopped.value.code == 2
+
+
+@pytest.mark.parametrize("name", sample.FLOW_SAMPLERS)
+def test_sample_py_refuses_a_flow_sampler_for_a_ddpm_run_in_one_line(tmp_path, capsys, name):
+    from diffusers import DDPMPipeline
+
+    DDPMPipeline(unet=models.build_unet("tiny", 16), scheduler=models.make_noise_scheduler()).save_pretrained(tmp_path / "ddpm")
+    with pytest.raises(SystemExit) as stopped:
+        sample.main(sample.parse_args([str(tmp_path / "ddpm"), "--sampler", name, "--output", str(tmp_path / "out")]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and f"--sampler {name} samples a flow run" in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_flow_run_resumed_with_another_shift_is_one_line_and_exit_2(flow_run, capsys):
@@ -147,6 +203,8 @@ def test_a_ddpm_run_may_still_change_its_noise_draw_on_resume(tmp_path):
     (["--objective", "flow", "--zero_terminal_snr"], "--zero_terminal_snr is DDPM's"),
     (["--objective", "flow", "--sampler", "dpmsolver"], "--sampler dpmsolver is DDPM's"),
     (["--sampler", "euler"], "--sampler euler is a flow sampler"),
+    (["--sampler", "euler_maruyama"], "--sampler euler_maruyama is a flow sampler"),
+    (["--objective", "edm", "--sampler", "euler_maruyama"], "--sampler euler_maruyama is a flow sampler"),
     (["--objective", "ddpm", "--model", "edm2tiny"], "trained with --objective edm or flow"),
     (["--objective", "flow:0"], "greater than 0"),
     (["--objective", "flow:-2"], "greater than 0"),
@@ -171,7 +229,8 @@ def test_the_shift_is_spelled_one_way():
 
 
 def test_a_class_conditional_latent_flow_run_guides_evaluates_and_samples_by_class(tmp_path, monkeypatch, default_shape_scorer):
-    """Flow on a VAE's latents with class labels: the grids at two guidance scales, FID/KID on decoded
+    """Flow on a VAE's latents with class labels, sampled with SiT's Euler-Maruyama (the SDE sampler, its noise
+    from each image's seed; Euler has the other runs): the grids at two guidance scales, FID/KID on decoded
     images, sample.py by class name, and autoguidance through the same Guided path."""
     import latents
     from test_latents import make_kl
@@ -180,13 +239,15 @@ def test_a_class_conditional_latent_flow_run_guides_evaluates_and_samples_by_cla
     out = tmp_path / "run"
     train(out, "--vae", make_kl(tmp_path / "kl"), "--objective", "flow:2", "--class_conditional", "--max_train_steps", 4,
           "--shapes_num_images", 16, "--train_batch_size", 4, "--guidance_scale", "1,2", "--eval_every_epochs", 1,
-          "--eval_num_samples", 6, "--logger", "none")  # fmt: skip
+          "--eval_num_samples", 6, "--logger", "none", "--sampler", "euler_maruyama")  # fmt: skip
     (result,) = json.loads((out / "eval_results.json").read_text())
     assert [s["guidance_scale"] for s in result["scales"]] == [1.0, 2.0] and np.isfinite(result["fid"])
+    assert result["sampler"] == "euler_maruyama" and list((out / "samples").glob("*.png"))
 
     def by_class(labels, folder, *flags):
         sample.main(sample.parse_args([str(out), "--num_images", "2", "--class_labels", labels, "--output",
-                                       str(tmp_path / folder), "--num_inference_steps", "3", *flags]))  # fmt: skip
+                                       str(tmp_path / folder), "--num_inference_steps", "3",
+                                       "--sampler", "euler_maruyama", *flags]))  # fmt: skip
         return np.asarray(Image.open(tmp_path / folder / "000000.png"))
 
     circle, square = by_class("circle", "c", "--guidance_scale", "2"), by_class("square", "s", "--guidance_scale", "2")
