@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, UNet2DModel
 
+import dit
 import edm2
+from dit import DiT
 from edm2 import EDM2UNet
 from errors import ConfigError
 
@@ -181,6 +183,26 @@ PRESETS = {
     ),
 }
 
+# DiT (Peebles & Xie 2023) at Table 1's sizes, patches 2, 4 and 8: dit-s2 ... dit-xl8. Made for
+# ImageNet 256px through SD's VAE (32x32x4 latents); DiT's AdamW 1e-4 at a constant rate. Parameters
+# and FLOPs against the paper's: docs/dit.md.
+for _size, _patch in [(s, p) for s in dit.SIZES for p in dit.PATCHES]:
+    PRESETS[f"dit-{_size}{_patch}"] = dict(
+        description=f"DiT-{_size.upper()}/{_patch} (Peebles & Xie 2023)",
+        image_size=256,
+        learning_rate=1e-4,
+        network="dit",
+        dit=dit.dit_kwargs(_size, _patch),
+        flags=dict(lr_scheduler="constant"),
+    )
+# For tests and smoke runs, and a DiT at about the `small` UNet's cost on a CPU (32px pixels, patch 4:
+# 64 tokens); the rate is `small`'s.
+PRESETS["dit-tiny"] = dict(description="test-sized DiT", image_size=16, learning_rate=2e-3, network="dit",
+                           dit=dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, patch_size=2))  # fmt: skip
+PRESETS["dit-small"] = dict(description="CPU-sized DiT for the built-in dataset", image_size=32, learning_rate=2e-3,
+                            network="dit", dit=dict(num_layers=6, num_attention_heads=3, attention_head_dim=64,
+                                                    patch_size=4))  # fmt: skip
+
 # `--model auto` picks the preset made for the image size, else `small`.
 AUTO_MODEL = {128: "ref128", 64: "adm64"}
 
@@ -199,6 +221,8 @@ def size_multiple(name):
     preset = PRESETS[name]
     if preset.get("network") == "edm2":
         return 2 ** (len(preset["edm2"]["channel_mult"]) - 1)
+    if preset.get("network") == "dit":
+        return preset["dit"]["patch_size"]
     return 2 ** (len(preset["unet"]["block_out_channels"]) - 1)
 
 
@@ -209,10 +233,11 @@ def check_image_size(name, image_size, factor=1):
     if size < multiple or size % multiple:
         examples = ", ".join(str(multiple * k * factor) for k in (1, 2, 4, 8))
         latents = f" (its {size}x{size} latents: the VAE's factor is {factor})" if factor > 1 else ""
+        how = (f"it cuts its input into {multiple}x{multiple} patches" if PRESETS[name].get("network") == "dit"
+               else f"it halves its input {multiple.bit_length() - 1} times")  # fmt: skip
         raise ConfigError(
-            f"--model {name} cannot take --image_size {image_size}{latents}: it halves its input "
-            f"{multiple.bit_length() - 1} times, so the size must be a multiple of {multiple * factor} "
-            f"({examples}, ...)"
+            f"--model {name} cannot take --image_size {image_size}{latents}: {how}, so the size must be a "
+            f"multiple of {multiple * factor} ({examples}, ...)"
         )
 
 
@@ -233,6 +258,8 @@ def build_unet(name, image_size, device=None, num_classes=0, channels=3):
     with torch.device(device or "cpu"):
         if preset.get("network") == "edm2":
             return EDM2UNet(sample_size=image_size, num_classes=num_classes, **io, **preset["edm2"])
+        if preset.get("network") == "dit":
+            return DiT(sample_size=image_size, num_classes=num_classes, **io, **preset["dit"])
         classes = dict(num_class_embeds=num_classes + 1) if num_classes else {}
         return UNet2DModel(sample_size=image_size, **io, **preset["unet"], **classes)
 
@@ -455,11 +482,12 @@ def make_lr_scheduler(schedule, optimizer, warmup_steps, max_train_steps, ref_st
 
 
 def c_noise_scale_for(net):
-    """UNET_C_NOISE_SCALE for a diffusers UNet2DModel (also under DDP or torch.compile), else 1.
+    """1 for an EDM2 network (also under DDP or torch.compile), else UNET_C_NOISE_SCALE.
 
-    EDM2's networks take c_noise = ln(σ)/4 itself into their Fourier features.
+    EDM2's networks take c_noise = ln(σ)/4 itself into their Fourier features; a UNet2DModel
+    and a DiT embed DDPM's t in [0, 1000) with the same sinusoids, so both get the scale.
     """
-    return UNET_C_NOISE_SCALE if isinstance(unwrapped(net), UNet2DModel) else 1.0
+    return 1.0 if isinstance(unwrapped(net), EDM2UNet) else UNET_C_NOISE_SCALE
 
 
 def edm_precondition(net, x, sigma, sigma_data=SIGMA_DATA, c_noise_scale=1.0):
@@ -647,7 +675,7 @@ def unwrapped(net):
 def saves_pipeline(config):
     """Whether a run saves a diffusers DDPMPipeline (a UNet2DModel with DDPM or flow), or its network alone in
     unet/ (EDM's objective, or an EDM2 network: no diffusers pipeline samples them)."""
-    return config.get("objective") != "edm" and PRESETS[config["model"]].get("network") != "edm2"
+    return config.get("objective") != "edm" and PRESETS[config["model"]].get("network") not in ("edm2", "dit")
 
 
 # An EDM2 network takes c_noise = ln(σ_EDM) / 4 (EDM2 eq. 7). On the flow path x_σ / (1 - σ) = x0 + σ_EDM ε with
@@ -692,11 +720,14 @@ def flow_sigma_distribution(args):
 def load_network(path):
     """The network saved with `save_pretrained` in folder `path` (config.json + weights), in eval mode.
 
-    A diffusers UNet2DModel, or edm2.EDM2UNet when the config's _class_name says so.
+    A diffusers UNet2DModel, or edm2.EDM2UNet or dit.DiT when the config's _class_name says so.
     """
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{path}: no config.json, so no saved network")
-    if json.loads(config_file.read_text()).get("_class_name") == "EDM2UNet":
+    name = json.loads(config_file.read_text()).get("_class_name")
+    if name == "EDM2UNet":
         return EDM2UNet.from_pretrained(str(path)).eval()
+    if name in ("DiTTransformer2DModel", "DiT"):
+        return DiT.from_pretrained(str(path)).eval()
     return UNet2DModel.from_pretrained(str(path)).eval()

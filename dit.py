@@ -1,0 +1,108 @@
+"""Diffusion transformers: DiT (Peebles & Xie 2023) and SiT (Ma et al. 2024, DiT trained with flow)
+on diffusers' `DiTTransformer2DModel`, at the papers' exact sizes.
+
+diffusers' model is the paper's network but for two things, both changed here:
+  - every block builds its own timestep and label embedder (`norm1.emb`); the paper has one,
+    shared by all blocks and the final layer. `DiT` ties them: each block's `norm1.emb` is
+    the same module, so XL/2 has the paper's 674,834,720 trainable parameters, not
+    749,826,464. A saved `DiT` holds one copy per block, all equal, so that
+    `DiTTransformer2DModel.from_pretrained(run)` loads it and computes the same outputs;
+    `DiT.from_pretrained` ties them again.
+  - each block's embedder drops labels at random while training (class_dropout_prob 0.1,
+    independently per block). Here label dropout is done once per image in the training
+    loop (train.py's label_dropout, the null label = num_classes, as DiT's own code), so the
+    embedders' is switched off. The null label's row is kept: it is DiT's 1001st class.
+An unconditional network has one class, 0, which every image gets.
+
+The forward pass has UNet2DModel's signature: `timestep` may be a number or one per image,
+`class_labels` may be None (the null label for a conditional network, class 0 otherwise).
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from diffusers import DiTTransformer2DModel
+from diffusers.configuration_utils import register_to_config
+
+# (layers, hidden size, heads) of DiT's Table 1; the MLP is 4x wide, heads are 64 wide but XL's 72.
+SIZES = {"s": (12, 384, 6), "b": (12, 768, 12), "l": (24, 1024, 16), "xl": (28, 1152, 16)}
+PATCHES = (2, 4, 8)
+
+
+def dit_kwargs(size, patch):
+    layers, hidden, heads = SIZES[size]
+    return dict(num_layers=layers, num_attention_heads=heads, attention_head_dim=hidden // heads, patch_size=patch)
+
+
+class DiT(DiTTransformer2DModel):
+    """DiTTransformer2DModel with one shared embedder, no per-block label dropout, and UNet2DModel's call."""
+
+    @register_to_config
+    def __init__(
+        self, num_classes=None, num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=None,
+        num_layers=28, dropout=0.0, norm_num_groups=32, attention_bias=True, sample_size=32, patch_size=2,
+        activation_fn="gelu-approximate", num_embeds_ada_norm=None, upcast_attention=False, norm_type="ada_norm_zero",
+        norm_elementwise_affine=False, norm_eps=1e-5,
+    ):  # fmt: skip
+        # DiTTransformer2DModel's arguments (its config keys, so that it loads what this saves), and
+        # num_classes: 0 unconditional (one class), else the classes; None (a plain DiTTransformer2DModel's
+        # config, e.g. facebook/DiT-XL-2-256): its num_embeds_ada_norm
+        if num_classes is None:
+            num_classes = num_embeds_ada_norm or 0
+        super().__init__(
+            num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim, in_channels=in_channels,
+            out_channels=out_channels, num_layers=num_layers, dropout=dropout, norm_num_groups=norm_num_groups,
+            attention_bias=attention_bias, sample_size=sample_size, patch_size=patch_size,
+            activation_fn=activation_fn, num_embeds_ada_norm=max(num_classes, 1), upcast_attention=upcast_attention,
+            norm_type=norm_type, norm_elementwise_affine=norm_elementwise_affine, norm_eps=norm_eps,
+        )  # fmt: skip
+        self.register_to_config(num_classes=num_classes, num_embeds_ada_norm=max(num_classes, 1))
+        self._tie()
+
+    def _tie(self):
+        shared = self.transformer_blocks[0].norm1.emb
+        shared.class_embedder.dropout_prob = 0.0  # train.py drops labels, once per image
+        for block in self.transformer_blocks[1:]:
+            block.norm1.emb = shared
+
+    def forward(self, sample, timestep, class_labels=None, return_dict=True, **kwargs):
+        timestep = torch.as_tensor(timestep, device=sample.device)
+        timestep = timestep.reshape(-1).expand(len(sample)) if timestep.numel() == 1 else timestep.reshape(-1)
+        if class_labels is None:  # conditional: the null label (no class); unconditional: its one class
+            fill = self.config.num_classes if self.config.num_classes else 0
+            class_labels = torch.full((len(sample),), fill, dtype=torch.long, device=sample.device)
+        return super().forward(sample, timestep, class_labels.reshape(-1), return_dict=return_dict, **kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        """One embedder per block on disk, all equal: DiTTransformer2DModel's layout (safetensors
+        refuses tensors that share memory)."""
+        shared = self.transformer_blocks[0].norm1.emb
+        for block in self.transformer_blocks[1:]:
+            block.norm1.emb = copy.deepcopy(shared)
+        try:
+            result = super().save_pretrained(*args, **kwargs)
+        finally:
+            for block in self.transformer_blocks[1:]:
+                block.norm1.emb = shared
+        config = Path(args[0] if args else kwargs["save_directory"]) / self.config_name
+        saved = json.loads(config.read_text())  # the class diffusers knows (num_classes: an extra key it ignores)
+        config.write_text(json.dumps(saved | {"_class_name": DiTTransformer2DModel.__name__}, indent=2, sort_keys=True) + "\n")
+        return result
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        net = super().from_pretrained(*args, **kwargs)
+        net._tie()  # the loader may have replaced the tied module's tensors one block at a time
+        return net
+
+
+def build(size, patch, sample_size, in_channels=3, out_channels=None, num_classes=0):
+    """A DiT-`size`/`patch` for inputs of `sample_size` (latents or pixels) with `in_channels` channels."""
+    return DiT(num_classes=num_classes, sample_size=sample_size, in_channels=in_channels, out_channels=out_channels,
+               **dit_kwargs(size, patch))  # fmt: skip
+
+
+def trainable_parameters(net):
+    return sum(p.numel() for p in net.parameters() if p.requires_grad)
