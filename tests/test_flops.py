@@ -81,6 +81,18 @@ def test_gradient_checkpointing_adds_hardware_flops_only():
     assert checkpointed["hardware_flops"] <= plain["hardware_flops"] + forward
 
 
+def test_a_network_is_counted_once_per_process(monkeypatch):
+    """unet_flops keeps its counts by their arguments: a second run of the same network and input (the
+    suite's many runs in one process) is not counted again; another input is."""
+    first = flops.unet_flops("tiny", 8, 3)
+    first["params"] = -1  # a caller's change to its copy is its own
+    counted = []
+    monkeypatch.setattr(flops, "count_flops", lambda fn: counted.append(fn) or 0)
+    assert flops.unet_flops("tiny", 8, 3) == dict(first, params=sum(p.numel() for p in models.build_unet("tiny", 8).parameters()))
+    assert not counted
+    assert flops.unet_flops("tiny", 8, 5)["flops_fwd"] == 0 and len(counted) == 2  # forward, forward and backward
+
+
 @pytest.mark.parametrize(
     "device_name, precision, gpu, tflops",
     [
