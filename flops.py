@@ -9,9 +9,13 @@ for the 113.7M reference model at batch 64. It counts matrix multiplies,
 convolutions and attention, not norms, activations or the optimizer.
 
 Attention: on the meta device scaled_dot_product_attention runs its math path,
-whose matmuls are counted, as CUDA's fused attention kernels are counted on a
-GPU. On a CPU FlopCounterMode counts those kernels as 0, which for the
-reference model is 0.03% less (372.17 instead of 372.30 GFLOP/img).
+whose matmuls are counted (QK^T and AV forward, twice that backward), as CUDA's
+fused attention kernels are counted on a GPU. torch's table has no formula for a
+CPU's fused kernel (aten._scaled_dot_product_flash_attention_for_cpu) and counts
+it as 0: 228.9 instead of 237.3 GFLOP/img forward for DiT-XL/2 at 32x32x4, 372.17
+instead of 372.30 forward and backward for the reference model. count_flops adds
+one (CPU_ATTENTION), the math path's matmuls, so a count on a CPU's tensors
+equals the meta device's.
 
 MFU counts the model's FLOPs once; HFU counts what the hardware executes,
 which under gradient checkpointing includes the recomputed forward passes.
@@ -25,15 +29,33 @@ import sys
 import time
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import model as models
 from errors import ConfigError, OneLineParser, one_line_errors
 
 
+def _attention_flops(query, key, value, *args, out_shape=None, **kwargs):
+    """QK^T and AV: 2*L*S*E multiply-adds each per head (torch's sdpa_flop_count)."""
+    return sdpa_flop_count(query, key, value)
+
+
+def _attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    """The math path's backward: two matmuls per forward matmul (torch's formula for CUDA's flash
+    backward counts its recompute of QK^T too, hardware FLOPs)."""
+    return 2 * sdpa_flop_count(query, key, value)
+
+
+# FLOP formulas for the attention kernels torch's FlopCounterMode has none for, by op: a CPU's.
+CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
+}
+
+
 def count_flops(fn):
-    """Total FLOPs of everything `fn()` runs, by FlopCounterMode."""
-    with FlopCounterMode(display=False) as counter:
+    """Total FLOPs of everything `fn()` runs, by FlopCounterMode, a CPU's attention kernels included."""
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
         fn()
     return counter.get_total_flops()
 

@@ -165,3 +165,125 @@ def test_flops_cli_refuses_an_unknown_model(capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown --model 'nope'" in err
+
+
+# --- DiT (issue 39): the count against the module structure, on any device, and in train.py's line ---
+
+
+def linear_flops(n_in, n_out, rows=1):
+    return 2 * rows * n_in * n_out
+
+
+def dit_forward_flops(layers, hidden, tokens, patch, in_channels, out_channels, frequencies=256):
+    """One image's forward FLOPs of DiTTransformer2DModel (dit.DiT), from its modules, a multiply-add 2:
+    only matrix products count (FlopCounterMode's convention: norms, activations, the position table's
+    sum and the label's lookup are 0)."""
+    embedder = linear_flops(frequencies, hidden) + linear_flops(hidden, hidden)  # TimestepEmbedding of the sinusoid
+    block = (
+        linear_flops(hidden, hidden, tokens) * 3  # to_q, to_k, to_v
+        + 2 * (2 * tokens * tokens * hidden)  # QK^T and AV: 2*N*N*d per head, d summed over heads is D
+        + linear_flops(hidden, hidden, tokens)  # to_out
+        + linear_flops(hidden, 4 * hidden, tokens) + linear_flops(4 * hidden, hidden, tokens)  # the MLP
+        + linear_flops(hidden, 6 * hidden)  # adaLN-Zero: shift, scale and gate of attention and MLP
+        + embedder  # norm1.emb(t, y): every block calls the shared embedder again
+    )
+    patches = linear_flops(in_channels * patch * patch, hidden, tokens)  # PatchEmbed: a conv, stride = kernel
+    final = (
+        embedder  # the output layer calls transformer_blocks[0].norm1.emb once more
+        + linear_flops(hidden, 2 * hidden)  # proj_out_1: shift and scale
+        + linear_flops(hidden, patch * patch * out_channels, tokens)  # proj_out_2
+    )
+    return patches + layers * block + final
+
+
+def dit_step_flops(layers, hidden, tokens, patch, in_channels, out_channels, frequencies=256):
+    """Forward and backward: every product again for the gradient of its input and of its weight, but
+    those whose input needs no gradient (the patch embedding's image, the embedders' sinusoid)."""
+    forward = dit_forward_flops(layers, hidden, tokens, patch, in_channels, out_channels, frequencies)
+    no_input_gradient = (linear_flops(in_channels * patch * patch, hidden, tokens)
+                         + (layers + 1) * linear_flops(frequencies, hidden))  # fmt: skip
+    return 3 * forward - no_input_gradient
+
+
+def dit_shape(name, side, channels):
+    """dit_forward_flops' arguments for preset `name` on side x side x channels inputs (out = in, as train.py)."""
+    d = models.PRESETS[name]["dit"]
+    patch = d["patch_size"]
+    return dict(layers=d["num_layers"], hidden=d["num_attention_heads"] * d["attention_head_dim"],
+                tokens=(side // patch) ** 2, patch=patch, in_channels=channels, out_channels=channels)  # fmt: skip
+
+
+def test_dit_xl2_forward_is_twice_the_papers_multiply_adds():
+    """DiT's Table 4: XL/2 118.64 G 'flops' at 256px (32x32x4 latents), multiply-adds (DiT #14):
+    237.3 GFLOP. This implementation runs the embedder 29 times (0.09 GFLOP) where the paper's runs once."""
+    cost = flops.unet_flops("dit-xl2", 32, 1, channels=4)
+    assert cost["flops_fwd"] == pytest.approx(237.3e9, rel=0.005)
+    assert cost["flops_fwd"] == pytest.approx(2 * 118.64e9, rel=0.005)
+    shape = dit_shape("dit-xl2", 32, 4)
+    assert (cost["flops_fwd"], cost["flops_fwdbwd"]) == (dit_forward_flops(**shape), dit_step_flops(**shape))
+
+
+@pytest.mark.parametrize("name, side, channels", [("dit-tiny", 16, 3), ("dit-small", 32, 3), ("dit-tiny", 8, 4)])
+def test_dit_flops_equal_the_formula_from_its_modules(name, side, channels):
+    batch = 3
+    cost = flops.unet_flops(name, side, batch, channels=channels)
+    assert cost["flops_fwd"] == batch * dit_forward_flops(**dit_shape(name, side, channels))
+    assert cost["flops_fwdbwd"] == batch * dit_step_flops(**dit_shape(name, side, channels))
+
+
+@pytest.mark.parametrize("name", ["dit-tiny", "small"])
+def test_a_count_on_cpu_tensors_equals_the_meta_devices(name):
+    """torch's table has no formula for a CPU's fused attention kernel; count_flops adds one (the math path's
+    matmuls, the backward twice the forward), so a count on a CPU's real tensors is the meta device's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    side, batch = 16, 2
+
+    def step(device):
+        net = models.build_unet(name, side, device=device)
+        x, t = torch.randn(batch, 3, side, side, device=device), torch.tensor([3, 500], device=device)
+        return lambda: net(x, t).sample.square().mean().backward()
+
+    on_cpu = flops.count_flops(step("cpu"))
+    assert on_cpu == flops.count_flops(step("meta")) == flops.unet_flops(name, side, batch)["flops_fwdbwd"]
+    with FlopCounterMode(display=False) as plain:  # torch's own table: the CPU's attention kernel counts 0
+        step("cpu")()
+    missed = on_cpu - plain.get_total_flops()
+    if name == "dit-tiny":
+        shape = dit_shape(name, side, 3)
+        assert missed == batch * shape["layers"] * 3 * 2 * (2 * shape["tokens"] ** 2 * shape["hidden"])
+    assert missed > 0  # the CPU ran its fused kernel: this test is about it
+
+
+def test_train_py_counts_a_dit_as_flops_py_does(tmp_path, capsys):
+    """The dry run's FLOPs of DiT-XL/2 at 256px through SD's VAE (32x32x4 latents; offline, its assumed VAE)
+    are flops.py's and the formula's, attention included."""
+    from test_train import run
+
+    config = run(tmp_path / "dry", "--model", "dit-xl2", "--image_size", 256, "--vae", "stabilityai/sd-vae-ft-mse",
+                 "--train_batch_size", 64, "--dry_run")  # fmt: skip
+    assert (config["latent_size"], config["latent_channels"]) == (32, 4)
+    flops.main(flops.parse_args(["--model", "dit-xl2", "--image_size", "32", "--channels", "4",
+                                 "--train_batch_size", "64", "--json"]))  # fmt: skip
+    out = capsys.readouterr().out
+    per_step = json.loads(out.splitlines()[-1])["flops_per_step"]
+    assert config["model_flops_per_step"] == per_step == 64 * dit_step_flops(**dit_shape("dit-xl2", 32, 4))
+    assert f"{per_step / 1e12:.4g} TFLOP per step" in out
+
+
+def test_train_py_step_line_for_a_dit_has_flops_py_count_and_its_mfu(tmp_path, capsys, monkeypatch):
+    """What a user reads on a CPU: the step line's TFLOP/step is flops.py's (attention included, though the CPU
+    runs its fused kernel), and MFU is the achieved TFLOP/s over the peak."""
+    import re
+
+    import train
+    from test_train import run
+
+    monkeypatch.setattr(train.flops, "describe_peak", lambda *args: (1e9, "peak 0.001 TFLOP/s (a test's)"))
+    run(tmp_path / "run", "--model", "dit-tiny", "--train_batch_size", 4, "--shapes_num_images", 16, "--max_train_steps",
+        3, "--logging_steps", 3, "--save_images_epochs", 100)  # fmt: skip
+    line = re.search(r"^step 3/3 \|.*\| ([\d.e+-]+) TFLOP/step \| ([\d.e+-]+) TFLOP/s \| MFU ([\d.]+)%", capsys.readouterr().out, re.M)
+    per_step = 4 * dit_step_flops(**dit_shape("dit-tiny", 16, 3))
+    assert per_step == 4 * flops.unet_flops("dit-tiny", 16, 1)["flops_fwdbwd"]
+    assert line and line.group(1) == f"{per_step / 1e12:.4g}"
+    assert float(line.group(3)) == pytest.approx(100 * float(line.group(2)) / 0.001, rel=1e-3, abs=0.051)
