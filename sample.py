@@ -661,6 +661,7 @@ def run(args):
         args.sampler = args.sampler or DEFAULT_SAMPLER
         if args.sampler in FLOW_SAMPLERS:
             raise ConfigError(f"--sampler {args.sampler} samples a flow run; {run_dir} is DDPM's: choose one of {', '.join(SAMPLERS)}")
+        training_config = training_config or models.run_noise_scheduler(config).config  # a DiT saves no pipeline
         if training_config["num_train_timesteps"] < steps:
             raise ConfigError(
                 f"--num_inference_steps ({steps}) cannot exceed the model's "

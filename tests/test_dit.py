@@ -1,0 +1,144 @@
+"""DiT presets (dit.py): the papers' parameter counts, one shared embedder, label dropout once per
+image in the loop, diffusers loading, and every objective and path at a tiny size."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import dit
+import model as models
+import sample
+from test_train import run as train
+from test_train import tensors_of
+
+DIT = ["--model", "dit-tiny", "--save_images_epochs", 100]
+
+
+@pytest.mark.parametrize("size, expected", [("xl", 674_834_720), ("l", 457_840_672), ("b", 130_315_808), ("s", 32_865_056)])
+def test_the_paper_sizes_have_their_trainable_parameter_counts(size, expected):
+    """DiT's Table 1 configurations with ImageNet's 1000 classes, 4 latent channels in and 8 out (the learned
+    variance): the paper's counts less its fixed position table. diffusers' per-block embedders would add
+    27 x 2,777,472 to XL/2 (749,826,464)."""
+    with torch.device("meta"):
+        net = dit.build(size, 2, 32, in_channels=4, out_channels=8, num_classes=1000)
+    assert dit.trainable_parameters(net) == expected
+    assert net.pos_embed.pos_embed.numel() == 256 * dit.SIZES[size][1] and not net.pos_embed.pos_embed.requires_grad
+
+
+def tiny_net(num_classes=3):
+    torch.manual_seed(0)
+    net = dit.DiT(num_classes=num_classes, num_layers=2, num_attention_heads=2, attention_head_dim=8, in_channels=3,
+                  sample_size=8, patch_size=2)  # fmt: skip
+    with torch.no_grad():
+        for p in net.parameters():  # adaLN-Zero starts at zero: random weights make every path count
+            p.normal_(0, 0.05)
+    return net
+
+
+def test_one_embedder_serves_every_block_and_drops_no_label():
+    net = tiny_net().train()
+    embedders = {id(block.norm1.emb) for block in net.transformer_blocks}
+    assert len(embedders) == 1
+    x, t, y = torch.randn(64, 3, 8, 8), torch.full((64,), 500.0), torch.zeros(64, dtype=torch.long)
+    # in training mode diffusers' embedder would swap 10% of the labels for the null label at random
+    assert torch.equal(net(x, t, y).sample, net(x, t, y).sample)
+
+
+def test_a_saved_dit_loads_in_diffusers_and_here_with_the_same_outputs(tmp_path):
+    from diffusers import DiTTransformer2DModel
+
+    net = tiny_net().eval()
+    x, t, y = torch.randn(2, 3, 8, 8), torch.tensor([10.0, 900.0]), torch.tensor([0, 3])
+    expected = net(x, t, y).sample
+    net.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["_class_name"] == "DiTTransformer2DModel"
+    theirs = DiTTransformer2DModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(theirs(x, t, y).sample, expected)
+    ours = models.load_network(tmp_path)
+    assert isinstance(ours, dit.DiT) and torch.equal(ours(x, t, y).sample, expected)
+    assert ours.transformer_blocks[1].norm1.emb is ours.transformer_blocks[0].norm1.emb
+    assert dit.trainable_parameters(ours) == dit.trainable_parameters(net)
+
+
+def test_it_takes_a_unet_s_call_one_timestep_and_no_labels():
+    net = tiny_net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    batch = net(x, torch.full((2,), 500.0), torch.full((2,), 3)).sample  # 3: the null label of 3 classes
+    assert torch.equal(net(x, torch.tensor(500.0)).sample, batch)
+    unconditional = tiny_net(num_classes=0).eval()
+    assert unconditional.config.num_embeds_ada_norm == 1
+    assert torch.equal(unconditional(x, 500.0).sample, unconditional(x, 500.0, torch.zeros(2, dtype=torch.long)).sample)
+
+
+@pytest.mark.parametrize("objective", ["ddpm", "flow:2", "edm"])
+def test_each_objective_trains_a_dit_and_sample_py_samples_it(tmp_path, objective):
+    out = tmp_path / "run"
+    train(out, *DIT, "--objective", objective, "--max_train_steps", 3)
+    assert isinstance(models.load_network(out / "unet"), dit.DiT) and not (out / "model_index.json").exists()
+    result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--num_inference_steps", "3",
+                                            "--output", str(tmp_path / "s")]))  # fmt: skip
+    image = np.asarray(Image.open(tmp_path / "s" / "000000.png"))
+    assert result["num_images"] == 2 and image.shape == (16, 16, 3) and image.std() > 0
+
+
+def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, monkeypatch):
+    """Flow (SiT's recipe) on a VAE's latents with class labels and guidance, and the power EMA."""
+    import latents
+    from test_latents import make_kl
+
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
+    out = tmp_path / "run"
+    train(out, *DIT, "--vae", make_kl(tmp_path / "kl"), "--objective", "flow", "--class_conditional",
+          "--max_train_steps", 4, "--shapes_num_images", 16, "--train_batch_size", 4, "--ema", "power",
+          "--ema_snapshot_every", 2)  # fmt: skip
+    net = models.load_network(out / "unet")
+    assert net.config.num_classes == 3 and net.config.in_channels == 4
+
+    def by_class(labels, folder):
+        sample.main(sample.parse_args([str(out), "--num_images", "1", "--class_labels", labels, "--output",
+                                       str(tmp_path / folder), "--num_inference_steps", "3", "--guidance_scale", "3"]))  # fmt: skip
+        return np.asarray(Image.open(tmp_path / folder / "000000.png"))
+
+    assert not np.array_equal(by_class("circle", "c"), by_class("square", "s"))
+
+
+def test_a_dit_run_resumes_bit_identically(tmp_path):
+    """The shared embedder's tensors are one in the checkpoint (safetensors keeps one of tensors that share
+    memory) and one again after loading."""
+    flags = [*DIT, "--max_train_steps", 4, "--checkpointing_steps", 2, "--train_batch_size", 4, "--class_conditional"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, *flags)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2")
+    train(resumed, *flags)
+    for part in ("checkpoints/checkpoint-4", "unet"):
+        a, _ = tensors_of(straight / part)
+        b, _ = tensors_of(resumed / part)
+        assert a.keys() == b.keys() and a
+        assert all(torch.equal(a[key], b[key]) for key in a), part
+    saved = models.load_network(resumed / "unet")
+    assert saved.transformer_blocks[1].norm1.emb is saved.transformer_blocks[0].norm1.emb
+
+
+def test_two_processes_train_a_dit_as_one(tmp_path):
+    from test_faults import Ranks, start_two_ranks
+    from test_train import TINY
+
+    out = tmp_path / "run"
+    ranks = Ranks(start_two_ranks([*TINY, *DIT, "--objective", "flow", "--max_train_steps", 2, "--output_dir", out,
+                                   "--logger", "none"]))  # fmt: skip
+    assert ranks.codes == [0, 0], ranks
+    assert json.loads((out / "train_config.json").read_text())["num_processes"] == 2
+    assert isinstance(models.load_network(out / "unet"), dit.DiT)
+
+
+def test_a_dit_preset_refuses_an_image_size_its_patches_do_not_divide(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train(tmp_path / "out", "--model", "dit-tiny", "--image_size", "15")
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "cuts its input into 2x2 patches" in line and "multiple of 2" in line
