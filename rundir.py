@@ -162,7 +162,7 @@ def write_model_card(folder, config):
     if grids:
         lines += [f"![samples after training](samples/{grids[-1].name})", ""]
     lines += ["## Use", ""]
-    if kind != "edm" and not conditional and not latent:
+    if models.saves_pipeline(config) and not conditional and not latent:
         lines += ["```python", "from diffusers import DDPMPipeline", "",
                   'pipeline = DDPMPipeline.from_pretrained("USER/REPO")  # or this folder',
                   f"images = pipeline(batch_size=16, num_inference_steps={config.get('num_inference_steps')}).images",
@@ -171,8 +171,15 @@ def write_model_card(folder, config):
             lines += ["The pipeline's scheduler is `FlowMatchEulerDiscreteScheduler`"
                       f" (shift {shift:g}): the network predicts noise - image at t = 1000 sigma.", ""]  # fmt: skip
     else:
-        why = "a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
+        network = models.PRESETS[config["model"]].get("network")
+        why = ("a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
+               if kind == "edm" else "a DiT" if network == "dit" else "an EDM2 network")  # fmt: skip
         lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER --num_images 16 --output samples/`.", ""]
+        if network == "dit":  # docs/dit.md: DiTPipeline takes 1000 classes and DDPM's epsilon only
+            lines += ["The network alone loads in diffusers, with the same outputs:", "", "```python",
+                      "from diffusers import DiTTransformer2DModel", "",
+                      'net = DiTTransformer2DModel.from_pretrained("USER/REPO", subfolder="unet")  # or this folder',
+                      "```", ""]  # fmt: skip
     lines += ["## Upload", "", "The folder is a model repository as it is:", "",
               "```bash", "hf upload USER/REPO THIS_FOLDER --exclude 'checkpoints/*'", "```", ""]  # fmt: skip
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).save(folder / "README.md")

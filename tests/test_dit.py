@@ -83,6 +83,8 @@ def test_each_objective_trains_a_dit_and_sample_py_samples_it(tmp_path, objectiv
                                             "--output", str(tmp_path / "s")]))  # fmt: skip
     image = np.asarray(Image.open(tmp_path / "s" / "000000.png"))
     assert result["num_images"] == 2 and image.shape == (16, 16, 3) and image.std() > 0
+    card = (out / "README.md").read_text()  # no DDPMPipeline line: that pipeline cannot call a DiT
+    assert "DiTTransformer2DModel.from_pretrained" in card and "DDPMPipeline" not in card
 
 
 def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, monkeypatch):

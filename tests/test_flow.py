@@ -284,6 +284,7 @@ def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path
     out = tmp_path / "run"
     train(out, "--model", "edm2tiny", "--objective", "flow", "--max_train_steps", 4, "--save_images_epochs", 1)
     assert (out / "unet" / "config.json").is_file() and not (out / "model_index.json").exists()
+    assert "DDPMPipeline" not in (out / "README.md").read_text()  # the card offers no pipeline that is not there
     result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--num_inference_steps", "3",
                                             "--output", str(tmp_path / "s")]))  # fmt: skip
     image = np.asarray(Image.open(tmp_path / "s" / "000000.png"))
