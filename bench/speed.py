@@ -3,6 +3,7 @@
     python -m bench                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
     python -m bench --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
     python -m bench --workload tiny --steps 3 --warmup 1   # seconds on a CPU
+    python -m bench --workload dit                     # DiT-XL/2 on 32x32x4 latents: eager, compiled, train.py's
     python -m bench --sweep batch_size                 # whole train.py runs, one setting varied: see bench/sweep.py
     python -m bench --quality                          # whole train.py runs, scored offline: see bench/quality.py
 
@@ -68,8 +69,27 @@ WORKLOADS = {
     # CIFAR-10 batch, and a test size.
     "edm2g": dict(model="edm2g", image_size=32, batch_size=512),
     "edm2tiny": dict(model="edm2tiny", image_size=16, batch_size=8),
+    # DiT-XL/2 (issue 39) on SD's VAE's 32x32x4 latents of 256px images, at the batch of the issue's
+    # target: a --vae run's step after its latent cache (the VAE is not in it), on random latents.
+    "dit": dict(model="dit-xl2", image_size=32, batch_size=64, channels=4),
+    "dit-small": dict(model="dit-small", image_size=32, batch_size=32),  # the CPU's DiT, on the built-in 32px images
+    "dit-tiny": dict(model="dit-tiny", image_size=8, batch_size=4, channels=4),  # for tests: the latent path
 }
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
+# The rows a workload runs without --variants (the others: every row). A DiT has no GroupNorm for the
+# UNet's rungs: it gets train.py's step eager, compiled, and as train.py picks (--compile_mode auto).
+WORKLOAD_VARIANTS = {name: ("eager", "compiled", "train_default") for name in ("dit", "dit-small", "dit-tiny")}
+
+
+def channels_of(workload):
+    """The network's input channels: a latent workload's latent channels, else 3 (RGB)."""
+    return workload.get("channels", 3)
+
+
+def input_words(workload):
+    """'128px', or '32x32x4 latents': a workload's input, or a row's (which has channels only for latents)."""
+    side = workload["image_size"]
+    return f"{side}x{side}x{workload['channels']} latents" if workload.get("channels") else f"{side}px"
 
 # Everything the ladder does not vary comes from train.py's defaults (config.py): each
 # step takes them resolved for its model (train_defaults: the learning rate is
@@ -79,8 +99,13 @@ TRAIN_DEFAULTS = config.parse_args([])
 
 
 def train_defaults(workload):
-    """train.py's defaults, resolved by config.py for a workload's model (its learning rate is the preset's)."""
-    return config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
+    """train.py's defaults, resolved by config.py for a workload's model (its learning rate is the preset's).
+    A latent workload's network takes its latents' side and channels, as a --vae run's does (latent_size,
+    latent_channels: config._fill_latents)."""
+    args = config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
+    if workload.get("channels"):
+        args.latent_size, args.latent_channels = workload["image_size"], workload["channels"]
+    return args
 
 
 # Relative error of the loss and of the whole gradient vector against the
@@ -284,9 +309,30 @@ def train_default_variant(**given):
     return dict(name="train_default", changed=changed, settings=settings, predicted_ms=dict(ref128=59.5, adm64=5.8), cuda_only=None)
 
 
+# What an H100 SXM should take for DiT-XL/2 at batch 64 (the `dit` workload), written down before measuring:
+# 45.6 TFLOP a step, ~75 ms of bf16 matmuls at ~600 TFLOP/s; eager adds ~45 ms of norm, modulation, GELU and
+# residual passes over 64x256x1152 activations (~10 a block forward, twice that backward, 28 blocks) and
+# ~12 ms of fused AdamW, EMA and clipping over 675M fp32 weights; compiling fuses about half the passes.
+DIT_PREDICTED_MS = dict(eager=140, compiled=115, train_default=115)
+
+
+def train_compile_variants(**given):
+    """train.py's step (train_default's settings) eager and compiled: --compile_mode off and default."""
+    rows = []
+    for name, mode in (("eager", "off"), ("compiled", "default")):
+        also = "".join(f", {k}={v}" for k, v in given.items())
+        changed = f"train.py's step {name} (--compile_mode {mode}{also}; not a rung: train_default's settings but the compile)"
+        rows.append(dict(name=name, changed=changed, settings=train_settings("--compile_mode", mode, **given),
+                         predicted_ms=dict(dit=DIT_PREDICTED_MS[name]), cuda_only=None))  # fmt: skip
+    return rows
+
+
 def all_variants(settings=None):
-    """Every row; `settings` (the ladder's own flags) set on the last one's configuration."""
-    return [DIFFUSERS_EXAMPLE] + LADDER + [train_default_variant(**(settings or {}))]
+    """Every row; `settings` (the ladder's own flags) set on the configuration of the last three (train.py's step
+    eager, compiled, and as train.py picks)."""
+    default = train_default_variant(**(settings or {}))
+    default["predicted_ms"] = dict(default["predicted_ms"], dit=DIT_PREDICTED_MS["train_default"])
+    return [DIFFUSERS_EXAMPLE] + LADDER + train_compile_variants(**(settings or {})) + [default]
 
 
 def matmul_precision(settings, device):
@@ -468,7 +514,7 @@ def resolve_settings(settings, workload, batch_size, device):
     if settings["compile_mode"] != "auto":
         return settings
     args = train_defaults(workload)
-    per_image = flops.step_flops(workload["model"], workload["image_size"], 1)["model_flops"]
+    per_image = flops.step_flops(workload["model"], workload["image_size"], 1, channels=channels_of(workload))["model_flops"]
     mode, _ = steps.choose_compile_mode(args, device, 1, per_image * batch_size)
     return dict(settings, compile_mode=mode)
 
@@ -503,17 +549,20 @@ def run_workload(name, args, device, peaks, print_line, save):
     """
     workload = WORKLOADS[name]
     torch.manual_seed(args.seed)
-    init_state = models.build_unet(workload["model"], workload["image_size"]).state_dict()
+    init_state = models.build_unet(workload["model"], workload["image_size"], channels=channels_of(workload)).state_dict()
     variants = [v for v in all_variants(args.train_settings) if v["name"] in args.variants]
     # FLOPs are linear in the batch (tests/test_flops.py checks it): count one image, scale.
-    per_image = flops.step_flops(workload["model"], workload["image_size"], 1)
+    per_image = flops.step_flops(workload["model"], workload["image_size"], 1, channels=channels_of(workload))
     out_of_memory_at = {}  # variant -> the batch size it first ran out of memory at
     for batch_size in args.batch_sizes or [workload["batch_size"]]:
         release_memory(device, forget_compiled=True)  # a new shape compiles anew: drop the last one's graphs
         flops_per_step = per_image["model_flops"] * batch_size
         g = torch.Generator().manual_seed(args.seed)
         side = workload["image_size"]
-        images = torch.randint(0, 256, (batch_size, 3, side, side), generator=g, dtype=torch.uint8).to(device)
+        if workload.get("channels"):  # a latent run's batch: floats, drawn already (data.to_model_input takes them as they are)
+            images = torch.randn(batch_size, workload["channels"], side, side, generator=g).to(device)
+        else:
+            images = torch.randint(0, 256, (batch_size, 3, side, side), generator=g, dtype=torch.uint8).to(device)
         set_backend_flags(STRICT_FP32)
         reference, reference_note = None, None
         try:
@@ -528,6 +577,7 @@ def run_workload(name, args, device, peaks, print_line, save):
                 workload=name,
                 model=workload["model"],
                 image_size=workload["image_size"],
+                **({"channels": workload["channels"]} if workload.get("channels") else {}),  # a latent workload's
                 batch_size=batch_size,
                 params=per_image["params"],
                 flops_per_step=flops_per_step,
@@ -589,7 +639,7 @@ def format_group(rows, peak_words):
     first = rows[0]
     over = next((r["speedup_over"] for r in rows if "speedup_over" in r), None)
     lines = [
-        f"{first['workload']}: {first['model']} ({first['params']:,} parameters) at {first['image_size']}px, "
+        f"{first['workload']}: {first['model']} ({first['params']:,} parameters) at {input_words(first)}, "
         f"batch {first['batch_size']}: {first['flops_per_step'] / 1e12:.4g} TFLOP/step; MFU against {peak_words}"
         + (f"; speedup over {over}" if over else ""),
     ]
@@ -653,7 +703,7 @@ def draw_chart(rows, env, path):
         ax.set_yticks(range(len(variants)), variants)
         ax.invert_yaxis()
         ax.set_xlabel("images/s (| = H100 prediction)" if env["device_type"] == "cuda" else "images/s")
-        ax.set_title(f"{name}: {mine[0]['model']} at {mine[0]['image_size']}px", fontsize=10)
+        ax.set_title(f"{name}: {mine[0]['model']} at {input_words(mine[0])}", fontsize=10)
         if any(r["status"] == "ok" for r in mine):
             ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{env['device']}, torch {env['torch']}, {env['date']}", fontsize=9)
@@ -692,9 +742,10 @@ def parse_args(argv=None):
         "--workload",
         default=None,
         choices=(*WORKLOADS, *WORKLOAD_GROUPS),
-        help="model and image size: ref128 (128px, batch 64), adm64 (64px, batch 32), small, tiny, or all "
-        "(ref128 and adm64); default: all on a GPU, tiny on a CPU (bf16 on a CPU without bf16 "
-        "instructions is emulated: small's bf16 rows take ~20 s a step on 2 AVX2 cores)",
+        help="model and image size: ref128 (128px, batch 64), adm64 (64px, batch 32), small, tiny, dit (DiT-XL/2 on "
+        "32x32x4 latents, batch 64), dit-small (32px, batch 32), or all (ref128 and adm64); default: all on a GPU, "
+        "tiny on a CPU (bf16 on a CPU without bf16 instructions is emulated: small's bf16 rows take ~20 s a step "
+        "on 2 AVX2 cores)",
     )
     p.add_argument(
         "--batch_sizes",
@@ -706,7 +757,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--variants",
         default=None,
-        help=f"comma-separated rows to run (default: all): {', '.join(v['name'] for v in all_variants())}",
+        help=f"comma-separated rows to run (default: all; a dit workload's: {', '.join(WORKLOAD_VARIANTS['dit'])}): "
+        f"{', '.join(v['name'] for v in all_variants())}",
     )
     p.add_argument("--steps", type=int, default=20, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per row before timing")
@@ -744,15 +796,15 @@ def validate(args):
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be at least 0 (got {args.warmup})")
     names = [v["name"] for v in all_variants(args.train_settings)]  # and the ladder's settings checked (config.resolve)
+    if args.workload is None:
+        args.workload = "all" if torch.cuda.is_available() else "tiny"
     if args.variants is None:
-        args.variants = names
+        args.variants = list(WORKLOAD_VARIANTS.get(args.workload, names))
     else:
         args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in args.variants if v not in names]
         if unknown or not args.variants:
             raise ConfigError(f"unknown --variants '{','.join(unknown)}': choose from {', '.join(names)}")
-    if args.workload is None:
-        args.workload = "all" if torch.cuda.is_available() else "tiny"
     if models.PRESETS[WORKLOADS.get(args.workload, WORKLOADS["tiny"])["model"]].get("network") == "edm2":
         raise ConfigError(f"--workload {args.workload}: the ladder times the DDPM step; compare EDM2 with --sweep model")
     try:
@@ -764,8 +816,8 @@ def validate(args):
 
 def main(args):
     """Run the ladder; 0 when every row that ran passed its check, 1 otherwise; a bad flag exits 2 with one line."""
-    if args.sweep:
-        return sweep.main(args, WORKLOADS, draw_chart_if_possible)
+    if args.sweep:  # whole train.py runs on the built-in images: the pixel workloads
+        return sweep.main(args, {k: w for k, w in WORKLOADS.items() if not w.get("channels")}, draw_chart_if_possible)
     if args.quality:
         return quality.main(args)
     with one_line_errors("bench"):

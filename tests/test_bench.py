@@ -367,3 +367,55 @@ def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
     assert chosen.compile_mode == "off" and not chosen.fused_adam and chosen.channels_last
     forced_cpu = config.resolve(config.parse_args(["--mixed_precision", "no", "--cpu"]))
     assert forced_cpu.compile_mode == "off" and not forced_cpu.cudnn_benchmark
+
+
+def test_a_dit_workload_runs_train_pys_step_eager_compiled_and_as_train_py_picks(tmp_path, monkeypatch):
+    """The dit workloads' rows without --variants: train.py's step (train_default's settings) with --compile_mode off,
+    default, and auto; the others' rows stay every row. On a GPU, auto compiles DiT-XL/2 in 'default' (45.6 TFLOP a step
+    keeps it busy)."""
+    dit = bench.validate(bench.parse_args(["--workload", "dit", "--output", str(tmp_path)]))
+    assert dit.variants == ["eager", "compiled", "train_default"]
+    assert bench.validate(bench.parse_args(["--workload", "tiny", "--output", str(tmp_path)])).variants == [v["name"] for v in VARIANTS]
+    rows = {v["name"]: v["settings"] for v in VARIANTS}
+    assert rows["eager"] == dict(rows["train_default"], compile_mode=None) == rows["train_default"]  # a CPU's default is eager
+    assert rows["compiled"] == dict(rows["train_default"], compile_mode="default")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = {v["name"]: v["settings"] for v in bench.all_variants()}
+    assert gpu["train_default"]["compile_mode"] == "auto" and gpu["train_default"]["precision"] == "bf16"
+    assert gpu["eager"] == dict(gpu["train_default"], compile_mode=None)
+    assert gpu["compiled"] == dict(gpu["train_default"], compile_mode="default")
+    workload = bench.WORKLOADS["dit"]
+    assert bench.resolve_settings(gpu["train_default"], workload, 64, torch.device("cuda"))["compile_mode"] == "default"
+
+
+def test_bench_times_a_dit_on_latents(tmp_path, capsys):
+    """A latent workload's step takes float latents of its channels (a --vae run's batch after its cache), checked against
+    the fp32 eager step on them, with the DiT's FLOPs at its latents' size and channels."""
+    argv = ["--workload", "dit-tiny", "--variants", "eager,train_default", "--steps", "2", "--warmup", "1",
+            "--output", str(tmp_path), "--tag", "dit"]  # fmt: skip
+    assert bench.main(bench.parse_args(argv)) == 0
+    rows = json.loads((tmp_path / "dit.json").read_text())["results"]
+    workload = bench.WORKLOADS["dit-tiny"]
+    per_image = bench.flops.step_flops("dit-tiny", 8, 1, channels=4)
+    assert per_image["params"] == sum(p.numel() for p in models.build_unet("dit-tiny", 8, channels=4).parameters())
+    assert [r["variant"] for r in rows] == ["eager", "train_default"]
+    for r in rows:
+        assert r["status"] == "ok" and r["check"]["passed"] and r["check"]["tolerance"] == bench.TOLERANCE["fp32"], r
+        assert (r["channels"], r["flops_per_step"]) == (4, workload["batch_size"] * per_image["model_flops"])
+    assert f"dit-tiny: dit-tiny ({per_image['params']:,} parameters) at 8x8x4 latents, batch 4" in capsys.readouterr().out
+    # the step's network takes the latents' channels, and the check compares it on latents
+    step = bench.TrainingStep(rows[0]["settings"], workload, models.build_unet("dit-tiny", 8, channels=4).state_dict(),
+                              torch.randn(4, 4, 8, 8), CPU)  # fmt: skip
+    assert (step.unet.config.in_channels, step.unet.config.out_channels) == (4, 4)
+
+
+def test_the_cpu_dit_workload_is_the_small_dit_on_pixels(tmp_path):
+    """dit-small: the CPU's DiT on the built-in 32px images (uint8 RGB, as `small`), its rows checked and timed."""
+    argv = ["--workload", "dit-small", "--variants", "eager", "--batch_sizes", "2", "--steps", "1", "--warmup", "0",
+            "--output", str(tmp_path), "--tag", "small"]  # fmt: skip
+    assert bench.main(bench.parse_args(argv)) == 0
+    (row,) = json.loads((tmp_path / "small.json").read_text())["results"]
+    assert row["status"] == "ok" and row["check"]["passed"] and "channels" not in row
+    assert row["flops_per_step"] == 2 * bench.flops.step_flops("dit-small", 32, 1)["model_flops"]
+    assert bench.train_defaults(bench.WORKLOADS["dit-small"]).latent_channels is None
