@@ -144,3 +144,18 @@ def test_a_dit_preset_refuses_an_image_size_its_patches_do_not_divide(tmp_path, 
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "cuts its input into 2x2 patches" in line and "multiple of 2" in line
+
+
+def test_diffusers_dit_pipeline_samples_a_saved_1000_class_latent_dit(tmp_path):
+    """docs/dit.md's answer: DiTPipeline works for a 1000-class network on latents scaled by the VAE's
+    scaling_factor with a DDPM scheduler (its null class is hard-coded as 1000, and it calls the scheduler's
+    scale_model_input, which FlowMatchEulerDiscreteScheduler lacks: a flow run samples with sample.py)."""
+    from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+    from test_latents import make_kl
+
+    torch.manual_seed(0)
+    models.build_unet("dit-tiny", 8, num_classes=1000, channels=4).save_pretrained(tmp_path / "unet")
+    pipeline = DiTPipeline(transformer=DiTTransformer2DModel.from_pretrained(tmp_path / "unet"),
+                           vae=AutoencoderKL.from_pretrained(make_kl(tmp_path / "kl")), scheduler=DDIMScheduler())  # fmt: skip
+    images = pipeline(class_labels=[3, 999], guidance_scale=1.5, num_inference_steps=2, output_type="np").images
+    assert images.shape == (2, 16, 16, 3) and np.isfinite(images).all()
