@@ -68,14 +68,17 @@ if ((!cpu)) && compgen -G ".whl/*.whl" > /dev/null; then
     && export PYTHONPATH=$work/site
 fi
 (nvidia-smi || echo "no nvidia-smi") > "$pack/nvidia-smi.txt" 2>&1
+# The libraries' versions from their installed metadata (run.json's way, profiling.library_versions), not by
+# importing them: seconds saved on every call (the runs import what they use, and fail on what is broken).
 "$python" - > "$pack/versions.txt" 2>&1 << 'EOF'
-import importlib, sys, torch
+import sys, torch
+from importlib.metadata import PackageNotFoundError, version
 print("python", sys.version.split()[0])
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
 for name in ("triton", "diffusers", "accelerate", "datasets"):
     try:
-        print(name, importlib.import_module(name).__version__)
-    except Exception as e:
+        print(name, version(name))
+    except PackageNotFoundError as e:
         print(name, "missing:", type(e).__name__)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
 EOF
@@ -83,10 +86,12 @@ cat "$pack/versions.txt"
 
 left() { echo $((deadline_s - SECONDS)); }
 
+is_chosen() { [[ -z $chosen || " $chosen " == *" $1 "* ]]; }  # is_chosen NAME: ON_GPU_RUNS names it, or is unset
+
 run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, a row in runs.tsv
   local name=$1 budget=$2 code start
   shift 2
-  if [[ -n $chosen && " $chosen " != *" $name "* ]]; then
+  if ! is_chosen "$name"; then
     echo "== not chosen (ON_GPU_RUNS): $name"
     printf '%s\tnot chosen\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
     return 0
@@ -134,7 +139,7 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
     printf '%s\tnot carried\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
     return 0
   fi
-  if [[ -n $preset ]]; then  # the preset's UNet as a config file the script reads
+  if [[ -n $preset ]] && is_chosen "$name" && (($(left) >= 20)); then  # the preset's UNet as a config file the script reads
     "$python" -c "import model, sys; model.build_unet(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
       "$preset" "$resolution" "$work/unet-$preset"
     config=(--model_config_name_or_path "$work/unet-$preset")
