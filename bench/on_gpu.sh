@@ -2,13 +2,17 @@
 # One part of the GPU evidence, sized for one call of a lent GPU machine (8 minutes on a freshly
 # started one, cold compiles included), packed into two files:
 #
-#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, ref128, adm64 or fused; FOLDER: $OUT, else bench/results/gpu
+#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, ref128, adm64, fused or dit; FOLDER: $OUT, else bench/results/gpu
 #
 #   tests   the CUDA tests by node id, then the bare `python train.py` and its shape score
 #   ref128  128px, batch 64, on 4,096 JPEGs written here: train.py's default cold, the same command
 #           warm, diffusers' train_unconditional.py on the same folder (the yardstick), --compile_mode step-graph
 #   adm64   64px, batch 32: auto (cold), step-graph, default, diffusers' script with adm64's UNet
 #   fused   the speed ladder's train_default and fused_norm rows (fused_norm.py's kernels) for ref128 and adm64
+#   dit     DiT-XL/2 on 32x32x4 latents, batch 64: train.py's default (cold) on 1,024 JPEGs of 256px encoded by a
+#           VAE of SD's architecture with random weights (made here: no download; the step does not depend on
+#           its weights), facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), and
+#           the speed ladder's dit rows (eager, compiled, train_default; random latents)
 #
 # FOLDER receives PART.tar.gz (every run's printed output, run.json, train_config.json and last grid,
 # nvidia-smi, versions, this script's log) and PART-summary.txt (one row per run: exit status,
@@ -19,6 +23,7 @@
 # Before the call, on this machine (diffusers' script is fetched, carried and never committed):
 #   bash ../shared/device/fetch-wheels.sh datasets      # .whl/: diffusers, datasets (the GPU image lacks them)
 #   mkdir -p .ext && cp <diffusers>/examples/unconditional_image_generation/train_unconditional.py .ext/
+#   mkdir -p .ext/DiT && cp -r <facebookresearch/DiT>/{models.py,train.py,diffusion} .ext/DiT/   # the dit part
 #   run(command="bash bench/on_gpu.sh ref128", carry=[".whl", ".ext"], timeout_s=600)
 #
 # ON_GPU_RUNS="NAME ..." runs only the runs named (the others get a "not chosen" row), for a call
@@ -33,8 +38,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case $part in tests | ref128 | adm64 | fused) ;; *)
-  echo "usage: bash bench/on_gpu.sh tests|ref128|adm64|fused [FOLDER]" >&2
+case $part in tests | ref128 | adm64 | fused | dit) ;; *)
+  echo "usage: bash bench/on_gpu.sh tests|ref128|adm64|fused|dit [FOLDER]" >&2
   exit 2
   ;;
 esac
@@ -156,6 +161,23 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
   printf '%s\t%s\n' "$name" "$batch" >> "$work/batches.tsv"
 }
 
+reference_run() {  # reference_run NAME BUDGET_S dit_reference.py flags...: facebookresearch/DiT's step, from .ext/DiT
+  local name=$1 budget=$2
+  shift 2
+  if [[ ! -f .ext/DiT/models.py ]]; then
+    echo "== skipped (.ext/DiT not carried): $name"
+    printf '%s\tnot carried\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    return 0
+  fi
+  run_within "$name" "$budget" "$python" bench/dit_reference.py --json "$pack/$name.run.json" "$@"
+}
+
+make_vae() {  # make_vae DIR CONFIG_JSON: an AutoencoderKL of that architecture with random weights, saved (no download)
+  (($(left) < 20)) && return 0
+  "$python" -c "import json, sys, torch; from diffusers import AutoencoderKL; torch.manual_seed(0); \
+AutoencoderKL(**json.loads(sys.argv[2])).save_pretrained(sys.argv[1])" "$@"
+}
+
 make_folder() {  # make_folder DIR N SIDE: N JPEGs of the built-in shapes, SIDE px, as a user's folder would hold
   (($(left) < 20)) && return 0  # no run will have the time to read it
   "$python" - "$@" << 'EOF'
@@ -193,6 +215,11 @@ if ((cpu)); then
   fused=(--steps 2 --warmup 1)
   fused_workloads=(tiny tiny)
   sides=(16 16)
+  dit=("${timing[@]}" "${tiny[@]}" --model dit-tiny --logging_steps 1)
+  dit_images=16
+  dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4, "norm_num_groups": 8, "sample_size": 16}'
+  dit_reference=(--tiny --cpu --batch 4 --num_classes 10 --steps 2 --warmup 1)
+  dit_ladder=(--workload dit-tiny --variants eager,train_default --steps 2 --warmup 1)
 else
   images=4096
   ref128=("${timing[@]}" --image_size 128 --train_batch_size 64 --max_train_steps 200 --logging_steps 50)
@@ -201,6 +228,13 @@ else
   fused=(--steps 30 --warmup 5)
   fused_workloads=(ref128 adm64)
   sides=(256 64)
+  # 1,024 images: 16 steps an epoch; 120 steps leave 115 timed after train.py's 5 warm-up steps
+  dit=("${timing[@]}" --model dit-xl2 --image_size 256 --train_batch_size 64 --max_train_steps 120 --logging_steps 40)
+  dit_images=1024
+  # Stable Diffusion's VAE (stabilityai/sd-vae-ft-mse's config.json): 8x, 4 channels, 83.7M parameters
+  dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "sample_size": 256}'
+  dit_reference=(--steps 30 --warmup 5)
+  dit_ladder=(--workload dit --steps 20 --warmup 3)
 fi
 
 case $part in
@@ -244,6 +278,16 @@ fused)
   # each checked against the fp32 eager step first. Not a train.py flag: bench/speed.py sets it.
   bench_run ref128-fused 220 "${fused[@]}" --workload "${fused_workloads[0]}" --variants train_default,fused_norm
   bench_run adm64-fused 220 "${fused[@]}" --workload "${fused_workloads[1]}" --variants train_default,fused_norm
+  ;;
+dit)
+  # train.py's default step on latents (--vae: each image encoded once, the latents normalised by the data's
+  # own mean and std, as a VAE of random weights has no scaling factor worth the name); then the reference
+  # step; then the ladder's rows, each checked against the fp32 eager step, with the Inductor cache warm.
+  make_folder "$work/data256" $dit_images "$(((cpu)) && echo 16 || echo 256)"
+  make_vae "$work/vae" "$dit_vae"
+  train_run dit-default-cold 230 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
+  reference_run dit-reference 80 "${dit_reference[@]}"
+  bench_run dit-ladder 230 "${dit_ladder[@]}"
   ;;
 esac
 echo "== done at ${SECONDS}s"

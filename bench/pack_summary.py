@@ -6,7 +6,8 @@ Rows come from runs.tsv (name, exit status, start and end as epoch seconds, budg
 run's numbers come from its run.json: the median step, img/s, MFU, the mode its step ran in, the
 compile and the time to its first step (from launch: imports, data, model and the compile). A
 diffusers run's come from its progress bar: the rate of its last whole epoch after the first. A
-speed-ladder run's (python -m bench) from its JSON: its last row that ran, the others in the notes.
+speed-ladder run's (python -m bench) from its JSON: its last row that ran, the others in the notes. The
+reference DiT step's (bench/dit_reference.py) from the run.json it writes, as a train.py run's.
 """
 
 import json
@@ -124,17 +125,23 @@ def summarize(work, part):
     return "\n".join(lines) + "\n"
 
 
+# A yardstick run's name ends in one of these: what the comparison calls its step.
+YARDSTICKS = {"-diffusers": "diffusers' step", "-reference": "the reference step"}
+
+
 def comparisons(table):
-    """train.py's rows against diffusers' of the same workload: how many times faster per step."""
+    """train.py's rows against the yardstick of the same workload (diffusers' script, or dit's reference DiT
+    step): how many times faster per step."""
     out = []
     by_name = {r["run"]: r for r in table}
     for name, yardstick in by_name.items():
-        if not name.endswith("-diffusers") or not yardstick.get("ms/step"):
+        suffix = next((s for s in YARDSTICKS if name.endswith(s)), None)
+        if suffix is None or not yardstick.get("ms/step"):
             continue
-        workload = name.removesuffix("-diffusers")
+        workload = name.removesuffix(suffix)
         for other in table:
             if other["run"].startswith(workload + "-") and other is not yardstick and other.get("ms/step"):
-                out.append(f"{other['run']}: {yardstick['ms/step'] / other['ms/step']:.2f}x diffusers' step")
+                out.append(f"{other['run']}: {yardstick['ms/step'] / other['ms/step']:.2f}x {YARDSTICKS[suffix]}")
     return out
 
 

@@ -20,6 +20,7 @@ RUNS = {
     "ref128": ["ref128-default-cold", "ref128-default-warm", "ref128-diffusers", "ref128-step-graph"],
     "adm64": ["adm64-auto-cold", "adm64-step-graph", "adm64-default", "adm64-diffusers"],
     "fused": ["ref128-fused", "adm64-fused"],
+    "dit": ["dit-default-cold", "dit-reference", "dit-ladder"],
 }
 
 
@@ -78,7 +79,7 @@ def test_the_deadline_skips_runs_but_every_part_writes_its_pack(tmp_path, part):
 
 def test_an_unknown_part_is_one_line_and_exit_2(tmp_path):
     done = on_gpu("all", tmp_path)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|ref128|adm64|fused [FOLDER]"]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|ref128|adm64|fused|dit [FOLDER]"]
 
 
 def test_the_summary_reads_diffusers_progress_bar_after_its_first_epoch():
@@ -102,3 +103,17 @@ def test_only_the_runs_named_in_on_gpu_runs_run(tmp_path):
     rows = {line.split("\t")[0]: line.split("\t")[1] for line in (tmp_path / "ref128-summary.txt").read_text().splitlines()[2:]}
     assert rows["ref128-default-cold"] == "skipped"
     assert {rows[run] for run in RUNS["ref128"][1:] if run != "ref128-diffusers"} == {"not chosen"}
+
+
+def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
+    """The reference step (bench/dit_reference.py) writes a run.json the summary reads as a train.py run's, and the
+    dit runs are compared with it as ref128's are with diffusers' script."""
+    import json
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (tmp_path / "runs.tsv").write_text("dit-default-cold\t0\t100\t200\t230\ndit-reference\t0\t200\t250\t80\n")
+    for name, ms in (("dit-default-cold", 125.0), ("dit-reference", 250.0)):
+        (pack / f"{name}.run.json").write_text(json.dumps(dict(start_time="1970-01-01T00:03:30+00:00", median_step_time_s=ms / 1e3)))
+    summary = pack_summary.summarize(tmp_path, "dit")
+    assert "dit-default-cold: 2.00x the reference step" in summary.splitlines()
