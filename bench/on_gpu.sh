@@ -283,6 +283,7 @@ dit)
   # train.py's default step on latents (--vae: each image encoded once, the latents normalised by the data's
   # own mean and std, as a VAE of random weights has no scaling factor worth the name); then the reference
   # step; then the ladder's rows, each checked against the fp32 eager step, with the Inductor cache warm.
+  export DDPM_TRAIN_LATENT_CACHE=$work/latents # the call's own latent cache (latents.cache_root), encoded cold
   make_folder "$work/data256" $dit_images "$(((cpu)) && echo 16 || echo 256)"
   make_vae "$work/vae" "$dit_vae"
   train_run dit-default-cold 230 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
