@@ -50,7 +50,9 @@ table, docs/sampling.md).
 The trained network is cached in `cache_dir()` (`$SHAPES_SCORER_DIR`, else
 torch's hub folder: ~/.cache/torch/hub/shapescore/), one file per image size,
 seed, training length and VERSION; scores are comparable when they come from
-the same file. Raise VERSION when training changes.
+the same file. Raise VERSION when training changes. `$SHAPES_SCORER_IMAGES` and
+`$SHAPES_SCORER_STEPS` set the default training length (4096 images, 1200 steps):
+the tests use a shorter one in the runs they start.
 """
 
 import math
@@ -68,8 +70,12 @@ VERSION = 1
 # One scorer per image size for every run, so that their scores compare; trained on
 # images of its own seed, none of a run's (runs use small seeds).
 SEED = 1_000_003
-TRAIN_IMAGES = 4096
-TRAIN_STEPS = 1200
+# The training length of the default scorer. $SHAPES_SCORER_IMAGES and $SHAPES_SCORER_STEPS, read
+# at import, set another (a shorter one for tests, in the processes they start); the length is in
+# the scorer's name and its file, so that scores of different lengths never mix.
+IMAGES_ENV, STEPS_ENV = "SHAPES_SCORER_IMAGES", "SHAPES_SCORER_STEPS"
+TRAIN_IMAGES = int(os.environ.get(IMAGES_ENV) or 4096)
+TRAIN_STEPS = int(os.environ.get(STEPS_ENV) or 1200)
 BATCH_SIZE = 32
 LEARNING_RATE = 1e-2
 HELD_OUT_IMAGES = 1024  # from SEED + 1: the accuracies and the sureness threshold

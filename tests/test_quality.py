@@ -17,10 +17,21 @@ def ladder(tmp_path, *argv):
     return bench.main(bench.parse_args(args))
 
 
-def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys):
-    # The row's train.py trains the default 16px scorer (it cannot take the tests' shorter one) into
-    # the run's scorer folder (conftest.shape_scorer_dir), which it inherits.
+def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys, monkeypatch, shape_scorer):
+    # The row's train.py scores with the tests' 16px scorer (conftest.shape_scorer), told by the
+    # environment it inherits (shapescore.IMAGES_ENV, STEPS_ENV), from a folder that holds only that
+    # scorer's file: a row that trained the default one (a minute or more) would leave its file there.
+    import shapescore
+
+    scorers = tmp_path / "scorers"
+    scorers.mkdir()
+    cached = shapescore.cache_path(16, num_images=shape_scorer.num_images, steps=shape_scorer.steps)
+    (scorers / cached.name).write_bytes(cached.read_bytes())
+    monkeypatch.setenv(shapescore.CACHE_ENV, str(scorers))
+    monkeypatch.setenv(shapescore.IMAGES_ENV, str(shape_scorer.num_images))
+    monkeypatch.setenv(shapescore.STEPS_ENV, str(shape_scorer.steps))
     assert ladder(tmp_path, "--rows", "edm", "--quality_evals", 2) == 0
+    assert [p.name for p in scorers.iterdir()] == [cached.name]  # scored by the tests' scorer, none trained
     result = json.loads((tmp_path / "q.json").read_text())
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["edm"] and all(r["status"] == "ok" for r in rows.values())
