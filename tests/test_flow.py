@@ -224,7 +224,7 @@ def test_bad_flow_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, says):
 def test_the_shift_is_spelled_one_way():
     assert [models.canonical_objective(x) for x in ("flow", "flow:1", "flow:3.0", "flow:0.5")] == ["flow", "flow", "flow:3", "flow:0.5"]
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", "--objective", "flow:3.0"]))
-    assert args.objective == "flow:3" and args.sampler == "euler" and args.prediction_type is None
+    assert args.objective == "flow:3" and args.sampler == sample.DEFAULT_FLOW_SAMPLER and args.prediction_type is None
     assert config.resolve(args) is args and args.objective == "flow:3"  # idempotent
 
 
