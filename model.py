@@ -482,12 +482,12 @@ def make_lr_scheduler(schedule, optimizer, warmup_steps, max_train_steps, ref_st
 
 
 def c_noise_scale_for(net):
-    """1 for an EDM2 network (also under DDP or torch.compile), else UNET_C_NOISE_SCALE.
+    """UNET_C_NOISE_SCALE for a UNet2DModel or a DiT (also under DDP or torch.compile), else 1.
 
-    EDM2's networks take c_noise = ln(σ)/4 itself into their Fourier features; a UNet2DModel
-    and a DiT embed DDPM's t in [0, 1000) with the same sinusoids, so both get the scale.
+    Both embed DDPM's t in [0, 1000) with the same sinusoids, so both get the scale; EDM2's
+    networks (and any other network) take c_noise = ln(σ)/4 itself into their Fourier features.
     """
-    return 1.0 if isinstance(unwrapped(net), EDM2UNet) else UNET_C_NOISE_SCALE
+    return UNET_C_NOISE_SCALE if isinstance(unwrapped(net), (UNet2DModel, DiT)) else 1.0
 
 
 def edm_precondition(net, x, sigma, sigma_data=SIGMA_DATA, c_noise_scale=1.0):

@@ -122,6 +122,8 @@ def test_preconditioning_matches_edm_table_1():
 def test_c_noise_scale_is_the_objectives_choice_by_network():
     unet = models.build_unet("tiny", 16)
     assert models.c_noise_scale_for(unet) == models.UNET_C_NOISE_SCALE
+    assert models.c_noise_scale_for(models.build_unet("dit-tiny", 16)) == models.UNET_C_NOISE_SCALE
+    assert models.c_noise_scale_for(models.build_unet("edm2tiny", 16)) == 1.0
     assert models.c_noise_scale_for(Recorder(torch.zeros(1))) == 1.0
     net, zeros = Recorder(torch.zeros(2, 3, 4, 4)), torch.zeros(2, 3, 4, 4)
     objective = models.EDMObjective(weighting="edm", c_noise_scale=7.0)

@@ -385,7 +385,7 @@ def test_the_tests_read_no_users_hugging_face_cache():
 def test_the_latent_configs_describe_a_256px_run_on_32x32x4_latents(tmp_path, path, capsys):
     """Offline (HF_HUB_OFFLINE=1) the dry run cannot read the VAE's config.json: it says it assumes SD's 8x, 4-channel
     VAE, and counts the denoiser's FLOPs there."""
-    assert {yaml.safe_load(p.read_text())["model"] for p in LATENT_CONFIGS} == {"edm2g", "ddpm32"}  # G and a UNet2DModel
+    assert {yaml.safe_load(p.read_text())["model"] for p in LATENT_CONFIGS} == {"edm2g", "ddpm32", "dit-xl2"}  # G, a UNet2DModel, SiT-XL/2
     config = train.main(train.parse_args(["--config", str(path), "--dry_run", "--output_dir", str(tmp_path / "x")]))
     assert (config["image_size"], config["latent_size"], config["latent_channels"]) == (256, 32, 4)
     assert "assumes Stable Diffusion's 8x, 4-channel VAE" in capsys.readouterr().out
