@@ -78,6 +78,8 @@ ROWS = {
              ["--objective", "flow", "--sampler", "euler"]),
     "flow_heun": ("flow with Heun 13 steps (25 network evaluations)",
                   ["--objective", "flow", "--sampler", "heun", "--num_inference_steps", "13"]),
+    "flow_em": ("flow with SiT's Euler-Maruyama SDE, 25 steps (flow's default sampler; beside sde_sampler)",
+                ["--objective", "flow", "--sampler", "euler_maruyama"]),
     # On lognormal_t_v (the small preset trains it at batch 4, without an EMA):
     "lr_5e-4": ("a lower learning rate", ["--learning_rate", "5e-4"]),
     "batch_8": ("batch 8: twice the optimizer steps for the same images", ["--train_batch_size", "8"]),

@@ -9,6 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The suite runs in two pytest-xdist workers (pytest.ini), one a core: each worker and every process
+# it starts computes on one thread, so that two workers do not fight over two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[variable] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the network
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # ... nor read the user's Hugging Face cache (a VAE there would make an offline Hub id loadable): a folder of this
