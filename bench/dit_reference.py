@@ -81,7 +81,6 @@ def count_flops(their_models, args, batch):
     """Forward and backward FLOPs of their network on one batch, counted on the meta device."""
     import torch
 
-
     with torch.device("meta"):
         net = build(their_models, args, "meta")
     side = 8 if args.tiny else args.latent_size
@@ -107,7 +106,6 @@ def main(args):
     from copy import deepcopy
 
     from torch.nn.parallel import DistributedDataParallel as DDP
-
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
