@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -370,9 +371,10 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     common = [*flags(out), "--save_images_epochs", 1, "--logging_steps", 2, "--class_conditional"]
     first = run_two_processes(tmp_path / "first", *common, "--max_train_steps", "2")
     assert first.returncode == 0, launch_tails(first, tmp_path / "first")
-    second = run_two_processes(tmp_path / "second", *common)
-    assert second.returncode == 0, launch_tails(second, tmp_path / "second")
-    assert "resumed from" in second.stdout and second.stdout.count("resumed from") == 1  # printed by rank 0 only
+    # the resume in two ranks forked from here (start_two_ranks): `accelerate launch` is tested above
+    second = Ranks(start_two_ranks(common, TRAIN_TIMING_EVERY_STEP.format(root=str(ROOT))))
+    assert second.codes == [0, 0], second
+    assert second.out0.count("resumed from") == 1 and "resumed from" not in second.out1  # printed by rank 0 only
     # global batch: 4 per process x 2 processes -> 32 images make 4 steps an epoch
     config = json.loads((out / "train_config.json").read_text())
     assert config["num_processes"] == 2 and config["global_batch_size"] == 8 and config["steps_per_epoch"] == 4
@@ -382,7 +384,7 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     assert (out / "checkpoints" / "checkpoint-6" / "random_states_1.pkl").is_file()  # both processes' RNGs
     writers = {f.name.split(".")[-2] for f in (out / "logs").rglob("events.out.tfevents.*")}  # the writing pids
     assert len(writers) == 2  # one per run: rank 0 only
-    assert "per device x 2" in second.stdout
+    assert "per device x 2" in second.out0
 
 
 def start_two_ranks(argv, script=None, port=None):
@@ -390,16 +392,95 @@ def start_two_ranks(argv, script=None, port=None):
     variables describe them: no launcher to kill the second when the first fails, so each must
     stop by itself. `script`: Python run with argv instead of train.py (a test's hook around it).
     Their output goes to files, so that neither can block on a full pipe while the other is read.
-    `port`: rank 0's, free_ports()'s by default."""
+    `port`: rank 0's, free_ports()'s by default.
+
+    Each rank is forked from this process (ForkedRank), which has torch, diffusers and train.py
+    imported already: a fresh interpreter spends about 13 s of a 2-core machine importing them, for
+    each rank of each launch. Where CUDA is initialised here (a fork could not use it), they are
+    fresh interpreters. test_two_processes_train_checkpoint_resume_and_write_once starts fresh
+    interpreters through `accelerate launch`, the way a user does."""
     port, ranks = port or free_ports()[0], []
     program = ["-c", script] if script else ["train.py"]
     for rank in (0, 1):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+        env = dict(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-        command = [sys.executable, *program, "--cpu", *map(str, argv)]
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        ranks.append((subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, text=True), out, err))
+        if torch.cuda.is_initialized():
+            command = [sys.executable, *program, "--cpu", *map(str, argv)]
+            process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, **env), stdout=out, stderr=err, text=True)
+        else:
+            process = ForkedRank(["--cpu", *map(str, argv)], env, script, out, err)
+        ranks.append((process, out, err))
     return ranks
+
+
+class ForkedRank:
+    """`train.py argv` (or `script`, run with argv as sys.argv[1:]) in a child forked from this
+    process, with `env` added to its environment and its output in the files `out` and `err`.
+    Waited for as a subprocess.Popen: wait, poll, kill, returncode (-N when killed by signal N)."""
+
+    def __init__(self, argv, env, script, out, err):
+        sys.stdout.flush(), sys.stderr.flush()
+        self.returncode, self.pid = None, os.fork()
+        if self.pid == 0:
+            self._child(argv, env, script, out, err)  # never returns
+
+    @staticmethod
+    def _child(argv, env, script, out, err):
+        """What a fresh `python train.py` would do, then os._exit: this process's atexit handlers
+        and pytest's state belong to the parent."""
+        code = 1
+        try:
+            os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+            sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an interpreter's own dispositions
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.environ.update(env)
+            os.chdir(ROOT)
+            torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read at start-up, long past here
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+            sys.argv = ["train.py", *argv]
+            if script:
+                exec(compile(script, "<rank script>", "exec"), {"__name__": "__main__"})
+            else:
+                train.main(train.parse_args(argv))
+            code = 0
+        except SystemExit as stop:
+            if isinstance(stop.code, int) or stop.code is None:
+                code = stop.code or 0
+            else:
+                print(stop.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def read(file):
