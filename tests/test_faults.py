@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import signal
@@ -9,7 +10,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import checkpoint
 import flops
+import forked
 import model as models
 import train
 from conftest import ROOT
@@ -194,7 +195,7 @@ train.main(train.parse_args(sys.argv[1:]))
 def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, straight, where):
     out = tmp_path / "run"
     script = KILLER.format(root=str(ROOT), where=where)
-    killed = subprocess.run([sys.executable, "-c", script, *flags(out)], capture_output=True, text=True, timeout=300)
+    killed = forked.run([sys.executable, "-c", script, *flags(out)], capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     # the half-written one is only a hidden temporary folder; 'latest' is checkpoint-2
     assert checkpoints(out) == [".tmp-checkpoint-4", "checkpoint-2", "checkpoint-3"] or checkpoints(out) == [
@@ -392,95 +393,19 @@ def start_two_ranks(argv, script=None, port=None):
     variables describe them: no launcher to kill the second when the first fails, so each must
     stop by itself. `script`: Python run with argv instead of train.py (a test's hook around it).
     Their output goes to files, so that neither can block on a full pipe while the other is read.
-    `port`: rank 0's, free_ports()'s by default.
-
-    Each rank is forked from this process (ForkedRank), which has torch, diffusers and train.py
-    imported already: a fresh interpreter spends about 13 s of a 2-core machine importing them, for
-    each rank of each launch. Where CUDA is initialised here (a fork could not use it), they are
-    fresh interpreters. test_two_processes_train_checkpoint_resume_and_write_once starts fresh
-    interpreters through `accelerate launch`, the way a user does."""
+    `port`: rank 0's, free_ports()'s by default. Each rank is forked from this process (forked.py:
+    13 s of imports fewer for each); test_two_processes_train_checkpoint_resume_and_write_once
+    starts fresh interpreters through `accelerate launch`, the way a user does."""
     port, ranks = port or free_ports()[0], []
     program = ["-c", script] if script else ["train.py"]
     for rank in (0, 1):
-        env = dict(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        command = [sys.executable, *program, "--cpu", *map(str, argv)]
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        if torch.cuda.is_initialized():
-            command = [sys.executable, *program, "--cpu", *map(str, argv)]
-            process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, **env), stdout=out, stderr=err, text=True)
-        else:
-            process = ForkedRank(["--cpu", *map(str, argv)], env, script, out, err)
-        ranks.append((process, out, err))
+        start = forked.Forked if forked.can_fork(command) else functools.partial(subprocess.Popen, text=True)
+        ranks.append((start(command, cwd=ROOT, env=env, stdout=out, stderr=err), out, err))
     return ranks
-
-
-class ForkedRank:
-    """`train.py argv` (or `script`, run with argv as sys.argv[1:]) in a child forked from this
-    process, with `env` added to its environment and its output in the files `out` and `err`.
-    Waited for as a subprocess.Popen: wait, poll, kill, returncode (-N when killed by signal N)."""
-
-    def __init__(self, argv, env, script, out, err):
-        sys.stdout.flush(), sys.stderr.flush()
-        self.returncode, self.pid = None, os.fork()
-        if self.pid == 0:
-            self._child(argv, env, script, out, err)  # never returns
-
-    @staticmethod
-    def _child(argv, env, script, out, err):
-        """What a fresh `python train.py` would do, then os._exit: this process's atexit handlers
-        and pytest's state belong to the parent."""
-        code = 1
-        try:
-            os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
-            sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an interpreter's own dispositions
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            os.environ.update(env)
-            os.chdir(ROOT)
-            torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read at start-up, long past here
-            from accelerate.state import AcceleratorState, GradientState
-
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
-            sys.argv = ["train.py", *argv]
-            if script:
-                exec(compile(script, "<rank script>", "exec"), {"__name__": "__main__"})
-            else:
-                train.main(train.parse_args(argv))
-            code = 0
-        except SystemExit as stop:
-            if isinstance(stop.code, int) or stop.code is None:
-                code = stop.code or 0
-            else:
-                print(stop.code, file=sys.stderr)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            with contextlib.suppress(BaseException):
-                sys.stdout.flush(), sys.stderr.flush()
-            os._exit(code)
-
-    def poll(self):
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
-            time.sleep(0.05)
-        return self.returncode
-
-    def kill(self):
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
 
 
 def read(file):
@@ -496,10 +421,11 @@ class Ranks:
             for process, _, _ in ranks:
                 process.wait(timeout=timeout)
         finally:
-            for process, _, _ in ranks:
+            for process, _, err in ranks:
                 if process.poll() is None:
                     process.kill()
                     process.wait()
+                    print(f"--- a rank killed after {timeout} s; its stderr:\n{read(err)[-3000:]}", file=sys.stderr)
         self.codes = [process.returncode for process, _, _ in ranks]
         (self.out0, self.err0), (self.out1, self.err1) = ((read(out), read(err)) for _, out, err in ranks)
 

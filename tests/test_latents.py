@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import forked
 import latents
 from errors import ConfigError
 
@@ -341,7 +342,7 @@ def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
         latents.cached_latents(vae, batches, key, root={str(tmp_path / "cache")!r}, progress=False)
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = forked.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
     (left,) = list((tmp_path / "cache").iterdir())
     assert ".tmp-" in left.name

@@ -1,16 +1,25 @@
 """python -m bench --sweep: whole train.py runs with one setting varied."""
 
 import json
+import subprocess
 
 import pytest
 from PIL import Image
 
 import config
+import forked
 from bench import speed as bench
 from bench import sweep
 
 # 32 images at 16px: an epoch is a few steps of the tiny preset; two epochs, the second timed.
 FAST = ["--workload", "tiny", "--num_images", "32", "--sweep_epochs", "2"]
+
+
+@pytest.fixture(autouse=True)
+def forked_train_runs(monkeypatch):
+    """Each train.py the bench starts runs in a child forked from this process (forked.py), not in
+    a fresh interpreter that imports torch and diffusers again."""
+    monkeypatch.setattr(subprocess, "run", forked.run)
 
 
 def run_sweep(tmp_path, *argv):
