@@ -6,6 +6,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import tqdm
+
+# No tqdm monitor thread in the test processes: a child forked from one (forked.py) would inherit
+# tqdm's write lock as that thread held it, if it did, and wait on it for ever.
+tqdm.tqdm.monitor_interval = 0
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
