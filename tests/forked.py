@@ -25,7 +25,7 @@ import time
 
 import torch
 
-REAL_RUN, REAL_POPEN = subprocess.run, subprocess.Popen
+REAL_RUN = subprocess.run
 
 
 def can_fork(cmd):
@@ -64,10 +64,6 @@ class Forked:
     def kill(self):
         if self.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
-
-    def send_signal(self, number):
-        if self.poll() is None:
-            os.kill(self.pid, number)
 
 
 def _child(program, cwd, env, stdout, stderr):
