@@ -108,7 +108,7 @@ def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, mo
     assert not np.array_equal(by_class("circle", "c"), by_class("square", "s"))
 
 
-def test_a_dit_run_resumes_bit_identically(tmp_path):
+def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):
     """The shared embedder's tensors are one in the checkpoint (safetensors keeps one of tensors that share
     memory) and one again after loading."""
     flags = [*DIT, "--max_train_steps", 4, "--checkpointing_steps", 2, "--train_batch_size", 4, "--class_conditional"]
@@ -116,12 +116,16 @@ def test_a_dit_run_resumes_bit_identically(tmp_path):
     train(straight, *flags)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2")
+    capsys.readouterr()
     train(resumed, *flags)
+    assert f"resumed from {resumed / 'checkpoints' / 'checkpoint-2'} at step 2" in capsys.readouterr().out
     for part in ("checkpoints/checkpoint-4", "unet"):
         a, _ = tensors_of(straight / part)
         b, _ = tensors_of(resumed / part)
         assert a.keys() == b.keys() and a
         assert all(torch.equal(a[key], b[key]) for key in a), part
+    stored = {k.split(".norm1.emb.")[0] for k in tensors_of(resumed / "checkpoints/checkpoint-4")[0] if ".norm1.emb." in k}
+    assert stored == {"model.safetensors:transformer_blocks.0"}, stored  # one copy, not one per block
     saved = models.load_network(resumed / "unet")
     assert saved.transformer_blocks[1].norm1.emb is saved.transformer_blocks[0].norm1.emb
 

@@ -120,7 +120,7 @@ def tensors_of(folder):
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_resume_is_bit_identical(tmp_path, accumulation):
+def test_resume_is_bit_identical(tmp_path, accumulation, capsys):
     # 8 steps straight, versus the checkpoint at step 4 (mid-epoch) resumed for 4 more.
     flags = ["--max_train_steps", 8, "--checkpointing_steps", 4, "--gradient_accumulation_steps", accumulation,
              "--train_batch_size", 4, "--save_images_epochs", 100]  # fmt: skip
@@ -128,7 +128,10 @@ def test_resume_is_bit_identical(tmp_path, accumulation):
     run(straight, *flags)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
+    capsys.readouterr()
     run(resumed, *flags)  # the same command again: it continues from the newest checkpoint
+    # a run that started afresh would write the same weights (training is deterministic): it must have resumed
+    assert f"resumed from {resumed / 'checkpoints' / 'checkpoint-4'} at step 4" in capsys.readouterr().out
 
     for part in ("checkpoints/checkpoint-8", "unet"):
         a, a_ema = tensors_of(straight / part)
