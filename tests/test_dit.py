@@ -131,13 +131,15 @@ def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):
 
 
 def test_two_processes_train_a_dit_as_one(tmp_path):
-    from test_faults import Ranks, start_two_ranks
+    """Each rank its own σ and images, the same weights at every step (gradients averaged), rank 0 alone saving."""
+    from test_flow import assert_trained_as_one, two_flow_ranks
     from test_train import TINY
 
     out = tmp_path / "run"
-    ranks = Ranks(start_two_ranks([*TINY, *DIT, "--objective", "flow", "--max_train_steps", 2, "--output_dir", out,
-                                   "--logger", "none"]))  # fmt: skip
+    ranks, events = two_flow_ranks(tmp_path, [*TINY, *DIT, "--objective", "flow", "--max_train_steps", 3,
+                                              "--output_dir", out, "--logger", "none"])  # fmt: skip
     assert ranks.codes == [0, 0], ranks
+    assert_trained_as_one(events, steps=3)
     assert json.loads((out / "train_config.json").read_text())["num_processes"] == 2
     assert isinstance(models.load_network(out / "unet"), dit.DiT)
 

@@ -303,15 +303,67 @@ def test_a_flow_run_with_the_power_ema_reconstructs_a_flow_pipeline(tmp_path):
     assert type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and scheduler.config.shift == 2
 
 
+# Run by each rank instead of train.py (test_faults.start_two_ranks' `script`): each flow loss records the σ it
+# drew, a checksum of the images it was given and of the network's weights as they were, and each save of the
+# network records the rank that made it, one JSON line per event in RECORD/rank<R>.jsonl.
+RECORD_EACH_RANK = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import torch
+import model, rundir, train
+log = open(os.path.join({record!r}, "rank" + os.environ["RANK"] + ".jsonl"), "a", buffering=1)
+sigmas, loss_at, save_network = model.FlowObjective.sigmas, model.FlowObjective.loss_at, rundir.save_network
+def drawn(self, n, device):
+    sigma = sigmas(self, n, device)
+    log.write(json.dumps(dict(sigma=sigma.tolist())) + "\\n")
+    return sigma
+def loss(self, net, x0, sigma, noise):
+    weights = sum(p.double().sum().item() for p in model.unwrapped(net).parameters())
+    log.write(json.dumps(dict(images=x0.double().sum().item(), weights=weights)) + "\\n")
+    return loss_at(self, net, x0, sigma, noise)
+def saved(*args, **kwargs):
+    log.write(json.dumps(dict(saved=True)) + "\\n")
+    return save_network(*args, **kwargs)
+model.FlowObjective.sigmas, model.FlowObjective.loss_at, rundir.save_network = drawn, loss, saved
+train.main(train.parse_args(sys.argv[1:]))
+"""
+
+
+def two_flow_ranks(tmp_path, argv):
+    """Two ranks of train.py `argv` (test_faults.start_two_ranks), each recorded by RECORD_EACH_RANK: their
+    Ranks and, per rank, the events in order."""
+    from conftest import ROOT
+    from test_faults import Ranks, start_two_ranks
+
+    record = tmp_path / "record"
+    record.mkdir()
+    ranks = Ranks(start_two_ranks(argv, RECORD_EACH_RANK.format(root=str(ROOT), record=str(record))))
+    events = [[json.loads(line) for line in (record / f"rank{r}.jsonl").read_text().splitlines()] if
+              (record / f"rank{r}.jsonl").exists() else [] for r in (0, 1)]  # fmt: skip
+    return ranks, events
+
+
+def assert_trained_as_one(events, steps):
+    """Each rank drew its own σ and had its own images at every step, while the weights each step starts from
+    are the same in both (the gradients averaged: unaveraged, each rank's own would part them after the first
+    step that moves them; the learning rate's warm-up starts at 0), and they moved; rank 0 alone saved the network
+    (once, at the end)."""
+    per_rank = [[[e[k] for e in rank if k in e] for k in ("sigma", "images", "weights")] for rank in events]
+    (sigma0, images0, weights0), (sigma1, images1, weights1) = per_rank
+    assert len(sigma0) == len(sigma1) == len(weights0) == len(weights1) == steps, events
+    assert all(a != b for a, b in zip(sigma0, sigma1)) and all(a != b for a, b in zip(images0, images1)), events
+    assert weights0 == weights1 and weights0[-1] != weights0[0], (weights0, weights1)
+    assert sum("saved" in e for e in events[0]) == 1 and not any("saved" in e for e in events[1]), events
+
+
 def test_two_processes_train_a_flow_run_as_one_and_save_its_pipeline_once(tmp_path):
     """Two gloo processes: the flow objective draws each process's own σ and noise, the step averages the
     gradients, and rank 0 alone writes the flow pipeline."""
-    from test_faults import Ranks, start_two_ranks
-
     out = tmp_path / "run"
-    ranks = Ranks(start_two_ranks([*TINY, "--objective", "flow:2", "--max_train_steps", 2, "--output_dir", out,
-                                   "--save_images_epochs", 100, "--logger", "none"]))  # fmt: skip
+    ranks, events = two_flow_ranks(tmp_path, [*TINY, "--objective", "flow:2", "--max_train_steps", 3, "--output_dir",
+                                              out, "--save_images_epochs", 100, "--logger", "none"])  # fmt: skip
     assert ranks.codes == [0, 0], ranks
+    assert_trained_as_one(events, steps=3)
     saved = json.loads((out / "train_config.json").read_text())
     assert saved["num_processes"] == 2 and saved["objective"] == "flow:2"
     scheduler = json.loads((out / "scheduler" / "scheduler_config.json").read_text())
