@@ -15,6 +15,7 @@ import torch
 import latents
 import model as models
 import sample
+from test_edm_train import same
 from errors import ConfigError
 
 
@@ -222,6 +223,12 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
     b = load_file(str(resumed / "checkpoints" / "checkpoint-8" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any("class_embedding" in k or "emb_label" in k for k in a)  # the labels reach the network
+    pickles = sorted(p.name for p in (straight / "checkpoints" / "checkpoint-8").glob("custom_checkpoint_*.pkl"))
+    for name in pickles:  # the LR schedule, the EMA (power: its two averages), EDM's u(sigma)
+        assert same(*(torch.load(run / "checkpoints" / "checkpoint-8" / name, weights_only=False)
+                      for run in (straight, resumed))), name  # fmt: skip
+    saved = [load_file(str(run / "unet" / "diffusion_pytorch_model.safetensors")) for run in (straight, resumed)]
+    assert same(*saved) and saved[0]  # the saved network: the EMA's weights, which the grids and sample.py use
 
     out = tmp_path / "gen"
     args = [str(straight), "--num_images", "4", "--num_inference_steps", "2", "--class_labels", "square,triangle",
@@ -238,18 +245,23 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
                                             "--guide", str(resumed), "--guidance_scale", "2",
                                             "--output", str(tmp_path / "auto")]))  # fmt: skip
     assert guided["guide"] == str(resumed) and (tmp_path / "auto" / "000001.png").is_file()
+    sample.main(sample.parse_args([str(straight), "--num_images", "2", "--num_inference_steps", "2",
+                                   "--guidance_scale", "1", "--output", str(tmp_path / "unguided")]))  # fmt: skip
     # The resumed run's weights are the straight run's, so that guide changes nothing; the run's own
     # earlier checkpoint (the README's recipe) is a weaker model, and guiding by it changes the images.
     early = straight / "checkpoints" / "checkpoint-4"
     sample.main(sample.parse_args([str(straight), "--num_images", "2", "--num_inference_steps", "2", "--guide", str(early),
                                    "--guidance_scale", "2", "--output", str(tmp_path / "early")]))  # fmt: skip
     assert (tmp_path / "early" / "000001.png").read_bytes() != (tmp_path / "auto" / "000001.png").read_bytes()
+    assert (tmp_path / "unguided" / "000001.png").read_bytes() == (tmp_path / "auto" / "000001.png").read_bytes()
     if ema:  # a post-hoc EMA of a conditional run samples by class too
         import ema as posthoc_ema
 
         rebuilt = posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(straight), "--std", "0.08"]))
-        sample.main(sample.parse_args([str(rebuilt), "--num_images", "1", "--num_inference_steps", "2",
-                                       "--class_labels", "circle", "--output", str(tmp_path / "posthoc")]))  # fmt: skip
+        for kind in ("circle", "square"):
+            sample.main(sample.parse_args([str(rebuilt), "--num_images", "1", "--num_inference_steps", "2",
+                                           "--class_labels", kind, "--output", str(tmp_path / kind)]))  # fmt: skip
+        assert (tmp_path / "circle" / "000000.png").read_bytes() != (tmp_path / "square" / "000000.png").read_bytes()
 
 
 def test_a_conditional_run_on_data_without_labels_is_one_line(tmp_path, capsys):
