@@ -100,12 +100,16 @@ def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, mo
     net = models.load_network(out / "unet")
     assert net.config.num_classes == 3 and net.config.in_channels == 4
 
-    def by_class(labels, folder):
+    def by_class(labels, folder, scale=3):
         sample.main(sample.parse_args([str(out), "--num_images", "1", "--class_labels", labels, "--output",
-                                       str(tmp_path / folder), "--num_inference_steps", "3", "--guidance_scale", "3"]))  # fmt: skip
+                                       str(tmp_path / folder), "--num_inference_steps", "3", "--guidance_scale", str(scale)]))  # fmt: skip
         return np.asarray(Image.open(tmp_path / folder / "000000.png"))
 
-    assert not np.array_equal(by_class("circle", "c"), by_class("square", "s"))
+    circle = by_class("circle", "c")
+    assert not np.array_equal(circle, by_class("square", "s"))
+    assert not np.array_equal(circle, by_class("circle", "c1", scale=1))  # the guidance acts
+    snapshots = sorted(p.name for p in (out / "ema_snapshots").glob("*.safetensors"))  # the power EMA's
+    assert [int(name.split("-")[1]) for name in snapshots] == [2, 2, 4, 4], snapshots  # each std at steps 2 and 4
 
 
 def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):

@@ -263,7 +263,13 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         net = tiny("E", dropout=0.0)
         if checkpointing:
             net.enable_gradient_checkpointing()
-        net(x, t).sample.square().mean().backward()
+        calls = []
+        for module in net.modules():
+            module.register_forward_pre_hook(lambda *_: calls.append(1))
+        output = net(x, t).sample
+        forward = len(calls)
+        output.square().mean().backward()
+        assert (len(calls) > forward) == checkpointing, (forward, len(calls))  # checkpointed blocks run again
         grads.append([p.grad for p in net.parameters()])
     for plain, checkpointed in zip(*grads):
         torch.testing.assert_close(plain, checkpointed)

@@ -4,6 +4,7 @@ import json
 import math
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -107,9 +108,8 @@ def test_the_inverse_sqrt_schedule_is_edm2s():
 
 
 def test_an_edm2_network_refuses_the_ddpm_objective(capsys):
-    try:
+    with pytest.raises(SystemExit) as e:
         train.main(train.parse_args(["--model", "edm2g", "--objective", "ddpm"]))
-    except SystemExit as e:
-        assert e.code == 2
+    assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained with --objective edm" in err[0]
