@@ -1,6 +1,8 @@
 import json
 import re
+import shutil
 import statistics
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import config
 import model as models
 import training
 from bench import speed as bench
+from conftest import ROOT
 from errors import ConfigError
 from test_train import run as run_train
 from test_train import scalars, visible
@@ -245,6 +248,15 @@ def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
         assert r["first_call_s"] > 0 and r["optimizer"] == ("fused" if r["settings"]["fused_adam"] else "foreach")
     flops_at = {r["batch_size"]: r["flops_per_step"] for r in rows}
     assert flops_at[2] == 2 * flops_at[1] > 0
+    # bench/on_gpu.sh packs this JSON (bench_run), and its summary reads the last row that ran, the others as notes
+    sys.path.insert(0, str(ROOT / "bench"))
+    import pack_summary
+
+    (tmp_path / "pack").mkdir()
+    shutil.copyfile(tmp_path / "run.json", tmp_path / "pack" / "run.bench.json")
+    numbers = pack_summary.ladder_numbers(tmp_path / "pack", dict(name="run"))
+    assert numbers["mode"] == "ladder train_default" and numbers["ms/step"] == 1000 * rows[-1]["step_time_s_median"]
+    assert numbers["notes"].count(" ms") == 4  # reference and train_default at each batch size; tf32 did not run
 
     # the printed tables are also in the .txt, and the chart is a real PNG
     text = (tmp_path / "run.txt").read_text()

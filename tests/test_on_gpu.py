@@ -37,31 +37,25 @@ def packed(folder, part):
 
 
 def test_a_part_packs_every_run_into_two_files(tmp_path):
-    """The shortest part, whole: its runs' printed lines, run.json and grids land in the pack. A python3
-    first on PATH that has no torch (an unactivated venv's case) is not used: PYTHON is."""
-    part = "fused"
+    """A train.py run inside a part (ref128's first; ON_GPU_RUNS leaves the others out, which their own test
+    checks): its printed lines, run.json, train_config.json and last grid land in the pack, and its row in the
+    summary. A python3 first on PATH that has no torch (an unactivated venv's case) is not used: PYTHON is.
+    The speed ladder's runs (bench_run) pack their JSON, which test_bench reads with pack_summary."""
+    part, run = "ref128", "ref128-default-cold"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text("#!/bin/sh\necho \"No module named 'torch'\" >&2\nexit 1\n")
     (bin_dir / "python3").chmod(0o755)
     out = tmp_path / "out"
-    done = on_gpu(part, out, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    tmp_path = out
+    done = on_gpu(part, out, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", ON_GPU_RUNS=run)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{part}-summary.txt", f"{part}.tar.gz"]
-    names = packed(tmp_path, part)
+    assert sorted(p.name for p in out.iterdir()) == [f"{part}-summary.txt", f"{part}.tar.gz"]
+    names = packed(out, part)
     assert {"nvidia-smi.txt", "versions.txt", "on_gpu.log", "summary.txt"} <= names
-    summary = (tmp_path / f"{part}-summary.txt").read_text().splitlines()
+    assert {f"{run}.log", f"{run}.run.json", f"{run}.train_config.json", f"{run}.grid.png"} <= names, names
+    summary = (out / f"{part}-summary.txt").read_text().splitlines()
     rows = {line.split("\t")[0]: line.split("\t") for line in summary[2:] if "\t" in line}
-    for run in RUNS[part]:
-        if run.endswith("-diffusers") and not (ROOT / ".ext" / "train_unconditional.py").exists():
-            assert rows[run][1] == "not carried"
-            continue
-        assert rows[run][1] == "0", summary  # exit status
-        if part == "fused":  # the speed ladder's rows: their JSON, read into the summary
-            assert {f"{run}.log", f"{run}.bench.json"} <= names and rows[run][3] == "ladder train_default", summary
-        else:
-            assert {f"{run}.log", f"{run}.run.json", f"{run}.grid.png"} <= names or run.endswith("-diffusers")
+    assert rows[run][1] == "0" and rows[run][3] == "eager", summary  # exit status; the mode its run.json records
 
 
 @pytest.mark.parametrize("part", RUNS)
