@@ -340,12 +340,18 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
     assert len(err) == 1 and message in err[0] and err[0].startswith("bench: error:"), err
 
 
-def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys):
+def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys, monkeypatch):
     """channels_last has no train.py flag; the ladder sets it on the configuration, as here."""
+    built = []
+    build = training.build
+    monkeypatch.setattr(training, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     out = tmp_path / "run"
     config = run_train(out, "--max_train_steps", 2, "--compile_mode", "auto", "--logging_steps", 1,
                        "--checkpointing_steps", 2, "--save_images_epochs", 100, channels_last=True)  # fmt: skip
     assert config["compile_mode"] == "auto" and config["settings"]["channels_last"] and config["settings"]["fused_adam"]
+    (pieces,) = built  # what the step trained: the network's convolutions channels_last, AdamW fused
+    assert pieces.network.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert pieces.optimizer.defaults["fused"] is True
     assert [step for step, _ in scalars(out)["loss"]] == [1, 2]
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars(out)["loss"])
     stdout = capsys.readouterr().out

@@ -158,7 +158,7 @@ def test_streamed_batches_equal_preloaded_ones(tmp_path):
     cpu = torch.device("cpu")
     streamed = list(data.Batches(dataset, 4, seed=0, device=cpu, num_workers=2).epoch(0))
     preloaded = list(data.Batches(data.preload(dataset), 4, seed=0, device=cpu).epoch(0))
-    assert len(streamed) == 3
+    assert len(streamed) == len(preloaded) == 3
     assert all(torch.equal(a, b) for a, b in zip(streamed, preloaded))
 
 

@@ -8,6 +8,8 @@ from safetensors.torch import load_file
 
 import ema
 import train
+from test_edm_train import same
+from test_train import tensors_of
 
 STDS = [0.05, 0.10]
 
@@ -150,9 +152,18 @@ def test_power_ema_resumes_bit_identically(power_run, tmp_path, capsys):
     shutil.copytree(power_run / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
     run(resumed)  # --resume (the default): from the newest checkpoint
     assert "checkpoint-4 at step 4" in capsys.readouterr().out  # "resumed from .../checkpoint-4 at step 4"
-    for name in ("step-000000006-std-0.1.safetensors", "step-000000008-std-0.05.safetensors"):
+    after = sorted(p.name for p in (resumed / ema.SNAPSHOT_DIR).glob("*.safetensors"))  # the snapshots since step 4
+    straight = sorted(p.name for p in (power_run / ema.SNAPSHOT_DIR).glob("*.safetensors") if int(p.name.split("-")[1]) > 4)
+    assert after == straight and len(after) == 4, after  # steps 6 and 8, each std
+    for name in after:
         a, b = load_file(str(power_run / ema.SNAPSHOT_DIR / name)), load_file(str(resumed / ema.SNAPSHOT_DIR / name))
-        assert all(torch.equal(a[k], b[k]) for k in a), name
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    for part in ("checkpoints/checkpoint-8", "unet"):  # the weights, the EMAs' state and the saved network
+        (a, _), (b, _) = tensors_of(power_run / part), tensors_of(resumed / part)
+        assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a), part
+    pickles = sorted(p.name for p in (power_run / "checkpoints" / "checkpoint-8").glob("custom_checkpoint_*.pkl"))
+    assert pickles and all(same(*(torch.load(r / "checkpoints" / "checkpoint-8" / name, weights_only=False)
+                                  for r in (power_run, resumed))) for name in pickles)  # fmt: skip
 
 
 BAD = [

@@ -64,12 +64,20 @@ def test_the_sde_sampler_draws_fresh_noise_along_the_way(tiny_unet, training_con
     assert (ode.int() - sde.int()).abs().float().mean() > 2
 
 
-def test_sampling_scheduler_in_train_is_the_same(training_config):
-    from diffusers import DDPMScheduler
+@pytest.mark.parametrize("name", sample.SAMPLERS)
+def test_sampling_scheduler_in_train_is_the_same(name):
+    """What train.py's grids and FID sample with (training.build's) is what sample.py makes of the run's
+    noise scheduler, for each sampler and a v-prediction run with another beta schedule."""
+    import config
+    import training
 
-    ddpm = DDPMScheduler.from_config(training_config)
-    for name in sample.SAMPLERS:
-        assert dict(sample.make_sampler("ddpm", name, ddpm.config).config) == dict(sample.make_scheduler(name, training_config).config)
+    args = config.resolve(config.parse_args(["--model", "tiny", "--image_size", "16", "--sampler", name,
+                                             "--prediction_type", "v_prediction", "--beta_schedule", "linear"]))  # fmt: skip
+    pieces = training.build(args, total_steps=10)
+    expected = sample.make_scheduler(name, pieces.noise_scheduler.config)
+    assert type(pieces.sampling_scheduler) is type(expected)
+    assert dict(pieces.sampling_scheduler.config) == dict(expected.config)
+    assert expected.config.prediction_type == "v_prediction" and expected.config.beta_schedule == "linear"
 
 
 # --- sample.py on a tiny trained run ------------------------------------------------
@@ -141,9 +149,11 @@ def test_a_run_without_an_ema_samples_its_raw_weights_by_default_and_refuses_ema
     for source in (out, checkpoint):  # the pipeline holds the raw weights, and a checkpoint gives them
         unet, _ = rundir.load_model(source)
         assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw), source
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         sample_main(out, "--ema", "--num_images", 1, "--output", tmp_path / "x")
-    assert "kept no EMA" in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "kept no EMA" in line
 
 
 def before_issue_37(config):
@@ -172,9 +182,11 @@ def test_a_runs_settings_and_ema_are_read_from_its_train_config_json_of_today_or
     assert scheduler["num_train_timesteps"] == 500
     raw = load_file(str(run / step / "model.safetensors"))  # no EMA kept: the raw weights, not the EMA's
     assert all(torch.equal(unet.state_dict()[k], raw[k]) for k in raw)
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         sample_main(run, "--num_inference_steps", 501, "--num_images", 1, "--output", tmp_path / "x")
-    assert "cannot exceed the model's 500 training timesteps" in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "cannot exceed the model's 500 training timesteps" in line
     with pytest.raises(sample.ConfigError, match="the guide was trained with num_train_timesteps 1000, the model with 500"):
         sample.check_guide(config, json.loads((tiny_run / "train_config.json").read_text()))
 

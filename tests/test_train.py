@@ -239,10 +239,18 @@ def test_a_compile_that_fails_falls_back_to_eager_and_trains_the_same_weights(tm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_v_prediction_with_zero_terminal_snr_and_min_snr_trains_and_samples(tmp_path):
+def test_v_prediction_with_zero_terminal_snr_and_min_snr_trains_and_samples(tmp_path, monkeypatch):
+    import training
+
+    built = []
+    build = training.build
+    monkeypatch.setattr(training, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     out = tmp_path / "run"
     run(out, "--max_train_steps", 2, "--save_images_epochs", 1, "--prediction_type", "v_prediction",
         "--zero_terminal_snr", "--snr_gamma", 5)  # fmt: skip
+    (pieces,) = built  # the objective trained: v-prediction, min-SNR-5, on the rescaled betas
+    assert pieces.noise_scheduler.config.prediction_type == "v_prediction" and pieces.objective.snr_gamma == 5
+    assert pieces.noise_scheduler.alphas_cumprod[-1] < 1e-6  # zero terminal SNR
     assert math.isfinite(json.loads((out / "run.json").read_text())["final_loss"])
     with Image.open(out / "samples" / "0000.png") as grid:
         pixels = np.asarray(grid)
