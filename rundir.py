@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from diffusers import DDPMPipeline
 from diffusers.utils import logging as diffusers_logging
-from safetensors.torch import load_file
+import safetensors.torch
 
 import latents
 import model as models
@@ -248,7 +248,9 @@ class RunDir:
         weights = folder / "model.safetensors"
         if not weights.is_file():
             raise ConfigError(f"{folder}: no model.safetensors in the checkpoint")
-        unet.load_state_dict(load_file(str(weights)))
+        # safetensors' load_model, not load_state_dict: accelerate saved one copy of tensors that share memory
+        # (a DiT's one embedder, tied into every block), and load_model fills in the others
+        safetensors.torch.load_model(unet, str(weights))
         if self.kept_ema and ema is not False:
             shadow = ema_weights_from_checkpoint(folder)
             if shadow is None:

@@ -87,29 +87,38 @@ def test_each_objective_trains_a_dit_and_sample_py_samples_it(tmp_path, objectiv
     assert "DiTTransformer2DModel.from_pretrained" in card and "DDPMPipeline" not in card
 
 
-def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, monkeypatch):
-    """Flow (SiT's recipe) on a VAE's latents with class labels and guidance, and the power EMA."""
+def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, monkeypatch, default_shape_scorer):
+    """Flow (SiT's recipe) on a VAE's latents with class labels: guidance, autoguidance, FID in training, the
+    power EMA's snapshots, sample.py by class name."""
     import latents
     from test_latents import make_kl
 
     monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
     out = tmp_path / "run"
     train(out, *DIT, "--vae", make_kl(tmp_path / "kl"), "--objective", "flow", "--class_conditional",
-          "--max_train_steps", 4, "--shapes_num_images", 16, "--train_batch_size", 4, "--ema", "power",
-          "--ema_snapshot_every", 2)  # fmt: skip
+          "--max_train_steps", 4, "--checkpointing_steps", 2, "--shapes_num_images", 16, "--train_batch_size", 4,
+          "--ema", "power", "--ema_snapshot_every", 2, "--eval_every_epochs", 1, "--eval_num_samples", 4,
+          "--guidance_scale", "3,1")  # fmt: skip
     net = models.load_network(out / "unet")
     assert net.config.num_classes == 3 and net.config.in_channels == 4
-
-    def by_class(labels, folder, scale=3):
-        sample.main(sample.parse_args([str(out), "--num_images", "1", "--class_labels", labels, "--output",
-                                       str(tmp_path / folder), "--num_inference_steps", "3", "--guidance_scale", str(scale)]))  # fmt: skip
-        return np.asarray(Image.open(tmp_path / folder / "000000.png"))
-
-    circle = by_class("circle", "c")
-    assert not np.array_equal(circle, by_class("square", "s"))
-    assert not np.array_equal(circle, by_class("circle", "c1", scale=1))  # the guidance acts
+    (result,) = json.loads((out / "eval_results.json").read_text())  # FID/KID of decoded samples, at each scale
+    assert [s["guidance_scale"] for s in result["scales"]] == [3.0, 1.0] and np.isfinite(result["fid"])
     snapshots = sorted(p.name for p in (out / "ema_snapshots").glob("*.safetensors"))  # the power EMA's
     assert [int(name.split("-")[1]) for name in snapshots] == [2, 2, 4, 4], snapshots  # each std at steps 2 and 4
+
+    def by_class(labels, folder, *flags):
+        sample.main(sample.parse_args([str(out), "--num_images", "1", "--class_labels", labels, "--output",
+                                       str(tmp_path / folder), "--num_inference_steps", "3", *flags]))  # fmt: skip
+        return np.asarray(Image.open(tmp_path / folder / "000000.png"))
+
+    circle = by_class("circle", "c", "--guidance_scale", "3")
+    assert not np.array_equal(circle, by_class("square", "s", "--guidance_scale", "3"))
+    unguided = by_class("circle", "c1", "--guidance_scale", "1")
+    assert not np.array_equal(circle, unguided)  # the guidance acts
+    # autoguidance: by the run's earlier checkpoint it changes the images; by the run itself it is the run alone
+    early = str(out / "checkpoints" / "checkpoint-2")
+    assert not np.array_equal(by_class("circle", "a", "--guide", early, "--guidance_scale", "2"), unguided)
+    assert np.array_equal(by_class("circle", "a1", "--guide", str(out), "--guidance_scale", "2"), unguided)
 
 
 def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):
