@@ -279,6 +279,16 @@ def main(args):
         return reconstruct_command(args)
 
 
+def loaded_through_another_name(net, state):
+    """The names in net's state dict whose tensor is also reached by a name in `state`: a module tied into
+    several places (a DiT's one embedder in every block) has one name among the parameters, which the
+    snapshots hold, and one per place in the state dict."""
+    names_of = {}
+    for name, tensor in net.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), set()).add(name)
+    return {name for names in names_of.values() if names & state.keys() for name in names}
+
+
 def reconstruct_command(args):
     if not 0 < args.std < MAX_STD:
         raise ConfigError(f"--std must be between 0 and {MAX_STD:.4f} (got {args.std})")
@@ -295,7 +305,7 @@ def reconstruct_command(args):
             raise ConfigError(f"{run_dir}: no saved network in unet/ yet: let the run finish (or run it again) first")
         unet = models.load_network(run_dir / "unet")
         missing, unexpected = unet.load_state_dict(state, strict=False)
-        if unexpected or set(missing) - {name for name, _ in unet.named_buffers()}:
+        if unexpected or set(missing) - {name for name, _ in unet.named_buffers()} - loaded_through_another_name(unet, state):
             raise ConfigError(f"{run_dir}: the EMA snapshots do not match the saved network")
         save_network(unet, output)
     else:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 import dit
 import model as models
@@ -119,6 +120,13 @@ def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, mo
     early = str(out / "checkpoints" / "checkpoint-2")
     assert not np.array_equal(by_class("circle", "a", "--guide", early, "--guidance_scale", "2"), unguided)
     assert np.array_equal(by_class("circle", "a1", "--guide", str(out), "--guidance_scale", "2"), unguided)
+    # ema.py reconstructs another EMA from the snapshots, whose parameters name the shared embedder once
+    import ema as posthoc_ema
+
+    rebuilt = models.load_network(posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(out), "--std", "0.05"])) / "unet")
+    assert rebuilt.transformer_blocks[1].norm1.emb is rebuilt.transformer_blocks[0].norm1.emb
+    snapshot = load_file(str(out / "ema_snapshots" / snapshots[-2]))  # step 4, std 0.05: the reconstruction at 4
+    assert all(torch.allclose(p, snapshot[name], atol=1e-6) for name, p in rebuilt.named_parameters())
 
 
 def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):
