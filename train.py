@@ -449,7 +449,8 @@ class Run:
         except OSError as e:
             note = f"running again saves it from the checkpoint of step {self.step}"
             raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
-        self.accelerator.print(f"saved the pipeline to {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
+        saved = "the pipeline to" if models.saves_pipeline(vars(self.args)) else "the network to"  # EDM, EDM2, DiT: unet/ alone
+        self.accelerator.print(f"saved {saved} {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
 
     def write_samples(self, epoch):
         """A grid of --eval_batch_size images from the EMA weights, from the same noise every time;

@@ -76,10 +76,11 @@ def test_it_takes_a_unet_s_call_one_timestep_and_no_labels():
 
 
 @pytest.mark.parametrize("objective", ["ddpm", "flow:2", "edm"])
-def test_each_objective_trains_a_dit_and_sample_py_samples_it(tmp_path, objective):
+def test_each_objective_trains_a_dit_and_sample_py_samples_it(tmp_path, objective, capsys):
     out = tmp_path / "run"
     train(out, *DIT, "--objective", objective, "--max_train_steps", 3)
     assert isinstance(models.load_network(out / "unet"), dit.DiT) and not (out / "model_index.json").exists()
+    assert f"saved the network to {out}; " in capsys.readouterr().out  # not "the pipeline": there is none
     result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--num_inference_steps", "3",
                                             "--output", str(tmp_path / "s")]))  # fmt: skip
     image = np.asarray(Image.open(tmp_path / "s" / "000000.png"))
