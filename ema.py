@@ -34,7 +34,7 @@ import torch
 
 import model as models
 from errors import ConfigError, OneLineParser, one_line_errors
-from rundir import RunDir, save_network
+from rundir import CONFIG_FILE, RunDir, save_network
 
 SNAPSHOT_DIR = "ema_snapshots"
 MAX_STD = (1 / 12) ** 0.5  # sigma_rel of gamma = 0, the uniform average of the whole run
@@ -314,6 +314,9 @@ def reconstruct_command(args):
         scheduler = models.run_noise_scheduler(config)
         save_network(unet, output, scheduler)
     step = max(u["step"] for u in used)
+    # the run's configuration beside the network: the folder samples (sample.py reads how the run was trained
+    # from it) wherever it is moved or uploaded
+    (output / CONFIG_FILE).write_text((RunDir(run_dir).folder / CONFIG_FILE).read_text())
     (output / "ema.json").write_text(json.dumps(dict(std=args.std, step=step, snapshots=used), indent=2) + "\n")
     print(f"reconstructed the EMA with sigma_rel {args.std:g} at step {step} from {len(used)} snapshots into {output}")
     return output

@@ -235,6 +235,11 @@ class RunDir:
                 "for the raw weights pass a checkpoint folder (RUN_DIR/checkpoints/checkpoint-STEP) with --no-ema"
             )
         if not (folder / "model_index.json").is_file():
+            if self.config is None:  # its objective, schedule and any VAE are in no file here: say so, not guess DDPM
+                raise ConfigError(
+                    f"{folder} holds a network saved without a pipeline (an EDM, EDM2 or DiT run's) and no "
+                    f"{CONFIG_FILE} in it or above it says how it was trained: copy its run's {CONFIG_FILE} into it"
+                )
             return models.load_network(folder / "unet"), None
         with quiet_loading():
             pipeline = DDPMPipeline.from_pretrained(str(folder))

@@ -124,10 +124,22 @@ def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, mo
     # ema.py reconstructs another EMA from the snapshots, whose parameters name the shared embedder once
     import ema as posthoc_ema
 
-    rebuilt = models.load_network(posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(out), "--std", "0.05"])) / "unet")
+    folder = posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(out), "--std", "0.05"]))
+    rebuilt = models.load_network(folder / "unet")
     assert rebuilt.transformer_blocks[1].norm1.emb is rebuilt.transformer_blocks[0].norm1.emb
     snapshot = load_file(str(out / "ema_snapshots" / snapshots[-2]))  # step 4, std 0.05: the reconstruction at 4
     assert all(torch.allclose(p, snapshot[name], atol=1e-6) for name, p in rebuilt.named_parameters())
+    # moved out of the run, it still samples: the run's train_config.json went with it (a network saved
+    # without a pipeline has its objective, schedule and VAE there); without that file, one line says so
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(folder, moved)
+    sample.main(sample.parse_args([str(moved), "--num_images", "1", "--num_inference_steps", "2", "--class_labels",
+                                   "circle", "--output", str(tmp_path / "m")]))  # fmt: skip
+    assert (tmp_path / "m" / "000000.png").is_file()
+    (moved / "train_config.json").unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(sample.parse_args([str(moved), "--num_images", "1", "--output", str(tmp_path / "m2")]))
+    assert exit_info.value.code == 2
 
 
 def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):
