@@ -247,7 +247,10 @@ class Run:
             images = images.to(self.device)  # small enough to sit on the GPU: --preload_data's MAX_GIB
         self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
                                     self.world, args.dataloader_num_workers, self.unreadable, labels)  # fmt: skip
-        self.guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None  # autoguidance
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            # autoguidance's network: building it (a checkpoint's) draws random numbers, which must not change the
+            # network trained or its noise: with or without --guide, the same --seed trains the same weights
+            self.guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None
         self.num_images = len(images)
         self._build_training()
         self.step, self.skipped_before = 0, 0

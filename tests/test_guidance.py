@@ -289,6 +289,20 @@ def test_guidance_without_labels_or_a_guide_is_one_line(tmp_path, capsys):
         assert "--guidance_scale takes numbers of at least 0" in capsys.readouterr().err
 
 
+def test_a_guide_leaves_the_trained_network_as_it_was(tmp_path):
+    """--guide changes the grids and the evaluation only: loading it (a checkpoint's network is built, drawing
+    random numbers) must not move the run's random stream, so the same --seed trains the same weights."""
+    from safetensors.torch import load_file
+
+    short = ["--max_train_steps", "2", "--checkpointing_steps", "2"]
+    conditional_run(tmp_path / "guide", *short)
+    conditional_run(tmp_path / "alone", *short)
+    conditional_run(tmp_path / "guided", *short, "--guide", str(tmp_path / "guide" / "checkpoints" / "checkpoint-2"),
+                    "--guidance_scale", "2")  # fmt: skip
+    alone, guided = (load_file(str(tmp_path / r / "checkpoints" / "checkpoint-2" / "model.safetensors")) for r in ("alone", "guided"))
+    assert alone.keys() == guided.keys() and all(torch.equal(alone[k], guided[k]) for k in alone)
+
+
 def test_class_match_has_a_baseline_of_samples_blind_to_their_labels():
     import metrics
 
