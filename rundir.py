@@ -205,7 +205,13 @@ class RunDir:
 
     @property
     def objective(self):
-        """The training objective: train_config.json's "objective", else "ddpm"."""
+        """The training objective: train_config.json's "objective"; outside a run, a flow pipeline's (its saved
+        scheduler is FlowMatchEulerDiscreteScheduler, with the run's shift), else "ddpm"."""
+        if self.config is None:
+            saved = self.path / "scheduler" / "scheduler_config.json"
+            scheduler = json.loads(saved.read_text()) if saved.is_file() else {}
+            if scheduler.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
+                return models.canonical_objective(f"flow:{scheduler.get('shift', 1.0)}")
         return self.get("objective", "ddpm")
 
     @property

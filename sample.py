@@ -630,6 +630,15 @@ def load_guide(path, main_config, device):
     return net.to(device)
 
 
+def check_guide_network(guide_path, guide, source, net):
+    """Where a config is missing (a pipeline outside its run), what the folders still say: the objective (a
+    flow pipeline's scheduler says flow) and the images' shape must be the model's."""
+    guide_objective = RunDir(guide_path).objective
+    if guide_objective != source.objective or image_shape(guide) != image_shape(net):
+        raise ConfigError(f"the guide {guide_path} ({guide_objective}, images {image_shape(guide)}) does not match the "
+                          f"model ({source.objective}, images {image_shape(net)}): guide with a run of the same kind")  # fmt: skip
+
+
 def main(args):
     with one_line_errors("sample.py"):
         return run(validate(args))
@@ -671,6 +680,8 @@ def run(args):
         scheduler, sampler_name = make_scheduler(args.sampler, training_config, clip=decode is None), args.sampler
     labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
     guide = load_guide(args.guide, config, args.device) if args.guide else None
+    if guide is not None and (config is None or RunDir(args.guide).config is None):
+        check_guide_network(args.guide, guide, source, unet)
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
     evaluation = None
     if args.fid:

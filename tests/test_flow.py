@@ -134,6 +134,31 @@ def flow_run(tmp_path_factory):
     return out
 
 
+def test_a_flow_pipeline_outside_its_run_samples_as_flow_and_guides_only_flow(flow_run, tmp_path, capsys):
+    """A pipeline folder with no train_config.json (uploaded, or copied out of its run): its saved scheduler
+    says flow, with the run's shift, so sample.py samples it with a flow sampler, and a DDPM run cannot be
+    guided by it (nor it by a DDPM run)."""
+    import shutil
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for name in ("model_index.json", "scheduler", "unet"):
+        (shutil.copytree if (flow_run / name).is_dir() else shutil.copyfile)(flow_run / name, alone / name)
+    assert sample.RunDir(alone).config is None and sample.RunDir(alone).objective == "flow:3"
+    result = sample.main(sample.parse_args([str(alone), "--num_images", "1", "--num_inference_steps", "2",
+                                            "--output", str(tmp_path / "s")]))  # fmt: skip
+    assert result["sampler"] == sample.DEFAULT_FLOW_SAMPLER
+    ddpm = tmp_path / "ddpm"
+    train(ddpm, "--max_train_steps", 1, "--checkpointing_steps", 1)
+    for model, guide in ((ddpm, alone), (alone, ddpm)):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            sample.main(sample.parse_args([str(model), "--num_images", "1", "--guide", str(guide), "--guidance_scale",
+                                           "2", "--output", str(tmp_path / "g")]))  # fmt: skip
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and "does not match the model" in line, line
+
+
 def test_a_flow_run_saves_a_pipeline_that_diffusers_samples_as_train_py_does(flow_run):
     """DDPMPipeline.from_pretrained(run) holds a FlowMatchEulerDiscreteScheduler with the run's shift,
     and from the same noise gives sample.py's Euler images: with a shift of 3 the two agree only if both
