@@ -582,6 +582,12 @@ def validate(args):
         raise ConfigError(f"--fid needs --num_images of at least 2 (got {args.num_images})")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError(f"--device {args.device}: not a device torch knows: use cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: this machine has no CUDA GPU torch can use: use --device cpu")
     if not Path(args.run_dir).exists():
         raise ConfigError(f"{args.run_dir}: no such folder")
     if args.guide is not None and not Path(args.guide).exists():
@@ -680,6 +686,9 @@ def run(args):
         scheduler, sampler_name = make_scheduler(args.sampler, training_config, clip=decode is None), args.sampler
     labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
     guide = load_guide(args.guide, config, args.device) if args.guide else None
+    if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):
+        raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "
+                          "no classes, so give --guide RUN (a weaker run or checkpoint) or drop --guidance_scale")  # fmt: skip
     if guide is not None and (config is None or RunDir(args.guide).config is None):
         check_guide_network(args.guide, guide, source, unet)
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.

@@ -212,7 +212,9 @@ SAMPLE_ERRORS = [
     (["{run}", "--num_inference_steps", "2000", "--output", "x"], "cannot exceed"),
     (["{run}", "--sampler", "euler", "--output", "x"], "--sampler euler samples a flow run"),
     (["{run}", "--sampler", "lms", "--output", "x"], "invalid choice: 'lms'"),
-]
+    (["{run}", "--guidance_scale", "2", "--output", "x"], "has no classes, so give --guide RUN"),
+    (["{run}", "--device", "gpu", "--output", "x"], "--device gpu: not a device torch knows"),
+] + ([(["{run}", "--device", "cuda", "--output", "x"], "no CUDA GPU torch can use")] if not torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("flags, message", SAMPLE_ERRORS, ids=[m for _, m in SAMPLE_ERRORS])
