@@ -231,7 +231,7 @@ def check_image_size(name, image_size, factor=1):
     (a latent run's VAE factor: the network sees latents of side image_size / factor)."""
     multiple, size = size_multiple(name), image_size // factor
     if size < multiple or size % multiple:
-        examples = ", ".join(str(multiple * k * factor) for k in (1, 2, 4, 8))
+        examples = ", ".join(str(multiple * k * factor) for k in (1, 2, 3, 4))  # multiples, not powers of two
         latents = f" (its {size}x{size} latents: the VAE's factor is {factor})" if factor > 1 else ""
         how = (f"it cuts its input into {multiple}x{multiple} patches" if PRESETS[name].get("network") == "dit"
                else f"it halves its input {multiple.bit_length() - 1} times")  # fmt: skip

@@ -237,7 +237,7 @@ class RunDir:
     def _load_pipeline(self, folder, ema):
         if ema is False and self.kept_ema:
             raise ConfigError(
-                f"{folder} is a saved pipeline, which holds the EMA weights only: "
+                f"{folder} holds the network the run saved, which holds the EMA weights only: "
                 "for the raw weights pass a checkpoint folder (RUN_DIR/checkpoints/checkpoint-STEP) with --no-ema"
             )
         if not (folder / "model_index.json").is_file():

@@ -614,7 +614,10 @@ def class_labels_for(spec, config, num_classes, count, seed, as_in_data):
         counts = (config or {}).get("class_counts")
         return labels_as_in_data(counts, count, seed) if as_in_data and counts else spread_labels(num_classes, count)
     wanted = []
-    for item in (w.strip() for w in spec.split(",") if w.strip()):
+    items = [w.strip() for w in spec.split(",")]
+    if any(not w for w in items) and any(items):
+        raise ConfigError(f"--class_labels {spec!r} has an empty entry: give names or numbers separated by single commas")
+    for item in (w for w in items if w):
         if item in names:
             wanted.append(names.index(item))
         elif item.isdigit() and int(item) < num_classes:

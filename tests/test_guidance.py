@@ -136,6 +136,8 @@ def test_class_labels_by_name_number_spread_and_as_in_the_data():
     assert 1 not in drawn.tolist() and 0.65 < (drawn == 2).float().mean() < 0.85
     with pytest.raises(ConfigError, match="no class 'hexagon'"):
         sample.class_labels_for("hexagon", config, 3, 4, 0, False)
+    with pytest.raises(ConfigError, match="has an empty entry"):  # a typo, not a class left out quietly
+        sample.class_labels_for("0,,1", config, 3, 4, 0, False)
     with pytest.raises(ConfigError, match="class-conditional"):
         sample.class_labels_for("0", {}, 0, 4, 0, False)
     assert sample.grid_labels(3, 16).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 4  # one row per class

@@ -78,7 +78,7 @@ def test_unknown_preset_is_refused_with_the_choices():
 
 
 def test_image_size_the_model_cannot_take_is_refused_with_the_sizes_it_can():
-    with pytest.raises(ConfigError, match="multiple of 32 \\(32, 64, 128, 256"):
+    with pytest.raises(ConfigError, match="multiple of 32 \\(32, 64, 96, 128"):
         models.check_image_size("ref128", 100)
     with pytest.raises(ConfigError, match="multiple of 32"):
         models.check_image_size("ref128", 16)
