@@ -123,8 +123,10 @@ def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=No
             child.wait(timeout)
         except subprocess.TimeoutExpired:
             err.seek(0)
+            text = err.read().decode(errors="replace")
+            dump = text.find("Timeout (")  # faulthandler's stack dump at 200 s: its head says where it hung
             print(f"--- {shlex.join(child.args)[:200]}: killed after {timeout} s; its stderr:\n"
-                  f"{err.read()[-3000:].decode(errors='replace')}", file=sys.stderr)  # fmt: skip
+                  f"{text[dump : dump + 6000] if dump >= 0 else text[-3000:]}", file=sys.stderr)  # fmt: skip
             raise
         finally:
             child.kill()
