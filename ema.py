@@ -293,7 +293,8 @@ def reconstruct_command(args):
     if not 0 < args.std < MAX_STD:
         raise ConfigError(f"--std must be between 0 and {MAX_STD:.4f} (got {args.std})")
     run_dir = Path(args.run_dir)
-    config = RunDir(run_dir).config
+    source = RunDir(run_dir)
+    config = source.config
     if config is None:
         raise ConfigError(f"{run_dir}: not a training run folder (no train_config.json)")
     state, used = reconstruct(run_dir / SNAPSHOT_DIR, args.std, args.step)
@@ -316,7 +317,7 @@ def reconstruct_command(args):
     step = max(u["step"] for u in used)
     # the run's configuration beside the network: the folder samples (sample.py reads how the run was trained
     # from it) wherever it is moved or uploaded
-    (output / CONFIG_FILE).write_text((RunDir(run_dir).folder / CONFIG_FILE).read_text())
+    (output / CONFIG_FILE).write_text((source.folder / CONFIG_FILE).read_text())
     (output / "ema.json").write_text(json.dumps(dict(std=args.std, step=step, snapshots=used), indent=2) + "\n")
     print(f"reconstructed the EMA with sigma_rel {args.std:g} at step {step} from {len(used)} snapshots into {output}")
     return output

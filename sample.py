@@ -629,23 +629,24 @@ def class_labels_for(spec, config, num_classes, count, seed, as_in_data):
     return torch.tensor([wanted[i % len(wanted)] for i in range(count)])
 
 
-def load_guide(path, main_config, device):
-    """The guiding network of --guide on `device`, checked against the run config
-    `main_config` of the model it guides (check_guide; None: not checked)."""
+def load_guide(path, main_config, device, main=None):
+    """The guiding network of --guide on `device`, checked against the run config `main_config` of the model
+    it guides (check_guide); where either config is missing (a pipeline outside its run), against `main`,
+    the model's (RunDir, network), by what the folders still say (check_guide_network)."""
     guide = RunDir(path)
     if main_config is not None and guide.config is not None:
         check_guide(main_config, guide.config)
     net, _ = guide.load()
+    if main is not None and (main_config is None or guide.config is None):
+        check_guide_network(guide, net, *main)
     return net.to(device)
 
 
-def check_guide_network(guide_path, guide, source, net):
-    """Where a config is missing (a pipeline outside its run), what the folders still say: the objective (a
-    flow pipeline's scheduler says flow) and the images' shape must be the model's."""
-    guide_objective = RunDir(guide_path).objective
-    if guide_objective != source.objective or image_shape(guide) != image_shape(net):
-        raise ConfigError(f"the guide {guide_path} ({guide_objective}, images {image_shape(guide)}) does not match the "
-                          f"model ({source.objective}, images {image_shape(net)}): guide with a run of the same kind")  # fmt: skip
+def check_guide_network(guide, guide_net, source, net):
+    """The objective (a flow pipeline's scheduler says flow) and the images' shape must be the model's."""
+    if guide.objective != source.objective or image_shape(guide_net) != image_shape(net):
+        raise ConfigError(f"the guide {guide.path} ({guide.objective}, images {image_shape(guide_net)}) does not match "
+                          f"the model ({source.objective}, images {image_shape(net)}): guide with a run of the same kind")  # fmt: skip
 
 
 def main(args):
@@ -688,12 +689,10 @@ def run(args):
             )
         scheduler, sampler_name = make_scheduler(args.sampler, training_config, clip=decode is None), args.sampler
     labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
-    guide = load_guide(args.guide, config, args.device) if args.guide else None
+    guide = load_guide(args.guide, config, args.device, main=(source, unet)) if args.guide else None
     if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):
         raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "
                           "no classes, so give --guide RUN (a weaker run or checkpoint) or drop --guidance_scale")  # fmt: skip
-    if guide is not None and (config is None or RunDir(args.guide).config is None):
-        check_guide_network(args.guide, guide, source, unet)
     # The Inception weights and the reference statistics before any sampling: a missing file fails now.
     evaluation = None
     if args.fid:

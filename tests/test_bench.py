@@ -15,7 +15,7 @@ from bench import speed as bench
 from conftest import ROOT
 from errors import ConfigError
 from test_train import run as run_train
-from test_train import scalars, visible
+from test_train import scalars, spy_on_build, visible
 
 TINY = bench.WORKLOADS["tiny"]
 CPU = torch.device("cpu")
@@ -342,9 +342,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
 
 def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys, monkeypatch):
     """channels_last has no train.py flag; the ladder sets it on the configuration, as here."""
-    built = []
-    build = training.build
-    monkeypatch.setattr(training, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    built = spy_on_build(monkeypatch)
     out = tmp_path / "run"
     config = run_train(out, "--max_train_steps", 2, "--compile_mode", "auto", "--logging_steps", 1,
                        "--checkpointing_steps", 2, "--save_images_epochs", 100, channels_last=True)  # fmt: skip

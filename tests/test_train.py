@@ -239,12 +239,17 @@ def test_a_compile_that_fails_falls_back_to_eager_and_trains_the_same_weights(tm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_v_prediction_with_zero_terminal_snr_and_min_snr_trains_and_samples(tmp_path, monkeypatch):
+def spy_on_build(monkeypatch):
+    """The list that each training.build call's Pieces (what the step trains) are appended to."""
     import training
 
-    built = []
-    build = training.build
+    built, build = [], training.build
     monkeypatch.setattr(training, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    return built
+
+
+def test_v_prediction_with_zero_terminal_snr_and_min_snr_trains_and_samples(tmp_path, monkeypatch):
+    built = spy_on_build(monkeypatch)
     out = tmp_path / "run"
     run(out, "--max_train_steps", 2, "--save_images_epochs", 1, "--prediction_type", "v_prediction",
         "--zero_terminal_snr", "--snr_gamma", 5)  # fmt: skip
