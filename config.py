@@ -109,6 +109,9 @@ SETTINGS = dict(
     # or latents (--vae), 48x fewer values per image at 8x. flops.py counts its cost (HFU).
     gradient_checkpointing=False,
     profile_steps=3, profile_top=15, profile_stack=False,  # --profile: steps recorded, rows of its table, no stacks
+    # What a compiled step compiles: None, its network family's rule (step.COMPILE_SCOPES); "regional",
+    # each repeated block once; "whole", the network as one graph. `python -m bench` rows set it.
+    compile_scope=None,
 )  # fmt: skip
 # Every setting `resolve` puts on a configuration: SETTINGS, and channels_last (with fused_norm) and
 # cudnn_benchmark (with a CUDA GPU), which it derives where a configuration does not set them.

@@ -39,6 +39,10 @@ def dit_kwargs(size, patch):
 class DiT(DiTTransformer2DModel):
     """DiTTransformer2DModel with one shared embedder, no per-block label dropout, and UNet2DModel's call."""
 
+    # The blocks compiled once and reused (regional compilation, step.RegionalNetwork); diffusers 0.42.1
+    # leaves DiTTransformer2DModel's list empty.
+    _repeated_blocks = ("BasicTransformerBlock",)
+
     @register_to_config
     def __init__(
         self, num_classes=None, num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=None,

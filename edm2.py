@@ -276,6 +276,8 @@ class EDM2UNet(ModelMixin, ConfigMixin):
     switches are what config.json records.
     """
 
+    _repeated_blocks = ("Block",)  # compiled once per shape and reused (regional compilation, step.RegionalNetwork)
+
     _supports_gradient_checkpointing = True
 
     @register_to_config

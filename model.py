@@ -261,7 +261,14 @@ def build_unet(name, image_size, device=None, num_classes=0, channels=3):
         if preset.get("network") == "dit":
             return DiT(sample_size=image_size, num_classes=num_classes, **io, **preset["dit"])
         classes = dict(num_class_embeds=num_classes + 1) if num_classes else {}
-        return UNet2DModel(sample_size=image_size, **io, **preset["unet"], **classes)
+        net = UNet2DModel(sample_size=image_size, **io, **preset["unet"], **classes)
+    net._repeated_blocks = UNET_REPEATED_BLOCKS  # diffusers 0.42.1 declares none for UNet2DModel
+    return net
+
+
+# The UNet's blocks that regional compilation (step.RegionalNetwork) compiles once per shape: its ResNet
+# blocks and attention; the down- and upsamplers, embeddings and the last norm and conv run eager.
+UNET_REPEATED_BLOCKS = ("ResnetBlock2D", "Attention")
 
 
 def build_run_network(config):

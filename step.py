@@ -28,10 +28,13 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 import data
+import model as models
 import profiling
 from errors import ConfigError, RunError
 
@@ -76,6 +79,118 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
     return "reduce-overhead", f"auto: reduce-overhead, CUDA graphs ({tflop:.3g} TFLOP per micro-batch is bound by kernel launches)"
 
 
+# --- how the network is compiled, and whether it pays ----------------------------------
+
+# How each network family compiles by default: "regional" (each repeated block once,
+# RegionalNetwork) or "whole" (the network as one graph). The rule: regional unless the whole
+# network's step was measured more than 3% faster; the measurements are in docs/performance.md.
+COMPILE_SCOPES = {"dit": "regional", "edm2": "regional", "unet": "regional"}
+
+
+def network_family(model_name):
+    """'dit', 'edm2' or 'unet' (diffusers' UNet2DModel) for a preset."""
+    return models.PRESETS[model_name].get("network", "unet")
+
+
+def choose_compile_scope(args):
+    """("regional" or "whole", why) for a run's network: the `compile_scope` setting
+    (`python -m bench` varies it) or its family's rule, COMPILE_SCOPES."""
+    if args.gradient_checkpointing:  # a checkpointed block is recomputed outside its compiled call
+        return "whole", "whole network (gradient checkpointing recomputes the blocks)"
+    given = getattr(args, "compile_scope", None)
+    if given:
+        return given, f"{given} (compile_scope {given})"
+    scope = COMPILE_SCOPES[network_family(args.model)]
+    return scope, "each repeated block compiled once" if scope == "regional" else "whole network"
+
+
+# A cold compile of train.py's step (the first step: forward and backward) in seconds, by device
+# type, network family and scope; a warm one (Inductor's cache holds the graphs) takes
+# WARM_COMPILE_FRACTION of it. From measurements (docs/performance.md): on an H100 DiT-XL/2 and
+# ddpm32 each took 84.7 s whole; ref128 114-126 s on an H100 and an H200, 13.2 s warm. Regional on a
+# GPU is not measured yet: predicted as the whole compile times the regional/whole ratio a 2-core CPU
+# measured for that family.
+COLD_COMPILE_S = {
+    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 85 * 0.45,
+    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.8,
+    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 0.8,
+    ("cpu", "dit", "whole"): 160, ("cpu", "dit", "regional"): 73,
+    ("cpu", "unet", "whole"): 100, ("cpu", "unet", "regional"): 80,
+    ("cpu", "edm2", "whole"): 100, ("cpu", "edm2", "regional"): 80,
+}  # fmt: skip
+WARM_COMPILE_FRACTION = 0.11
+
+# What compiling saves: the eager step's MFU on a GPU (its time = FLOPs / (peak * MFU), no less than
+# a launch-bound floor), and the share of the eager step the compiled mode saves. On an H100
+# (bf16): DiT-XL/2 eager 24.6% MFU, 187 -> 128 ms compiled; ref128 eager 11.6%, 207 -> 124 ms;
+# adm64 (launch bound) 113 ms eager -> 21.6 ms with CUDA graphs. On a CPU, which has no peak in
+# flops.py, the eager step's rate in FLOP/s on a 2-core CPU takes the place of peak * MFU.
+EAGER_MFU = {"dit": 0.246, "unet": 0.116, "edm2": 0.116}
+EAGER_LAUNCH_FLOOR_S = {"dit": 0.02, "unet": 0.1, "edm2": 0.1}
+SAVED_SHARE = {"dit": 0.32, "unet": 0.40, "edm2": 0.40}
+SAVED_SHARE_CUDA_GRAPHS = 0.8  # a launch-bound step replayed as CUDA graphs
+CPU_EAGER_FLOPS = {"dit": 20e9, "unet": 20e9, "edm2": 20e9}
+CPU_SAVED_SHARE = {"dit": 0.19, "unet": 0.1, "edm2": 0.1}
+
+
+class CompilePlan(NamedTuple):
+    """What `choose_compile_mode` decided: the mode (None: eager), the scope and the line that says why."""
+
+    mode: object
+    scope: str
+    why: str
+
+
+def predicted_compile_s(device, family, scope, warm_s=None):
+    """(seconds, words): a cold compile's from COLD_COMPILE_S, or this machine's own record of the same
+    graphs (`warm_s`, from `remembered_compile_s`: Inductor's cache holds them)."""
+    if warm_s is not None:
+        return warm_s * WARM_COMPILE_FRACTION, "warm cache"
+    return COLD_COMPILE_S[(device.type if device.type == "cuda" else "cpu", family, scope)], "cold cache"
+
+
+def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
+    """Seconds a step in `mode` saves over the eager step, predicted; None where nothing predicts it
+    (a GPU whose peak flops.py does not know)."""
+    if device.type == "cuda":
+        if not peak_flops:
+            return None
+        eager_s = max(flops_per_step / (peak_flops * EAGER_MFU[family]), EAGER_LAUNCH_FLOOR_S[family])
+        return eager_s * (SAVED_SHARE_CUDA_GRAPHS if mode in CUDA_GRAPH_MODES else SAVED_SHARE[family])
+    return flops_per_step / CPU_EAGER_FLOPS[family] * CPU_SAVED_SHARE[family]
+
+
+def compile_pays(total_steps, saving_s, compile_s):
+    """Whether a run of `total_steps` steps, each `saving_s` faster compiled, repays a compile of `compile_s`."""
+    return saving_s is None or not total_steps or total_steps * saving_s > compile_s
+
+
+def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps=None, peak_flops=None, remembered=None):
+    """The step's CompilePlan: `choose_compile_mode`'s mode, `choose_compile_scope`'s scope, and, for
+    --compile_mode auto, eager instead where the run is too short to repay the compile: its
+    `total_steps` times the predicted saving of a step against the predicted compile
+    (`peak_flops`: the device's, flops.py's; `remembered(mode, scope)`: the cold compile seconds this
+    machine recorded for the same step, whose graphs Inductor's cache then holds, or None).
+    """
+    mode, why = choose_compile_mode(args, device, num_processes, flops_per_micro_batch)
+    if mode is None:
+        return CompilePlan(None, "whole", why)
+    scope, scope_why = choose_compile_scope(args)
+    if args.compile_mode == "auto":
+        family = network_family(args.model)
+        compile_s, cache = predicted_compile_s(device, family, scope, remembered and remembered(mode, scope))
+        per_step = flops_per_micro_batch * args.gradient_accumulation_steps
+        saving_s = predicted_saving_s(device, family, mode, per_step, peak_flops)
+        if not compile_pays(total_steps, saving_s, compile_s):
+            return CompilePlan(None, scope, (
+                f"auto: eager: compiling ({mode}, {scope_why}) would take about {compile_s:.0f} s ({cache}), more than "
+                f"it saves in this run's {total_steps:,} steps (about {saving_s * total_steps:.0f} s, "
+                f"{saving_s * 1e3:.3g} ms a step); --compile_mode {mode} compiles anyway"))  # fmt: skip
+        if saving_s is not None and total_steps:
+            why += f"; compile about {compile_s:.0f} s ({cache}), saves about {saving_s * total_steps:.0f} s in {total_steps:,} steps"
+    return CompilePlan(mode, scope, f"{why}; {scope_why}")
+
+
 def graph_blockers(args, device, num_processes):
     """Why this run cannot capture CUDA graphs (empty: it can)."""
     found = []
@@ -94,8 +209,9 @@ def graph_blockers(args, device, num_processes):
     return found
 
 
-def compile_network(model, mode, force_layout=False):
-    """What the step calls: `model` itself (mode None) or torch.compile of it.
+def compile_network(model, mode, force_layout=False, scope="whole"):
+    """What the step calls: `model` itself (mode None), torch.compile of it (scope "whole"), or
+    `model` with each of its repeated blocks compiled once (scope "regional": RegionalNetwork).
 
     Call it after accelerate's `prepare`, so that the compiled graph holds the
     autocast and any DDP wrapper; keep using `model` itself for checkpoints,
@@ -109,7 +225,55 @@ def compile_network(model, mode, force_layout=False):
         return model
     profiling.quiet_known_compile_warnings()
     inductor_settings(force_layout)
-    return torch.compile(model, mode="default" if mode == "step-graph" else mode, dynamic=False)
+    mode = "default" if mode == "step-graph" else mode
+    if scope == "regional":
+        return RegionalNetwork(model, mode)
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
+def repeated_blocks(model):
+    """The modules of `model` (or of the network inside accelerate's or DDP's wrapper) that its class names
+    in `_repeated_blocks`, diffusers' declaration for ModelMixin.compile_repeated_blocks."""
+    network = getattr(model, "module", model)
+    names = tuple(getattr(network, "_repeated_blocks", None) or ())
+    return [m for m in network.modules() if type(m).__name__ in names]
+
+
+# Regional compilation keeps one compiled graph per block class and shape: a UNet's blocks come in
+# more shapes (channels, resolution, skip inputs) than Dynamo's default 8 graphs per function.
+REGIONAL_RECOMPILE_LIMIT = 64
+
+
+class RegionalNetwork:
+    """`model` whose repeated blocks run compiled while the step calls it (regional compilation).
+
+    Each block gets torch.compile of its call, as `nn.Module.compile` (and diffusers'
+    `compile_repeated_blocks`) would make it; Dynamo keeps one graph per block class and
+    shape, so DiT-XL/2's 28 transformer blocks compile once, not 28 times, and the rest of the
+    network (embeddings, the final layer) runs eager. Unlike `nn.Module.compile`, the compiled
+    calls are set on the blocks only for the duration of a call: the same network sampling
+    grids in eval mode, at another batch and without gradients, runs eager rather than
+    compiling graphs for every batch it meets. The backward of a compiled block is AOTAutograd's,
+    recorded during the call, so it needs nothing set afterwards.
+    """
+
+    def __init__(self, model, mode="default"):
+        self.model = model
+        self.blocks = repeated_blocks(model)
+        if not self.blocks:
+            raise ConfigError(f"{type(getattr(model, 'module', model)).__name__} declares no repeated blocks to compile "
+                              "regionally: compile it whole")  # fmt: skip
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGIONAL_RECOMPILE_LIMIT)
+        self.compiled = [torch.compile(block._call_impl, mode=mode, dynamic=False) for block in self.blocks]
+
+    def __call__(self, *args, **kwargs):
+        for block, call in zip(self.blocks, self.compiled):
+            block._compiled_call_impl = call
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            for block in self.blocks:
+                block._compiled_call_impl = None
 
 
 def inductor_settings(force_layout=False):
@@ -417,8 +581,9 @@ class FastStep:
     """The step in the fastest mode that works: one whose compile or capture raises falls back.
 
     `step` is a TrainStep whose `net` is the uncompiled model; `mode` is a
-    --compile_mode (None: eager). An exception in a mode's first calls (its
-    compile, reduce-overhead's recording, step-graph's capture) puts back what
+    --compile_mode (None: eager) and `scope` what of the network it compiles
+    (compile_network: "whole" or "regional"). An exception in a mode's first
+    calls (its compile, reduce-overhead's recording, step-graph's capture) puts back what
     the call may have touched (the random generators, the gradients, the EMA's
     step count: the weights and the optimizer change only at its end), rebuilds
     the step in the next mode (step-graph -> reduce-overhead -> default ->
@@ -433,8 +598,8 @@ class FastStep:
     saying which flags to rerun with.
     """
 
-    def __init__(self, step, mode, device, say=print, num_processes=None):
-        self.base, self.device, self.say = step, device, say
+    def __init__(self, step, mode, device, say=print, num_processes=None, scope="whole"):
+        self.base, self.device, self.say, self.scope = step, device, say, scope
         self.num_processes = num_processes or process_count(step.accelerator)
         self.fallbacks = []
         self.graph_skips = []
@@ -447,7 +612,7 @@ class FastStep:
     def _use(self, mode):
         self.mode, self.calls = mode, 0
         step = copy.copy(self.base)
-        step.net = compile_network(self.base.model, mode)
+        step.net = compile_network(self.base.model, mode, scope=self.scope)
         self.current = build_step(step, mode, self.device)
         if mode is None:
             self.trial_calls = 0
@@ -626,6 +791,57 @@ def save_compile_artifacts(path, device):
     tmp.write_bytes(COMPILE_CACHE_HEADER + json.dumps(compile_origin(device)).encode() + b"\n" + blob)
     tmp.replace(path)
     return True
+
+
+# Inductor's on-disk cache outlives a run: which steps it holds graphs for, and how long each took to
+# compile cold, is kept beside it in this file, so that the next run of the same step predicts a warm compile.
+COMPILE_RECORD_FILE = "train_py_compiles.json"
+
+
+def compile_key(args, device, mode, scope):
+    """What decides a step's compiled graphs: torch, the device, the network and its input, the batch,
+    the precision and how it is compiled."""
+    side = getattr(args, "latent_size", None) or args.image_size
+    channels = getattr(args, "latent_channels", None) or 3
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return (f"torch {torch.__version__} | {name} | {args.model} {side}x{side}x{channels} | classes "
+            f"{bool(args.class_conditional)} | batch {args.train_batch_size} | {args.mixed_precision} | "
+            f"{mode} {scope} | checkpointing {bool(args.gradient_checkpointing)}")  # fmt: skip
+
+
+def compile_record_path():
+    """The record in Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, or its default under /tmp)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / COMPILE_RECORD_FILE
+
+
+def remembered_compile_s(key, path=None):
+    """The cold compile seconds this machine recorded for `key`, or None (never compiled, or no record)."""
+    try:
+        return float(json.loads((path or compile_record_path()).read_text())[key])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remember_compile(key, seconds, path=None):
+    """Record a compile of `key` (the first, cold one: a later, warm compile keeps the cold figure)."""
+    path = path or compile_record_path()
+    try:
+        record = json.loads(path.read_text())
+        record = record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        record = {}
+    if key in record:
+        return
+    record[key] = round(seconds, 1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only cache folder: the next run predicts a cold compile
+        pass
 
 
 def describe_compile(seconds, before, after):

@@ -2,7 +2,7 @@
 # One part of the GPU evidence, sized for one call of a lent GPU machine (8 minutes on a freshly
 # started one, cold compiles included), packed into two files:
 #
-#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, ref128, adm64, fused or dit; FOLDER: $OUT, else bench/results/gpu
+#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, ref128, adm64, fused, dit or cold; FOLDER: $OUT, else bench/results/gpu
 #
 #   tests   the CUDA tests by node id, then the bare `python train.py` and its shape score
 #   ref128  128px, batch 64, on 4,096 JPEGs written here: train.py's default cold, the same command
@@ -12,7 +12,12 @@
 #   dit     DiT-XL/2 on 32x32x4 latents, batch 64: train.py's default (cold) on 1,024 JPEGs of 256px encoded by a
 #           VAE of SD's architecture with random weights (made here: no download; the step does not depend on
 #           its weights), facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), and
-#           the speed ladder's dit rows (eager, compiled, train_default; random latents)
+#           the speed ladder's dit rows (eager, compiled, regional, train_default; random latents)
+#   cold    the cold start, whole network against regional compilation (each repeated block once), each in a
+#           process of its own with empty Inductor and Triton caches: the speed ladder's compiled and regional
+#           rows for DiT-XL/2 (batch 64) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
+#           run's step): compile seconds (1st call s), the step, peak memory; then the GPU bare run itself
+#           (`python train.py`), start to last grid
 #
 # FOLDER receives PART.tar.gz (every run's printed output, run.json, train_config.json and last grid,
 # nvidia-smi, versions, this script's log) and PART-summary.txt (one row per run: exit status,
@@ -38,8 +43,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case $part in tests | ref128 | adm64 | fused | dit) ;; *)
-  echo "usage: bash bench/on_gpu.sh tests|ref128|adm64|fused|dit [FOLDER]" >&2
+case $part in tests | ref128 | adm64 | fused | dit | cold) ;; *)
+  echo "usage: bash bench/on_gpu.sh tests|ref128|adm64|fused|dit|cold [FOLDER]" >&2
   exit 2
   ;;
 esac
@@ -220,6 +225,8 @@ if ((cpu)); then
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4, "norm_num_groups": 8, "sample_size": 16}'
   dit_reference=(--tiny --cpu --batch 4 --num_classes 10 --steps 2 --warmup 1)
   dit_ladder=(--workload dit-tiny --variants eager,train_default --steps 2 --warmup 1)
+  cold_dit=(--workload dit-tiny --steps 2 --warmup 1)
+  cold_bare=(--workload tiny --steps 2 --warmup 1)
 else
   images=4096
   ref128=("${timing[@]}" --image_size 128 --train_batch_size 64 --max_train_steps 200 --logging_steps 50)
@@ -235,7 +242,15 @@ else
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "sample_size": 256}'
   dit_reference=(--steps 30 --warmup 5)
   dit_ladder=(--workload dit --steps 20 --warmup 3)
+  cold_dit=(--workload dit --steps 20 --warmup 3)
+  cold_bare=(--workload ddpm32 --steps 50 --warmup 5)
 fi
+
+cold_run() {  # cold_run NAME BUDGET_S python -m bench flags...: a ladder run in a process with its own empty compile caches
+  local name=$1
+  shift
+  TORCHINDUCTOR_CACHE_DIR=$work/inductor-$name TRITON_CACHE_DIR=$work/triton-$name bench_run "$name" "$@"
+}
 
 case $part in
 tests)
@@ -289,6 +304,15 @@ dit)
   train_run dit-default-cold 230 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
   reference_run dit-reference 80 "${dit_reference[@]}"
   bench_run dit-ladder 230 "${dit_ladder[@]}"
+  ;;
+cold)
+  # Regional first: it is what train.py now does; the whole-network rows repeat what the dit part measured
+  # (84.7 s cold on an H100) on this machine, for a comparison within one call.
+  cold_run dit-regional 150 "${cold_dit[@]}" --variants regional
+  cold_run dit-whole 160 "${cold_dit[@]}" --variants compiled
+  cold_run ddpm32-regional 90 "${cold_bare[@]}" --variants train_default --compile_scope regional
+  cold_run ddpm32-whole 110 "${cold_bare[@]}" --variants train_default --compile_scope whole
+  TORCHINDUCTOR_CACHE_DIR=$work/inductor-bare TRITON_CACHE_DIR=$work/triton-bare train_run bare-cold 200 "${bare[@]}"
   ;;
 esac
 echo "== done at ${SECONDS}s"

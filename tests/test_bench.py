@@ -387,22 +387,24 @@ def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
 
 def test_a_dit_workload_runs_train_pys_step_eager_compiled_and_as_train_py_picks(tmp_path, monkeypatch):
     """The dit workloads' rows without --variants: train.py's step (train_default's settings) with --compile_mode off,
-    default, and auto; the others' rows stay every row. On a GPU, auto compiles DiT-XL/2 in 'default' (45.6 TFLOP a step
-    keeps it busy)."""
+    default compiled whole and regionally, and auto; the others' rows stay every row. On a GPU, auto compiles DiT-XL/2 in
+    'default' (45.6 TFLOP a step keeps it busy), each transformer block once."""
     dit = bench.validate(bench.parse_args(["--workload", "dit", "--output", str(tmp_path)]))
-    assert dit.variants == ["eager", "compiled", "train_default"]
+    assert dit.variants == ["eager", "compiled", "regional", "train_default"]
     assert bench.validate(bench.parse_args(["--workload", "tiny", "--output", str(tmp_path)])).variants == [v["name"] for v in VARIANTS]
     rows = {v["name"]: v["settings"] for v in VARIANTS}
     assert rows["eager"] == dict(rows["train_default"], compile_mode=None) == rows["train_default"]  # a CPU's default is eager
-    assert rows["compiled"] == dict(rows["train_default"], compile_mode="default")
+    assert rows["compiled"] == dict(rows["train_default"], compile_mode="default", compile_scope="whole")
+    assert rows["regional"] == dict(rows["train_default"], compile_mode="default", compile_scope="regional")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     gpu = {v["name"]: v["settings"] for v in bench.all_variants()}
     assert gpu["train_default"]["compile_mode"] == "auto" and gpu["train_default"]["precision"] == "bf16"
     assert gpu["eager"] == dict(gpu["train_default"], compile_mode=None)
-    assert gpu["compiled"] == dict(gpu["train_default"], compile_mode="default")
+    assert gpu["compiled"] == dict(gpu["train_default"], compile_mode="default", compile_scope="whole")
     workload = bench.WORKLOADS["dit"]
-    assert bench.resolve_settings(gpu["train_default"], workload, 64, torch.device("cuda"))["compile_mode"] == "default"
+    picked = bench.resolve_settings(gpu["train_default"], workload, 64, torch.device("cuda"))
+    assert picked["compile_mode"] == "default" and picked["compile_scope"] == "regional"
 
 
 def test_bench_times_a_dit_on_latents(tmp_path, capsys):

@@ -21,6 +21,7 @@ RUNS = {
     "adm64": ["adm64-auto-cold", "adm64-step-graph", "adm64-default", "adm64-diffusers"],
     "fused": ["ref128-fused", "adm64-fused"],
     "dit": ["dit-default-cold", "dit-reference", "dit-ladder"],
+    "cold": ["dit-regional", "dit-whole", "ddpm32-regional", "ddpm32-whole", "bare-cold"],
 }
 
 
@@ -73,7 +74,7 @@ def test_the_deadline_skips_runs_but_every_part_writes_its_pack(tmp_path, part):
 
 def test_an_unknown_part_is_one_line_and_exit_2(tmp_path):
     done = on_gpu("all", tmp_path)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|ref128|adm64|fused|dit [FOLDER]"]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|ref128|adm64|fused|dit|cold [FOLDER]"]
 
 
 def test_the_summary_reads_diffusers_progress_bar_after_its_first_epoch():

@@ -423,3 +423,97 @@ def test_with_several_processes_the_objectives_own_gradients_are_averaged():
     step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, None, None, 1.0, True, accelerator=accelerator)
     step(batches(1))
     assert accelerator.reduced == [(p.shape, "mean") for p in objective.parameters()]  # the head's, not the network's
+
+
+# --- regional compilation and whether a compile pays ------------------------------------
+
+
+def trace_only(monkeypatch):
+    """step.py's torch.compile with Dynamo's eager backend: the graphs are traced and cached as Inductor's
+    would be, in a second rather than minutes, and they compute exactly what the network does."""
+    real = torch.compile
+    monkeypatch.setattr(steps.torch, "compile", lambda fn, mode=None, dynamic=None: real(fn, backend="eager", dynamic=dynamic))
+    torch.compiler.reset()
+
+
+def graphs_made():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_eager(monkeypatch):
+    import dit
+
+    trace_only(monkeypatch)
+    torch.manual_seed(0)
+    net = dit.DiT(num_layers=4, num_attention_heads=2, attention_head_dim=8, in_channels=4, sample_size=8, patch_size=2)
+    same = copy.deepcopy(net)
+    x, t = torch.randn(2, 4, 8, 8), torch.tensor([3, 500])
+    before = graphs_made()
+    regional = steps.compile_network(net, "default", scope="regional")
+    regional(x, t).sample.square().mean().backward()
+    # 4 blocks, 2 graphs: the first block's input comes strided from the patch embedding, the rest share one
+    assert len(regional.blocks) == 4 and graphs_made() - before == 2
+    same(x, t).sample.square().mean().backward()
+    for a, b in zip(net.parameters(), same.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    # outside the step's call the blocks are plain modules: a grid sampled at another batch compiles nothing
+    assert all(block._compiled_call_impl is None for block in regional.blocks)
+    made = graphs_made()
+    with torch.no_grad():
+        net.eval()(torch.randn(3, 4, 8, 8), t[:1])
+    assert graphs_made() == made
+
+
+def test_regional_compilation_keeps_a_graph_for_each_of_a_unets_block_shapes(monkeypatch):
+    trace_only(monkeypatch)
+    torch.manual_seed(0)
+    net = models.build_unet("small", 32)
+    before = graphs_made()
+    steps.compile_network(net, "default", scope="regional")(torch.randn(1, 3, 32, 32), torch.tensor([3])).sample.sum().backward()
+    assert graphs_made() - before == 11  # 9 of them ResNet blocks': above Dynamo's default limit of 8 for one function
+    with pytest.raises(ConfigError, match="declares no repeated blocks"):
+        steps.compile_network(SmallNet(), "default", scope="regional")
+
+
+def plan_flags(**changes):
+    base = dict(model="dit-xl2", gradient_checkpointing=False, compile_scope=None)
+    return flags(**(base | changes))
+
+
+H100_BF16 = 989.4e12
+
+
+@pytest.mark.parametrize(
+    "changes, total_steps, peak, warm_s, mode, words",
+    [
+        # DiT-XL/2 at batch 64 (45.56 TFLOP): 120 steps save ~7 s, less than a cold compile
+        ({}, 120, H100_BF16, None, None, "auto: eager: compiling (default, each repeated block compiled once) would take about 38 s (cold cache)"),
+        ({}, 100_000, H100_BF16, None, "default", "saves about"),
+        ({}, 120, None, None, "default", "each repeated block compiled once"),  # no peak known: nothing predicts the saving
+        ({}, 600, H100_BF16, 85.0, "default", "compile about 9 s (warm cache)"),  # the same 600 steps would not pay cold
+        ({"compile_mode": "default"}, 10, H100_BF16, None, "default", "--compile_mode default"),  # asked for: compiled
+        ({"compile_mode": "off"}, 10**6, H100_BF16, None, None, "eager (--compile_mode off)"),
+        ({"gradient_checkpointing": True}, 10**6, H100_BF16, None, "default", "whole network (gradient checkpointing"),
+        ({"compile_scope": "whole"}, 10**6, H100_BF16, None, "default", "whole (compile_scope whole)"),
+    ],
+)
+def test_auto_compiles_only_where_the_run_repays_the_compile(changes, total_steps, peak, warm_s, mode, words):
+    plan = steps.plan_compile(plan_flags(**changes), CUDA, 1, 45.56e12, total_steps, peak, lambda mode, scope: warm_s)
+    assert plan.mode == mode and words in plan.why, plan.why
+    if mode is None and "auto" in plan.why:  # the line gives both numbers
+        assert "more than it saves in this run's 120 steps (about 7 s, 59.9 ms a step)" in plan.why
+
+
+def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is_none(tmp_path):
+    record = tmp_path / "cache" / steps.COMPILE_RECORD_FILE
+    assert steps.remembered_compile_s("a", record) is None
+    steps.remember_compile("a", 84.71, record)
+    steps.remember_compile("a", 9.0, record)  # a warm compile later: the cold figure stays
+    steps.remember_compile("b", 30.0, record)
+    assert steps.remembered_compile_s("a", record) == 84.7 and steps.remembered_compile_s("b", record) == 30.0
+    record.write_text("{not json")
+    assert steps.remembered_compile_s("a", record) is None
+    steps.remember_compile("c", 5.0, record)  # a damaged record is started again
+    assert steps.remembered_compile_s("c", record) == 5.0
