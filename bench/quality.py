@@ -240,6 +240,8 @@ def run_row(args, row, output_dir, data_dir=None, scorer=None):
     cmd = [sys.executable, str(HERE / "train.py"), *flags]
     done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
     result = dict(row, command=shlex.join(cmd), returncode=done.returncode)
+    printed = [line.rsplit("\r", 1)[-1] for line in (done.stdout + done.stderr).split("\n")]  # a progress bar's last state
+    (Path(args.output) / f"{args.tag_prefix}_{row['name']}-stdout.txt").write_text("\n".join(printed) + "\n")
     manifest, scores = Path(output_dir) / "run.json", Path(output_dir) / "eval_results.json"
     if done.returncode != 0 or not manifest.is_file() or (data_dir is None and not scores.is_file()):
         lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
@@ -410,7 +412,8 @@ def main(args):
     grids = {"shapes": "each row's last grid as {tag}_ROW.png", "faces": "each row's last training grid as {tag}_ROW.png "
              "and its scored samples as {tag}_ROW_samples.png", "labelled": "each row's last training grid as "
              "{tag}_ROW.png and 8 samples a class at each w as {tag}_ROW_wW.png"}[args.quality_data]  # fmt: skip
-    print(f"\nwrote {out / tag}.json, .txt and .png, and {grids.format(tag=tag)}")
+    print(f"\nwrote {out / tag}.json, .txt and .png, {grids.format(tag=tag)}, and what each row's train.py printed "
+          f"as {tag}_ROW-stdout.txt")
     failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
     if failed:
         print(f"bench: {len(failed)} row(s) failed: {', '.join(failed)} (reasons in the table)", file=sys.stderr)
