@@ -26,6 +26,7 @@ Time is the optimizer step, counted from 1.
 """
 
 import json
+import types
 from copy import deepcopy
 from pathlib import Path
 
@@ -204,11 +205,26 @@ def make_ema(args, network, write, foreach=True):
 
 
 def averaged_copy(network, ema):
-    """A stand-alone copy of `network` (unwrapped) carrying the EMA weights (the raw ones without an EMA)."""
-    copy = deepcopy(network).eval()
+    """A stand-alone copy of `network` (unwrapped) carrying the EMA weights (the raw ones without an EMA), for
+    sampling and saving: no gradients (autocast caches a cast copy of every parameter that requires one), and
+    none of accelerate's forward wrappers, which would keep the copy alive after its last use (drop_bound_methods)."""
+    copy = drop_bound_methods(deepcopy(network)).eval().requires_grad_(False)
     if ema is not None:
         ema.copy_to(copy.parameters())
     return copy
+
+
+def drop_bound_methods(module):
+    """`module` without the instance attributes that are methods bound to itself. accelerate's mixed precision
+    puts two on the network it prepares (`forward`, autocast and fp32 outputs around the class's, and
+    `_original_forward`); deep-copied, each is bound to the copy: a reference cycle, so the copy (a whole second
+    set of weights on the GPU) outlives its last use until Python's cyclic collector runs, and a run held it
+    through the training steps after each grid (docs/performance.md, Memory). The class's forward remains:
+    the samplers call it under autocast themselves."""
+    for name, value in list(vars(module).items()):
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            delattr(module, name)
+    return module
 
 
 def parse_stds(text):

@@ -133,6 +133,7 @@ while encoding. `target_std` scales either to the std the objective expects (1 f
 its latents at sigma_data = 0.5).
 """
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -525,10 +526,25 @@ def _as_input(batch):
     return batch.float()
 
 
+@contextlib.contextmanager
+def no_cudnn_benchmark():
+    """cuDNN's heuristic choice of convolution algorithms, not its benchmark, inside. For each new shape the
+    benchmark allocates one workspace as large as the largest any candidate algorithm asks for, up to all the
+    GPU memory free (PyTorch's cudnn/Conv_v8.cpp, generate_and_filter_plans), and allocated it counts in the
+    run's peak. The VAE's large convolutions (256 channels at 256px) are where that can take many GiB, for a
+    few calls a run: they are not worth timing (docs/performance.md, Memory)."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 def _encode_batch(vae, x):
     """(B, K, C, h, w) float32: posterior mean and std (KL) or the latents (Tiny)."""
     x = x.to(device=next(vae.parameters()).device, dtype=next(vae.parameters()).dtype)
-    with torch.no_grad():
+    with torch.no_grad(), no_cudnn_benchmark():
         if _is_tiny(vae):
             return vae.encode(x).latents.float()[:, None]
         dist = vae.encode(x).latent_dist
@@ -1132,7 +1148,7 @@ def decode(vae, latents, record, batch_size=None):
         batch_size = max(1, ENCODE_PIXELS // side**2)
     param = next(vae.parameters())
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), no_cudnn_benchmark():
         for part in latents.split(batch_size):
             z = denormalize(part.float(), record).to(device=param.device, dtype=param.dtype)
             out.append(vae.decode(z).sample.float().clamp(-1, 1).to(latents.device))

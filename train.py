@@ -32,6 +32,7 @@ import data
 import ema as posthoc_ema
 import flops
 import latents
+import memory
 import metrics
 import model as models
 import profiling
@@ -215,6 +216,7 @@ class Run:
         # a latent run's encoded to latents, or read from their cache.
         self.unreadable = data.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
         self.decode, self.latents, self.latent_space = None, None, None  # a latent run's: latents -> images, records
+        self.vae = None  # a latent run's VAE: on the CPU but while grids and FID samples are decoded
         resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
         if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
             source = self._latent_source()
@@ -299,8 +301,10 @@ class Run:
         cache = latents.cached_latents(vae, found["images"], key, device=self.device, num_images=found["count"],
                                        progress=self.is_main, max_gib=data.preload_max_gib(args),
                                        log=accelerator.print)  # fmt: skip
-        if not self.is_main:
-            vae.to("cpu")  # nothing more to encode: its memory back to training
+        # Encoded: its memory back to training (0.31 GiB for SD's VAE). Decoding grids and FID samples brings it
+        # back to the device, and after_epoch sends it away again (docs/performance.md, Memory).
+        vae.to("cpu")
+        self.vae = vae
         # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
         target_std = args.sigma_data if args.objective == "edm" else 1.0
         record = latents.normalization(cache, vae, args.latent_normalization, target_std)
@@ -316,7 +320,7 @@ class Run:
             normalization=record, cache=str(cache.path), cache_key=key, memmapped=cache.memmapped,
             encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
         )  # fmt: skip
-        self.decode = lambda z: latents.decode(vae, z, record)
+        self.decode = lambda z: latents.decode(vae.to(z.device), z, record)  # the VAE joins the latents to decode
         return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, found["class_names"]
 
     def _build_training(self):
@@ -337,6 +341,19 @@ class Run:
             accelerator.register_for_checkpointing(self.ema)
         self.guard = steps.NonFiniteGuard(self.optimizer, args.on_fault, self.device)
         self.model.train()
+        self.memory = self._memory_plan(pieces.network)
+
+    def _memory_plan(self, network):
+        """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
+        one micro-batch counted on the meta device; on a GPU also with gradient checkpointing, for the line's hint."""
+        args = self.args
+        step = (args.model, network_size(args), args.train_batch_size, args.latent_channels or 3, args.mixed_precision)
+        count = memory.count_step(*step, args.gradient_checkpointing)
+        checkpointed = None
+        if self.device.type == "cuda" and not args.gradient_checkpointing:
+            checkpointed = memory.count_step(*step, True)
+        trained = [*network.parameters(), *network.buffers(), *self.objective.parameters()]
+        return memory.plan(trained, self.optimizer, self.ema, count, args.train_batch_size, self.world, checkpointed)
 
     def _resume(self, start_from):
         self.accelerator.load_state(str(start_from))
@@ -362,6 +379,10 @@ class Run:
             f"{self.world} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
             f"step; {peak_words}; step {self.compile_why}"
         )
+        cuda = self.device.type == "cuda"
+        capacity = torch.cuda.get_device_properties(self.device).total_memory if cuda else None
+        self.accelerator.print(memory.plan_line(self.memory, capacity, "this GPU" if cuda else None,
+                                                compiled=config["step_compile_mode"] != "eager"))
 
     def build_step(self, meter):
         """The step, from the uint8 batch to the EMA (step.py), reporting its phases to `meter`."""
@@ -414,6 +435,8 @@ class Run:
         if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last):
             with meter.paused("evaluation"):
                 self.on_main_process(lambda: self.evaluate(epoch))
+        if self.vae is not None:
+            self.vae.to("cpu")  # decoded: its memory back to training
 
     # --- what happens between steps ---
 
@@ -730,6 +753,9 @@ class Meter:
                 f"skipped {skipped} step(s) with a non-finite loss or gradient and {unreadable} unreadable image(s)"
             )
         self.run.accelerator.print(self.breakdown.format())
+        device = self.run.device
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        self.run.accelerator.print(memory.end_line(self.run.memory, peak))
 
     def manifest(self):
         """run.json's timing fields."""
