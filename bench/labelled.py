@@ -1,4 +1,4 @@
-"""A labelled real set for class-conditional runs, offline, and the class match that scores them.
+"""A labelled real set for class-conditional runs, offline, and the class match and photos FD that score them.
 
 scikit-image's wheel ships a few photos (`skimage.data`). Each of `PHOTOS` is one class; its
 images are 32px crops of the photo scaled to a shorter side of `SHORT` px (a crop shows about
@@ -10,25 +10,28 @@ training crop. No download:
     python -m bench.labelled write DIR              # DIR/train (a train.py --dataset folder), DIR/held (never trained on)
     python train.py --dataset DIR/train --class_conditional --image_size 32 ...
     python sample.py RUN --num_images 300 --guidance_scale 2 --output GEN   # the classes spread in runs
-    python -m bench.labelled score DIR GEN --run RUN   # "class match 71.3% ± 2.6 (SE, 300 images, ...)"
-    python -m bench.labelled trust DIR              # the match of known image sets: how far to trust it
+    python -m bench.labelled score DIR GEN --run RUN   # "class match 71.3% ± 2.6 (SE, 300 images, ...); photos FD 9.1"
+    python -m bench.labelled trust DIR              # the scores of known image sets: how far to trust them
 
-The score ("class match") is the share of generated images that a classifier, fitted on the
-held-apart crops alone, puts in the class they were asked for. The classifier is a
+The main score ("class match") is the share of generated images that a classifier, fitted on
+the held-apart crops alone, puts in the class they were asked for. The classifier is a
 multinomial logistic regression on fixed features: each colour channel's mean and spread, a
 coarse colour histogram, and a fixed random three-layer CNN's channel means and spreads
-(edges, grain, texture), each image with its mirror image, since train.py flips at random.
-It fits in seconds on a CPU and has never seen a training crop, so a run that copies its
-training images gets no more than the training crops' own score: the ceiling of `trust`.
+(edges, grain, texture), each image with its mirror image, since train.py flips at random,
+and with a grainy and a blurred copy, so that it reads which photo an image shows more than
+how clean it is. It fits in seconds on a CPU and has never seen a training crop, so a run
+that copies its training images gets no more than the training crops' own score: the
+ceiling of `trust`.
 
 A generated image's asked class comes from its folder (GEN/CLASS/*.png) or, for a flat folder
 of sample.py's 000000.png ..., from the run (--run) and sample.py's --class_labels, as
-sample.py labelled image i. Beside the match stands its binomial standard error and the
-match that images blind to their labels would get (the sum over classes of how often a class
-is asked for times how often it is seen): read a run against that, not against zero.
-What it cannot see: how sharp the images are beyond what sets the classes apart, and
-variety within a class (a run that draws one image per class scores 100%); pair it with a
-distance (faces FD on the unconditional photos) for those.
+sample.py labelled image i. Beside the match stand its binomial standard error and the match
+that images blind to their labels would get (the sum over classes of how often a class is
+asked for times how often it is seen): read a run against that, not against zero.
+What the match cannot see: sharpness beyond what sets the classes apart, and variety within
+a class (a run that draws one image per class scores 100%). The second score, "photos FD",
+sees those: bench/faces.py's faces FD with the training crops as the real images (grey, so
+blind to colour, which the match sees). Compare FDs at equal image counts only.
 """
 
 import argparse
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import sample
+from bench import faces
 from rundir import RunDir
 
 SIDE = 32  # the training size
@@ -285,28 +289,50 @@ def class_grid(images, asked, num_classes, per_class=8, gap=2):
     return Image.fromarray(grid)
 
 
-def load(folder):
-    """The set's training split (images, labels), the class names and the classifier fitted on the held-apart split."""
-    held, held_labels, names = read_split(folder, "held")
-    train, train_labels, train_names = read_split(folder, "train")
-    if train_names != names:
-        raise SystemExit(f"error: {folder}/train and {folder}/held have different classes: write the set again")
-    return (train, train_labels), names, Classifier(held, held_labels, len(names))
+def grey(images):
+    """uint8 RGB images as bench/faces.py's grey vectors, (n, SIDE * SIDE) in [0, 1]."""
+    return np.stack([faces.grey_vector(Image.fromarray(x), SIDE) for x in images])
+
+
+class Judge:
+    """The set's scores, fitted once: the classifier (on the held-apart split) and photos FD, bench/faces.py's
+    Frechet distance in the space of the training split's grey principal components and a fixed
+    random CNN (blind to colour: the class match sees that)."""
+
+    def __init__(self, folder):
+        held, held_labels, self.names = read_split(folder, "held")
+        self.train, self.labels, train_names = read_split(folder, "train")
+        if train_names != self.names:
+            raise SystemExit(f"error: {folder}/train and {folder}/held have different classes: write the set again")
+        self.held, self.held_labels = held, held_labels
+        self.classifier = Classifier(held, held_labels, len(self.names))
+        self.fd_scorer = faces.Scorer(grey(self.train))
+
+    def match(self, images, asked):
+        return class_match(self.classifier.predict(images), asked, len(self.names))
+
+    def fd(self, images):
+        return self.fd_scorer.fd(grey(images))
+
+    def score(self, images, asked):
+        """class_match of `images` asked for classes `asked`, with their photos FD ("fd")."""
+        return self.match(images, asked) | dict(fd=self.fd(images))
 
 
 def score(folder, generated, run=None, class_labels=None, grid=None):
-    """class_match of the generated images, with the class names; `folder` is write's. With `grid`,
+    """Judge.score of the generated images, with the class names; `folder` is write's. With `grid`,
     class_grid of the images is saved there."""
-    _, names, classifier = load(folder)
-    images, asked = read_generated(generated, names, run, class_labels)
+    judge = Judge(folder)
+    images, asked = read_generated(generated, judge.names, run, class_labels)
     if grid:
-        class_grid(images, asked, len(names)).save(grid)
-    return class_match(classifier.predict(images), asked, len(names)) | dict(classes=names)
+        class_grid(images, asked, len(judge.names)).save(grid)
+    return judge.score(images, asked) | dict(classes=judge.names)
 
 
 def format_match(m):
+    fd = f"; photos FD {m['fd']:.2f}" if "fd" in m else ""
     return (f"class match {100 * m['match']:.1f}% ± {100 * m['se']:.1f} (SE, {m['n']} images, "
-            f"{len(m['per_class'])} classes; blind to the labels {100 * m['blind']:.1f}%)")  # fmt: skip
+            f"{len(m['per_class'])} classes; blind to the labels {100 * m['blind']:.1f}%){fd}")  # fmt: skip
 
 
 def blur(images, sigma):
@@ -324,28 +350,35 @@ def grain(images, std, rng):
     return (images + rng.normal(0, 1, images.shape) * std * 255).round().clip(0, 255).astype(np.uint8)
 
 
-def trust_table(folder, seed=0):
-    """(what, class_match) of known image sets, each asked for its own class: the ceiling, the
-    floor, and what the classifier reads (colour alone, blur, grain)."""
+def trust_table(folder, samples=300, seed=0):
+    """(what, class_match with "fd") of known image sets, each asked for its own class: the ceiling,
+    the floor, and what the scores read (colour alone, blur, grain, one class only). The match
+    is of every image of a set; the photos FD of `samples` of them drawn at random (FD's bias
+    depends on the count: this is the count to compare a run's `samples` images with)."""
     rng = np.random.default_rng(seed)
-    (train, labels), names, classifier = load(folder)
-    held, held_labels, _ = read_split(folder, "held")
+    judge = Judge(folder)
+    train, labels = judge.train, judge.labels
     flat = np.broadcast_to(train.mean((1, 2), keepdims=True), train.shape).round().astype(np.uint8)
+    one = np.flatnonzero(labels == labels[0])
 
-    def match(images, asked=labels):
-        return class_match(classifier.predict(images), asked, len(names))
+    def row(images, asked=labels):
+        pick = rng.choice(len(images), min(samples, len(images)), replace=False)
+        return judge.match(images, asked) | dict(fd=judge.fd(images[pick]))
 
     return [
-        ("the training split (the ceiling: what a run that copies its data scores)", match(train)),
-        ("the held-apart split (the classifier's own images: its fit)", match(held, held_labels)),
-        ("the training split, blurred sigma 1 px", match(blur(train, 1.0))),
-        ("the training split, blurred sigma 2 px", match(blur(train, 2.0))),
-        ("the training split, grain: Gaussian noise of std 0.15", match(grain(train, 0.15, rng))),
-        ("the training split, grain: Gaussian noise of std 0.3", match(grain(train, 0.3, rng))),
-        ("each training image's mean colour, flat (what colour alone gives)", match(flat)),
-        ("the training split, asked for shuffled classes (chance)", match(train, rng.permutation(labels))),
-        ("uniform noise (the floor)", match(rng.integers(0, 256, train.shape, dtype=np.uint8))),
-    ]
+        ("the training split (the ceiling: what a run that copies its data scores)", row(train)),
+        ("the held-apart split (other crops of the same photos; the classifier's own images)",
+         row(judge.held, judge.held_labels)),
+        ("the training split, blurred sigma 1 px", row(blur(train, 1.0))),
+        ("the training split, blurred sigma 2 px", row(blur(train, 2.0))),
+        ("the training split, grain: Gaussian noise of std 0.15", row(grain(train, 0.15, rng))),
+        ("the training split, grain: Gaussian noise of std 0.3", row(grain(train, 0.3, rng))),
+        ("each training image's mean colour, flat (what colour alone gives)", row(flat)),
+        (f"one class only ({judge.names[labels[0]]}), asked as itself (no variety across classes)",
+         row(train[one], labels[one])),
+        ("the training split, asked for shuffled classes (chance)", row(train, rng.permutation(labels))),
+        ("uniform noise (the floor)", row(rng.integers(0, 256, train.shape, dtype=np.uint8))),
+    ]  # fmt: skip
 
 
 def sampling_error(match, n):
@@ -358,16 +391,16 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write", help="write the set: DIR/train (train.py's --dataset) and DIR/held")
     w.add_argument("folder")
-    s = sub.add_parser("score", help="class match of a folder of generated images")
+    s = sub.add_parser("score", help="class match and photos FD of a folder of generated images")
     s.add_argument("set", help="the folder `write` made")
     s.add_argument("generated", help="sample.py --output's folder, or a folder of class folders")
     s.add_argument("--run", default=None, help="the run that sampled a flat folder: its classes label image i")
     s.add_argument("--class_labels", default=None, help="sample.py's --class_labels for that folder (default: none given)")
     s.add_argument("--json", default=None, help="also write the result here")
     s.add_argument("--grid", default=None, help="also draw 8 images a class here (a PNG, one row a class)")
-    t = sub.add_parser("trust", help="the match of known image sets")
+    t = sub.add_parser("trust", help="the scores of known image sets")
     t.add_argument("set", help="the folder `write` made")
-    t.add_argument("--samples", type=int, default=300, help="the sampling error at this many generated images")
+    t.add_argument("--samples", type=int, default=300, help="FD and the sampling error at this many generated images")
     args = parser.parse_args(argv)
     if args.command == "write":
         counts = write(args.folder)
@@ -381,9 +414,10 @@ def main(argv=None):
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     else:
-        rows = trust_table(args.set)
+        rows = trust_table(args.set, args.samples)
+        print(f"class match (every image of a set) | photos FD ({args.samples} of them) | the set")
         for name, m in rows:
-            print(f"{100 * m['match']:6.1f}% ± {100 * m['se']:.1f}  (blind {100 * m['blind']:4.1f}%)  {name}")
+            print(f"{100 * m['match']:6.1f}% ± {100 * m['se']:.1f}  (blind {100 * m['blind']:4.1f}%) | {m['fd']:7.2f} | {name}")
         ceiling = rows[0][1]["match"]
         print(f"sampling error at {args.samples} images (binomial SE): ± {100 * sampling_error(0.5, args.samples):.1f} "
               f"points at 50%, ± {100 * sampling_error(ceiling, args.samples):.1f} at the ceiling")  # fmt: skip

@@ -10,9 +10,9 @@
 scored as they train (below). `faces`: scikit-image's 200 LFW crops (bench/faces.py), each
 score the faces FD of --quality_samples images sampled from the run's checkpoint by
 sample.py. `labelled`: scikit-image's photos as ten classes (bench/labelled.py), trained with
---class_conditional, each score the class match of --quality_samples images at every
---quality_guidance w, with its standard error, beside the ceiling (the training images'
-own match) and chance. On the photos the rows train --quality_images images as
+--class_conditional, each score the class match (with its standard error) and the photos FD
+of --quality_samples images at every --quality_guidance w, beside the ceiling (the training
+images' own match) and chance. On the photos the rows train --quality_images images as
 --max_train_steps, and sample with the sampler the run was trained with.
 
 Every row is the bare `python train.py` (the `small` preset at 32px on the
@@ -192,10 +192,11 @@ def prepare_data(args, work):
     if args.quality_data == "labelled":
         folder = Path(work) / "labelled"
         labelled.write(folder)
-        (train, train_labels), names, classifier = labelled.load(folder)
-        ceiling = labelled.class_match(classifier.predict(train), train_labels, len(names))
-        trust = dict(classes=names, ceiling=ceiling["match"], ceiling_per_class=ceiling["per_class"], chance=1 / len(names))
-        return folder / "train", (names, classifier), trust
+        judge = labelled.Judge(folder)
+        ceiling = judge.match(judge.train, judge.labels)
+        trust = dict(classes=judge.names, ceiling=ceiling["match"], ceiling_per_class=ceiling["per_class"],
+                     chance=1 / len(judge.names))  # fmt: skip
+        return folder / "train", judge, trust
     return None, None, None
 
 
@@ -225,11 +226,10 @@ def score_checkpoint(args, checkpoint, run_config, scorer, generated):
         folders[w] = out
     if args.quality_data == "faces":
         return dict(faces_fd=scorer.fd(faces.read_grey(folders[None]))), folders
-    names, classifier = scorer
     matches = {}
     for w, out in folders.items():
-        images, asked = labelled.read_generated(out, names, run=checkpoint)
-        matches[f"{w:g}"] = labelled.class_match(classifier.predict(images), asked, len(names))
+        images, asked = labelled.read_generated(out, scorer.names, run=checkpoint)
+        matches[f"{w:g}"] = scorer.score(images, asked)
     return dict(match=matches), folders
 
 
@@ -286,10 +286,9 @@ def keep_sample_grids(args, row, folders, scorer, checkpoint):
         if grid.is_file():
             (Path(args.output) / f"{args.tag_prefix}_{row['name']}_samples.png").write_bytes(grid.read_bytes())
         return
-    names, _ = scorer
     for w, out in folders.items():
-        images, asked = labelled.read_generated(out, names, run=checkpoint)
-        labelled.class_grid(images, asked, len(names)).save(Path(args.output) / f"{args.tag_prefix}_{row['name']}_w{w:g}.png")
+        images, asked = labelled.read_generated(out, scorer.names, run=checkpoint)
+        labelled.class_grid(images, asked, len(scorer.names)).save(Path(args.output) / f"{args.tag_prefix}_{row['name']}_w{w:g}.png")
 
 
 def finished_rows(path, result):
@@ -307,7 +306,7 @@ def format_table(result):
     data = result.get("data", "shapes")  # a ladder from before --quality_data: the shapes
     where = {"shapes": "on the built-in shapes", "faces": "on the LFW crops", "labelled": "on the labelled photos"}[data]
     says = {"shapes": "shape FD: lower is better", "faces": "faces FD: lower is better",
-            "labelled": "class match, % ± binomial SE: higher is better"}[data]  # fmt: skip
+            "labelled": "at each w: class match, % ± binomial SE, higher is better; photos FD, lower is better"}[data]  # fmt: skip
     lines = [f"quality ladder: {result['images']} images per row at 32px {where}, scored "
              f"{result['evals']} times on {result['samples']} samples ({says})"]  # fmt: skip
     if data == "labelled":
@@ -329,7 +328,8 @@ def format_table(result):
         elif data == "faces":
             cells = [f"{last['faces_fd']:.4g}"]
         else:
-            cells = [f"{100 * m['match']:.1f} ± {100 * m['se']:.1f}" for m in last["match"].values()]
+            cells = [f"{100 * m['match']:.1f} ± {100 * m['se']:.1f}" + (f", {m['fd']:.3g}" if "fd" in m else "")
+                     for m in last["match"].values()]  # fmt: skip
         rows.append([
             r["name"], f"{r['params']:,}", str(r["images_seen"]), *cells,
             "n/a" if r["images_per_s"] is None else f"{r['images_per_s']:.1f}", f"{r['train_wall_s']:.0f}", r["what"],

@@ -13,7 +13,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
-from bench import labelled, quality  # noqa: E402
+from bench import faces, labelled, quality  # noqa: E402
 from bench import speed as bench  # noqa: E402
 
 
@@ -57,6 +57,10 @@ def test_write_makes_a_class_folder_train_py_reads_and_a_held_apart_one(tmp_path
     assert names == sorted(labelled.PHOTOS) and labels.tolist() == [i // 2 for i in range(20)]
     images, held_labels, held_names = labelled.read_split(tmp_path, "held")
     assert images.shape == (10, 32, 32, 3) and held_labels.tolist() == list(range(10)) and held_names == names
+    judge = labelled.Judge(tmp_path)  # photos FD: the training crops against themselves, and noise
+    noise = np.random.default_rng(0).integers(0, 256, judge.train.shape, dtype=np.uint8)
+    assert judge.fd_scorer.fd(faces.with_mirrors(labelled.grey(judge.train))) < 1e-6  # its own real images, mirrored
+    assert judge.score(noise, judge.labels)["fd"] > 5 * judge.fd(judge.train)
 
 
 def test_a_flat_folder_is_labelled_as_sample_py_asked_and_class_folders_by_name(tmp_path, small):
