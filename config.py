@@ -78,7 +78,7 @@ CPU_SHAPES_NUM_IMAGES = 2048
 DERIVED_KEYS = (
     "config", "num_processes", "num_images", "data_path", "global_batch_size", "steps_per_epoch",
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
-    "step_compile_mode", "device", "num_classes", "class_names", "class_counts",
+    "step_compile_mode", "step_compile_scope", "device", "num_classes", "class_names", "class_counts",
     "latent_size", "latent_channels", "latent_normalization", "latents", "latent_space", "flow_sigmas",
 )  # fmt: skip
 
@@ -109,9 +109,9 @@ SETTINGS = dict(
     # or latents (--vae), 48x fewer values per image at 8x. flops.py counts its cost (HFU).
     gradient_checkpointing=False,
     profile_steps=3, profile_top=15, profile_stack=False,  # --profile: steps recorded, rows of its table, no stacks
-    # What a compiled step compiles: None, its network family's rule (step.COMPILE_SCOPES); "regional",
-    # each repeated block once; "whole", the network as one graph. `python -m bench` rows set it.
-    compile_scope=None,
+    # What a compiled step compiles: "auto", its network family's rule (step.COMPILE_SCOPES); "regional",
+    # each repeated block once; "whole", the network as one graph. `python -m bench --compile_scope` sets it.
+    compile_scope="auto",
 )  # fmt: skip
 # Every setting `resolve` puts on a configuration: SETTINGS, and channels_last (with fused_norm) and
 # cudnn_benchmark (with a CUDA GPU), which it derives where a configuration does not set them.
@@ -248,6 +248,8 @@ REMOVED = {
     "gradient_checkpointing": Removed("to fit memory, lower --train_batch_size and raise --gradient_accumulation_steps, "
                                       "or train on latents (--vae)", _always(False), switch=True),
     "timing_warmup_steps": Removed("the timing leaves out the first 5 steps", _dropped),
+    "compile_scope": Removed("train.py compiles each repeated block once, or the whole network where that was measured "
+                             "faster (step.COMPILE_SCOPES); " + _BENCH.format("compile_scope whole"), _dropped),
     "peak_tflops": Removed("MFU is against flops.py's PEAK_TFLOPS (add a GPU there)", _dropped),
     "profile_steps": Removed("--profile records 3 steps", _dropped),
     "profile_top": Removed("--profile's table has 15 rows", _dropped),

@@ -97,8 +97,8 @@ def choose_compile_scope(args):
     (`python -m bench` varies it) or its family's rule, COMPILE_SCOPES."""
     if args.gradient_checkpointing:  # a checkpointed block is recomputed outside its compiled call
         return "whole", "whole network (gradient checkpointing recomputes the blocks)"
-    given = getattr(args, "compile_scope", None)
-    if given:
+    given = getattr(args, "compile_scope", "auto")
+    if given not in (None, "auto"):
         return given, f"{given} (compile_scope {given})"
     scope = COMPILE_SCOPES[network_family(args.model)]
     return scope, "each repeated block compiled once" if scope == "regional" else "whole network"
@@ -107,16 +107,17 @@ def choose_compile_scope(args):
 # A cold compile of train.py's step (the first step: forward and backward) in seconds, by device
 # type, network family and scope; a warm one (Inductor's cache holds the graphs) takes
 # WARM_COMPILE_FRACTION of it. From measurements (docs/performance.md): on an H100 DiT-XL/2 and
-# ddpm32 each took 84.7 s whole; ref128 114-126 s on an H100 and an H200, 13.2 s warm. Regional on a
-# GPU is not measured yet: predicted as the whole compile times the regional/whole ratio a 2-core CPU
-# measured for that family.
+# ddpm32 each took 84.7 s whole, ref128 114-126 s on an H100 and an H200 and 13.2 s warm; on a
+# quiet 2-core CPU DiT-S/2 took 69.0 s whole and 41.6 s regional, tiny 48.4 s. Regional on a GPU is
+# not measured yet: predicted as the whole compile times the regional/whole ratio measured on a CPU
+# (DiT-S/2: 0.60; small, on a loaded CPU: 0.86).
 COLD_COMPILE_S = {
-    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 85 * 0.45,
-    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.8,
-    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 0.8,
-    ("cpu", "dit", "whole"): 160, ("cpu", "dit", "regional"): 73,
-    ("cpu", "unet", "whole"): 100, ("cpu", "unet", "regional"): 80,
-    ("cpu", "edm2", "whole"): 100, ("cpu", "edm2", "regional"): 80,
+    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 85 * 0.60,
+    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.86,
+    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 0.86,
+    ("cpu", "dit", "whole"): 69, ("cpu", "dit", "regional"): 42,
+    ("cpu", "unet", "whole"): 50, ("cpu", "unet", "regional"): 43,
+    ("cpu", "edm2", "whole"): 50, ("cpu", "edm2", "regional"): 43,
 }  # fmt: skip
 WARM_COMPILE_FRACTION = 0.11
 
@@ -124,13 +125,15 @@ WARM_COMPILE_FRACTION = 0.11
 # a launch-bound floor), and the share of the eager step the compiled mode saves. On an H100
 # (bf16): DiT-XL/2 eager 24.6% MFU, 187 -> 128 ms compiled; ref128 eager 11.6%, 207 -> 124 ms;
 # adm64 (launch bound) 113 ms eager -> 21.6 ms with CUDA graphs. On a CPU, which has no peak in
-# flops.py, the eager step's rate in FLOP/s on a 2-core CPU takes the place of peak * MFU.
+# flops.py, the eager step's rate on a 2-core CPU takes the place of peak * MFU: DiT-S/2 ran
+# 291 GFLOP steps in 1.84 s eager and 1.50 s compiled; the bare run's `small` about 80 GFLOP/s, and
+# compiling `tiny` made its step 3% slower (the sweep): on a CPU a UNet's compile never pays.
 EAGER_MFU = {"dit": 0.246, "unet": 0.116, "edm2": 0.116}
 EAGER_LAUNCH_FLOOR_S = {"dit": 0.02, "unet": 0.1, "edm2": 0.1}
 SAVED_SHARE = {"dit": 0.32, "unet": 0.40, "edm2": 0.40}
 SAVED_SHARE_CUDA_GRAPHS = 0.8  # a launch-bound step replayed as CUDA graphs
-CPU_EAGER_FLOPS = {"dit": 20e9, "unet": 20e9, "edm2": 20e9}
-CPU_SAVED_SHARE = {"dit": 0.19, "unet": 0.1, "edm2": 0.1}
+CPU_EAGER_FLOPS = {"dit": 150e9, "unet": 80e9, "edm2": 80e9}
+CPU_SAVED_SHARE = {"dit": 0.19, "unet": 0.0, "edm2": 0.0}
 
 
 class CompilePlan(NamedTuple):
@@ -875,6 +878,9 @@ class FirstStepClock:
         self.seconds = time.perf_counter() - t0
         self.after = compile_counters()
         self.line = describe_compile(self.seconds, self.counters_before, self.after)
+        before, after = self.counters_before, self.after
+        # some graph compiled afresh (a regional compile's repeated blocks hit the cache within a cold run)
+        self.cold = after["fx_misses"] > before["fx_misses"] or after["aot_misses"] > before["aot_misses"]
 
 
 # --- the guard and the loss meter the step feeds --------------------------------------

@@ -1,4 +1,5 @@
-"""Train a DDPM (a diffusers UNet2DModel) and report honest FLOPs and utilization.
+"""Train an image diffusion model (a diffusers UNet2DModel, EDM2's networks or a DiT/SiT transformer, with DDPM,
+EDM or flow matching) and report honest FLOPs and utilization.
 
     python train.py                                   # built-in shapes, CPU-sized model
     python train.py --dataset path/to/images --image_size 64
@@ -100,7 +101,9 @@ def describe_run(args, device, world, num_images):
     images_per_step = args.train_batch_size * world * args.gradient_accumulation_steps
     steps_per_epoch = num_images // images_per_step if num_images else None
     total_steps = args.max_train_steps or (args.num_epochs * steps_per_epoch if steps_per_epoch else None)
-    compile_mode, compile_why = steps.choose_compile_mode(args, device, world, cost["model_flops"])
+    peak_flops, _ = flops.describe_peak(device, args.mixed_precision, args.allow_tf32)
+    remembered = lambda mode, scope: steps.remembered_compile_s(steps.compile_key(args, device, mode, scope))  # noqa: E731
+    plan = steps.plan_compile(args, device, world, cost["model_flops"], total_steps, peak_flops, remembered)
     config = dict(
         recorded(args),
         num_processes=world,
@@ -112,10 +115,11 @@ def describe_run(args, device, world, num_images):
         params=cost["params"],
         model_flops_per_step=cost["model_flops"] * args.gradient_accumulation_steps * world,  # all processes
         hardware_flops_per_step=cost["hardware_flops"] * args.gradient_accumulation_steps * world,
-        step_compile_mode=compile_mode or "eager",
+        step_compile_mode=plan.mode or "eager",
+        step_compile_scope=plan.scope,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
     )
-    return config, compile_why
+    return config, plan.why
 
 
 def describe(args):
@@ -393,7 +397,7 @@ class Run:
                                accelerator=self.accelerator,
                                mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
                                null_label=models.null_label(self.num_classes))  # fmt: skip
-        fast = steps.FastStep(step, mode, self.device, say=meter.write)
+        fast = steps.FastStep(step, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
         if mode is not None and self.step < self.total_steps:
             loaded = steps.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
             if loaded:
@@ -680,6 +684,10 @@ class Meter:
         with self.breakdown.pause("compile"), clock.measure():
             yield
         self.compile_s = clock.seconds
+        if clock.cold:  # what the next run of this step predicts its (then warm) compile from
+            config, args = self.run.config, self.run.args
+            steps.remember_compile(steps.compile_key(args, self.run.device, config["step_compile_mode"],
+                                                     config["step_compile_scope"]), clock.seconds)  # fmt: skip
         cache = self.run.output_dir / COMPILE_CACHE_FILE
         self.run.on_main_process(lambda: steps.save_compile_artifacts(cache, self.run.device))
         self.write(clock.line)

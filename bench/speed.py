@@ -74,12 +74,16 @@ WORKLOADS = {
     # target: a --vae run's step after its latent cache (the VAE is not in it), on random latents.
     "dit": dict(model="dit-xl2", image_size=32, batch_size=64, channels=4),
     "dit-small": dict(model="dit-small", image_size=32, batch_size=32),  # the CPU's DiT, on the built-in 32px images
+    # DiT-S/2 and B/2 on 32x32x4 latents at a CPU's batch: regional against whole compilation on a CPU
+    "dit-s2": dict(model="dit-s2", image_size=32, batch_size=8, channels=4),
+    "dit-b2": dict(model="dit-b2", image_size=32, batch_size=8, channels=4),
     "dit-tiny": dict(model="dit-tiny", image_size=8, batch_size=4, channels=4),  # for tests: the latent path
 }
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 # The rows a workload runs without --variants (the others: every row). A DiT has no GroupNorm for the
 # UNet's rungs: it gets train.py's step eager, compiled, and as train.py picks (--compile_mode auto).
-WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "train_default") for name in ("dit", "dit-small", "dit-tiny")}
+WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "train_default")
+                     for name in ("dit", "dit-small", "dit-tiny", "dit-s2", "dit-b2")}
 
 
 def channels_of(workload):
@@ -165,6 +169,7 @@ def _ladder():
     """
     settings = dict(
         STRICT_FP32,
+        compile_scope="whole",  # the ladder's compiled rows compile the whole network, as they were measured
         conv_tf32=True,  # PyTorch's default: cuDNN convolutions in TF32, matmuls in fp32
         sync_every=1,  # loss.item() every step, as the reference logged it
     )
@@ -263,6 +268,7 @@ def _ladder():
         cuda_only="the kernels run on NHWC CUDA tensors",
         base="no_syncs",
         compile_mode="auto",
+        compile_scope="auto",  # as train.py compiles
         fused_norm=True,
     )
     return rows
@@ -289,7 +295,7 @@ def train_settings(*argv, **settings):
         adam_foreach=True,
         ema_foreach=True,  # train.py builds its EMAModel with foreach=True
         compile_mode=None if args.compile_mode == "off" else args.compile_mode,  # auto: per workload (resolve_settings)
-        compile_scope=getattr(args, "compile_scope", None),  # None: as train.py picks it for the workload (resolve_settings)
+        compile_scope=args.compile_scope,  # auto: as train.py picks it for the workload (resolve_settings)
         force_layout=False,  # step.inductor_settings: no train.py flag sets it
         fused_norm=args.fused_norm,
         sync_every=args.logging_steps,
@@ -330,7 +336,8 @@ def train_compile_variants(**given):
         also = "".join(f", {k}={v}" for k, v in given.items())
         how = f"--compile_mode {mode}" + (f", compile_scope {scope}" if scope else "")
         changed = f"train.py's step {name} ({how}{also}; not a rung: train_default's settings but the compile)"
-        settings = dict(train_settings("--compile_mode", mode, **given), compile_scope=scope)
+        settings = train_settings("--compile_mode", mode, **given)
+        settings["compile_scope"] = scope or settings["compile_scope"]
         rows.append(dict(name=name, changed=changed, settings=settings,
                          predicted_ms=dict(dit=DIT_PREDICTED_MS[name]), cuda_only=None))  # fmt: skip
     return rows
@@ -523,7 +530,7 @@ def resolve_settings(settings, workload, batch_size, device):
     """The row's settings with --compile_mode auto, and an unset compile_scope, replaced by what train.py
     would pick here (the compile's scope by the workload's network; for auto, the mode as a run of any length)."""
     args = train_defaults(workload)
-    if settings.get("compile_scope", "whole") is None:
+    if settings.get("compile_scope", "whole") in (None, "auto"):
         settings = dict(settings, compile_scope=steps.choose_compile_scope(args)[0])
     if settings["compile_mode"] != "auto":
         return settings

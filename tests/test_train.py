@@ -223,7 +223,7 @@ def test_a_compile_that_fails_falls_back_to_eager_and_trains_the_same_weights(tm
     run(tmp_path / "eager", *flags, "--compile_mode", "off")
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken_compile)
     torch.compiler.reset()
-    run(tmp_path / "fell", *flags, "--compile_mode", "auto")  # on a CPU: torch.compile's default mode
+    run(tmp_path / "fell", *flags, "--compile_mode", "default")  # (auto would train 3 steps eager: too short to repay)
     torch.compiler.reset()
     out = capsys.readouterr().out
 
@@ -263,3 +263,32 @@ def test_v_prediction_with_zero_terminal_snr_and_min_snr_trains_and_samples(tmp_
     from diffusers import DDPMPipeline
 
     assert DDPMPipeline.from_pretrained(str(out)).scheduler.config.rescale_betas_zero_snr
+
+
+def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache_changes_that(tmp_path, capsys, monkeypatch):
+    """--compile_mode auto, 40 steps of the tiny preset on a CPU (its compile made to save 10% of a step): the predicted
+    cold compile outweighs what 40 steps save,
+    so the step is eager and the line says both numbers; with this machine's record of the same step compiled before
+    (its graphs in Inductor's cache, TORCHINDUCTOR_CACHE_DIR), the warm compile pays at 40,000 steps, where the cold one does not."""
+    import step as steps
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setitem(steps.CPU_SAVED_SHARE, "unet", 0.1)  # a prediction for the test: a CPU's UNet gains nothing
+    flags = ["--compile_mode", "auto", "--dry_run"]
+    config = run(tmp_path / "short", *flags, "--max_train_steps", 40)
+    assert config["step_compile_mode"] == "eager" and config["step_compile_scope"] == "regional"
+    assert "step auto: eager: compiling (default, each repeated block compiled once) would take about 43 s (cold cache), " \
+           "more than it saves in this run's 40 steps" in capsys.readouterr().out  # fmt: skip
+    args = train.parse_args([*TINY, "--compile_mode", "auto"])
+    key = steps.compile_key(config_args(args), torch.device("cpu"), "default", "regional")
+    steps.remember_compile(key, 60.0)  # what the first compile of this step recorded
+    assert run(tmp_path / "warm", *flags, "--max_train_steps", 40000)["step_compile_mode"] == "default"
+    assert "compile about 7 s (warm cache)" in capsys.readouterr().out
+    assert run(tmp_path / "cold", *flags, "--max_train_steps", 40000, "--train_batch_size", 4)["step_compile_mode"] == "eager"
+
+
+def config_args(args):
+    """`args` resolved as train.py resolves them (compile_key reads the resolved size, precision and batch)."""
+    from config import resolve
+
+    return resolve(args)
