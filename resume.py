@@ -163,6 +163,29 @@ def saved_identity(start):
     return saved
 
 
+def keep_recorded_objective(args):
+    """A command that names no --objective and continues a checkpoint trains on with the objective the
+    checkpoint's run recorded, not the preset's default (which may have changed since: the objective is
+    RUN_IDENTITY, and a resume under another is refused). Sets `args.objective` before config.resolve
+    fills the rest from it; returns the objective kept, or None (a fresh start, --objective given, or no
+    checkpoint to continue: choose_start says what is wrong with one)."""
+    if args.objective is not None or args.overwrite_output_dir or args.resume is False:
+        return None
+    if isinstance(args.resume, str) and args.resume != "latest":
+        start = Path(args.resume)
+    else:
+        found = checkpoint.checkpoint_dirs(Path(args.output_dir))
+        start = found[-1] if found else None
+    if start is None or not (start / checkpoint.STATE_FILE).is_file():
+        return None
+    try:
+        saved = saved_identity(start) or {}
+    except ConfigError:
+        return None  # choose_start refuses it, in one line
+    args.objective = saved.get("objective")
+    return args.objective
+
+
 def differences(saved, current):
     """'--flag saved -> now' for each identity key that differs; a key not in `saved` is not compared."""
     return [

@@ -52,6 +52,7 @@ def main(args):
     Every exit, these and the normal end, leaves no process group behind."""
     try:
         with one_line_errors("train.py"):
+            resume.keep_recorded_objective(args)  # a resumed run trains on with its own objective
             args = resolve(args)
             return describe(args) if args.dry_run else train(args)
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint

@@ -231,11 +231,12 @@ def test_a_folder_with_an_unreadable_image_resumed_streamed_trains_as_preloaded(
     assert saved[0]["num_images"] == saved[1]["num_images"] == 9 and saved[1]["data_path"] == "streamed"
 
 
-def test_an_edm_run_resumed_with_another_churn_trains_on(tmp_path, capsys):
+def test_an_edm_run_resumed_with_another_churn_and_no_objective_trains_on_as_edm(tmp_path, capsys):
     out = tmp_path / "run"
     train(out, "--max_train_steps", 2, *FEW, "--objective", "edm")
-    trains_on(out, capsys, 2, "--max_train_steps", 3, "--objective", "edm", *EDM_CHANGES)
+    trains_on(out, capsys, 2, "--max_train_steps", 3, *EDM_CHANGES)  # the objective its checkpoint recorded
     assert (out / "checkpoints" / "checkpoint-3").is_dir()
+    assert json.loads((out / "train_config.json").read_text())["objective"] == "edm"
 
 
 def test_the_invocations_own_flags_resume_or_start_as_they_say(tmp_path, capsys):
@@ -370,3 +371,21 @@ def test_train_refuses_a_resume_that_adds_a_flag_in_one_line(tmp_path, capsys, a
     assert stopped.value.code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: error: cannot resume") and says in err, err
     assert "Traceback" not in err
+
+
+def test_a_resume_that_names_no_objective_keeps_the_one_its_checkpoint_recorded(tmp_path):
+    """The preset's default objective may change between releases; the run a checkpoint holds may not."""
+    run_dir = tmp_path / "run"
+    flow = resolved("--objective", "flow")
+    write_checkpoint(run_dir, dict(objective="flow"), train_config=flow)
+    args = lambda *flags: config.parse_args([*TINY, "--output_dir", str(run_dir), *flags])  # noqa: E731
+    kept = args()
+    assert rules.keep_recorded_objective(kept) == "flow" and kept.objective == "flow"
+    assert resume(run_dir, resolved("--objective", kept.objective)) is not None  # and resuming it is not refused
+    for flags, objective in ((["--objective", "edm"], "edm"), (["--overwrite_output_dir"], None), (["--no-resume"], None)):
+        given = args(*flags)
+        assert rules.keep_recorded_objective(given) is None and given.objective == objective
+    other = args("--resume", str(write_checkpoint(tmp_path / "other", dict(objective="edm"))))
+    assert rules.keep_recorded_objective(other) == "edm"  # --resume CHECKPOINT: that checkpoint's run
+    empty = config.parse_args([*TINY, "--output_dir", str(tmp_path / "empty")])
+    assert rules.keep_recorded_objective(empty) is None and empty.objective is None  # a fresh run: the preset's
