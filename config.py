@@ -109,7 +109,7 @@ SETTINGS = dict(
     # or latents (--vae), 48x fewer values per image at 8x. flops.py counts its cost (HFU).
     gradient_checkpointing=False,
     profile_steps=3, profile_top=15, profile_stack=False,  # --profile: steps recorded, rows of its table, no stacks
-    # What a compiled step compiles: "auto", its network family's rule (step.COMPILE_SCOPES); "regional",
+    # What a compiled step compiles: "auto", by the run's length (step.choose_compile_scope); "regional",
     # each repeated block once; "whole", the network as one graph. `python -m bench --compile_scope` sets it.
     compile_scope="auto",
 )  # fmt: skip
@@ -248,8 +248,8 @@ REMOVED = {
     "gradient_checkpointing": Removed("to fit memory, lower --train_batch_size and raise --gradient_accumulation_steps, "
                                       "or train on latents (--vae)", _always(False), switch=True),
     "timing_warmup_steps": Removed("the timing leaves out the first 5 steps", _dropped),
-    "compile_scope": Removed("train.py compiles each repeated block once, or the whole network where that was measured "
-                             "faster (step.COMPILE_SCOPES); " + _BENCH.format("compile_scope whole"), _dropped),
+    "compile_scope": Removed("train.py compiles each repeated block once for a short run, the whole network for a long "
+                             "one (step.choose_compile_scope); " + _BENCH.format("compile_scope whole"), _dropped),
     "peak_tflops": Removed("MFU is against flops.py's PEAK_TFLOPS (add a GPU there)", _dropped),
     "profile_steps": Removed("--profile records 3 steps", _dropped),
     "profile_top": Removed("--profile's table has 15 rows", _dropped),

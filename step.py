@@ -81,10 +81,19 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
 
 # --- how the network is compiled, and whether it pays ----------------------------------
 
-# How each network family compiles by default: "regional" (each repeated block once,
-# RegionalNetwork) or "whole" (the network as one graph). The rule: regional unless the whole
-# network's step was measured more than 3% faster; the measurements are in docs/performance.md.
-COMPILE_SCOPES = {"dit": "regional", "edm2": "regional", "unet": "regional"}
+# How much slower a step compiled block by block runs than the whole network compiled as one graph
+# (the glue between blocks stays eager, and no fusion crosses a block's edge), by device type and
+# network family. Measured on a 2-core CPU, one thread (bench/results/2026-11-27-cpu-regional-compile):
+# DiT-S/2 +13%, DiT-B/2 -6%, small +16%, ref128 +12%, noisy (the other core trained). On a GPU not
+# measured yet (`bash bench/on_gpu.sh cold`): DiT's is the prediction written before measuring (131 ms
+# against the whole network's 128), the UNets' and EDM2's the CPU's UNets'.
+REGIONAL_STEP_COST = {
+    ("cuda", "dit"): 0.023, ("cuda", "unet"): 0.14, ("cuda", "edm2"): 0.14,
+    ("cpu", "dit"): 0.035, ("cpu", "unet"): 0.14, ("cpu", "edm2"): 0.14,
+}  # fmt: skip
+
+
+SCOPE_WORDS = {"regional": "each repeated block once", "whole": "the whole network"}
 
 
 def network_family(model_name):
@@ -92,32 +101,46 @@ def network_family(model_name):
     return models.PRESETS[model_name].get("network", "unet")
 
 
-def choose_compile_scope(args):
-    """("regional" or "whole", why) for a run's network: the `compile_scope` setting
-    (`python -m bench` varies it) or its family's rule, COMPILE_SCOPES."""
+def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compile_s=None):
+    """("regional" or "whole", why): the `compile_scope` setting where one is given (`python -m bench`
+    varies it); the whole network under gradient checkpointing; else by the run's length: each repeated
+    block compiled once where that compile's head start (`compile_s`: scope -> predicted seconds) is more
+    than its slower steps (REGIONAL_STEP_COST of `step_s`, the compiled step) cost in `total_steps`
+    steps; the whole network, the faster step, for a long run or one whose length or step is unknown."""
     if args.gradient_checkpointing:  # a checkpointed block is recomputed outside its compiled call
         return "whole", "whole network (gradient checkpointing recomputes the blocks)"
     given = getattr(args, "compile_scope", "auto")
     if given not in (None, "auto"):
         return given, f"{given} (compile_scope {given})"
-    scope = COMPILE_SCOPES[network_family(args.model)]
-    return scope, "each repeated block compiled once" if scope == "regional" else "whole network"
+    if device is None or not total_steps or step_s is None or compile_s is None:
+        return "whole", "whole network"
+    sooner = compile_s["whole"] - compile_s["regional"]
+    cost = REGIONAL_STEP_COST[(device.type if device.type == "cuda" else "cpu", network_family(args.model))] * step_s
+    if sooner <= 0:
+        return "whole", "whole network"
+    if cost <= 0 or total_steps * cost < sooner:
+        return "regional", (f"each repeated block compiled once ({sooner:.0f} s sooner than the whole network, "
+                            f"whose faster step would repay that after {sooner / cost:,.0f} steps)" if cost > 0 else
+                            f"each repeated block compiled once ({sooner:.0f} s sooner than the whole network)")  # fmt: skip
+    return "whole", (f"whole network (its faster step repays its {sooner:.0f} s longer compile after "
+                     f"{sooner / cost:,.0f} of this run's {total_steps:,} steps)")  # fmt: skip
 
 
 # A cold compile of train.py's step (the first step: forward and backward) in seconds, by device
 # type, network family and scope; a warm one (Inductor's cache holds the graphs) takes
 # WARM_COMPILE_FRACTION of it. From measurements (docs/performance.md): on an H100 DiT-XL/2 and
-# ddpm32 each took 84.7 s whole, ref128 114-126 s on an H100 and an H200 and 13.2 s warm; on a
-# quiet 2-core CPU DiT-S/2 took 69.0 s whole and 41.6 s regional, tiny 48.4 s. Regional on a GPU is
-# not measured yet: predicted as the whole compile times the regional/whole ratio measured on a CPU
-# (DiT-S/2: 0.60; small, on a loaded CPU: 0.86).
+# ddpm32 each took 84.7 s whole, ref128 114-126 s on an H100 and an H200 and 13.2 s warm. On a 2-core
+# CPU, one thread (bench/results/2026-11-27-cpu-regional-compile), whole / regional: DiT-S/2 48.1 / 32.7 s,
+# DiT-B/2 60.4 / 38.9 s, small 86.3 / 84.6 s, ref128 198.4 / 147.8 s. Regional on a GPU is not measured
+# yet: predicted as the whole compile times the family's mean regional/whole ratio on the CPU (DiT 0.66,
+# UNet 0.87; EDM2's blocks are not measured: the UNet's).
 COLD_COMPILE_S = {
-    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 85 * 0.60,
-    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.86,
-    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 0.86,
-    ("cpu", "dit", "whole"): 69, ("cpu", "dit", "regional"): 42,
-    ("cpu", "unet", "whole"): 50, ("cpu", "unet", "regional"): 43,
-    ("cpu", "edm2", "whole"): 50, ("cpu", "edm2", "regional"): 43,
+    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 85 * 0.66,
+    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.87,
+    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 0.87,
+    ("cpu", "dit", "whole"): 54, ("cpu", "dit", "regional"): 36,
+    ("cpu", "unet", "whole"): 90, ("cpu", "unet", "regional"): 78,
+    ("cpu", "edm2", "whole"): 90, ("cpu", "edm2", "regional"): 78,
 }  # fmt: skip
 WARM_COMPILE_FRACTION = 0.11
 
@@ -152,15 +175,24 @@ def predicted_compile_s(device, family, scope, warm_s=None):
     return COLD_COMPILE_S[(device.type if device.type == "cuda" else "cpu", family, scope)], "cold cache"
 
 
-def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
-    """Seconds a step in `mode` saves over the eager step, predicted; None where nothing predicts it
-    (a GPU whose peak flops.py does not know)."""
+def predicted_eager_s(device, family, flops_per_step, peak_flops):
+    """The eager step's seconds, predicted; None where nothing predicts it (a GPU whose peak flops.py does
+    not know)."""
     if device.type == "cuda":
         if not peak_flops:
             return None
-        eager_s = max(flops_per_step / (peak_flops * EAGER_MFU[family]), EAGER_LAUNCH_FLOOR_S[family])
+        return max(flops_per_step / (peak_flops * EAGER_MFU[family]), EAGER_LAUNCH_FLOOR_S[family])
+    return flops_per_step / CPU_EAGER_FLOPS[family]
+
+
+def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
+    """Seconds a step in `mode` saves over the eager step, predicted; None where nothing predicts it."""
+    eager_s = predicted_eager_s(device, family, flops_per_step, peak_flops)
+    if eager_s is None:
+        return None
+    if device.type == "cuda":
         return eager_s * (SAVED_SHARE_CUDA_GRAPHS if mode in CUDA_GRAPH_MODES else SAVED_SHARE[family])
-    return flops_per_step / CPU_EAGER_FLOPS[family] * CPU_SAVED_SHARE[family]
+    return eager_s * CPU_SAVED_SHARE[family]
 
 
 def compile_pays(total_steps, saving_s, compile_s):
@@ -169,24 +201,29 @@ def compile_pays(total_steps, saving_s, compile_s):
 
 
 def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps=None, peak_flops=None, remembered=None):
-    """The step's CompilePlan: `choose_compile_mode`'s mode, `choose_compile_scope`'s scope, and, for
-    --compile_mode auto, eager instead where the run is too short to repay the compile: its
-    `total_steps` times the predicted saving of a step against the predicted compile
-    (`peak_flops`: the device's, flops.py's; `remembered(mode, scope)`: the cold compile seconds this
-    machine recorded for the same step, whose graphs Inductor's cache then holds, or None).
+    """The step's CompilePlan: `choose_compile_mode`'s mode, `choose_compile_scope`'s scope (by the run's
+    length), and, for --compile_mode auto, eager instead where the run is too short to repay the compile:
+    its `total_steps` times the predicted saving of a step against the predicted compile (`peak_flops`:
+    the device's, flops.py's; `remembered(mode, scope)`: the cold compile seconds this machine recorded
+    for the same step, whose graphs Inductor's cache then holds, or None).
     """
     mode, why = choose_compile_mode(args, device, num_processes, flops_per_micro_batch)
     if mode is None:
         return CompilePlan(None, "whole", why)
-    scope, scope_why = choose_compile_scope(args)
+    family = network_family(args.model)
+    predicted = {scope: predicted_compile_s(device, family, scope, remembered and remembered(mode, scope))
+                 for scope in ("whole", "regional")}  # fmt: skip
+    per_step = flops_per_micro_batch * args.gradient_accumulation_steps
+    eager_s = predicted_eager_s(device, family, per_step, peak_flops)
+    saving_s = predicted_saving_s(device, family, mode, per_step, peak_flops)
+    compiled_s = None if eager_s is None else eager_s - saving_s
+    scope, scope_why = choose_compile_scope(args, device, total_steps, compiled_s,
+                                            {scope: seconds for scope, (seconds, _) in predicted.items()})  # fmt: skip
+    compile_s, cache = predicted[scope]
     if args.compile_mode == "auto":
-        family = network_family(args.model)
-        compile_s, cache = predicted_compile_s(device, family, scope, remembered and remembered(mode, scope))
-        per_step = flops_per_micro_batch * args.gradient_accumulation_steps
-        saving_s = predicted_saving_s(device, family, mode, per_step, peak_flops)
         if not compile_pays(total_steps, saving_s, compile_s):
             return CompilePlan(None, scope, (
-                f"auto: eager: compiling ({mode}, {scope_why}) would take about {compile_s:.0f} s ({cache}), more than "
+                f"auto: eager: compiling ({mode}, {SCOPE_WORDS[scope]}) would take about {compile_s:.0f} s ({cache}), more than "
                 f"it saves in this run's {total_steps:,} steps (about {saving_s * total_steps:.0f} s, "
                 f"{saving_s * 1e3:.3g} ms a step); --compile_mode {mode} compiles anyway"))  # fmt: skip
         if saving_s is not None and total_steps:

@@ -794,7 +794,7 @@ def parse_args(argv=None):
         s.add_argument(f"--{name}", default=None, action=argparse.BooleanOptionalAction, help=says)
     s.add_argument("--compile_scope", default=None, choices=("whole", "regional"),
                    help="what a compiled step compiles: the network as one graph, or each repeated block once "
-                        "(train.py: by the network, step.COMPILE_SCOPES)")  # fmt: skip
+                        "(train.py: by the run's length, step.choose_compile_scope)")  # fmt: skip
     sweep.add_arguments(p)
     quality.add_arguments(p)
     args = p.parse_args(argv)
