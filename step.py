@@ -101,17 +101,21 @@ def network_family(model_name):
     return models.PRESETS[model_name].get("network", "unet")
 
 
-def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compile_s=None):
+def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compile_s=None, mode=None):
     """("regional" or "whole", why): the `compile_scope` setting where one is given (`python -m bench`
     varies it); the whole network under gradient checkpointing; else by the run's length: each repeated
     block compiled once where that compile's head start (`compile_s`: scope -> predicted seconds) is more
     than its slower steps (REGIONAL_STEP_COST of `step_s`, the compiled step) cost in `total_steps`
-    steps; the whole network, the faster step, for a long run or one whose length or step is unknown."""
+    steps; the whole network, the faster step, for a long run or one whose length or step is unknown, and
+    in a `mode` whose CUDA graphs torch.compile makes (one graph per compiled call: the launches of the glue
+    between blocks would stay)."""
     if args.gradient_checkpointing:  # a checkpointed block is recomputed outside its compiled call
         return "whole", "whole network (gradient checkpointing recomputes the blocks)"
     given = getattr(args, "compile_scope", "auto")
     if given not in (None, "auto"):
         return given, f"{given} (compile_scope {given})"
+    if mode in INDUCTOR_GRAPH_MODES:
+        return "whole", "whole network (its CUDA graphs replay every launch of the step)"
     if device is None or not total_steps or step_s is None or compile_s is None:
         return "whole", "whole network"
     sooner = compile_s["whole"] - compile_s["regional"]
@@ -218,7 +222,7 @@ def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps
     saving_s = predicted_saving_s(device, family, mode, per_step, peak_flops)
     compiled_s = None if eager_s is None else eager_s - saving_s
     scope, scope_why = choose_compile_scope(args, device, total_steps, compiled_s,
-                                            {scope: seconds for scope, (seconds, _) in predicted.items()})  # fmt: skip
+                                            {scope: seconds for scope, (seconds, _) in predicted.items()}, mode)  # fmt: skip
     compile_s, cache = predicted[scope]
     if args.compile_mode == "auto":
         if not compile_pays(total_steps, saving_s, compile_s):

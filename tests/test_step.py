@@ -500,6 +500,7 @@ H100_BF16 = 989.4e12
         ({"compile_mode": "off"}, 10**6, H100_BF16, None, None, "eager (--compile_mode off)"),
         ({"gradient_checkpointing": True}, 10**6, H100_BF16, None, "default", "whole network (gradient checkpointing"),
         ({"compile_scope": "whole"}, 10**6, H100_BF16, None, "default", "whole (compile_scope whole)"),
+        ({"compile_mode": "reduce-overhead"}, 10, H100_BF16, None, "reduce-overhead", "whole network (its CUDA graphs replay"),
     ],
 )
 def test_auto_compiles_only_where_the_run_repays_the_compile(changes, total_steps, peak, warm_s, mode, words):
