@@ -72,6 +72,19 @@ GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_
                     learning_rate=2e-4, ema="none", **SMALL["ddpm"])  # fmt: skip
 CPU_SHAPES_NUM_IMAGES = 2048
 
+# The objective a preset trains without --objective, by its network: flow matching for diffusers' UNets
+# and the DiTs (it beat the presets' DDPM on real photos at two seeds: BENCHMARKS.md, Real images),
+# EDM for EDM2's networks. On the built-in shapes a UNet trains DDPM instead (default_objective): there
+# DDPM scored better at two seeds and its grid shows clean one-coloured shapes where flow's shows
+# blobs in gradients of colour (the bare run's grid). A resumed run keeps the objective it recorded
+# (resume.keep_recorded_objective).
+DEFAULT_OBJECTIVE = {"unet": "flow", "dit": "flow", "edm2": "edm"}
+
+
+def default_objective(family, dataset):
+    """The objective a run of a `family` network on `dataset` trains without --objective."""
+    return "ddpm" if family == "unet" and dataset == data.BUILTIN else DEFAULT_OBJECTIVE[family]
+
 # What a run's train_config.json holds beside its flags: facts of the run (the
 # data, the machine, the FLOPs), recomputed by every run, and the --config it was
 # read from (files do not include each other). --config skips them.
@@ -451,7 +464,7 @@ def build_parser(prog="train.py", source=""):
     flag(m, "objective", "ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with "
          "EDM2's learned loss weighting, sampled with EDM's Heun sampler; flow: flow matching (SiT, SD3: "
          "x = (1-sigma) x0 + sigma noise, the network predicts noise - x0), flow:SHIFT with SD3's timestep shift "
-         "(docs/training.md) (default: edm for the EDM2 presets, else ddpm)", type=objective_flag)  # fmt: skip
+         "(docs/training.md) (default: edm for the EDM2 presets, ddpm for a UNet on the built-in shapes, else flow)", type=objective_flag)  # fmt: skip
     flag(m, "timestep_sampling", "DDPM and flow: how training draws the noise level: uniform (Ho et al. 2020; "
          "SiT), or lognormal: DDPM's t such that ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's "
          "timesteps; flow's sigma logit-normal, SD3's (default: flow lognormal; else the preset's, "
@@ -761,14 +774,15 @@ def _fill_from_preset(args):
     models.check_image_size(args.model, args.image_size, args.image_size // network_size(args))
     preset = models.PRESETS[args.model]
     edm2_network = preset.get("network") == "edm2"
-    if args.objective is None:
-        args.objective = "edm" if edm2_network else "ddpm"
+    defaulted = args.objective is None
+    if defaulted:
+        args.objective = default_objective(preset.get("network", "unet"), args.dataset)
     if edm2_network and args.objective == "ddpm":
         raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm or flow: "
                           "drop --objective ddpm")  # fmt: skip
     if args.objective == "edm" and args.timestep_sampling not in (None, "uniform"):
         raise ConfigError("--timestep_sampling is DDPM's and flow's: EDM draws its noise levels by --P_mean_std")
-    _fill_flow(args)
+    _fill_flow(args, defaulted)
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
     ddpm = preset.get("ddpm", {}) if args.objective == "ddpm" else {}
     flow = models.objective_kind(args.objective) == "flow"
@@ -791,9 +805,10 @@ def _fill_from_preset(args):
         args.num_inference_steps = sample.EDM_STEPS if args.objective == "edm" else sample.DEFAULT_STEPS
 
 
-def _fill_flow(args):
+def _fill_flow(args, defaulted=False):
     """A flow run's defaults (SD3's logit-normal(0, 1) σ, the flow sampler) and its refusals: DDPM's
-    flags and samplers. Other runs: a DDPM sampler."""
+    flags and samplers (`defaulted`: the preset chose flow, so the refusal says how to ask for DDPM).
+    Other runs: a DDPM sampler."""
     flow = models.objective_kind(args.objective) == "flow"
     if args.sampler is None:
         args.sampler = sample.DEFAULT_FLOW_SAMPLER if flow else sample.DEFAULT_SAMPLER
@@ -803,10 +818,11 @@ def _fill_flow(args):
                               f"one of {', '.join(sample.SAMPLERS)}")  # fmt: skip
         return
     given = [name for name in DDPM_ONLY if getattr(args, name) not in (None, False)]
+    ask = f"; {args.model} trains flow matching unless told: add --objective ddpm, or drop it" if defaulted else ""
     if given:
-        raise ConfigError(f"--{given[0]} is DDPM's: --objective flow predicts noise - x0 on a straight path; drop it")
+        raise ConfigError(f"--{given[0]} is DDPM's" + (ask or ": --objective flow predicts noise - x0 on a straight path; drop it"))
     if args.sampler not in sample.FLOW_SAMPLERS:
-        raise ConfigError(f"--sampler {args.sampler} is DDPM's: a flow run samples with {sample.flow_sampler_names()}")
+        raise ConfigError(f"--sampler {args.sampler} is DDPM's" + (ask or f": a flow run samples with {sample.flow_sampler_names()}"))
     if args.timestep_sampling is None:
         args.timestep_sampling = "lognormal"
     if args.P_mean_std is None:

@@ -379,7 +379,8 @@ class Run:
         _, peak_words = flops.describe_peak(self.device, args.mixed_precision, args.allow_tf32)
         latent = f" as {args.latent_size}x{args.latent_size}x{args.latent_channels} latents" if args.vae else ""
         self.accelerator.print(
-            f"training {args.model} ({config['params']:,} parameters) on {self.num_images} images at {args.image_size}px{latent}: "
+            f"training {args.model} ({config['params']:,} parameters, --objective {args.objective}) "
+            f"on {self.num_images} images at {args.image_size}px{latent}: "
             f"{self.total_steps} steps of {self.images_per_step} images, mixed precision {args.mixed_precision}, "
             f"{self.world} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
             f"step; {peak_words}; step {self.compile_why}"

@@ -107,7 +107,10 @@ def train_defaults(workload):
     """train.py's defaults, resolved by config.py for a workload's model (its learning rate is the preset's).
     A latent workload's network takes its latents' side and channels, as a --vae run's does (latent_size,
     latent_channels: config._fill_latents)."""
-    args = config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"])]))
+    # a UNet's or DiT's DDPM step, whatever the preset's default objective: the check compares DDPM's loss (flow's
+    # step is the same network's forward and backward, its noise drawn another way); EDM2's networks train EDM
+    ddpm = [] if models.PRESETS[workload["model"]].get("network") == "edm2" else ["--objective", "ddpm"]
+    args = config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"]), *ddpm]))
     if workload.get("channels"):
         args.latent_size, args.latent_channels = workload["image_size"], workload["channels"]
     return args

@@ -128,7 +128,7 @@ def test_a_row_and_a_training_run_take_their_pieces_from_one_builder(fixed_step,
     init_state, images, _, _ = fixed_step
     built, real = [], training.build
     monkeypatch.setattr(training, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
-    run_train(tmp_path / "run", "--max_train_steps", 1)
+    run_train(tmp_path / "run", "--max_train_steps", 1, "--objective", "ddpm")  # the ladder times the DDPM step
     example, default = (bench.TrainingStep(v["settings"], TINY, init_state, images, CPU)
                         for v in (bench.DIFFUSERS_EXAMPLE, bench.train_default_variant()))  # fmt: skip
     assert len(built) == 3
@@ -356,6 +356,7 @@ def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys,
     stdout = capsys.readouterr().out
     assert re.search(r"^final: step 2/2 \| loss [\d.]+ \|", stdout, re.M)
     # the compile is said, timed as its own part of the breakdown, and its artifacts kept for the next run
+    assert "training tiny (177,427 parameters, --objective ddpm) on 64 images" in stdout  # the objective, said (shapes: DDPM)
     assert "step --compile_mode default; each repeated block compiled once" in stdout  # (auto: 2 steps would not repay it)
     assert "compiling the step (default) ..." in stdout and re.search(r"^compiled the step in [\d.]+ s; ", stdout, re.M)
     manifest = json.loads((out / "run.json").read_text())

@@ -237,7 +237,7 @@ OLD_RUNS = ROOT / "tests" / "fixtures" / "before-issue-33"
 OLD_RUN_FLAGS = ["--model", "tiny", "--image_size", 16, "--shapes_num_images", 64, "--train_batch_size", 8,
                  "--max_train_steps", 1, "--save_images_epochs", 100, "--checkpointing_steps", 1, "--eval_batch_size", 4,
                  "--num_inference_steps", 2, "--dataloader_num_workers", 0, "--logger", "none", "--lr_warmup_steps", 2,
-                 "--output_dir", "old-run"]  # fmt: skip
+                 "--output_dir", "old-run", "--objective", "ddpm"]  # fmt: skip (they trained DDPM, then the default)
 SAME_AS_OLD_RUN = dict(
     default=OLD_RUN_FLAGS,
     changed=[*OLD_RUN_FLAGS, "--ema", "none", "--adam_betas", "0.9,0.999", "--P_mean_std", "-1.0,1.4",
@@ -348,6 +348,7 @@ def test_cpu_on_a_gpu_machine_trains_in_fp32_uncompiled(gpu_machine):
 
 def test_the_bare_run_on_a_gpu_fills_it(gpu_machine):
     bare = resolved()
+    assert bare.objective == "ddpm"  # a UNet on the built-in shapes (config.default_objective)
     for name, value in config.GPU_BARE_RUN.items():
         assert getattr(bare, name) == value, name
     assert config.resolve(copy.deepcopy(bare)) == bare  # idempotent
@@ -358,3 +359,13 @@ def test_the_bare_run_on_a_gpu_fills_it(gpu_machine):
         other = resolved(*argv)
         assert other.train_batch_size != 128 and other.shapes_num_images == config.CPU_SHAPES_NUM_IMAGES, argv
     assert resolved("--cpu").model == "small"
+
+
+def test_the_default_objective_is_flow_on_real_images_and_ddpm_for_a_unet_on_the_shapes():
+    objective = lambda *argv: resolved(*argv).objective  # noqa: E731
+    assert objective() == "ddpm"  # the bare run: a UNet on the built-in shapes draws them cleaner with DDPM
+    assert objective("--dataset", "photos/") == "flow" and objective("--dataset", "photos/", "--model", "ref128") == "flow"
+    assert objective("--model", "dit-small") == "flow"  # a DiT: flow on the shapes too
+    assert objective("--model", "edm2tiny", "--image_size", 16) == objective("--model", "edm2tiny", "--image_size", 16,
+                                                                             "--dataset", "photos/") == "edm"  # fmt: skip
+    assert objective("--dataset", "photos/", "--objective", "ddpm") == "ddpm"  # asked for

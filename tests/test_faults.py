@@ -211,14 +211,19 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_
 
 
 def inject_nan_at_call(monkeypatch, call):
-    real, calls = models.ddpm_loss, []
+    """The `call`-th loss NaN, whichever objective computes it (DDPM's function; flow's, the default, a method)."""
+    calls = []
 
-    def loss(*args, **kwargs):
-        calls.append(1)
-        value = real(*args, **kwargs)
-        return value * float("nan") if len(calls) == call else value
+    def poisoned(real):
+        def loss(*args, **kwargs):
+            calls.append(1)
+            value = real(*args, **kwargs)
+            return value * float("nan") if len(calls) == call else value
 
-    monkeypatch.setattr(models, "ddpm_loss", loss)
+        return loss
+
+    monkeypatch.setattr(models, "ddpm_loss", poisoned(models.ddpm_loss))
+    monkeypatch.setattr(models.FlowObjective, "loss", poisoned(models.FlowObjective.loss))
 
 
 def adam_steps(checkpoint_dir):

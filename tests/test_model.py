@@ -198,7 +198,7 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
     import config
 
     def settings(*flags):
-        args = config.resolve(config.parse_args(list(flags)))
+        args = config.resolve(config.parse_args(["--objective", "ddpm", *flags]))  # the presets' DDPM (flow is the default)
         return (args.prediction_type, args.timestep_sampling, *args.P_mean_std, args.train_batch_size,
                 args.num_epochs, args.ema != "none")  # fmt: skip
 
@@ -212,7 +212,7 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--zero_terminal_snr", "--prediction_type", "epsilon"], "--zero_terminal_snr needs --prediction_type v_prediction"),
+    (["--objective", "ddpm", "--zero_terminal_snr", "--prediction_type", "epsilon"], "--zero_terminal_snr needs --prediction_type v_prediction"),
     (["--objective", "edm", "--timestep_sampling", "lognormal"], "--timestep_sampling is DDPM's"),
     (["--model", "edm2tiny", "--image_size", "16", "--snr_gamma", "5"], "are DDPM's"),
     (["--snr_gamma", "0"], "--snr_gamma must be greater than 0"),

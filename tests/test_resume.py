@@ -54,8 +54,9 @@ OLD_IDENTITY = (
 
 
 def resolved(*flags):
-    """The config train.py hands choose_start for TINY plus `flags` (one process, unconditional)."""
-    args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", *flags]))
+    """The config train.py hands choose_start for TINY plus `flags` (one process, unconditional), a DDPM run
+    unless `flags` say otherwise."""
+    args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", "--objective", "ddpm", *flags]))  # DDPM's keys too
     return vars(args) | dict(num_processes=1, num_classes=0, latent_space=None,
                              flow_sigmas=models.flow_sigma_distribution(vars(args)))  # fmt: skip
 
@@ -198,8 +199,9 @@ def trains_on(out, capsys, step, *flags, run=None):
 
 def test_a_run_resumed_with_every_safe_flag_changed_trains_on(tmp_path, capsys, monkeypatch):
     out, guide = tmp_path / "run", tmp_path / "guide"
-    train(guide, "--max_train_steps", 2, *FEW)  # a run of the same data, to guide with (it trains 2 steps too)
-    train(out, "--max_train_steps", 2, *FEW, "--compile_mode", "auto")
+    # DDPM runs (its --snr_gamma and --sampler ddim change below), resumed without --objective: the recorded one
+    train(guide, "--max_train_steps", 2, *FEW, "--objective", "ddpm")  # a run of the same data, to guide with
+    train(out, "--max_train_steps", 2, *FEW, "--compile_mode", "auto", "--objective", "ddpm")
     # Inception's weights given: FID on test_metrics' stand-in for Inception
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
     fid_weights = tmp_path / "inception.pth"

@@ -71,13 +71,16 @@ def test_sampling_scheduler_in_train_is_the_same(name):
     import config
     import training
 
-    args = config.resolve(config.parse_args(["--model", "tiny", "--image_size", "16", "--sampler", name,
+    args = config.resolve(config.parse_args(["--model", "tiny", "--image_size", "16", "--objective", "ddpm", "--sampler", name,
                                              "--prediction_type", "v_prediction", "--beta_schedule", "linear"]))  # fmt: skip
     pieces = training.build(args, total_steps=10)
     expected = sample.make_scheduler(name, pieces.noise_scheduler.config)
     assert type(pieces.sampling_scheduler) is type(expected)
     assert dict(pieces.sampling_scheduler.config) == dict(expected.config)
     assert expected.config.prediction_type == "v_prediction" and expected.config.beta_schedule == "linear"
+    args.vae = "a VAE"  # a latent run's samplers leave the latents unclipped: they are not images in [-1, 1]
+    latent = training.build(args, total_steps=10).sampling_scheduler.config
+    assert not (latent.get("clip_sample") or latent.get("thresholding")), name
 
 
 # --- sample.py on a tiny trained run ------------------------------------------------
@@ -86,7 +89,7 @@ TINY = [
     "--model", "tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "8",
     "--num_inference_steps", "2", "--eval_batch_size", "4", "--lr_warmup_steps", "1", "--dataloader_num_workers", "0",
     "--max_train_steps", "4", "--checkpointing_steps", "4", "--save_images_epochs", "100",
-    "--logging_steps", "4", "--learning_rate", "1e-3",
+    "--logging_steps", "4", "--learning_rate", "1e-3", "--objective", "ddpm",  # DDPM's samplers (test_flow.py: flow's)
 ]  # fmt: skip
 
 

@@ -251,7 +251,7 @@ def spy_on_build(monkeypatch):
 def test_v_prediction_with_zero_terminal_snr_and_min_snr_trains_and_samples(tmp_path, monkeypatch):
     built = spy_on_build(monkeypatch)
     out = tmp_path / "run"
-    run(out, "--max_train_steps", 2, "--save_images_epochs", 1, "--prediction_type", "v_prediction",
+    run(out, "--max_train_steps", 2, "--save_images_epochs", 1, "--objective", "ddpm", "--prediction_type", "v_prediction",
         "--zero_terminal_snr", "--snr_gamma", 5)  # fmt: skip
     (pieces,) = built  # the objective trained: v-prediction, min-SNR-5, on the rescaled betas
     assert pieces.noise_scheduler.config.prediction_type == "v_prediction" and pieces.objective.snr_gamma == 5
