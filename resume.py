@@ -169,13 +169,10 @@ def keep_recorded_objective(args):
     RUN_IDENTITY, and a resume under another is refused). Sets `args.objective` before config.resolve
     fills the rest from it; returns the objective kept, or None (a fresh start, --objective given, or no
     checkpoint to continue: choose_start says what is wrong with one)."""
-    if args.objective is not None or args.overwrite_output_dir or args.resume is False:
+    if args.objective is not None or args.resume is False:
         return None
-    if isinstance(args.resume, str) and args.resume != "latest":
-        start = Path(args.resume)
-    else:
-        found = checkpoint.checkpoint_dirs(Path(args.output_dir))
-        start = found[-1] if found else None
+    resume_from = args.resume if isinstance(args.resume, str) else None  # as train.py passes it to choose_start
+    start = continued_checkpoint(args.output_dir, True, resume_from, args.overwrite_output_dir)
     if start is None or not (start / checkpoint.STATE_FILE).is_file():
         return None
     try:
@@ -206,6 +203,18 @@ def _compared(key, value):
     return COMPARED_AS[key](value) if key in COMPARED_AS else value
 
 
+def continued_checkpoint(output_dir, resume, resume_from, overwrite):
+    """The checkpoint a command continues from, as choose_start picks it, unchecked: `resume_from` (a
+    folder), else, unless `overwrite`, the newest in output_dir with `resume` (or resume_from 'latest');
+    None for a fresh start."""
+    if resume_from not in (None, "latest"):
+        return Path(resume_from)
+    if overwrite:
+        return None
+    found = checkpoint.checkpoint_dirs(Path(output_dir))
+    return found[-1] if found and (resume or resume_from == "latest") else None
+
+
 def choose_start(output_dir, config, resume, resume_from, overwrite):
     """The checkpoint to continue from, or None to start fresh; refuses to mix two runs.
 
@@ -218,25 +227,21 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
     saved_identity reads them) is refused with the list of differences.
     """
     output_dir = Path(output_dir)
-    found = checkpoint.checkpoint_dirs(output_dir)
-    saved_config_path = output_dir / "train_config.json"
+    start = continued_checkpoint(output_dir, resume, resume_from, overwrite)
     if resume_from not in (None, "latest"):
-        path = Path(resume_from)
-        if not (path / checkpoint.STATE_FILE).is_file():
-            raise ConfigError(f"--resume {path}: not a checkpoint folder (no {checkpoint.STATE_FILE})")
-        start = path
+        if not (start / checkpoint.STATE_FILE).is_file():
+            raise ConfigError(f"--resume {start}: not a checkpoint folder (no {checkpoint.STATE_FILE})")
     elif overwrite:
         shutil.rmtree(checkpoint.checkpoints_root(output_dir), ignore_errors=True)
         return None
-    elif found and (resume or resume_from == "latest"):
-        start = found[-1]
-    elif found or saved_config_path.is_file():
-        reason = "its checkpoints" if found else "the outputs of an earlier run"
-        raise ConfigError(
-            f"{output_dir} holds {reason}: run with --resume to continue it, "
-            "--overwrite_output_dir to start again there, or choose another --output_dir"
-        )
-    else:
+    elif start is None:
+        found = checkpoint.checkpoint_dirs(output_dir)
+        if found or (output_dir / "train_config.json").is_file():
+            reason = "its checkpoints" if found else "the outputs of an earlier run"
+            raise ConfigError(
+                f"{output_dir} holds {reason}: run with --resume to continue it, "
+                "--overwrite_output_dir to start again there, or choose another --output_dir"
+            )
         return None
     saved = saved_identity(start)
     if saved is not None:

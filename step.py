@@ -83,10 +83,10 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
 
 # How much slower a step compiled block by block runs than the whole network compiled as one graph
 # (the glue between blocks stays eager, and no fusion crosses a block's edge), by device type and
-# network family. Measured on a 2-core CPU, one thread (bench/results/2026-11-27-cpu-regional-compile):
-# DiT-S/2 +13%, DiT-B/2 -6%, small +16%, ref128 +12%, noisy (the other core trained). On a GPU not
-# measured yet (`bash bench/on_gpu.sh cold`): DiT's is the prediction written before measuring (131 ms
-# against the whole network's 128), the UNets' and EDM2's the CPU's UNets'.
+# network family (all positive: choose_compile_scope divides by it). The CPU's from its record
+# (bench/results/2026-11-27-cpu-regional-compile: DiT the mean of its two models, UNet rounded up);
+# on a GPU predictions until `bash bench/on_gpu.sh cold` measures them (DiT's: DIT_PREDICTED_MS in
+# bench/speed.py; the UNets' and EDM2's: the CPU's UNets').
 REGIONAL_STEP_COST = {
     ("cuda", "dit"): 0.023, ("cuda", "unet"): 0.14, ("cuda", "edm2"): 0.14,
     ("cpu", "dit"): 0.035, ("cpu", "unet"): 0.14, ("cpu", "edm2"): 0.14,
@@ -119,25 +119,23 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
     if device is None or not total_steps or step_s is None or compile_s is None:
         return "whole", "whole network"
     sooner = compile_s["whole"] - compile_s["regional"]
-    cost = REGIONAL_STEP_COST[(device.type if device.type == "cuda" else "cpu", network_family(args.model))] * step_s
     if sooner <= 0:
         return "whole", "whole network"
-    if cost <= 0 or total_steps * cost < sooner:
+    cost = REGIONAL_STEP_COST[(device.type if device.type == "cuda" else "cpu", network_family(args.model))] * step_s
+    if total_steps * cost < sooner:
         return "regional", (f"each repeated block compiled once ({sooner:.0f} s sooner than the whole network, "
-                            f"whose faster step would repay that after {sooner / cost:,.0f} steps)" if cost > 0 else
-                            f"each repeated block compiled once ({sooner:.0f} s sooner than the whole network)")  # fmt: skip
+                            f"whose faster step would repay that after {sooner / cost:,.0f} steps)")  # fmt: skip
     return "whole", (f"whole network (its faster step repays its {sooner:.0f} s longer compile after "
                      f"{sooner / cost:,.0f} of this run's {total_steps:,} steps)")  # fmt: skip
 
 
 # A cold compile of train.py's step (the first step: forward and backward) in seconds, by device
 # type, network family and scope; a warm one (Inductor's cache holds the graphs) takes
-# WARM_COMPILE_FRACTION of it. From measurements (docs/performance.md): on an H100 DiT-XL/2 and
-# ddpm32 each took 84.7 s whole, ref128 114-126 s on an H100 and an H200 and 13.2 s warm. On a 2-core
-# CPU, one thread (bench/results/2026-11-27-cpu-regional-compile), whole / regional: DiT-S/2 48.1 / 32.7 s,
-# DiT-B/2 60.4 / 38.9 s, small 86.3 / 84.6 s, ref128 198.4 / 147.8 s. Regional on a GPU is not measured
-# yet: predicted as the whole compile times the family's mean regional/whole ratio on the CPU (DiT 0.66,
-# UNet 0.87; EDM2's blocks are not measured: the UNet's).
+# WARM_COMPILE_FRACTION of it. Rounded from the records (BENCHMARKS.md: the GPU's whole-network
+# compiles on an H100 and an H200; the CPU's whole and regional, one thread, in
+# bench/results/2026-11-27-cpu-regional-compile). Regional on a GPU is not measured yet: predicted as
+# the whole compile times the family's mean regional/whole ratio on the CPU (EDM2's blocks are not
+# measured: the UNet's ratio).
 COLD_COMPILE_S = {
     ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 85 * 0.66,
     ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.87,
@@ -152,9 +150,9 @@ WARM_COMPILE_FRACTION = 0.11
 # a launch-bound floor), and the share of the eager step the compiled mode saves. On an H100
 # (bf16): DiT-XL/2 eager 24.6% MFU, 187 -> 128 ms compiled; ref128 eager 11.6%, 207 -> 124 ms;
 # adm64 (launch bound) 113 ms eager -> 21.6 ms with CUDA graphs. On a CPU, which has no peak in
-# flops.py, the eager step's rate on a 2-core CPU takes the place of peak * MFU: DiT-S/2 ran
-# 291 GFLOP steps in 1.84 s eager and 1.50 s compiled; the bare run's `small` about 80 GFLOP/s, and
-# compiling `tiny` made its step 3% slower (the sweep): on a CPU a UNet's compile never pays.
+# flops.py, the eager step's rate on a 2-core CPU takes the place of peak * MFU (issue 47's DiT-S/2
+# figures; the bare run's `small`, BENCHMARKS.md). A UNet's saving on a CPU is 0: compiling `tiny`
+# made its step slower in the sweep (bench/results/2026-11-23-cpu-speed), so its compile never pays.
 EAGER_MFU = {"dit": 0.246, "unet": 0.116, "edm2": 0.116}
 EAGER_LAUNCH_FLOOR_S = {"dit": 0.02, "unet": 0.1, "edm2": 0.1}
 SAVED_SHARE = {"dit": 0.32, "unet": 0.40, "edm2": 0.40}
@@ -888,10 +886,16 @@ def remember_compile(key, seconds, path=None):
         pass
 
 
-def describe_compile(seconds, before, after):
-    """One line on the first compiled step: how long, and whether the caches served it."""
+def cache_hits_and_misses(before, after):
+    """The FX-graph and AOTAutograd cache hits and misses between two compile_counters()."""
     hits = (after["fx_hits"] - before["fx_hits"]) + (after["aot_hits"] - before["aot_hits"])
     misses = (after["fx_misses"] - before["fx_misses"]) + (after["aot_misses"] - before["aot_misses"])
+    return hits, misses
+
+
+def describe_compile(seconds, before, after):
+    """One line on the first compiled step: how long, and whether the caches served it."""
+    hits, misses = cache_hits_and_misses(before, after)
     if hits and not misses:
         source = "served from the compile cache"
     elif hits:
@@ -919,9 +923,8 @@ class FirstStepClock:
         self.seconds = time.perf_counter() - t0
         self.after = compile_counters()
         self.line = describe_compile(self.seconds, self.counters_before, self.after)
-        before, after = self.counters_before, self.after
         # some graph compiled afresh (a regional compile's repeated blocks hit the cache within a cold run)
-        self.cold = after["fx_misses"] > before["fx_misses"] or after["aot_misses"] > before["aot_misses"]
+        self.cold = cache_hits_and_misses(self.counters_before, self.after)[1] > 0
 
 
 # --- the guard and the loss meter the step feeds --------------------------------------

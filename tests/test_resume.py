@@ -387,7 +387,8 @@ def test_a_resume_that_names_no_objective_keeps_the_one_its_checkpoint_recorded(
     for flags, objective in ((["--objective", "edm"], "edm"), (["--overwrite_output_dir"], None), (["--no-resume"], None)):
         given = args(*flags)
         assert rules.keep_recorded_objective(given) is None and given.objective == objective
-    other = args("--resume", str(write_checkpoint(tmp_path / "other", dict(objective="edm"))))
-    assert rules.keep_recorded_objective(other) == "edm"  # --resume CHECKPOINT: that checkpoint's run
+    edm = str(write_checkpoint(tmp_path / "other", dict(objective="edm")))
+    assert rules.keep_recorded_objective(args("--resume", edm)) == "edm"  # --resume CHECKPOINT: that checkpoint's run
+    assert rules.keep_recorded_objective(args("--resume", edm, "--overwrite_output_dir")) == "edm"  # as choose_start: it wins
     empty = config.parse_args([*TINY, "--output_dir", str(tmp_path / "empty")])
     assert rules.keep_recorded_objective(empty) is None and empty.objective is None  # a fresh run: the preset's
