@@ -39,6 +39,7 @@ import torch
 
 import data
 import ema as posthoc_ema
+import fp8
 import latents
 import metrics
 import model as models
@@ -509,8 +510,8 @@ def build_parser(prog="train.py", source=""):
          choices=("none", "standard", "power"))  # fmt: skip
     flag(t, "ema_max_decay", "standard EMA: decay after warm-up", 0.9999, type=unit_interval)
     flag(t, "ema_power", "standard EMA: warm-up power, decay = 1 - (1 + step)^-power", 0.75, type=non_negative)
-    flag(t, "mixed_precision", "autocast precision (default: bf16 on a GPU that has it, else no)",
-         choices=("no", "fp16", "bf16"))  # fmt: skip
+    flag(t, "mixed_precision", "autocast precision (default: bf16 on a GPU that has it, else no); fp8: a DiT's "
+         "block linear layers in FP8 through torchao, the rest bf16 (docs/fp8.md)", choices=("no", "fp16", "bf16", "fp8"))  # fmt: skip
     flag(t, "seed", "seeds the data, the model and the noise", 0, type=at_least(0))
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
     flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
@@ -836,6 +837,10 @@ def _fill_from_machine(args):
         raise ConfigError("--mixed_precision fp16 needs a CUDA GPU: use bf16 or no (or drop --cpu)")
     if args.mixed_precision is None:  # --cpu on a GPU machine trains in fp32, as on any CPU
         args.mixed_precision = "bf16" if gpu and torch.cuda.is_bf16_supported() else "no"
+    if args.mixed_precision == "fp8":
+        why = fp8.refusal(args, torch.device("cuda" if gpu else "cpu"))
+        if why:
+            raise ConfigError(why)
     if args.compile_mode is None:
         args.compile_mode = "auto" if gpu else "off"
 

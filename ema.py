@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import fp8
 import model as models
 from errors import ConfigError, OneLineParser, one_line_errors
 from rundir import CONFIG_FILE, RunDir, save_network
@@ -207,8 +208,9 @@ def make_ema(args, network, write, foreach=True):
 def averaged_copy(network, ema):
     """A stand-alone copy of `network` (unwrapped) carrying the EMA weights (the raw ones without an EMA), for
     sampling and saving: no gradients (autocast caches a cast copy of every parameter that requires one), and
-    none of accelerate's forward wrappers, which would keep the copy alive after its last use (drop_bound_methods)."""
-    copy = drop_bound_methods(deepcopy(network)).eval().requires_grad_(False)
+    none of accelerate's forward wrappers, which would keep the copy alive after its last use (drop_bound_methods),
+    and no FP8 layers (an fp8 run's copy samples in the autocast's precision and saves as an ordinary network)."""
+    copy = fp8.plain(drop_bound_methods(deepcopy(network))).eval().requires_grad_(False)
     if ema is not None:
         ema.copy_to(copy.parameters())
     return copy

@@ -9,7 +9,15 @@ no traceback and no usage block, one line on stderr that says what to change.
 
 import argparse
 import contextlib
+import logging
 import sys
+
+# Harmless lines two libraries log when torchao (--mixed_precision fp8) is installed, on every import of
+# diffusers (which imports torchao): torch's deprecation of torchao's enum registration, and diffusers 0.42.1
+# looking for a torchao class (NF4Tensor) that torchao 0.18.0 moved. Quieted here, the module every other
+# imports first (model.py and rundir.py import it before diffusers), so that a run's output starts with its own line.
+for _name in ("torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
 class ConfigError(Exception):

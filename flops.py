@@ -111,51 +111,62 @@ def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False,
 # --- peaks ------------------------------------------------------------------------
 
 # Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by precision.
-# fp16/bf16 are the tensor-core rates with fp32 accumulation, as PyTorch uses.
+# fp16/bf16 are the tensor-core rates with fp32 accumulation, as PyTorch uses; fp8 too (torch._scaled_mm
+# accumulates in fp32), on the GPUs with FP8 tensor cores (compute capability 8.9 and above): half the
+# datasheets' "with sparsity" figure. The RTX 4090's are the Ada whitepaper's fp32-accumulate rates.
 # Patterns are tried in order against torch.cuda.get_device_name().
 PEAK_TFLOPS = [
     # (pattern, GPU, {precision: TFLOP/s})
-    (r"H100.*PCIe", "H100 PCIe", dict(bf16=756.5, fp16=756.5, tf32=378.0, fp32=51.2)),
-    (r"H100.*NVL", "H100 NVL", dict(bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0)),
-    (r"H100", "H100 SXM", dict(bf16=989.4, fp16=989.4, tf32=494.7, fp32=66.9)),
-    (r"H200.*NVL", "H200 NVL", dict(bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0)),
-    (r"H200", "H200 SXM", dict(bf16=989.4, fp16=989.4, tf32=494.7, fp32=66.9)),
+    (r"H100.*PCIe", "H100 PCIe", dict(bf16=756.5, fp16=756.5, tf32=378.0, fp32=51.2, fp8=1513.0)),
+    (r"H100.*NVL", "H100 NVL", dict(bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0, fp8=1670.5)),
+    (r"H100", "H100 SXM", dict(bf16=989.4, fp16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9)),
+    (r"H200.*NVL", "H200 NVL", dict(bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0, fp8=1670.5)),
+    (r"H200", "H200 SXM", dict(bf16=989.4, fp16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9)),
     (r"\bA100\b", "A100", dict(bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5)),
     # AWS's A10G has no datasheet of its own; these are the A10's.
     (r"\bA10G?\b", "A10/A10G", dict(bf16=125.0, fp16=125.0, tf32=62.5, fp32=31.2)),
-    (r"\bL40S\b", "L40S", dict(bf16=362.05, fp16=362.05, tf32=183.0, fp32=91.6)),
-    (r"\bL4\b", "L4", dict(bf16=121.0, fp16=121.0, tf32=60.0, fp32=30.3)),
-    (r"RTX 4090", "RTX 4090", dict(bf16=165.2, fp16=165.2, tf32=82.6, fp32=82.6)),
+    (r"\bL40S\b", "L40S", dict(bf16=362.05, fp16=362.05, tf32=183.0, fp32=91.6, fp8=733.0)),
+    (r"\bL4\b", "L4", dict(bf16=121.0, fp16=121.0, tf32=60.0, fp32=30.3, fp8=242.5)),
+    (r"RTX 4090", "RTX 4090", dict(bf16=165.2, fp16=165.2, tf32=82.6, fp32=82.6, fp8=330.3)),
 ]
 
 
 def lookup_peak(device_name, precision):
     """(GPU, dense peak FLOP/s) for a device name and precision; (None, None) when unknown.
 
-    precision: 'fp32', 'tf32', 'bf16' or 'fp16'.
+    precision: 'fp32', 'tf32', 'bf16', 'fp16' or 'fp8' (None for a GPU without FP8 tensor cores).
     """
     for pattern, gpu, peaks in PEAK_TFLOPS:
         if re.search(pattern, device_name or ""):
-            return gpu, peaks[precision] * 1e12
+            return gpu, peaks[precision] * 1e12 if precision in peaks else None
     return None, None
 
 
 def describe_peak(device, mixed_precision, allow_tf32):
-    """(peak FLOP/s per device or None, words saying what it is), from PEAK_TFLOPS."""
+    """(peak FLOP/s per device or None, words saying what it is), from PEAK_TFLOPS.
+
+    An fp8 run's MFU is against the bf16 peak, the project's denominator (its norms, attention and
+    the layers kept out of FP8 run in bf16); the words add the FP8 peak beside it."""
     precision = matmul_precision(mixed_precision, allow_tf32 and device.type == "cuda")
     if device.type != "cuda":
-        return None, f"peak unknown for {device.type} {precision}"
+        return None, f"peak unknown for {device.type} {mixed_precision if mixed_precision == 'fp8' else precision}"
     name = torch.cuda.get_device_name(device)
     _, peak = lookup_peak(name, precision)
     if peak is None:
         return None, f"peak unknown for {name} {precision} (not in flops.py's PEAK_TFLOPS)"
-    return peak, f"peak {name} {precision} {peak / 1e12:g} TFLOP/s"
+    words = f"peak {name} {precision} {peak / 1e12:g} TFLOP/s"
+    if mixed_precision == "fp8":
+        _, fp8_peak = lookup_peak(name, "fp8")
+        words += f" (fp8 run: MFU against bf16's; the fp8 peak {fp8_peak / 1e12:g})" if fp8_peak else " (fp8 run: MFU against bf16's)"
+    return peak, words
 
 
 def matmul_precision(mixed_precision, allow_tf32):
-    """The precision matmuls and convolutions run in, for the peak lookup."""
+    """The precision matmuls and convolutions run in, for the peak lookup: an fp8 run's denominator is bf16's."""
     if mixed_precision in ("bf16", "fp16"):
         return mixed_precision
+    if mixed_precision == "fp8":
+        return "bf16"
     return "tf32" if allow_tf32 else "fp32"
 
 

@@ -176,7 +176,7 @@ _COUNTED = {}
 def count_step(model_name, image_size, batch_size, channels=3, precision="no", gradient_checkpointing=False):
     """{'peak', 'gradients'}: the most bytes one eager forward and backward of `batch_size` inputs hold at
     once beyond the weights (the gradients included, as they are made), and the gradients' bytes, counted on
-    the meta device (no memory, no arithmetic) with CUDA autocast's casts where `precision` is bf16 or fp16
+    the meta device (no memory, no arithmetic) with CUDA autocast's casts where `precision` is bf16, fp16 or fp8
     and attention as a fused kernel holds it (AutocastLike). The loss is the output's mean square, in fp32."""
     key = (model_name, image_size, batch_size, channels, precision, bool(gradient_checkpointing))
     if key not in _COUNTED:
@@ -186,7 +186,9 @@ def count_step(model_name, image_size, batch_size, channels=3, precision="no", g
 
 def _count_step(model_name, image_size, batch_size, channels, precision, gradient_checkpointing):
     net = models.build_unet(model_name, image_size, device="meta", channels=channels)
-    dtype = dict(bf16=torch.bfloat16, fp16=torch.float16).get(precision)
+    # fp8: torchao's Float8Linear keeps its input and weight for the backward in the autocast's bf16 and casts to
+    # FP8 inside the matmul, so the step holds what a bf16 step holds (fp8.py)
+    dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp8=torch.bfloat16).get(precision)
     if gradient_checkpointing:  # the backward recomputes each block under the same casts
         net.enable_gradient_checkpointing(functools.partial(_checkpoint, dtype))
     net.train()
@@ -387,7 +389,7 @@ def parse_args(argv=None):
     c.add_argument("--image_size", type=int, required=True, help="the network's input side (a latent run's latents)")
     c.add_argument("--channels", type=int, default=3)
     c.add_argument("--batch_size", type=int, required=True)
-    c.add_argument("--precision", choices=("no", "bf16", "fp16"), default="no")
+    c.add_argument("--precision", choices=("no", "bf16", "fp16", "fp8"), default="no")
     c.add_argument("--gradient_checkpointing", action="store_true")
     t = commands.add_parser("trace", help="run a script (or -m module) with its arguments, its CPU tensors counted")
     t.add_argument("-m", dest="module", default=None, help="run this module as python -m does")

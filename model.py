@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DDPMScheduler, UNet2DModel
 
 import dit
 import edm2
 from dit import DiT
 from edm2 import EDM2UNet
-from errors import ConfigError
 
 
 def _unet(channels, attention_at, layers_per_block=2, **extra):

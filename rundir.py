@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DDPMPipeline
 from diffusers.utils import logging as diffusers_logging
 import safetensors.torch
@@ -19,7 +21,6 @@ import safetensors.torch
 import latents
 import model as models
 from checkpoint import checkpoint_dirs
-from errors import ConfigError
 
 CONFIG_FILE = "train_config.json"
 

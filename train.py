@@ -32,6 +32,7 @@ import checkpoint
 import data
 import ema as posthoc_ema
 import flops
+import fp8
 import latents
 import memory
 import metrics
@@ -199,7 +200,8 @@ class Run:
         self.args, self.output_dir = args, Path(args.output_dir)
         self.accelerator = accelerator = Accelerator(
             cpu=args.cpu,
-            mixed_precision=args.mixed_precision,
+            # fp8: bf16 autocast, as accelerate's fp8 mode runs; the FP8 layers are training.build's (fp8.py)
+            mixed_precision="bf16" if args.mixed_precision == "fp8" else args.mixed_precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             log_with=None if args.logger == "none" else args.logger,
             project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(self.output_dir / "logs")),
@@ -347,6 +349,7 @@ class Run:
         self.guard = steps.NonFiniteGuard(self.optimizer, args.on_fault, self.device)
         self.model.train()
         self.memory = self._memory_plan(pieces.network)
+        self.precision_words = fp8.describe(pieces.network, self.device) if args.mixed_precision == "fp8" else ""
 
     def _memory_plan(self, network):
         """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
@@ -381,7 +384,7 @@ class Run:
         self.accelerator.print(
             f"training {args.model} ({config['params']:,} parameters, --objective {args.objective}) "
             f"on {self.num_images} images at {args.image_size}px{latent}: "
-            f"{self.total_steps} steps of {self.images_per_step} images, mixed precision {args.mixed_precision}, "
+            f"{self.total_steps} steps of {self.images_per_step} images, mixed precision {args.mixed_precision}{self.precision_words}, "
             f"{self.world} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
             f"step; {peak_words}; step {self.compile_why}"
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import ema as posthoc_ema
+import fp8
 import model as models
 import sample
 
@@ -33,7 +34,7 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
           ema_foreach=True, adam_foreach=True, prepare=None, unwrap=None):  # fmt: skip
     """The pieces of a run with configuration `args` (config.resolve's), `total_steps` long.
 
-    The network is built on the CPU (with `init_state` loaded when given) and moved to
+    The network is built on the CPU (its block linear layers swapped for FP8 ones under --mixed_precision fp8) (with `init_state` loaded when given) and moved to
     `device` before AdamW is made, so that a fused AdamW finds its kernel there. A latent
     run's network takes its latents' size and channels (args.latent_size, latent_channels).
     `write_ema`: whether this process writes the power EMA's snapshots (the main one).
@@ -49,6 +50,8 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     network.to(device)
     if args.gradient_checkpointing:
         network.enable_gradient_checkpointing()
+    if args.mixed_precision == "fp8":  # a DiT's block linear layers, in place: the same weights (fp8.py)
+        fp8.convert(network)
     if models.objective_kind(args.objective) == "flow":
         noise_scheduler = models.make_flow_scheduler(models.flow_shift(args.objective))
     else:
