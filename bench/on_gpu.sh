@@ -12,7 +12,10 @@
 #   dit     DiT-XL/2 on 32x32x4 latents, batch 64: train.py's default (cold) on 1,024 JPEGs of 256px encoded by a
 #           VAE of SD's architecture with random weights (made here: no download; the step does not depend on
 #           its weights), facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), and
-#           the speed ladder's dit rows (eager, compiled, regional, train_default; random latents)
+#           the speed ladder's dit rows on random latents: compiled and the rows of issue 48 (fp8, flash and cuDNN
+#           attention), then max_autotune with what time is left (its kernel search takes minutes: for it alone,
+#           ON_GPU_RUNS="dit-ladder dit-autotune"); eager, regional and train_default are the cold part's and
+#           the record's
 #   cold    the cold start, whole network against regional compilation (each repeated block once), each in a
 #           process of its own with empty Inductor and Triton caches: the speed ladder's compiled and regional
 #           rows for DiT-XL/2 (batch 64) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
@@ -27,6 +30,8 @@
 #
 # Before the call, on this machine (diffusers' script is fetched, carried and never committed):
 #   bash ../shared/device/fetch-wheels.sh datasets      # .whl/: diffusers, datasets (the GPU image lacks them)
+#   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     -d .whl torchao==0.18.0                           # --mixed_precision fp8 (the dit part's fp8 row)
 #   mkdir -p .ext && cp <diffusers>/examples/unconditional_image_generation/train_unconditional.py .ext/
 #   mkdir -p .ext/DiT && cp -r <facebookresearch/DiT>/{models.py,train.py,diffusion} .ext/DiT/   # the dit part
 #   run(command="bash bench/on_gpu.sh ref128", carry=[".whl", ".ext"], timeout_s=600)
@@ -85,7 +90,7 @@ import sys, torch
 from importlib.metadata import PackageNotFoundError, version
 print("python", sys.version.split()[0])
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
-for name in ("triton", "diffusers", "accelerate", "datasets"):
+for name in ("triton", "diffusers", "accelerate", "datasets", "torchao"):
     try:
         print(name, version(name))
     except PackageNotFoundError as e:
@@ -225,6 +230,7 @@ if ((cpu)); then
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4, "norm_num_groups": 8, "sample_size": 16}'
   dit_reference=(--tiny --cpu --batch 4 --num_classes 10 --steps 2 --warmup 1)
   dit_ladder=(--workload dit-tiny --variants eager,train_default --steps 2 --warmup 1)
+  dit_autotune=(--workload dit-tiny --variants eager --steps 1 --warmup 0)
   cold_dit=(--workload dit-tiny --steps 2 --warmup 1)
   cold_bare=(--workload tiny --steps 2 --warmup 1)
 else
@@ -243,7 +249,8 @@ else
   # Stable Diffusion's VAE (stabilityai/sd-vae-ft-mse's config.json): 8x, 4 channels, 83.7M parameters
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "sample_size": 256}'
   dit_reference=(--steps 30 --warmup 5)
-  dit_ladder=(--workload dit --steps 20 --warmup 3)
+  dit_ladder=(--workload dit --steps 20 --warmup 3 --variants compiled,fp8,flash_attention,cudnn_attention)
+  dit_autotune=(--workload dit --steps 20 --warmup 3 --variants max_autotune)
   cold_dit=(--workload dit --steps 20 --warmup 3)
   cold_bare=(--workload ddpm32 --steps 50 --warmup 5)
 fi
@@ -303,9 +310,10 @@ dit)
   export DDPM_TRAIN_LATENT_CACHE=$work/latents # the call's own latent cache (latents.cache_root), encoded cold
   make_folder "$work/data256" $dit_images "$(((cpu)) && echo 16 || echo 256)"
   make_vae "$work/vae" "$dit_vae"
-  train_run dit-default-cold 230 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
-  reference_run dit-reference 80 "${dit_reference[@]}"
-  bench_run dit-ladder 230 "${dit_ladder[@]}"
+  train_run dit-default-cold 200 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
+  reference_run dit-reference 60 "${dit_reference[@]}"
+  bench_run dit-ladder 200 "${dit_ladder[@]}"
+  bench_run dit-autotune 200 "${dit_autotune[@]}"
   ;;
 cold)
   # Regional first: it is what train.py now does; the whole-network rows repeat what the dit part measured

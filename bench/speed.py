@@ -40,6 +40,7 @@ named by the device, workload and batch sizes.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -48,10 +49,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import config
 import data
 import flops
+import fp8
 import model as models
 import profiling
 import step as steps
@@ -80,10 +83,11 @@ WORKLOADS = {
     "dit-tiny": dict(model="dit-tiny", image_size=8, batch_size=4, channels=4),  # for tests: the latent path
 }
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
-# The rows a workload runs without --variants (the others: every row). A DiT has no GroupNorm for the
-# UNet's rungs: it gets train.py's step eager, compiled, and as train.py picks (--compile_mode auto).
-WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "train_default")
-                     for name in ("dit", "dit-small", "dit-tiny", "dit-s2", "dit-b2")}
+# The rows a workload runs without --variants (the others: every row but a DiT's). A DiT has no GroupNorm for the
+# UNet's rungs: it gets train.py's step eager, compiled, and as train.py picks (--compile_mode auto), and DIT_ROWS.
+WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "flash_attention", "cudnn_attention", "max_autotune",
+                            "fp8", "train_default")
+                     for name in ("dit", "dit-small", "dit-tiny", "dit-s2", "dit-b2")}  # fmt: skip
 
 
 def channels_of(workload):
@@ -123,7 +127,9 @@ def train_defaults(workload):
 # The learning-rate schedule's length for a row: long, so that the timed steps sit in its warm-up as a run's first do.
 TIMED_RUN_STEPS = 10**6
 
-TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2}
+# fp8 (--mixed_precision fp8): e4m3's 3 mantissa bits forward, e5m2's 2 for the gradients, in the converted layers;
+# measured on a CPU for dit-tiny (8x8x4 latents, batch 4): 1.2e-2 of the loss and gradients.
+TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2, "fp8": 0.1}
 
 # The plain step the check compares against: fp32 everywhere, eager.
 STRICT_FP32 = dict(
@@ -139,6 +145,7 @@ STRICT_FP32 = dict(
     compile_mode=None,
     force_layout=False,  # Inductor's force_layout_optimization (step.inductor_settings)
     fused_norm=False,  # fused_norm.py's GroupNorm+SiLU kernels in the UNet
+    sdpa_backend=None,  # attention's kernel as torch picks it; else SDPA's backend by name (torch.nn.attention.SDPBackend)
     sync_every=0,
 )
 
@@ -288,7 +295,7 @@ def train_settings(*argv, **settings):
         setattr(args, name, value)
     args = config.resolve(args)
     return dict(
-        precision="bf16" if args.mixed_precision == "bf16" else "fp32",
+        precision=args.mixed_precision if args.mixed_precision in ("bf16", "fp8") else "fp32",
         matmul_tf32=args.allow_tf32,
         conv_tf32=args.allow_tf32,
         cudnn_benchmark=args.cudnn_benchmark,
@@ -301,6 +308,7 @@ def train_settings(*argv, **settings):
         compile_scope=args.compile_scope,  # auto: as train.py picks it for the workload (resolve_settings)
         force_layout=False,  # step.inductor_settings: no train.py flag sets it
         fused_norm=args.fused_norm,
+        sdpa_backend=None,  # train.py leaves the choice to torch
         sync_every=args.logging_steps,
     )
 
@@ -346,18 +354,50 @@ def train_compile_variants(**given):
     return rows
 
 
+# The bf16 step past 40% MFU and the FP8 step (issue 48), each the `compiled` row (the whole network, mode default)
+# with one change; predicted for DiT-XL/2 at batch 64 on an H100 SXM before measuring (ms): attention is ~4% of
+# the step's FLOPs at 256 tokens, so its kernel moves the step by a few ms either way; max-autotune times Inductor's
+# matmul templates against cuBLAS (~5%); fp8 halves the ~75 ms of block matmuls' time at best, less the casts
+# and amax reductions it adds (~10 ms).
+DIT_ROWS = (
+    ("flash_attention", "SDPA's flash attention kernel only (torch.nn.attention.sdpa_kernel)", 128,
+     "flash attention is a CUDA kernel", dict(sdpa_backend="FLASH_ATTENTION")),
+    ("cudnn_attention", "SDPA's cuDNN attention kernel only (torch.nn.attention.sdpa_kernel)", 126,
+     "cuDNN attention is a CUDA kernel", dict(sdpa_backend="CUDNN_ATTENTION")),
+    ("max_autotune", "torch.compile mode 'max-autotune-no-cudagraphs': Inductor times its matmul templates "
+     "against cuBLAS and keeps the fastest", 122, "its search is for a GPU's kernels (minutes of compile)",
+     dict(compile_mode="max-autotune-no-cudagraphs")),
+    ("fp8", "--mixed_precision fp8: the blocks' attention and MLP linear layers in FP8 through torchao "
+     "(fp8.py), the rest bf16", 100, None, dict(precision="fp8")),
+)  # fmt: skip
+
+
+DIT_ROWS_BY_NAME = {row[0]: row for row in DIT_ROWS}
+
+
+def dit_variants(**given):
+    """DIT_ROWS as rows: train.py's step compiled whole (the `compiled` row's settings), one change each."""
+    base = train_settings("--compile_mode", "default", **given)
+    base["compile_scope"] = "whole"
+    return [dict(name=name, changed=f"compiled, and {changed}", settings=dict(base, **change),
+                 predicted_ms=dict(dit=predicted), cuda_only=cuda_only)
+            for name, changed, predicted, cuda_only, change in DIT_ROWS]  # fmt: skip
+
+
 def all_variants(settings=None):
-    """Every row; `settings` (the ladder's own flags) set on the configuration of the last three (train.py's step
-    eager, compiled, and as train.py picks)."""
+    """Every row; `settings` (the ladder's own flags) set on the configuration of the last ones (train.py's step
+    eager, compiled, as train.py picks it, and a DiT's rows)."""
     default = train_default_variant(**(settings or {}))
     default["predicted_ms"] = dict(default["predicted_ms"], dit=DIT_PREDICTED_MS["train_default"])
-    return [DIFFUSERS_EXAMPLE] + LADDER + train_compile_variants(**(settings or {})) + [default]
+    given = settings or {}
+    return [DIFFUSERS_EXAMPLE] + LADDER + train_compile_variants(**given) + dit_variants(**given) + [default]
 
 
 def matmul_precision(settings, device):
-    """The precision convolutions and matmuls run in: picks the tolerance and the row's own peak."""
-    if settings["precision"] == "bf16":
-        return "bf16"
+    """The precision convolutions and matmuls run in: picks the tolerance and the row's own peak (fp8's: the FP8
+    peak, for the converted layers' matmuls; the table's MFU is against bf16's in every row)."""
+    if settings["precision"] in ("bf16", "fp8"):
+        return settings["precision"]
     if device.type == "cuda" and (settings["matmul_tf32"] or settings["conv_tf32"]):
         return "tf32"
     return "fp32"
@@ -390,6 +430,11 @@ class TrainingStep:
         set_backend_flags(settings)
         self.device, self.images = device, images
         t.channels_last, t.fused_adam, t.fused_norm = settings["channels_last"], settings["fused_adam"], settings["fused_norm"]
+        if settings["precision"] == "fp8":  # training.build swaps the DiT's block linear layers for FP8 ones
+            t.mixed_precision = "fp8"
+            refused = fp8.refusal(t, device)  # a UNet's (no layer to convert), a GPU without FP8 tensor cores
+            if refused:
+                raise ConfigError(refused)
         # train.py's pieces (training.build), from the same starting weights; the EMA's update foreach or not,
         # AdamW foreach or (diffusers' example: adam_foreach None) as torch picks
         pieces = training.build(t, TIMED_RUN_STEPS, device, init_state=init_state, write_ema=False,
@@ -402,7 +447,11 @@ class TrainingStep:
         # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
         self.guard = steps.NonFiniteGuard(self.optimizer, t.on_fault, device) if settings["nonfinite_guard"] else None
         # train.py's accelerator autocasts the model's forward; the loss is fp32 either way.
-        self.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=settings["precision"] == "bf16")
+        self.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=settings["precision"] in ("bf16", "fp8"))
+        # the attention kernel a row pins (its name in torch.nn.attention.SDPBackend), around every call: a compiled
+        # graph takes the kernel that is allowed when it is traced
+        backend = settings.get("sdpa_backend")
+        self.attention = (lambda: sdpa_kernel(getattr(SDPBackend, backend))) if backend else contextlib.nullcontext
         self.step = steps.build_step(
             steps.TrainStep(self.model, self.unet, self.objective, self.optimizer, self.lr_scheduler, self.ema,
                             self.guard, t.max_grad_norm, data.random_flips(t),
@@ -412,13 +461,14 @@ class TrainingStep:
         )  # fmt: skip
 
     def loss_and_backward(self, clean, noise, timesteps):
-        with torch.autocast(**self.autocast):
+        with torch.autocast(**self.autocast), self.attention():
             loss = models.ddpm_loss(self.model, clean, noise, timesteps, self.objective.alphas_cumprod, self.objective.prediction_type)
         loss.backward()
         return loss.detach()
 
     def __call__(self):
-        return self.step([self.images])[0]
+        with self.attention():
+            return self.step([self.images])[0]
 
 
 def flat_gradients(unet):
@@ -825,7 +875,7 @@ def validate(args):
     if args.workload is None:
         args.workload = "all" if torch.cuda.is_available() else "tiny"
     if args.variants is None:
-        args.variants = list(WORKLOAD_VARIANTS.get(args.workload, names))
+        args.variants = list(WORKLOAD_VARIANTS.get(args.workload, [n for n in names if n not in DIT_ROWS_BY_NAME]))
     else:
         args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in args.variants if v not in names]
@@ -865,7 +915,7 @@ def main(args):
 
     # An unknown GPU, or a CPU, has no known peak: MFU is then n/a, never a guess.
     gpu_name = env["device"] if device.type == "cuda" else None
-    peaks = {precision: flops.lookup_peak(gpu_name, precision)[1] for precision in ("fp32", "tf32", "bf16")}
+    peaks = {precision: flops.lookup_peak(gpu_name, precision)[1] for precision in ("fp32", "tf32", "bf16", "fp8")}
     gpu = flops.lookup_peak(gpu_name, "bf16")[0]
     peak_words = f"the {gpu} dense bf16 peak, {peaks['bf16'] / 1e12:g} TFLOP/s" if gpu else f"no known peak ({env['device']})"
 

@@ -43,7 +43,10 @@ def fixed_step():
     return init_state, images, inputs, reference
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=[v["name"] for v in VARIANTS])
+UNET_VARIANTS = [v for v in VARIANTS if v["name"] not in bench.DIT_ROWS_BY_NAME]  # a DiT's rows: their own tests
+
+
+@pytest.mark.parametrize("variant", UNET_VARIANTS, ids=[v["name"] for v in UNET_VARIANTS])
 def test_each_variant_matches_the_fp32_eager_step(fixed_step, variant):
     if variant["cuda_only"]:
         pytest.skip(f"{variant['cuda_only']}: runs only on a CUDA GPU")
@@ -396,8 +399,9 @@ def test_a_dit_workload_runs_train_pys_step_eager_compiled_and_as_train_py_picks
     'default' (45.6 TFLOP a step keeps it busy), the whole network: the ladder times a run of any length, and a long
     run's faster step repays the whole network's longer compile."""
     dit = bench.validate(bench.parse_args(["--workload", "dit", "--output", str(tmp_path)]))
-    assert dit.variants == ["eager", "compiled", "regional", "train_default"]
-    assert bench.validate(bench.parse_args(["--workload", "tiny", "--output", str(tmp_path)])).variants == [v["name"] for v in VARIANTS]
+    assert dit.variants == ["eager", "compiled", "regional", *bench.DIT_ROWS_BY_NAME, "train_default"]
+    unet_rows = [v["name"] for v in VARIANTS if v["name"] not in bench.DIT_ROWS_BY_NAME]
+    assert bench.validate(bench.parse_args(["--workload", "tiny", "--output", str(tmp_path)])).variants == unet_rows
     rows = {v["name"]: v["settings"] for v in VARIANTS}
     assert rows["eager"] == dict(rows["train_default"], compile_mode=None) == rows["train_default"]  # a CPU's default is eager
     assert rows["compiled"] == dict(rows["train_default"], compile_mode="default", compile_scope="whole")
@@ -432,6 +436,42 @@ def test_bench_times_a_dit_on_latents(tmp_path, capsys):
     step = bench.TrainingStep(rows[0]["settings"], workload, models.build_unet("dit-tiny", 8, channels=4).state_dict(),
                               torch.randn(4, 4, 8, 8), CPU)  # fmt: skip
     assert (step.unet.config.in_channels, step.unet.config.out_channels) == (4, 4)
+
+
+def test_each_dit_row_is_the_compiled_step_with_one_change():
+    rows = {v["name"]: v for v in VARIANTS}
+    compiled = rows["compiled"]["settings"]
+    assert rows["fp8"]["settings"] == dict(compiled, precision="fp8") and rows["fp8"]["cuda_only"] is None
+    assert rows["max_autotune"]["settings"] == dict(compiled, compile_mode="max-autotune-no-cudagraphs")
+    assert rows["cudnn_attention"]["settings"] == dict(compiled, sdpa_backend="CUDNN_ATTENTION")
+    assert rows["flash_attention"]["settings"] == dict(compiled, sdpa_backend="FLASH_ATTENTION")
+    assert all(rows[name]["predicted_ms"]["dit"] for name in bench.DIT_ROWS_BY_NAME)  # written down before measuring
+
+
+def dit_tiny_step(**change):
+    workload = bench.WORKLOADS["dit-tiny"]
+    settings = dict(next(v for v in VARIANTS if v["name"] == "eager")["settings"], **change)
+    init = models.build_unet("dit-tiny", 8, channels=4).state_dict()
+    return bench.TrainingStep(settings, workload, init, torch.randn(4, 4, 8, 8), CPU), settings, init
+
+
+def test_the_fp8_row_trains_fp8_layers_within_its_tolerance_of_the_fp32_step():
+    step, settings, init = dit_tiny_step(precision="fp8")
+    assert sum(type(m).__name__ == "Float8Linear" for m in step.unet.modules()) == 12
+    inputs = bench.check_inputs(step.images, 0, CPU)
+    reference = bench.reference_step(bench.WORKLOADS["dit-tiny"], init, step.images, inputs, CPU)
+    check = bench.check_variant(step, settings, inputs, reference, CPU)
+    assert check["passed"] and check["tolerance"] == bench.TOLERANCE["fp8"] and 0 < check["grad_rel_err"], check
+    with pytest.raises(ConfigError, match="has none to convert"):  # a UNet's fp8 row: an error row, not a bf16 one
+        bench.TrainingStep(settings, bench.WORKLOADS["tiny"], None, torch.zeros(2, 3, 16, 16, dtype=torch.uint8), CPU)
+
+
+def test_a_row_s_attention_kernel_is_the_only_one_allowed():
+    step, _, _ = dit_tiny_step(sdpa_backend="CUDNN_ATTENTION")
+    with pytest.raises(RuntimeError, match="No viable backend"):  # a CPU has no cuDNN: the row pins the kernel
+        step()
+    step, _, _ = dit_tiny_step(sdpa_backend="MATH")
+    assert torch.isfinite(step())
 
 
 def test_the_cpu_dit_workload_is_the_small_dit_on_pixels(tmp_path):
