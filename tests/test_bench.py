@@ -428,6 +428,8 @@ def test_bench_times_a_dit_on_latents(tmp_path, capsys):
     per_image = bench.flops.step_flops("dit-tiny", 8, 1, channels=4)
     assert per_image["params"] == sum(p.numel() for p in models.build_unet("dit-tiny", 8, channels=4).parameters())
     assert [r["variant"] for r in rows] == ["eager", "train_default"]
+    # the same step on a CPU, its timed steps drawing the same noise: the same mean loss, to the bit
+    assert rows[1]["loss_vs_first"] == 0.0 and rows[0]["mean_loss"] == rows[1]["mean_loss"]
     for r in rows:
         assert r["status"] == "ok" and r["check"]["passed"] and r["check"]["tolerance"] == bench.TOLERANCE["fp32"], r
         assert (r["channels"], r["flops_per_step"]) == (4, workload["batch_size"] * per_image["model_flops"])
