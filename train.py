@@ -240,6 +240,10 @@ class Run:
                 "lower --train_batch_size or --gradient_accumulation_steps"
             )
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
+        if self.world > 1:  # one compile plan for every process, rank 0's: each node plans from its own compile record
+            plan = [self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why]
+            torch.distributed.broadcast_object_list(plan, src=0, group=self.main_work_group)
+            self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why = plan
         self.config["data_path"] = "preloaded" if isinstance(images, PRELOADED) else "latents" if args.vae else "streamed"
         if self.latents is not None:
             self.config |= dict(latents=self.latents, latent_space=self.latent_space)

@@ -587,3 +587,35 @@ def test_a_pipeline_that_could_not_be_saved_is_saved_by_running_again(tmp_path, 
     run(out)  # the same command: the pipeline from the last checkpoint, no more training
     assert "saved the pipeline to" in capsys.readouterr().out
     assert_same_weights(out, straight)
+
+
+# Rank 1 plans its own compile (as a node whose Inductor cache holds a warm record would); each rank says the
+# plan it trains with.
+OWN_PLAN_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {root!r})
+import train
+plan = train.describe_run
+def describe_run(*args, **kwargs):
+    config, why = plan(*args, **kwargs)
+    if os.environ["RANK"] == "1":
+        config["step_compile_mode"], config["step_compile_scope"], why = "default", "regional", "rank 1's own plan"
+    return config, why
+train.describe_run = describe_run
+build_step = train.Run.build_step
+def say_plan(self, meter):
+    print(f"rank {{os.environ['RANK']}} trains {{self.config['step_compile_mode']}} {{self.config['step_compile_scope']}}: {{self.compile_why}}", flush=True)
+    return build_step(self, meter)
+train.Run.build_step = say_plan
+train.main(train.parse_args(sys.argv[1:]))
+"""
+
+
+def test_every_process_trains_rank_0_s_compile_plan(tmp_path):
+    """Each process plans its compile from its own node's compile record (step.plan_compile); rank 0's plan is the one
+    they all train with, so that nodes whose caches differ in warmth still compile the same step."""
+    ranks = Ranks(start_two_ranks(flags(tmp_path / "run", "--max_train_steps", 1), OWN_PLAN_ON_RANK_1.format(root=str(ROOT))),
+                  timeout=120)  # without rank 0's plan the pair did not finish in 300 s: rank 1 compiled alone
+    assert ranks.codes == [0, 0], ranks
+    said = [next(line for line in out.splitlines() if "trains" in line and line.startswith("rank")) for out in (ranks.out0, ranks.out1)]
+    assert said[0].startswith("rank 0 trains eager whole: ") and said[1] == said[0].replace("rank 0", "rank 1", 1), said
