@@ -115,6 +115,12 @@ def test_each_sweep_sets_what_it_says(argv, check):
     assert settings.num_epochs == 2 and settings.model == "tiny"
 
 
+def test_a_dit_workload_sweeps_bf16_against_fp8():
+    args, points = point_args("--sweep", "mixed_precision", "--values", "bf16,fp8", "--workload", "dit-tiny")
+    flags = [sweep.train_flags(args, bench.WORKLOADS["dit-tiny"], point, "shapes", "out") for point in points]
+    assert [config.resolve(config.parse_args(f)).mixed_precision for f in flags] == ["bf16", "fp8"]
+
+
 def test_the_model_sweep_trains_each_preset_with_its_own_objective():
     args, points = point_args("--sweep", "model", "--values", "tiny,edm2tiny")
     ddpm, edm = (resolved(args, point) for point in points)  # a UNet on the built-in shapes: DDPM
@@ -165,6 +171,7 @@ def test_a_failed_point_is_recorded_and_the_sweep_exits_1(tmp_path, capsys):
         (["--sweep", "compile", "--train_args", "'unclosed"], "--train_args is not a valid command line"),
         (["--sweep", "compile", "--train_args=--frobnicate"], "--train_args: unrecognized arguments: --frobnicate"),
         (["--sweep", "mixed_precision", "--values", "fp16"], "--mixed_precision fp16 needs a CUDA GPU"),
+        (["--sweep", "mixed_precision", "--values", "fp8"], "tiny has none to convert"),
         (["--sweep", "batch_size", "--values", "64"], "--num_images 32 is less than one step of 64 images"),
     ],
 )
