@@ -51,7 +51,8 @@ def train_numbers(pack, row):
 
 
 def ladder_numbers(pack, row):
-    """What a `python -m bench` run's JSON says: its last row that ran, every row's ms/step in the notes."""
+    """What a `python -m bench` run's JSON says: its last row that ran, every row's ms/step in the notes (and its mean
+    loss against the first row's, where they differ)."""
     path = pack / f"{row['name']}.bench.json"
     if not path.exists():
         return {}
@@ -65,7 +66,9 @@ def ladder_numbers(pack, row):
         "img/s": last.get("images_per_s"),
         "MFU": last.get("mfu") and 100 * last["mfu"],
         "peak GiB": last.get("peak_memory_gib"),
-        "notes": "; ".join(f"{r['variant']} {1000 * r['step_time_s_median']:.3g} ms" for r in ran),
+        # with each row's mean loss against the group's first where it differs (fp8's target: within 2% of bf16)
+        "notes": "; ".join(f"{r['variant']} {1000 * r['step_time_s_median']:.3g} ms"
+                           + (f" loss {100 * r['loss_vs_first']:+.2f}%" if r.get("loss_vs_first") else "") for r in ran),
     }
 
 
