@@ -2,8 +2,9 @@
 
     python -m bench                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
     python -m bench --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
-    python -m bench --workload dit                     # DiT-XL/2 on 32x32x4 latents: eager, compiled, regional, fp8, attention kernels, max-autotune, train.py's
-    python -m bench --workload dit                     # DiT-XL/2 on 32x32x4 latents: eager, compiled, train.py's
+    python -m bench --workload tiny --steps 3 --warmup 1   # seconds on a CPU
+    python -m bench --workload dit                     # DiT-XL/2 on 32x32x4 latents: eager, compiled, regional, the
+                                                       # attention kernels, max-autotune, fp8, train.py's
     python -m bench --sweep batch_size                 # whole train.py runs, one setting varied: see bench/sweep.py
     python -m bench --quality                          # whole train.py runs, scored offline: see bench/quality.py
 
