@@ -45,11 +45,10 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "step-graph")
 INDUCTOR_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile makes the graphs (and may skip some)
 
 # Below this many FLOPs per micro-batch and process, a step is bound by kernel
-# launches rather than by the GPU, and CUDA graphs pay: a UNet step launches
-# about 50 ms of kernels, which the GPU's own work hides once it passes ~10 TFLOP
-# at the MFU ref128 reaches. On an H100 adm64 at batch 32 (1.47 TFLOP) ran several
-# times faster with CUDA graphs, and ref128 at batch 64 (23.8 TFLOP) was bound
-# by the GPU (BENCHMARKS.md, Speed on a GPU).
+# launches rather than by the GPU, and CUDA graphs pay: a UNet step launches tens of
+# milliseconds of kernels, which the GPU's own work hides once it passes ~10 TFLOP
+# at the MFU ref128 reaches. adm64 (below it) and ref128 (above it) on an H100 are
+# the measurements that place it (BENCHMARKS.md, Speed on a GPU; record 2026-11-23-h100).
 LAUNCH_BOUND_FLOPS = 10e12
 
 
@@ -147,9 +146,9 @@ COLD_COMPILE_S = {
 WARM_COMPILE_FRACTION = 0.11
 
 # What compiling saves: the eager step's MFU on a GPU (its time = FLOPs / (peak * MFU), no less than
-# a launch-bound floor), and the share of the eager step the compiled mode saves. On an H100
-# (bf16): DiT-XL/2 eager 24.6% MFU, 187 -> 128 ms compiled; ref128 eager 11.6%, 207 -> 124 ms;
-# adm64 (launch bound) 113 ms eager -> 21.6 ms with CUDA graphs. On a CPU, which has no peak in
+# a launch-bound floor), and the share of the eager step the compiled mode saves, each rounded from the
+# H100's eager and compiled ladder rows (DiT-XL/2: record 2026-11-26-h100-dit; ref128 and adm64, whose
+# CUDA graphs set the launch-bound share: record 2026-11-23-h100; BENCHMARKS.md). On a CPU, which has no peak in
 # flops.py, the eager step's rate on a 2-core CPU takes the place of peak * MFU (issue 47's DiT-S/2
 # figures; the bare run's `small`, BENCHMARKS.md). A UNet's saving on a CPU is 0: compiling `tiny`
 # made its step slower in the sweep (bench/results/2026-11-23-cpu-speed), so its compile never pays.
