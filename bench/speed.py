@@ -57,7 +57,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import config
 import data
 import flops
-import fp8
 import model as models
 import profiling
 import step as steps
@@ -110,14 +109,14 @@ def input_words(workload):
 TRAIN_DEFAULTS = config.parse_args([])
 
 
-def train_defaults(workload):
-    """train.py's defaults, resolved by config.py for a workload's model (its learning rate is the preset's).
-    A latent workload's network takes its latents' side and channels, as a --vae run's does (latent_size,
-    latent_channels: config._fill_latents)."""
+def train_defaults(workload, *flags):
+    """train.py's defaults, resolved by config.py for a workload's model (its learning rate is the preset's),
+    with `flags` (config.py's refusals apply). A latent workload's network takes its latents' side and channels,
+    as a --vae run's does (latent_size, latent_channels: config._fill_latents)."""
     # a UNet's or DiT's DDPM step, whatever the preset's default objective: the check compares DDPM's loss (flow's
     # step is the same network's forward and backward, its noise drawn another way); EDM2's networks train EDM
     ddpm = [] if models.PRESETS[workload["model"]].get("network") == "edm2" else ["--objective", "ddpm"]
-    args = config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"]), *ddpm]))
+    args = config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"]), *ddpm, *flags]))
     if workload.get("channels"):
         args.latent_size, args.latent_channels = workload["image_size"], workload["channels"]
     return args
@@ -429,15 +428,12 @@ class TrainingStep:
     """
 
     def __init__(self, settings, workload, init_state, images, device):
-        t = self.train_args = train_defaults(workload)
+        # fp8: training.build swaps a DiT's block linear layers for FP8 ones; config.py refuses a UNet's, or a GPU's
+        # without FP8 tensor cores
+        t = self.train_args = train_defaults(workload, *(["--mixed_precision", "fp8"] if settings["precision"] == "fp8" else []))
         set_backend_flags(settings)
         self.device, self.images = device, images
         t.channels_last, t.fused_adam, t.fused_norm = settings["channels_last"], settings["fused_adam"], settings["fused_norm"]
-        if settings["precision"] == "fp8":  # training.build swaps the DiT's block linear layers for FP8 ones
-            t.mixed_precision = "fp8"
-            refused = fp8.refusal(t, device)  # a UNet's (no layer to convert), a GPU without FP8 tensor cores
-            if refused:
-                raise ConfigError(refused)
         # train.py's pieces (training.build), from the same starting weights; the EMA's update foreach or not,
         # AdamW foreach or (diffusers' example: adam_foreach None) as torch picks
         pieces = training.build(t, TIMED_RUN_STEPS, device, init_state=init_state, write_ema=False,
