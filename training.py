@@ -34,9 +34,10 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
           ema_foreach=True, adam_foreach=True, prepare=None, unwrap=None):  # fmt: skip
     """The pieces of a run with configuration `args` (config.resolve's), `total_steps` long.
 
-    The network is built on the CPU (its block linear layers swapped for FP8 ones under --mixed_precision fp8) (with `init_state` loaded when given) and moved to
+    The network is built on the CPU (with `init_state` loaded when given) and moved to
     `device` before AdamW is made, so that a fused AdamW finds its kernel there. A latent
     run's network takes its latents' size and channels (args.latent_size, latent_channels).
+    Under --mixed_precision fp8 a DiT's block linear layers become FP8 ones (fp8.convert).
     `write_ema`: whether this process writes the power EMA's snapshots (the main one).
     `adam_foreach`: an AdamW that is not fused runs foreach (True: train.py's), or as torch picks (None:
     the speed ladder's diffusers_example row, AdamW as diffusers' example builds it).
