@@ -61,6 +61,11 @@ DEFAULT_LR_REF_STEPS = 70_000
 # EDM's noise levels for --timestep_sampling lognormal, diffusers' example's batch.
 PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean_std=[models.P_MEAN, models.P_STD],
                         train_batch_size=16, num_epochs=8, ema="standard")  # fmt: skip
+# ... but a class-conditional DDPM run predicts v: with epsilon it learns its labels late (at high noise
+# epsilon is nearly the noisy input itself, whatever the class; docs/conditional.md). On the labelled
+# photos `small` with the fallback's epsilon and uniform timesteps matched its class in 26 / 22% of
+# samples at w = 1, with v-prediction 84 / 77% (two seeds; BENCHMARKS.md).
+CONDITIONAL_FALLBACKS = dict(prediction_type="v_prediction")
 SMALL = models.PRESETS["small"]
 
 # The bare `python train.py` on a CUDA GPU (the built-in shapes, --model auto at 32px):
@@ -477,7 +482,8 @@ def build_parser(prog="train.py", source=""):
          f"logit(sigma) ~ N(P_mean, P_std^2) (default: SD3's {models.FLOW_P_MEAN:g},{models.FLOW_P_STD:g})",
          metavar="P_MEAN,P_STD", type=Range(numbers(2, "pair"), lambda v: v[1] > 0, "two numbers, P_std greater than 0"))  # fmt: skip
     flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; "
-         f"{SMALL['ddpm']['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']})",
+         f"{SMALL['ddpm']['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']}; "
+         f"{CONDITIONAL_FALLBACKS['prediction_type']} when --class_conditional)",
          choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
     flag(m, "snr_gamma", "DDPM: min-SNR-gamma loss weighting (Hang et al. 2023; 5 in their paper; default: off)",
          type=positive)  # fmt: skip
@@ -787,7 +793,8 @@ def _fill_from_preset(args):
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
     ddpm = preset.get("ddpm", {}) if args.objective == "ddpm" else {}
     flow = models.objective_kind(args.objective) == "flow"
-    for name, value in translate(PRESET_FALLBACKS | ddpm | preset.get("flags", {})).items():
+    fallbacks = PRESET_FALLBACKS | (CONDITIONAL_FALLBACKS if args.class_conditional and args.objective == "ddpm" else {})
+    for name, value in translate(fallbacks | ddpm | preset.get("flags", {})).items():
         if flow and name in DDPM_ONLY:
             continue  # none for a flow run: its train_config.json must not read back as DDPM's flags
         if getattr(args, name) is None:

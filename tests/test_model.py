@@ -209,6 +209,11 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
     assert settings("--prediction_type", "epsilon", "--timestep_sampling", "uniform", "--P_mean_std", "-0.5,0.8")[:4] == (
         "epsilon", "uniform", -0.5, 0.8)  # typed flags win
     assert settings("--objective", "edm")[:2] == ("epsilon", "uniform")  # EDM ignores both; --timestep_sampling is refused
+    # a class-conditional DDPM run predicts v where the preset says nothing (config.CONDITIONAL_FALLBACKS); typed flags win
+    tiny_labelled = ("--model", "tiny", "--image_size", "16", "--class_conditional")
+    assert settings(*tiny_labelled)[:2] == ("v_prediction", "uniform")
+    assert settings(*tiny_labelled, "--prediction_type", "epsilon")[0] == "epsilon"
+    assert settings(*tiny_labelled, "--objective", "edm")[0] == "epsilon"
 
 
 @pytest.mark.parametrize("flags, message", [
