@@ -62,9 +62,9 @@ DEFAULT_LR_REF_STEPS = 70_000
 PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean_std=[models.P_MEAN, models.P_STD],
                         train_batch_size=16, num_epochs=8, ema="standard")  # fmt: skip
 # ... but a class-conditional DDPM run predicts v: with epsilon it learns its labels late (at high noise
-# epsilon is nearly the noisy input itself, whatever the class; docs/conditional.md). On the labelled
-# photos `small` with the fallback's epsilon and uniform timesteps matched its class in 26 / 22% of
-# samples at w = 1, with v-prediction 84 / 77% (two seeds; BENCHMARKS.md).
+# epsilon is nearly the noisy input itself, whatever the class; docs/conditional.md). Measured on the
+# labelled photos for `small` and `dit-small` at two seeds (BENCHMARKS.md; record
+# 2026-11-27-cpu-conditional-defaults).
 CONDITIONAL_FALLBACKS = dict(prediction_type="v_prediction")
 SMALL = models.PRESETS["small"]
 
