@@ -9,13 +9,13 @@
 #           warm, diffusers' train_unconditional.py on the same folder (the yardstick), --compile_mode step-graph
 #   adm64   64px, batch 32: auto (cold), step-graph, default, diffusers' script with adm64's UNet
 #   fused   the speed ladder's train_default and fused_norm rows (fused_norm.py's kernels) for ref128 and adm64
-#   dit     DiT-XL/2 on 32x32x4 latents, batch 64: train.py's default (cold) on 1,024 JPEGs of 256px encoded by a
-#           VAE of SD's architecture with random weights (made here: no download; the step does not depend on
-#           its weights), facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), and
-#           the speed ladder's dit rows on random latents: compiled and the rows of issue 48 (fp8, flash and cuDNN
-#           attention), then max_autotune with what time is left (its kernel search takes minutes: for it alone,
-#           ON_GPU_RUNS="dit-ladder dit-autotune"); eager, regional and train_default are the cold part's and
-#           the record's
+#   dit     DiT-XL/2 on 32x32x4 latents, batch 64: the speed ladder's dit rows on random latents (compiled, cold,
+#           and the rows of issue 48: fp8, flash and cuDNN attention), train.py's default (cold, in caches of its
+#           own) on 1,024 JPEGs of 256px encoded by a VAE of SD's architecture with random weights (made here: no
+#           download; the step does not depend on its weights), facebookresearch/DiT's training step
+#           (bench/dit_reference.py, on random latents), then max_autotune with what time is left (its kernel
+#           search takes minutes: for it alone, ON_GPU_RUNS="dit-autotune"); eager, regional and train_default
+#           are the cold part's and the record's
 #   cold    the cold start, whole network against regional compilation (each repeated block once), each in a
 #           process of its own with empty Inductor and Triton caches: the speed ladder's compiled and regional
 #           rows for DiT-XL/2 (batch 64) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
@@ -307,12 +307,15 @@ dit)
   # train.py's default step on latents (--vae: each image encoded once, the latents normalised by the data's
   # own mean and std, as a VAE of random weights has no scaling factor worth the name); then the reference
   # step; then the ladder's rows, each checked against the fp32 eager step, with the Inductor cache warm.
+  # The ladder first (issue 48's rows; its compiled row is the first compile in the call's cache: cold), then
+  # train.py's run in caches of its own, so that its compile (the scope auto picks) is cold too.
   export DDPM_TRAIN_LATENT_CACHE=$work/latents # the call's own latent cache (latents.cache_root), encoded cold
+  bench_run dit-ladder 300 "${dit_ladder[@]}"
   make_folder "$work/data256" $dit_images "$(((cpu)) && echo 16 || echo 256)"
   make_vae "$work/vae" "$dit_vae"
-  train_run dit-default-cold 200 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
+  TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \
+    train_run dit-default-cold 200 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
   reference_run dit-reference 60 "${dit_reference[@]}"
-  bench_run dit-ladder 200 "${dit_ladder[@]}"
   bench_run dit-autotune 200 "${dit_autotune[@]}"
   ;;
 cold)
