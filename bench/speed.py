@@ -3,8 +3,8 @@
     python -m bench                                    # GPU: the ref128 and adm64 ladders; CPU: the tiny preset
     python -m bench --workload ref128 --batch_sizes 32,64,128,256 --variants train_default
     python -m bench --workload tiny --steps 3 --warmup 1   # seconds on a CPU
-    python -m bench --workload dit                     # DiT-XL/2 on 32x32x4 latents: eager, compiled, regional, the
-                                                       # attention kernels, max-autotune, fp8, train.py's
+    python -m bench --workload dit                     # DiT-XL/2 on 32x32x4 latents: eager, compiled, regional, fp8,
+                                                       # the attention kernels, max-autotune, train.py's
     python -m bench --sweep batch_size                 # whole train.py runs, one setting varied: see bench/sweep.py
     python -m bench --quality                          # whole train.py runs, scored offline: see bench/quality.py
 
@@ -87,8 +87,8 @@ WORKLOADS = {
 WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 # The rows a workload runs without --variants (the others: every row but a DiT's). A DiT has no GroupNorm for the
 # UNet's rungs: it gets train.py's step eager, compiled, and as train.py picks (--compile_mode auto), and DIT_ROWS.
-WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "flash_attention", "cudnn_attention", "max_autotune",
-                            "fp8", "train_default")
+WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "fp8", "flash_attention", "cudnn_attention",
+                            "max_autotune", "train_default")
                      for name in ("dit", "dit-small", "dit-tiny", "dit-s2", "dit-b2")}  # fmt: skip
 
 
@@ -361,7 +361,10 @@ def train_compile_variants(**given):
 # the step's FLOPs at 256 tokens, so its kernel moves the step by a few ms either way; max-autotune times Inductor's
 # matmul templates against cuBLAS (~5%); fp8 halves the ~75 ms of block matmuls' time at best, less the casts
 # and amax reductions it adds (~10 ms).
+# fp8 first: the row with the most at stake runs before a deadline can cut the call short.
 DIT_ROWS = (
+    ("fp8", "--mixed_precision fp8: the blocks' attention and MLP linear layers in FP8 through torchao "
+     "(fp8.py), the rest bf16", 100, None, dict(precision="fp8")),
     ("flash_attention", "SDPA's flash attention kernel only (torch.nn.attention.sdpa_kernel)", 128,
      "flash attention is a CUDA kernel", dict(sdpa_backend="FLASH_ATTENTION")),
     ("cudnn_attention", "SDPA's cuDNN attention kernel only (torch.nn.attention.sdpa_kernel)", 126,
@@ -369,8 +372,6 @@ DIT_ROWS = (
     ("max_autotune", "torch.compile mode 'max-autotune-no-cudagraphs': Inductor times its matmul templates "
      "against cuBLAS and keeps the fastest", 122, "its search is for a GPU's kernels (minutes of compile)",
      dict(compile_mode="max-autotune-no-cudagraphs")),
-    ("fp8", "--mixed_precision fp8: the blocks' attention and MLP linear layers in FP8 through torchao "
-     "(fp8.py), the rest bf16", 100, None, dict(precision="fp8")),
 )  # fmt: skip
 
 
@@ -647,6 +648,7 @@ def run_workload(name, args, device, peaks, print_line, save):
         release_memory(device)
 
         group = []
+        traced_with = None  # the attention kernel the kept compiled graphs were traced with (a row's sdpa_backend)
         for variant in variants:
             row = dict(
                 workload=name,
@@ -667,6 +669,9 @@ def run_workload(name, args, device, peaks, print_line, save):
                 row |= dict(status="skipped", reason=f"out of memory at batch {out_of_memory_at[variant['name']]}")
             else:
                 print_line(f"  {name} batch {batch_size}: {variant['name']} ...", progress=True)
+                if variant["settings"].get("sdpa_backend") != traced_with:  # Dynamo does not guard on sdpa_kernel: a kept
+                    release_memory(device, forget_compiled=True)  # graph would run the kernel it was traced with
+                    traced_with = variant["settings"].get("sdpa_backend")
                 try:
                     row |= run_variant(variant, workload, batch_size, init_state, images, reference, args, device)
                     if reference_note:

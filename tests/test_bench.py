@@ -487,3 +487,18 @@ def test_the_cpu_dit_workload_is_the_small_dit_on_pixels(tmp_path):
     assert row["status"] == "ok" and row["check"]["passed"] and "channels" not in row
     assert row["flops_per_step"] == 2 * bench.flops.step_flops("dit-small", 32, 1)["model_flops"]
     assert bench.train_defaults(bench.WORKLOADS["dit-small"]).latent_channels is None
+
+
+def test_a_row_that_pins_another_attention_kernel_traces_its_step_anew(tmp_path, monkeypatch):
+    """Dynamo does not guard on sdpa_kernel: a compiled graph kept from the row before would run the kernel it was
+    traced with (an H100's flash and cuDNN rows took 0.18 and 0.14 s to their first call after the compiled row's 86 s,
+    and gave its loss to the bit). A row whose kernel differs is traced anew: its first call compiles."""
+    math_row = ("math_attention", "SDPA's math kernel only", 1, None, dict(sdpa_backend="MATH"))  # a CPU has it
+    monkeypatch.setattr(bench, "DIT_ROWS", (math_row,))
+    argv = ["--workload", "dit-tiny", "--variants", "compiled,math_attention", "--steps", "2", "--warmup", "1",
+            "--output", str(tmp_path), "--tag", "kernels"]  # fmt: skip
+    assert bench.main(bench.parse_args(argv)) == 0
+    compiled, pinned = json.loads((tmp_path / "kernels.json").read_text())["results"]
+    assert pinned["variant"] == "math_attention" and pinned["check"]["passed"], pinned
+    # traced anew: 0.71 s here with a cold cache (the compiled row's: 27 s); the kept graph's first call: 4.5 ms, a step
+    assert pinned["first_call_s"] > 20 * pinned["step_time_s_median"], (compiled, pinned)
