@@ -490,10 +490,10 @@ H100_BF16 = 989.4e12
     "changes, total_steps, peak, warm_s, mode, words",
     [
         # DiT-XL/2 at batch 64 (45.56 TFLOP): 120 steps save ~7 s, less than a cold compile
-        ({}, 120, H100_BF16, None, None, "auto: eager: compiling (default, each repeated block once) would take about 56 s (cold cache)"),
-        # regional's head start (85 - 56 s) against its slower step (2.3% of ~128 ms) decides the scope
-        ({}, 5_000, H100_BF16, None, "default", "each repeated block compiled once (29 s sooner than the whole network, whose faster step would repay that after 9,872 steps)"),
-        ({}, 100_000, H100_BF16, None, "default", "whole network (its faster step repays its 29 s longer compile after 9,872 of this run's 100,000 steps)"),
+        ({}, 120, H100_BF16, None, None, "auto: eager: compiling (default, each repeated block once) would take about 25 s (cold cache)"),
+        # regional's head start (85 - 25 s, an H100's) against its slower step (2.3% of ~128 ms) decides the scope
+        ({}, 5_000, H100_BF16, None, "default", "each repeated block compiled once (60 s sooner than the whole network, whose faster step would repay that after 20,495 steps)"),
+        ({}, 100_000, H100_BF16, None, "default", "whole network (its faster step repays its 60 s longer compile after 20,495 of this run's 100,000 steps)"),
         ({}, 120, None, None, "default", "; whole network"),  # no peak known: nothing predicts the step or its saving
         ({}, 600, H100_BF16, 85.0, "default", "compile about 9 s (warm cache)"),  # the same 600 steps would not pay cold
         ({"compile_mode": "default"}, 10, H100_BF16, None, "default", "--compile_mode default"),  # asked for: compiled
