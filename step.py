@@ -286,6 +286,22 @@ def repeated_blocks(model):
 REGIONAL_RECOMPILE_LIMIT = 64
 
 
+def dense_inputs(call):
+    """`call` with its tensor arguments in a dense layout (contiguous, or channels_last as they came): Dynamo
+    guards on strides, so a block whose input arrives as a strided view (DiT's first block, after the patch
+    embedding's transpose) would compile a second graph, its forward and backward, for the one block."""
+
+    def dense(x):
+        if torch.is_tensor(x) and not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
+            return x.contiguous()
+        return x
+
+    def run(*args, **kwargs):
+        return call(*map(dense, args), **{k: dense(v) for k, v in kwargs.items()})
+
+    return run
+
+
 class RegionalNetwork:
     """`model` whose repeated blocks run compiled while the step calls it (regional compilation).
 
@@ -306,7 +322,7 @@ class RegionalNetwork:
             raise ConfigError(f"{type(getattr(model, 'module', model)).__name__} declares no repeated blocks to compile "
                               "regionally: compile it whole")  # fmt: skip
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGIONAL_RECOMPILE_LIMIT)
-        self.compiled = [torch.compile(block._call_impl, mode=mode, dynamic=False) for block in self.blocks]
+        self.compiled = [dense_inputs(torch.compile(block._call_impl, mode=mode, dynamic=False)) for block in self.blocks]
 
     def __call__(self, *args, **kwargs):
         for block, call in zip(self.blocks, self.compiled):
