@@ -9,13 +9,13 @@
 #           warm, diffusers' train_unconditional.py on the same folder (the yardstick), --compile_mode step-graph
 #   adm64   64px, batch 32: auto (cold), step-graph, default, diffusers' script with adm64's UNet
 #   fused   the speed ladder's train_default and fused_norm rows (fused_norm.py's kernels) for ref128 and adm64
-#   dit     DiT-XL/2 on 32x32x4 latents, batch 64: the speed ladder's dit rows on random latents (compiled, cold,
-#           and the rows of issue 48: fp8, flash and cuDNN attention), train.py's default (cold, in caches of its
-#           own) on 1,024 JPEGs of 256px encoded by a VAE of SD's architecture with random weights (made here: no
-#           download; the step does not depend on its weights), facebookresearch/DiT's training step
-#           (bench/dit_reference.py, on random latents), then max_autotune with what time is left (its kernel
-#           search takes minutes: for it alone, ON_GPU_RUNS="dit-autotune"); eager, regional and train_default
-#           are the cold part's and the record's
+#   dit     DiT-XL/2 on 32x32x4 latents, batch 64: the speed ladder's dit rows on random latents, each repeated
+#           block compiled once (regional, cold, and the rows of issue 48: fp8, flash and cuDNN attention),
+#           train.py's default (cold, in caches of its own) on 1,024 JPEGs of 256px encoded by a VAE of SD's
+#           architecture with random weights (made here: no download; the step does not depend on its weights),
+#           facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), then max_autotune
+#           with what time is left (its kernel search takes minutes: for it alone, ON_GPU_RUNS="dit-autotune");
+#           eager, compiled (whole) and train_default are the cold part's and the records'
 #   cold    the cold start, whole network against regional compilation (each repeated block once), each in a
 #           process of its own with empty Inductor and Triton caches: the speed ladder's compiled and regional
 #           rows for DiT-XL/2 (batch 64) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
@@ -249,7 +249,8 @@ else
   # Stable Diffusion's VAE (stabilityai/sd-vae-ft-mse's config.json): 8x, 4 channels, 83.7M parameters
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "sample_size": 256}'
   dit_reference=(--steps 30 --warmup 5)
-  dit_ladder=(--workload dit --steps 20 --warmup 3 --variants compiled,fp8,flash_attention,cudnn_attention)
+  # each repeated block compiled once: fp8's whole network did not finish compiling in 135-175 s (2026-11-27)
+  dit_ladder=(--workload dit --steps 20 --warmup 3 --compile_scope regional --variants regional,fp8,flash_attention,cudnn_attention)
   dit_autotune=(--workload dit --steps 20 --warmup 3 --variants max_autotune)
   cold_dit=(--workload dit --steps 20 --warmup 3)
   cold_bare=(--workload ddpm32 --steps 50 --warmup 5)
@@ -304,14 +305,14 @@ fused)
   bench_run adm64-fused 220 "${fused[@]}" --workload "${fused_workloads[1]}" --variants train_default,fused_norm
   ;;
 dit)
-  # The ladder's rows first (issue 48's), each checked against the fp32 eager step: compiled (the first compile in
-  # the call's cache: cold), fp8, then each attention kernel (traced anew: about four whole-network compiles of
-  # XL/2 in all, hence its budget; the 2026-11-27 call's 300 s ended inside fp8). Then train.py's default step on
-  # latents (--vae: each image encoded once, the latents normalised by the data's own mean and std, as a VAE of
-  # random weights has no scaling factor worth the name) in caches of its own, so that its compile (the scope
-  # auto picks) is cold too: measured on 2026-11-27, it gets what the deadline leaves (DEADLINE_S=620 for both).
+  # The ladder's rows first (issue 48's), each checked against the fp32 eager step and each compiling each repeated
+  # block once: regional (the first compile in the call's cache: cold), fp8, then each attention kernel (traced
+  # anew). On 2026-11-27 the whole network's compiles (about 90 s each, fp8's more than 135 s) filled 300 s twice
+  # without fp8. Then train.py's default step on latents (--vae: each image encoded once, the latents normalised
+  # by the data's own mean and std, as a VAE of random weights has no scaling factor worth the name) in caches of
+  # its own, so that its compile (the scope auto picks) is cold too.
   export DDPM_TRAIN_LATENT_CACHE=$work/latents # the call's own latent cache (latents.cache_root), encoded cold
-  bench_run dit-ladder 420 "${dit_ladder[@]}"
+  bench_run dit-ladder 300 "${dit_ladder[@]}"
   make_folder "$work/data256" $dit_images "$(((cpu)) && echo 16 || echo 256)"
   make_vae "$work/vae" "$dit_vae"
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \

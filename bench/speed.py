@@ -379,10 +379,13 @@ DIT_ROWS_BY_NAME = {row[0]: row for row in DIT_ROWS}
 
 
 def dit_variants(**given):
-    """DIT_ROWS as rows: train.py's step compiled whole (the `compiled` row's settings), one change each."""
+    """DIT_ROWS as rows: train.py's step compiled whole (the `compiled` row's settings), one change each; with
+    --compile_scope regional, each repeated block compiled once (the `regional` row's): a compile short enough
+    for a lent GPU's call, where fp8's whole network of DiT-XL/2 did not finish compiling in 135-175 s."""
     base = train_settings("--compile_mode", "default", **given)
-    base["compile_scope"] = "whole"
-    return [dict(name=name, changed=f"compiled, and {changed}", settings=dict(base, **change),
+    base["compile_scope"] = given.get("compile_scope") or "whole"
+    how = "compiled" if base["compile_scope"] == "whole" else "regional"
+    return [dict(name=name, changed=f"{how}, and {changed}", settings=dict(base, **change),
                  predicted_ms=dict(dit=predicted), cuda_only=cuda_only)
             for name, changed, predicted, cuda_only, change in DIT_ROWS]  # fmt: skip
 
@@ -856,7 +859,8 @@ def parse_args(argv=None):
         s.add_argument(f"--{name}", default=None, action=argparse.BooleanOptionalAction, help=says)
     s.add_argument("--compile_scope", default=None, choices=("whole", "regional"),
                    help="what a compiled step compiles: the network as one graph, or each repeated block once "
-                        "(train.py: by the run's length, step.choose_compile_scope)")  # fmt: skip
+                        "(train.py: by the run's length, step.choose_compile_scope); a DiT's rows (fp8, the "
+                        "attention kernels, max_autotune) take it too, else compile the whole network")  # fmt: skip
     sweep.add_arguments(p)
     quality.add_arguments(p)
     args = p.parse_args(argv)

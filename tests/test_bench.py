@@ -450,6 +450,10 @@ def test_each_dit_row_is_the_compiled_step_with_one_change():
     assert rows["cudnn_attention"]["settings"] == dict(compiled, sdpa_backend="CUDNN_ATTENTION")
     assert rows["flash_attention"]["settings"] == dict(compiled, sdpa_backend="FLASH_ATTENTION")
     assert all(rows[name]["predicted_ms"]["dit"] for name in bench.DIT_ROWS_BY_NAME)  # written down before measuring
+    # --compile_scope regional: the same changes on the `regional` row (each repeated block compiled once)
+    regional = {v["name"]: v["settings"] for v in bench.all_variants({"compile_scope": "regional"})}
+    assert regional["fp8"] == dict(regional["regional"], precision="fp8") and regional["compiled"] == compiled
+    assert regional["flash_attention"] == dict(regional["regional"], sdpa_backend="FLASH_ATTENTION")
 
 
 def dit_tiny_step(**change):
