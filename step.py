@@ -135,7 +135,8 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
 # one thread, in bench/results/2026-11-27-cpu-regional-compile). A UNet's or EDM2's regional compile on a
 # GPU is not measured yet: predicted as the whole compile times the family's regional/whole ratio on the
 # CPU (EDM2's blocks are not measured: the UNet's ratio). That rule overshot the DiT's, whose regional
-# share of the whole is far smaller on a GPU than on a CPU (the record 2026-11-27-h100-regional-memory).
+# share of the whole is far smaller on a GPU than on a CPU (the record 2026-11-27-h100-regional-memory);
+# its measured figure still holds the first block's graph of its own, from before dense_inputs.
 COLD_COMPILE_S = {
     ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 25,
     ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.87,

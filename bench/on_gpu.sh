@@ -249,7 +249,8 @@ else
   # Stable Diffusion's VAE (stabilityai/sd-vae-ft-mse's config.json): 8x, 4 channels, 83.7M parameters
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "sample_size": 256}'
   dit_reference=(--steps 30 --warmup 5)
-  # each repeated block compiled once: fp8's whole network did not finish compiling in 135-175 s (2026-11-27)
+  # each repeated block compiled once: fp8's whole network did not finish compiling within a call's budget
+  # (record 2026-11-27-h100-regional-memory)
   dit_ladder=(--workload dit --steps 20 --warmup 3 --compile_scope regional --variants regional,fp8,flash_attention,cudnn_attention)
   dit_autotune=(--workload dit --steps 20 --warmup 3 --variants max_autotune)
   cold_dit=(--workload dit --steps 20 --warmup 3)
@@ -307,8 +308,8 @@ fused)
 dit)
   # The ladder's rows first (issue 48's), each checked against the fp32 eager step and each compiling each repeated
   # block once: regional (the first compile in the call's cache: cold), fp8, then each attention kernel (traced
-  # anew). On 2026-11-27 the whole network's compiles (about 90 s each, fp8's more than 135 s) filled 300 s twice
-  # without fp8. Then train.py's default step on latents (--vae: each image encoded once, the latents normalised
+  # anew): the whole network's compiles filled the ladder's budget twice before fp8 finished (record
+  # 2026-11-27-h100-regional-memory). Then train.py's default step on latents (--vae: each image encoded once, the latents normalised
   # by the data's own mean and std, as a VAE of random weights has no scaling factor worth the name) in caches of
   # its own, so that its compile (the scope auto picks) is cold too.
   export DDPM_TRAIN_LATENT_CACHE=$work/latents # the call's own latent cache (latents.cache_root), encoded cold

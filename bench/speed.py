@@ -381,7 +381,7 @@ DIT_ROWS_BY_NAME = {row[0]: row for row in DIT_ROWS}
 def dit_variants(**given):
     """DIT_ROWS as rows: train.py's step compiled whole (the `compiled` row's settings), one change each; with
     --compile_scope regional, each repeated block compiled once (the `regional` row's): a compile short enough
-    for a lent GPU's call, where fp8's whole network of DiT-XL/2 did not finish compiling in 135-175 s."""
+    for a lent GPU's call, which fp8's whole network of DiT-XL/2 was not (record 2026-11-27-h100-regional-memory)."""
     base = train_settings("--compile_mode", "default", **given)
     base["compile_scope"] = given.get("compile_scope") or "whole"
     how = "compiled" if base["compile_scope"] == "whole" else "regional"

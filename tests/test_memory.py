@@ -200,8 +200,8 @@ def test_a_latent_run_says_what_it_holds_and_keeps_its_vae_off_the_device_but_wh
 def test_on_a_gpu_decoding_a_grid_allocates_its_activations_not_a_benchmark_workspace():
     """Stable Diffusion's VAE (random weights) decoding 16 latents of 32x32x4 to 256px: its activations are 3.0 GiB
     (counted on the meta device); cuDNN's benchmark could add a workspace up to the memory free. The raw decode
-    with the benchmark on is measured after, for the record in the message. On an H100 the decode took 4.80 GiB
-    and the benchmarked one 69.5 (bench/results/2026-11-27-h100-regional-memory): the bound sits between."""
+    with the benchmark on is measured after, for the record in the message. The bound sits between the two as an
+    H100 measured them (bench/results/2026-11-27-h100-regional-memory)."""
     from diffusers import AutoencoderKL
 
     device = torch.device("cuda")
