@@ -208,6 +208,8 @@ class Run:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=STEP_WAIT)],
         )
         self.device, self.world = accelerator.device, accelerator.num_processes
+        # Inductor's workers start while the data loads and the network is built, not at the first compile
+        steps.start_compile_workers(self.device, args.compile_mode)
         self.is_main = accelerator.is_main_process
         self.main_work_group = None  # the others' wait for the main process's work between steps (MAIN_WORK_WAIT)
         if self.world > 1:

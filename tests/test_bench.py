@@ -306,6 +306,18 @@ def test_the_batch_sweep_stops_a_variant_at_out_of_memory(tmp_path, monkeypatch)
     assert status[("fused_adamw", 4)] == ("skipped", "out of memory at batch 2")
 
 
+def test_the_ladder_starts_the_compile_workers_early_unless_told_inductors_timing(tmp_path, monkeypatch):
+    """As train.py, the ladder asks for Inductor's compile workers at its start (step.start_compile_workers: on a
+    GPU); --compile_workers inductor leaves them to Inductor, for on_gpu.sh's cold part to compare the two."""
+    monkeypatch.setattr(bench, "run_variant", fake_run_variant(99, "reference"))
+    monkeypatch.setattr(bench, "reference_step", lambda *args: None)
+    calls = []
+    monkeypatch.setattr(bench.steps, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
+    argv = ["--workload", "tiny", "--variants", "reference", "--output", str(tmp_path), "--tag", "w"]
+    assert bench.main(bench.parse_args(argv)) == 0 and calls == [("cpu", "default")]
+    assert bench.main(bench.parse_args([*argv, "--compile_workers", "inductor"])) == 0 and len(calls) == 1
+
+
 def test_a_row_that_breaks_is_recorded_and_fails_the_run(tmp_path, monkeypatch, capsys):
     def broken(*args):
         raise RuntimeError("no kernel image is available\nsecond line")

@@ -288,6 +288,17 @@ def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache
     assert run(tmp_path / "cold", *flags, "--max_train_steps", 40000, "--train_batch_size", 4)["step_compile_mode"] == "eager"
 
 
+def test_the_run_starts_the_compile_workers_before_it_loads_the_data(tmp_path, monkeypatch):
+    """train.py asks for Inductor's compile workers with its device and --compile_mode before the data loads
+    (step.start_compile_workers: on a GPU they start then, while the data loads and the network is built)."""
+    calls = []
+    monkeypatch.setattr(steps, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
+    load_images = train.data.load_images
+    monkeypatch.setattr(train.data, "load_images", lambda *a: calls.append("data") or load_images(*a))
+    run(tmp_path / "run", "--max_train_steps", 1, "--save_images_epochs", 100, "--compile_mode", "off")
+    assert calls == [("cpu", "off"), "data"]
+
+
 def config_args(args):
     """`args` resolved as train.py resolves them (compile_key reads the resolved size, precision and batch)."""
     from config import resolve
