@@ -518,3 +518,12 @@ def test_a_row_that_pins_another_attention_kernel_traces_its_step_anew(tmp_path,
     assert pinned["variant"] == "math_attention" and pinned["check"]["passed"], pinned
     # traced anew, its first call is a compile; the kept graph's first call is about one step
     assert pinned["first_call_s"] > 20 * pinned["step_time_s_median"], (compiled, pinned)
+    # where each 1st call went, by torch's compile timers, longest first: Dynamo's among them, inside the 1st call
+    for row in (compiled, pinned):
+        phases = row["compile_phases_s"]
+        assert 0 < phases["_compile.compile_inner"] <= row["first_call_s"]
+        assert list(phases.values()) == sorted(phases.values(), reverse=True)
+    shown = [name for name in bench.COMPILE_PHASES_SHOWN if name in pinned["compile_phases_s"]]
+    assert "_compile.compile_inner" in shown and len(shown) > 1
+    line = ", ".join(f"{name} {pinned['compile_phases_s'][name]:g}" for name in shown)  # in a compile's order
+    assert f"math_attention's 1st call, compile timers (s): {line}\n" in (tmp_path / "kernels.txt").read_text()
