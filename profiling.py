@@ -121,6 +121,24 @@ class Breakdown:
         return f"where the time went ({wall:.1f} s of training): {shares}"
 
 
+class StartupClock:
+    """Seconds from train.py's start to its first step, by part: each `mark(part)` ends the part that began at
+    the mark before it (the first at `started`, train.py's first line: its imports come first)."""
+
+    def __init__(self, started):
+        self.started = self.last = started
+        self.parts = {}
+
+    def mark(self, part):
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self.last
+        self.last = now
+
+    def line(self):
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.parts.items() if seconds >= 0.05)
+        return f"ready to train {self.last - self.started:.1f} s after train.py started: {parts}"
+
+
 # --- torch.profiler ---------------------------------------------------------------------
 
 

@@ -19,6 +19,10 @@ prints one line: s/step, images/s, TFLOP/step, TFLOP/s, MFU, HFU and the peak
 they are measured against.
 """
 
+import time
+
+STARTED = time.perf_counter()  # before the imports: the "ready to train" line's first part
+
 import contextlib
 import json
 import math
@@ -76,6 +80,9 @@ def train(args):
     run = Run(args)  # data, network, objective, optimizer, EMA; resumed where a checkpoint is
     meter = Meter(run)  # step times, where the time went, the profiler, the printed lines
     train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
+    run.startup.mark("step")
+    if run.step < run.total_steps:
+        meter.write(run.startup.line())
     meter.profile_when_steady(train_step)  # --profile records steps after those that compile or capture it
     with checkpoint.StopSignals() as signals, meter:
         for epoch in run.epochs():
@@ -197,6 +204,8 @@ class Run:
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
+        self.startup = profiling.StartupClock(STARTED)
+        self.startup.mark("imports")
         self.args, self.output_dir = args, Path(args.output_dir)
         self.accelerator = accelerator = Accelerator(
             cpu=args.cpu,
@@ -220,6 +229,7 @@ class Run:
         if args.eval_every_epochs and self.is_main:
             # Loads the scoring network now (Inception, or the shape scorer on the built-in data): missing weights stop the run before any training.
             self.evaluator = metrics.TrainingEvaluator(args, args.output_dir, self.device, log=accelerator.print)
+        self.startup.mark("accelerate")
 
         # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds;
         # a latent run's encoded to latents, or read from their cache.
@@ -241,7 +251,9 @@ class Run:
                 f"x {self.world} processes x {args.gradient_accumulation_steps} accumulation): "
                 "lower --train_batch_size or --gradient_accumulation_steps"
             )
+        self.startup.mark("data")
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
+        self.startup.mark("FLOPs and compile plan")
         if self.world > 1:  # one compile plan for every process, rank 0's: each node plans from its own compile record
             plan = [self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why]
             torch.distributed.broadcast_object_list(plan, src=0, group=self.main_work_group)
@@ -267,10 +279,13 @@ class Run:
             # network trained or its noise: with or without --guide, the same --seed trains the same weights
             self.guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None
         self.num_images = len(images)
+        self.startup.mark("data")
         self._build_training()
+        self.startup.mark("network")
         self.step, self.skipped_before = 0, 0
         if start_from is not None:
             self._resume(start_from)
+            self.startup.mark("resume")
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
@@ -793,6 +808,7 @@ class Meter:
             peak=self.peak_words,
             peak_memory_gib=profiling.peak_memory_gib(self.run.device),
             compile_s=self.compile_s,
+            startup_s=self.run.startup.parts,  # train.py's start to the loop, by part (the "ready to train" line)
             train_wall_s=wall_s,
             epoch_times_s=self.epoch_times,
             time_breakdown_s=parts,

@@ -93,6 +93,14 @@ def test_end_to_end_run_writes_every_output(tmp_path, capsys, monkeypatch):
     assert [m.group(1) for m in line.finditer(stdout)] == ["3", "6", "9", "9"]
     assert re.search(r"^final: step 9/9", stdout, re.M)
 
+    # train.py's start to its loop, by part: said before the first step, and in run.json
+    startup = json.loads((out / "run.json").read_text())["startup_s"]
+    assert list(startup) == ["imports", "accelerate", "data", "FLOPs and compile plan", "network", "step"]
+    assert all(seconds >= 0 for seconds in startup.values()) and startup["network"] > 0
+    ready = re.search(r"^ready to train ([\d.]+) s after train.py started: (.*)$", stdout, re.M)
+    assert ready and float(ready.group(1)) == pytest.approx(sum(startup.values()), abs=0.1)
+    assert f"network {startup['network']:.1f} s" in ready.group(2) or startup["network"] < 0.05
+
 
 def test_unknown_peak_prints_no_percentage(tmp_path, capsys):
     run(tmp_path, "--max_train_steps", 3, "--logging_steps", 3, "--checkpointing_steps", 100)
@@ -132,6 +140,7 @@ def test_resume_is_bit_identical(tmp_path, accumulation, capsys):
     run(resumed, *flags)  # the same command again: it continues from the newest checkpoint
     # a run that started afresh would write the same weights (training is deterministic): it must have resumed
     assert f"resumed from {resumed / 'checkpoints' / 'checkpoint-4'} at step 4" in capsys.readouterr().out
+    assert json.loads((resumed / "run.json").read_text())["startup_s"]["resume"] > 0  # a part of the startup
 
     for part in ("checkpoints/checkpoint-8", "unet"):
         a, a_ema = tensors_of(straight / part)
