@@ -4,9 +4,10 @@
 
 Rows come from runs.tsv (name, exit status, start and end as epoch seconds, budget). A train.py
 run's numbers come from its run.json: the median step, img/s, MFU, the mode its step ran in, the
-compile and the time to its first step (from launch: imports, data, model and the compile). A
-diffusers run's come from its progress bar: the rate of its last whole epoch after the first. A
-speed-ladder run's (python -m bench) from its JSON: its last row that ran, the others in the notes. The
+compile and the time to its first step (from launch: imports, data, model and the compile; the notes
+give the three longest parts of its startup, run.json's startup_s). A diffusers run's come from its
+progress bar: the rate of its last whole epoch after the first. A speed-ladder run's (python -m bench)
+from its JSON: its last row that ran (its first call as the compile), the others in the notes. The
 reference DiT step's (bench/dit_reference.py) from the run.json it writes, as a train.py run's.
 """
 
@@ -37,6 +38,9 @@ def train_numbers(pack, row):
     notes = [f"{len(run['compile_fallbacks'])} fallback(s): {run['compile_fallbacks'][0]['error']}"] if run.get("compile_fallbacks") else []
     if run.get("cuda_graph_skips"):
         notes.append(f"{len(run['cuda_graph_skips'])} CUDA graph skip(s)")
+    if run.get("startup_s"):  # train.py's "ready to train" line: its three longest parts
+        longest = sorted(run["startup_s"].items(), key=lambda part: -part[1])[:3]
+        notes.append(f"ready in {sum(run['startup_s'].values()):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in longest))
     step = run.get("median_step_time_s")
     return {
         "mode": run.get("step_compile_mode"),
@@ -65,6 +69,7 @@ def ladder_numbers(pack, row):
         "ms/step": 1000 * step,
         "img/s": last.get("images_per_s"),
         "MFU": last.get("mfu") and 100 * last["mfu"],
+        "compile s": last.get("first_call_s"),  # its first call's seconds: a cold part's compile
         "peak GiB": last.get("peak_memory_gib"),
         # with each row's mean loss against the group's first where it differs (fp8's target: within 2% of bf16)
         "notes": "; ".join(f"{r['variant']} {1000 * r['step_time_s_median']:.3g} ms"

@@ -259,6 +259,7 @@ def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
     shutil.copyfile(tmp_path / "run.json", tmp_path / "pack" / "run.bench.json")
     numbers = pack_summary.ladder_numbers(tmp_path / "pack", dict(name="run"))
     assert numbers["mode"] == "ladder train_default" and numbers["ms/step"] == 1000 * rows[-1]["step_time_s_median"]
+    assert numbers["compile s"] == rows[-1]["first_call_s"]  # a cold part's one-row ladder: its compile
     assert numbers["notes"].count(" ms") == 4  # reference and train_default at each batch size; tf32 did not run
     moved = [r for r in rows if r.get("loss_vs_first")]  # a row whose mean loss is not the first's says by how much
     assert numbers["notes"].count(" loss ") == len(moved) and all(f"{100 * r['loss_vs_first']:+.2f}%" in numbers["notes"] for r in moved)

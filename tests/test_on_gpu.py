@@ -110,5 +110,10 @@ def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
     (tmp_path / "runs.tsv").write_text("dit-default-cold\t0\t100\t200\t230\ndit-reference\t0\t200\t250\t80\n")
     for name, ms in (("dit-default-cold", 125.0), ("dit-reference", 250.0)):
         (pack / f"{name}.run.json").write_text(json.dumps(dict(start_time="1970-01-01T00:03:30+00:00", median_step_time_s=ms / 1e3)))
+    startup = dict(imports=4.0, accelerate=0.5, data=9.5, network=3.0, step=0.01)  # train.py's startup_s
+    run = json.loads((pack / "dit-default-cold.run.json").read_text())
+    (pack / "dit-default-cold.run.json").write_text(json.dumps(run | dict(startup_s=startup)))
     summary = pack_summary.summarize(tmp_path, "dit")
     assert "dit-default-cold: 2.00x the reference step" in summary.splitlines()
+    # a train.py run's notes say how long it took to be ready to train, and its longest parts
+    assert "ready in 17.0 s: data 9.5, imports 4.0, network 3.0" in summary
