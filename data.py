@@ -46,6 +46,16 @@ def _hsv_to_rgb(h, s, v):
     return v[..., None] - v[..., None] * s[..., None] * (torch.minimum(k, 4 - k).clamp(0, 1))
 
 
+def _shape_mask(kind, dx, dy, r):
+    """Which subpixels a shape of `kind` (0 circle, 1 square, 2 triangle) of radius `r` covers, at offsets `dx`, `dy`
+    from its centre."""
+    if kind == 0:
+        return dx**2 + dy**2 < r**2
+    if kind == 1:
+        return torch.maximum(dx.abs(), dy.abs()) < 0.85 * r
+    return (dy < 0.5 * r) & (dx.abs() * math.sqrt(3) < dy + r)
+
+
 def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, with_labels=False):
     """Coloured circles, squares and triangles on plain backgrounds, as uint8.
 
@@ -97,19 +107,13 @@ def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, wit
         img = background[lo:hi, :, None, None].expand(-1, -1, side, side).clone()
         owner = torch.full((hi - lo, side, side), -1) if with_labels else None  # the slot each subpixel shows
         for j in range(k):
-            dx = xs - cx[lo:hi, j, None, None]
-            dy = ys - cy[lo:hi, j, None, None]
-            r = radius[lo:hi, j, None, None]
-            masks = torch.stack(
-                [
-                    dx**2 + dy**2 < r**2,
-                    torch.maximum(dx.abs(), dy.abs()) < 0.85 * r,
-                    (dy < 0.5 * r) & (dx.abs() * math.sqrt(3) < dy + r),
-                ]
-            )  # (3 kinds, b, side, side)
-            pick = kind[lo:hi, j].view(1, -1, 1, 1) == torch.arange(3).view(3, 1, 1, 1)
-            mask = (masks & pick).any(0) & (j < count[lo:hi]).view(-1, 1, 1)
-            img = torch.where(mask[:, None], color[lo:hi, j, :, None, None], img)
+            mask = torch.zeros(hi - lo, side, side, dtype=torch.bool)
+            for shape in range(3):  # each kind's test, on the images whose slot j draws that kind
+                rows = ((kind[lo:hi, j] == shape) & (j < count[lo:hi])).nonzero().flatten()
+                if len(rows):
+                    mask[rows] = _shape_mask(shape, xs - cx[lo + rows, j, None, None], ys - cy[lo + rows, j, None, None],
+                                             radius[lo + rows, j, None, None])  # fmt: skip
+            torch.where(mask[:, None], color[lo:hi, j, :, None, None], img, out=img)
             if with_labels:
                 owner[mask] = j
                 pixels[lo:hi, j] = mask.flatten(1).sum(1) / supersample**2
