@@ -253,13 +253,13 @@ def graph_blockers(args, device, num_processes):
 
 
 def start_compile_workers(device, compile_mode):
-    """Start Inductor's compile workers now, on a CUDA device whose step may compile (`compile_mode` not
-    "off"), so that they are up by the first step. Inductor starts them only when its first graph reaches
-    it, and compiles each Triton kernel it writes before they are up in this process, one at a time:
-    with regional compilation that can be the whole forward graph's kernels. torch's own call
-    (`maybe_warm_pool`, as vLLM makes it before its first compile), which TORCH_WARM_POOL=0 turns off;
-    the CPU's kernels are C++, not compiled by these workers. True where it started them."""
-    if device.type != "cuda" or compile_mode == "off":
+    """Start Inductor's compile workers now, on a CUDA device whose step compiles (`compile_mode`: the planned
+    mode, not "eager" or "off"), so that they are up by the first step. Inductor starts them only when its first
+    graph reaches it, and compiles each Triton kernel it writes before they are up in this process, one at a
+    time: with regional compilation that can be the whole forward graph's kernels. torch's own call
+    (`maybe_warm_pool`, as vLLM makes it before its first compile), which TORCH_WARM_POOL=0 turns off; the
+    CPU's kernels are C++, not compiled by these workers. True where it started them."""
+    if device.type != "cuda" or compile_mode in ("eager", "off"):
         return False
     try:
         from torch._inductor.async_compile import maybe_warm_pool

@@ -217,8 +217,6 @@ class Run:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=STEP_WAIT)],
         )
         self.device, self.world = accelerator.device, accelerator.num_processes
-        # Inductor's workers start while the data loads and the network is built, not at the first compile
-        steps.start_compile_workers(self.device, args.compile_mode)
         self.is_main = accelerator.is_main_process
         self.main_work_group = None  # the others' wait for the main process's work between steps (MAIN_WORK_WAIT)
         if self.world > 1:
@@ -258,6 +256,8 @@ class Run:
             plan = [self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why]
             torch.distributed.broadcast_object_list(plan, src=0, group=self.main_work_group)
             self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why = plan
+        # Inductor's workers start while the network is built, not at the first compile (none for an eager step)
+        steps.start_compile_workers(self.device, self.config["step_compile_mode"])
         self.config["data_path"] = "preloaded" if isinstance(images, PRELOADED) else "latents" if args.vae else "streamed"
         if self.latents is not None:
             self.config |= dict(latents=self.latents, latent_space=self.latent_space)

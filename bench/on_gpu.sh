@@ -19,7 +19,7 @@
 #   cold    the cold start, whole network against regional compilation (each repeated block once), each in a
 #           process of its own with empty Inductor and Triton caches: the speed ladder's compiled and regional
 #           rows for DiT-XL/2 (batch 64; regional also with Inductor's compile workers started at its first graph,
-#           torch's timing, not at the start) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
+#           torch's timing, not at the ladder's start) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
 #           run's step): compile seconds (1st call s), the step, peak memory; then the GPU bare run itself
 #           (`python train.py`), start to last grid
 #
@@ -327,7 +327,8 @@ cold)
   # (84.7 s cold on an H100) on this machine, for a comparison within one call.
   cold_run dit-regional 150 "${cold_dit[@]}" --variants regional
   # The same with Inductor's compile workers started when its first graph reaches it (torch's timing), not at the
-  # start as train.py and the ladder now start them (step.start_compile_workers): what starting them early saves.
+  # ladder's start (train.py starts them once its step is planned: step.start_compile_workers): what starting them
+  # before the first compile saves.
   cold_run dit-regional-inductor 150 "${cold_dit[@]}" --variants regional --compile_workers inductor
   cold_run dit-whole 160 "${cold_dit[@]}" --variants compiled
   cold_run ddpm32-regional 90 "${cold_bare[@]}" --variants train_default --compile_scope regional

@@ -890,8 +890,9 @@ def parse_args(argv=None):
         "--redraw", default=None, metavar="JSON", help="only draw the chart of an earlier run's JSON, next to it, and exit"
     )
     p.add_argument("--compile_workers", default="early", choices=("early", "inductor"),
-                   help="when Inductor's compile workers start on a GPU: early, at the start, as train.py starts them "
-                        "(step.start_compile_workers), or when Inductor's first graph reaches it, torch's own timing")  # fmt: skip
+                   help="when Inductor's compile workers start on a GPU: early, at the ladder's start (train.py starts them "
+                        "once it has planned a compiled step: step.start_compile_workers), or when Inductor's first graph "
+                        "reaches it, torch's own timing")  # fmt: skip
     s = p.add_argument_group("train.py's step settings that train.py has no flag for (config.SETTINGS): set on the "
                              "train_default row's configuration (default: what train.py runs)")  # fmt: skip
     for name, says in SETTING_FLAGS.items():

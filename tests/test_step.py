@@ -444,8 +444,8 @@ def graphs_made():
 
 
 def test_compile_workers_start_early_on_a_gpu_whose_step_may_compile_and_not_elsewhere(monkeypatch):
-    """On a CUDA device whose step may compile, Inductor's compile workers are started at once (torch's
-    maybe_warm_pool); not on a CPU, whose kernels are C++, and not with --compile_mode off."""
+    """On a CUDA device whose step compiles, Inductor's compile workers are started at once (torch's
+    maybe_warm_pool); not on a CPU, whose kernels are C++, and not for an eager step."""
     import torch._inductor.async_compile as async_compile
 
     started = []
@@ -453,8 +453,8 @@ def test_compile_workers_start_early_on_a_gpu_whose_step_may_compile_and_not_els
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert steps.start_compile_workers(cuda, "auto") and steps.start_compile_workers(cuda, "default")
     assert len(started) == 2
-    assert not steps.start_compile_workers(cpu, "default") and not steps.start_compile_workers(cuda, "off")
-    assert len(started) == 2
+    assert not steps.start_compile_workers(cpu, "default") and not steps.start_compile_workers(cuda, "eager")
+    assert not steps.start_compile_workers(cuda, "off") and len(started) == 2
 
 
 def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_eager(monkeypatch):

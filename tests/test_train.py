@@ -297,15 +297,19 @@ def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache
     assert run(tmp_path / "cold", *flags, "--max_train_steps", 40000, "--train_batch_size", 4)["step_compile_mode"] == "eager"
 
 
-def test_the_run_starts_the_compile_workers_before_it_loads_the_data(tmp_path, monkeypatch):
-    """train.py asks for Inductor's compile workers with its device and --compile_mode before the data loads
-    (step.start_compile_workers: on a GPU they start then, while the data loads and the network is built)."""
+@pytest.mark.parametrize("planned", ["eager", "default"])
+def test_the_run_starts_the_compile_workers_once_it_has_planned_its_step(tmp_path, monkeypatch, planned):
+    """train.py asks for Inductor's compile workers with its device and the planned mode once the plan is made,
+    before the network is built (step.start_compile_workers: on a GPU whose step compiles they start then)."""
     calls = []
     monkeypatch.setattr(steps, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
-    load_images = train.data.load_images
-    monkeypatch.setattr(train.data, "load_images", lambda *a: calls.append("data") or load_images(*a))
-    run(tmp_path / "run", "--max_train_steps", 1, "--save_images_epochs", 100, "--compile_mode", "off")
-    assert calls == [("cpu", "off"), "data"]
+    build = train.training.build
+    monkeypatch.setattr(train.training, "build", lambda *a, **k: calls.append("network") or build(*a, **k))
+    if planned != "eager":  # a plan that compiles, its compile left out: the test's step runs eager
+        monkeypatch.setattr(steps, "plan_compile", lambda *a, **k: steps.CompilePlan(planned, "whole", "a test's plan"))
+        monkeypatch.setattr(steps, "compile_network", lambda model, mode, **k: model)
+    run(tmp_path / "run", "--max_train_steps", 1, "--save_images_epochs", 100, "--compile_mode", "auto")
+    assert calls == [("cpu", planned), "network"]
 
 
 def config_args(args):
