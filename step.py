@@ -939,6 +939,34 @@ def describe_compile(seconds, before, after):
     return f"compiled the step in {seconds:.1f} s; {source}"
 
 
+# The compile timers a ladder row's line shows where they ran, in the order a compile passes them: Inductor's import,
+# Dynamo's trace of the forward (which holds the rest of it), AOTAutograd's joint graph, the backend's share,
+# Inductor's lowering, fusion and code, the waits for kernels compiled by its workers (C++ files on a CPU), the
+# backward's compile, and the GPU's kernel autotuning at the first run. The JSON keeps every timer.
+COMPILE_PHASES_SHOWN = (
+    "inductor_import", "_compile.compile_inner", "aot_trace_joint_graph", "OutputGraph.call_user_compiler",
+    "GraphLowering.run", "Scheduler.__init__", "GraphLowering.codegen", "async_compile.wait",
+    "PyCodeCache.load_by_key_path", "compile_file", "compile_fx.<locals>.bw_compiler",
+    "CachingAutotuner.benchmark_all_configs",
+)  # fmt: skip
+
+
+def compile_phase_totals():
+    """{phase: seconds so far}: torch's own timers of Dynamo, AOTAutograd and Inductor (dynamo_timed), summed."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
+def compile_phases(before, after):
+    """torch's compile timers between two `compile_phase_totals`, in seconds, longest first (nested: Dynamo's
+    holds its backend's, and so on; summed over threads, so a timer of parallel work can pass the wall time);
+    {} where nothing compiled."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    longest = sorted((item for item in spent.items() if item[1] >= 0.01), key=lambda item: -item[1])
+    return {name: round(seconds, 2) for name, seconds in longest}
+
+
 class FirstStepClock:
     """Times the first (compiling) step with the host clock, synchronized at both ends."""
 
@@ -947,7 +975,7 @@ class FirstStepClock:
 
     @contextlib.contextmanager
     def measure(self):
-        self.counters_before = compile_counters()
+        self.counters_before, phases_before = compile_counters(), compile_phase_totals()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
@@ -956,6 +984,7 @@ class FirstStepClock:
             torch.cuda.synchronize(self.device)
         self.seconds = time.perf_counter() - t0
         self.after = compile_counters()
+        self.phases = compile_phases(phases_before, compile_phase_totals())  # run.json's compile_phases_s
         self.line = describe_compile(self.seconds, self.counters_before, self.after)
         # some graph compiled afresh (a regional compile's repeated blocks hit the cache within a cold run)
         self.cold = cache_hits_and_misses(self.counters_before, self.after)[1] > 0

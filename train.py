@@ -645,7 +645,7 @@ class Meter:
         self.model_flops, self.hardware_flops = run.config["model_flops_per_step"], run.config["hardware_flops_per_step"]
         self.started_at = profiling.now_iso()
         self.epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
-        self.compile_s = None  # seconds the first, compiling step took
+        self.compile_s = self.compile_phases = None  # seconds the first, compiling step took, and where they went
         self.compiles = run.config["step_compile_mode"] != "eager"
         self.trained = False  # whether this process took a step
         self.progress = tqdm(total=run.total_steps, initial=run.step, disable=not run.accelerator.is_local_main_process,
@@ -709,7 +709,7 @@ class Meter:
         clock = steps.FirstStepClock(self.run.device)
         with self.breakdown.pause("compile"), clock.measure():
             yield
-        self.compile_s = clock.seconds
+        self.compile_s, self.compile_phases = clock.seconds, clock.phases
         if clock.cold:  # what the next run of this step predicts its (then warm) compile from
             config, args = self.run.config, self.run.args
             steps.remember_compile(steps.compile_key(args, self.run.device, config["step_compile_mode"],
@@ -808,6 +808,7 @@ class Meter:
             peak=self.peak_words,
             peak_memory_gib=profiling.peak_memory_gib(self.run.device),
             compile_s=self.compile_s,
+            compile_phases_s=self.compile_phases,  # where the compile went, by torch's timers (step.compile_phases)
             startup_s=self.run.startup.parts,  # train.py's start to the loop, by part (the "ready to train" line)
             train_wall_s=wall_s,
             epoch_times_s=self.epoch_times,

@@ -506,7 +506,7 @@ def check_variant(step, settings, inputs, reference, device):
     third call, a graph replay.
     """
     calls = 3 if settings["compile_mode"] in ("reduce-overhead", "max-autotune") else 1
-    before = compile_phase_totals()
+    before = steps.compile_phase_totals()
     start = time.perf_counter()
     for call in range(calls):
         step.optimizer.zero_grad(set_to_none=True)
@@ -514,7 +514,7 @@ def check_variant(step, settings, inputs, reference, device):
         if call == 0:
             synchronize(device)
             first_call_s = time.perf_counter() - start
-            phases = compile_phases(before, compile_phase_totals())
+            phases = steps.compile_phases(before, steps.compile_phase_totals())
     loss = loss.item()
     gradients = flat_gradients(step.unet)
     step.optimizer.zero_grad(set_to_none=True)
@@ -528,34 +528,6 @@ def check_variant(step, settings, inputs, reference, device):
     # NaN compares False, so a step that produced NaN fails.
     passed = loss_err <= TOLERANCE[precision] and grad_err <= TOLERANCE[precision]
     return result | dict(passed=passed, loss_rel_err=loss_err, grad_rel_err=grad_err)
-
-
-# The compile timers a row's line shows where they ran, in the order a compile passes them: Inductor's import,
-# Dynamo's trace of the forward (which holds the rest of it), AOTAutograd's joint graph, the backend's share,
-# Inductor's lowering, fusion and code, the waits for kernels compiled by its workers (C++ files on a CPU), the
-# backward's compile, and the GPU's kernel autotuning at the first run. The JSON keeps every timer.
-COMPILE_PHASES_SHOWN = (
-    "inductor_import", "_compile.compile_inner", "aot_trace_joint_graph", "OutputGraph.call_user_compiler",
-    "GraphLowering.run", "Scheduler.__init__", "GraphLowering.codegen", "async_compile.wait",
-    "PyCodeCache.load_by_key_path", "compile_file", "compile_fx.<locals>.bw_compiler",
-    "CachingAutotuner.benchmark_all_configs",
-)  # fmt: skip
-
-
-def compile_phase_totals():
-    """{phase: seconds so far}: torch's own timers of Dynamo, AOTAutograd and Inductor (dynamo_timed), summed."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return {name: sum(times) for name, times in compilation_time_metrics.items()}
-
-
-def compile_phases(before, after):
-    """torch's compile timers between two `compile_phase_totals`, in seconds, longest first (nested: Dynamo's
-    holds its backend's, and so on; summed over threads, so a timer of parallel work can pass the wall time);
-    {} where nothing compiled."""
-    spent = {name: after[name] - before.get(name, 0.0) for name in after}
-    longest = sorted((item for item in spent.items() if item[1] >= 0.01), key=lambda item: -item[1])
-    return {name: round(seconds, 2) for name, seconds in longest}
 
 
 def time_steps(step, steps, warmup, sync_every, device):
@@ -790,7 +762,7 @@ def format_group(rows, peak_words):
             lines.append(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}  ({row[3]})")
     for r in rows:  # where a row's 1st call went, by torch's compile timers (nested; all of them in the JSON)
         phases = r.get("compile_phases_s") or {}
-        shown = ", ".join(f"{name} {phases[name]:g}" for name in COMPILE_PHASES_SHOWN if name in phases)
+        shown = ", ".join(f"{name} {phases[name]:g}" for name in steps.COMPILE_PHASES_SHOWN if name in phases)
         if shown:
             lines.append(f"{r['variant']}'s 1st call, compile timers (s): {shown}")
     return lines
