@@ -265,7 +265,10 @@ def start_compile_workers(device, compile_mode):
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:  # a torch without it: Inductor starts them itself
         return False
-    maybe_warm_pool()
+    try:
+        maybe_warm_pool()
+    except Exception:  # noqa: BLE001  (a pool that cannot start here fails in the compile, whose failure falls back to eager)
+        return False
     return True
 
 

@@ -456,6 +456,12 @@ def test_compile_workers_start_early_on_a_gpu_whose_step_may_compile_and_not_els
     assert not steps.start_compile_workers(cpu, "default") and not steps.start_compile_workers(cuda, "eager")
     assert not steps.start_compile_workers(cuda, "off") and len(started) == 2
 
+    def cannot_start():
+        raise OSError("[Errno 11] Resource temporarily unavailable")
+
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", cannot_start)  # the run goes on: the compile's fallback decides
+    assert not steps.start_compile_workers(cuda, "default")
+
 
 def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_eager(monkeypatch):
     import dit
