@@ -269,6 +269,7 @@ class Run:
         if args.eval_every_epochs:  # the reference statistics (a latent run's: its images, decoded; once, then cached)
             self.on_main_process(lambda: self.evaluator.prepare_reference(
                 lambda: metrics.reference_images(vars(args), args.image_size) if args.vae else images))  # fmt: skip
+            self.startup.mark("FID's reference")
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
         if isinstance(images, PRELOADED) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: --preload_data's MAX_GIB
@@ -279,7 +280,7 @@ class Run:
             # network trained or its noise: with or without --guide, the same --seed trains the same weights
             self.guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None
         self.num_images = len(images)
-        self.startup.mark("data")
+        self.startup.mark("data to the device")
         self._build_training()
         self.startup.mark("network")
         self.step, self.skipped_before = 0, 0

@@ -209,6 +209,7 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
 
     best = json.loads((out / "best" / "eval.json").read_text())
     assert best["fid"] == min(r["fid"] for r in results)
+    assert "FID's reference" in json.loads((out / "run.json").read_text())["startup_s"]  # a part of the startup
     DDPMPipeline.from_pretrained(str(out / "best"))
     assert sum(embedded) == 16 + 2 * 6  # the training set once, then the generated images
     assert embedded == [4] * 4 + [4, 2] * 2  # in batches of --eval_batch_size (over FID_BATCH_SIZE)

@@ -95,7 +95,7 @@ def test_end_to_end_run_writes_every_output(tmp_path, capsys, monkeypatch):
 
     # train.py's start to its loop, by part: said before the first step, and in run.json
     startup = json.loads((out / "run.json").read_text())["startup_s"]
-    assert list(startup) == ["imports", "accelerate", "data", "FLOPs and compile plan", "network", "step"]
+    assert list(startup) == ["imports", "accelerate", "data", "FLOPs and compile plan", "data to the device", "network", "step"]
     assert all(seconds >= 0 for seconds in startup.values()) and startup["network"] > 0
     ready = re.search(r"^ready to train ([\d.]+) s after train.py started: (.*)$", stdout, re.M)
     assert ready and float(ready.group(1)) == pytest.approx(sum(startup.values()), abs=0.1)
