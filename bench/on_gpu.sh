@@ -323,16 +323,16 @@ dit)
   bench_run dit-autotune 200 "${dit_autotune[@]}"
   ;;
 cold)
-  # Regional first: it is what train.py now does; the whole-network rows repeat what the dit part measured
-  # (84.7 s cold on an H100) on this machine, for a comparison within one call.
+  # Regional first: it is what train.py now does. The same with Inductor's compile workers started when its first
+  # graph reaches it (torch's timing), not at the ladder's start (train.py starts them once its step is planned:
+  # step.start_compile_workers): what starting them before the first compile saves. Then ddpm32's two scopes; DiT's
+  # whole network last, as the dit part measured it twice (85.8 and 90.7 s cold on an H100): a comparison within
+  # this call where time is left.
   cold_run dit-regional 150 "${cold_dit[@]}" --variants regional
-  # The same with Inductor's compile workers started when its first graph reaches it (torch's timing), not at the
-  # ladder's start (train.py starts them once its step is planned: step.start_compile_workers): what starting them
-  # before the first compile saves.
   cold_run dit-regional-inductor 150 "${cold_dit[@]}" --variants regional --compile_workers inductor
-  cold_run dit-whole 160 "${cold_dit[@]}" --variants compiled
   cold_run ddpm32-regional 90 "${cold_bare[@]}" --variants train_default --compile_scope regional
   cold_run ddpm32-whole 110 "${cold_bare[@]}" --variants train_default --compile_scope whole
+  cold_run dit-whole 160 "${cold_dit[@]}" --variants compiled
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-bare TRITON_CACHE_DIR=$work/triton-bare train_run bare-cold 200 "${bare[@]}"
   ;;
 esac

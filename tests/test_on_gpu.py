@@ -21,7 +21,7 @@ RUNS = {
     "adm64": ["adm64-auto-cold", "adm64-step-graph", "adm64-default", "adm64-diffusers"],
     "fused": ["ref128-fused", "adm64-fused"],
     "dit": ["dit-ladder", "dit-default-cold", "dit-reference", "dit-autotune"],
-    "cold": ["dit-regional", "dit-regional-inductor", "dit-whole", "ddpm32-regional", "ddpm32-whole", "bare-cold"],
+    "cold": ["dit-regional", "dit-regional-inductor", "ddpm32-regional", "ddpm32-whole", "dit-whole", "bare-cold"],
 }
 
 
