@@ -463,6 +463,18 @@ def test_compile_workers_start_early_on_a_gpu_whose_step_may_compile_and_not_els
     assert not steps.start_compile_workers(cuda, "default")
 
 
+def test_the_compile_timers_are_read_where_torch_has_them_and_nothing_breaks_where_it_has_not(monkeypatch):
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setitem(dynamo_utils.compilation_time_metrics, "a test's timer", [1.0, 0.5])
+    before = steps.compile_phase_totals()
+    assert before["a test's timer"] == 1.5
+    dynamo_utils.compilation_time_metrics["a test's timer"].append(0.25)
+    assert steps.compile_phases(before, steps.compile_phase_totals()) == {"a test's timer": 0.25}
+    monkeypatch.delattr(dynamo_utils, "compilation_time_metrics")  # a torch without the table: the clock still runs
+    assert steps.compile_phase_totals() == {}
+
+
 def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_eager(monkeypatch):
     import dit
 
