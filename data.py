@@ -108,8 +108,9 @@ def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, wit
         owner = torch.full((hi - lo, side, side), -1) if with_labels else None  # the slot each subpixel shows
         for j in range(k):
             mask = torch.zeros(hi - lo, side, side, dtype=torch.bool)
+            drawn = j < count[lo:hi]
             for shape in range(3):  # each kind's test, on the images whose slot j draws that kind
-                rows = ((kind[lo:hi, j] == shape) & (j < count[lo:hi])).nonzero().flatten()
+                rows = ((kind[lo:hi, j] == shape) & drawn).nonzero().flatten()
                 if len(rows):
                     mask[rows] = _shape_mask(shape, xs - cx[lo + rows, j, None, None], ys - cy[lo + rows, j, None, None],
                                              radius[lo + rows, j, None, None])  # fmt: skip

@@ -131,7 +131,7 @@ class StartupClock:
 
     def mark(self, part):
         now = time.perf_counter()
-        self.parts[part] = self.parts.get(part, 0.0) + now - self.last
+        self.parts[part] = now - self.last
         self.last = now
 
     def line(self):

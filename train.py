@@ -80,9 +80,6 @@ def train(args):
     run = Run(args)  # data, network, objective, optimizer, EMA; resumed where a checkpoint is
     meter = Meter(run)  # step times, where the time went, the profiler, the printed lines
     train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
-    run.startup.mark("step")
-    if run.step < run.total_steps:
-        meter.write(run.startup.line())
     meter.profile_when_steady(train_step)  # --profile records steps after those that compile or capture it
     with checkpoint.StopSignals() as signals, meter:
         for epoch in run.epochs():
@@ -429,6 +426,9 @@ class Run:
             loaded = steps.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
             if loaded:
                 self.accelerator.print(loaded)
+        self.startup.mark("step")
+        if self.step < self.total_steps:
+            meter.write(self.startup.line())
         return fast
 
     # --- the loop's pace ---
