@@ -326,8 +326,8 @@ cold)
   # Regional first: it is what train.py now does. The same with Inductor's compile workers started when its first
   # graph reaches it (torch's timing), not at the ladder's start (train.py starts them once its step is planned:
   # step.start_compile_workers): what starting them before the first compile saves. Then ddpm32's two scopes; DiT's
-  # whole network last, as the dit part measured it twice (85.8 and 90.7 s cold on an H100): a comparison within
-  # this call where time is left.
+  # whole network last, as the dit part measured it twice (record 2026-11-27-h100-regional-memory): a comparison
+  # within this call where time is left.
   cold_run dit-regional 150 "${cold_dit[@]}" --variants regional
   cold_run dit-regional-inductor 150 "${cold_dit[@]}" --variants regional --compile_workers inductor
   cold_run ddpm32-regional 90 "${cold_bare[@]}" --variants train_default --compile_scope regional

@@ -337,7 +337,8 @@ def train_default_variant(**given):
 # ~12 ms of fused AdamW, EMA and clipping over 675M fp32 weights; compiling fuses about half the passes.
 DIT_PREDICTED_MS = dict(eager=140, compiled=115, train_default=115)
 # Regional compilation leaves the patch embedding, the final layer and the glue between blocks eager:
-# predicted within 3% of the whole network compiled (measured 128 ms), written down before measuring.
+# predicted within 3% of the whole network compiled (the `compiled` row's H100 step, BENCHMARKS.md), written down
+# before measuring.
 DIT_PREDICTED_MS["regional"] = 131
 
 
