@@ -72,11 +72,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+from torch.library import wrap_triton as _wrap_triton
 
 # Run the Triton kernels for any input, on any device (the CPU tests set it,
 # with TRITON_INTERPRET=1 in the environment before this module is imported).
 FORCE_KERNEL = os.environ.get("FUSED_NORM_FORCE_KERNEL") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def wrap_triton(kernel):
+    """torch's wrap_triton; an interpreted kernel (TRITON_INTERPRET=1) as it is, which torch 2.11 refuses
+    to wrap and later torches hand back unwrapped themselves."""
+    return kernel if INTERPRETED else _wrap_triton(kernel)
+
+
 # Fill every buffer the kernels write with NaN first (tests): an element a
 # kernel forgets to write then shows up in the result.
 POISON_OUTPUTS = False

@@ -244,10 +244,21 @@ def _launchers(kernels, on_cpu):
     """(kernel, name of the CPU operator that launched it, that operator's id) for each kernel."""
     by_id = {e.id: e for e in on_cpu}
     # torch.profiler folds an operator into its parent of the same name (EventList._remove_dup_nodes),
-    # handing the parent its kernels: find those by the kernel's name and duration instead.
-    by_kernel = {(k.name, k.duration): e for e in on_cpu for k in e.kernels}
-    for k in kernels:
-        op = by_id.get(k.linked_correlation_id) or by_kernel.get((k.name, k.self_device_time_total))
+    # handing the parent its kernels; and torch 2.11's events (the GPU image's) have no linked_correlation_id.
+    # Those kernels are found by name and duration instead: the n-th such kernel to run, in the n-th
+    # operator (by start) that holds one, as a stream runs its kernels in the order they were launched.
+    holders = {}
+    for e in sorted(on_cpu, key=lambda e: e.time_range.start):
+        for k in e.kernels:
+            holders.setdefault((k.name, k.duration), []).append(e)
+    taken = {}
+    for k in sorted(kernels, key=lambda k: k.time_range.start):
+        op = by_id.get(getattr(k, "linked_correlation_id", None))
+        if op is None:
+            key = (k.name, k.self_device_time_total)
+            found = holders.get(key, [])
+            n = taken[key] = taken.get(key, -1) + 1
+            op = found[min(n, len(found) - 1)] if found else None
         yield (k, op.name, id(op)) if op is not None else (k, "(no operator recorded)", id(k))
 
 

@@ -371,9 +371,9 @@ def inductor_settings(force_layout=False):
     # Inductor's loop reindexing after fusion, without the memory-coalescing
     # guard of pytorch PR #191134 (the fix for pytorch#189488), makes the
     # conv -> GroupNorm -> SiLU graphs of these UNets several times slower. A
-    # torch that has the reindexing but not the guard (the GPU image has 2.11;
-    # 2.14.1, which requirements.txt pins, has the guard) gets it turned off,
-    # unless TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION says otherwise.
+    # torch that has the reindexing but not the guard gets it turned off, unless
+    # TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION says otherwise (2.14.1, which
+    # requirements.txt pins, has both; the GPU image's 2.11 has neither).
     if (
         hasattr(config, "loop_reindexing_after_fusion")
         and not hasattr(Scheduler, "_reindexing_regresses_memory_coalescing")
