@@ -6,7 +6,7 @@ plus `trainer_state.json`. It is written into a hidden temporary folder and
 renamed into place only once every file is on disk, so a kill at any moment
 leaves the previous checkpoint loadable and never a half-written one under a
 real name. `trainer_state.json` is written last: a folder without it is not a
-checkpoint.
+checkpoint. The wait for the disk and the rename (Flush) run beside training.
 """
 
 import errno
@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import signal
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -49,15 +51,19 @@ def _fsync_tree(folder):
 
 
 def save(accelerator, output_dir, step, state, total_limit=None):
-    """Write checkpoint-STEP atomically; then drop all but the newest `total_limit`.
+    """Write checkpoint-STEP atomically and return its Flush, which the main process runs in a thread while
+    training goes on: the files to disk, then the rename into place, then all but the newest
+    `total_limit` dropped. Call `wait()` on it before the next save, a stop or the end.
 
     `state` (JSON) goes into trainer_state.json beside accelerate's files;
     put `run_identity(config)` under "run" so that a resume can check it.
     Disk full or any other OSError: the temporary folder is removed, the
-    previous checkpoints are untouched, and a RunError says what happened.
+    previous checkpoints are untouched, and a RunError (here, or from the
+    Flush's `wait()`) says what happened.
     """
     root = checkpoints_root(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
+    started = time.perf_counter()
     try:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -67,26 +73,71 @@ def save(accelerator, output_dir, step, state, total_limit=None):
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / STATE_FILE).write_text(json.dumps(dict(state, step=step)))
-            _fsync_tree(tmp)
-            if final.exists():  # the same step saved again (a resume that stopped at once)
-                old = root / f".old-checkpoint-{step}"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, final)
-            if total_limit is not None:
-                for stale in checkpoint_dirs(output_dir)[:-total_limit]:
-                    shutil.rmtree(stale)
     except OSError as e:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = [p for p in checkpoint_dirs(output_dir) if p != final]
-        kept = f"the last complete checkpoint, {previous[-1]}, is intact" if previous else "no earlier checkpoint exists"
-        raise RunError(cannot_write(f"checkpoint {final}", e, kept)) from None
-    accelerator.wait_for_everyone()
-    return final
+        raise RunError(_not_written(output_dir, final, e)) from None
+    flush = Flush(output_dir, step, tmp, final, total_limit, time.perf_counter() - started)
+    if accelerator.is_main_process:  # every process's files are written (the barrier above)
+        flush.start()
+    return flush
+
+
+class Flush:
+    """A written checkpoint's way to disk, in a thread of the main process: fsync every file, rename the
+    temporary folder into place (a checkpoint is only ever published complete), drop the stale ones.
+
+    Training goes on meanwhile: the files are closed and the GPU's tensors already copied out, so all
+    that is left is the kernel writing its page cache to the disk (minutes on a network filesystem).
+    The thread is not a daemon: a process that exits, even with an error, first publishes what it wrote.
+    On another process, or before start(), it is done at once."""
+
+    def __init__(self, output_dir, step, tmp, final, total_limit, written_s):
+        self.output_dir, self.step, self.tmp, self.path, self.total_limit = output_dir, step, tmp, final, total_limit
+        self.written_s, self.flushed_s, self.error, self.thread = written_s, 0.0, None, None
+
+    def start(self):
+        self.thread = threading.Thread(target=self._flush, name=f"flush {self.path.name}")
+        self.thread.start()
+
+    def _flush(self):
+        started = time.perf_counter()
+        try:
+            _fsync_tree(self.tmp)
+            if self.path.exists():  # the same step saved again (a resume that stopped at once)
+                old = self.path.parent / f".old-{self.path.name}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(self.path, old)
+                os.replace(self.tmp, self.path)
+                shutil.rmtree(old)
+            else:
+                os.replace(self.tmp, self.path)
+            if self.total_limit is not None:
+                for stale in checkpoint_dirs(self.output_dir)[: -self.total_limit]:
+                    shutil.rmtree(stale)
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.error = e
+        self.flushed_s = time.perf_counter() - started
+
+    @property
+    def done(self):
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self):
+        """Until the checkpoint is on disk under its name; a RunError if it could not be."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RunError(_not_written(self.output_dir, self.path, error))
+        return self.path
+
+
+def _not_written(output_dir, final, error):
+    previous = [p for p in checkpoint_dirs(output_dir) if p != final]
+    kept = f"the last complete checkpoint, {previous[-1]}, is intact" if previous else "no earlier checkpoint exists"
+    return cannot_write(f"checkpoint {final}", error, kept)
 
 
 def cannot_write(what, error, note=""):

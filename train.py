@@ -285,6 +285,8 @@ class Run:
             self._resume(start_from)
             self.startup.mark("resume")
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
+        self.flushing = None  # the checkpoint on its way to disk (checkpoint.Flush), behind the steps
+        self.checkpoint_times = []  # run.json's checkpoint_times_s
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             self._announce()
@@ -455,6 +457,7 @@ class Run:
     def after_step(self, meter, signals):
         if self.step % self.args.checkpointing_steps == 0 or self.step == self.total_steps:
             self.save_checkpoint(meter)
+        self.flushed(meter, wait=False)  # a checkpoint is said saved once on disk; a failed flush stops here
         if self.stop_requested(signals):
             self.stop_for_signal(signals, meter)
 
@@ -468,6 +471,9 @@ class Run:
                 self.on_main_process(lambda: self.evaluate(epoch))
         if self.vae is not None:
             self.vae.to("cpu")  # decoded: its memory back to training
+        if last:  # the last checkpoint's flush went on beside the grid; what is left of it, timed
+            with meter.paused("checkpointing"):
+                self.flushed(meter)
 
     # --- what happens between steps ---
 
@@ -555,10 +561,22 @@ class Run:
             raise RunError(f"the weights are not finite at step {self.step}: not saving a checkpoint; resume from the last one")
         state = dict(skipped_nonfinite=self.skipped(), run=resume.run_identity(self.config))
         with meter.paused("checkpointing"):
-            path = checkpoint.save(self.accelerator, self.output_dir, self.step, state, self.args.checkpoints_total_limit)
-        self.last_saved = (self.step, path)
-        meter.write(f"saved {path}")
-        return path
+            self.flushed(meter)  # one checkpoint on its way to disk at a time
+            self.flushing = checkpoint.save(self.accelerator, self.output_dir, self.step, state, self.args.checkpoints_total_limit)  # fmt: skip
+        self.last_saved = (self.step, self.flushing.path)
+        return self.flushing.path
+
+    def flushed(self, meter, wait=True):
+        """The checkpoint on its way to disk, once it is there (waited for, or only if it is, without
+        `wait`): said, and its times kept. Its flush's error, if any, as a RunError."""
+        flush = self.flushing
+        if flush is None or not (wait or flush.done):
+            return
+        self.flushing = None
+        path = flush.wait()
+        self.checkpoint_times.append(dict(step=flush.step, written=flush.written_s, flushed=flush.flushed_s))
+        if self.is_main:  # the process that flushed it
+            meter.write(f"saved {path} (written in {flush.written_s:.1f} s; on disk {flush.flushed_s:.1f} s later, beside training)")
 
     def stop_requested(self, signals):
         """Whether to stop now. Processes must agree, or one would wait in save_state for
@@ -577,6 +595,8 @@ class Run:
         saved_step, path = self.last_saved
         if saved_step != self.step:
             path = self.save_checkpoint(meter)
+        with meter.paused("checkpointing"):
+            self.flushed(meter)  # on disk before this process says so and exits
         self.accelerator.print(
             f"stopped by {signals.received.name} at step {self.step}: saved {path}; run the same command again to continue"
         )
@@ -620,6 +640,7 @@ class Run:
             cuda_graph_skips=train_step.graph_skips,
             samples_dir=str(self.output_dir / "samples"),
             checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(self.output_dir)],
+            checkpoint_times_s=self.checkpoint_times,
             pipeline_dir=str(self.output_dir),
             **timing,
         )

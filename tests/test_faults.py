@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import forked
 import model as models
 import train
 from conftest import ROOT
+from errors import RunError
 
 TINY = [
     "--model", "tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "4",
@@ -308,6 +311,89 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_pa
     run(out)  # space freed, the same command: resumes from checkpoint-2, as if never stopped
     assert "checkpoint-2 at step 2" in capsys.readouterr().out
     assert_same_weights(out, straight)
+
+
+class OneProcess:
+    """What checkpoint.save asks of accelerate's Accelerator, for one process."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, folder):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"weights")
+
+
+def test_a_checkpoint_goes_to_disk_beside_training_and_is_published_only_then(tmp_path, monkeypatch):
+    gate, real = threading.Event(), checkpoint._fsync_tree
+    monkeypatch.setattr(checkpoint, "_fsync_tree", lambda folder: (gate.wait(30), real(folder)))
+    gate.set()
+    checkpoint.save(OneProcess(), tmp_path, 2, {}, total_limit=1).wait()
+    gate.clear()  # the disk is slow now
+    flush = checkpoint.save(OneProcess(), tmp_path, 4, {}, total_limit=1)
+    # written and returned, training goes on: still hidden, and the one before it kept
+    assert not flush.done and checkpoints(tmp_path) == [".tmp-checkpoint-4", "checkpoint-2"]
+    gate.set()
+    assert flush.wait() == tmp_path / "checkpoints" / "checkpoint-4"
+    assert checkpoints(tmp_path) == ["checkpoint-4"]  # on disk, renamed, then the stale one dropped
+    assert flush.step == 4 and flush.written_s > 0 and flush.flushed_s > 0
+
+
+def test_a_failed_flush_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    checkpoint.save(OneProcess(), tmp_path, 2, {}).wait()
+
+    def full(folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", full)
+    flush = checkpoint.save(OneProcess(), tmp_path, 4, {})
+    with pytest.raises(RunError) as e:
+        flush.wait()
+    assert "the disk is full" in str(e.value) and "checkpoint-2, is intact" in str(e.value) and "\n" not in str(e.value)
+    assert checkpoints(tmp_path) == ["checkpoint-2"]  # the temporary folder removed
+
+
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """Each checkpoint reaches the disk a second after it is written."""
+    real = checkpoint._fsync_tree
+    monkeypatch.setattr(checkpoint, "_fsync_tree", lambda folder: (time.sleep(1.0), real(folder)))
+
+
+def test_a_stop_waits_for_its_checkpoint_to_reach_the_disk(tmp_path, monkeypatch, capsys, slow_disk):
+    send_at_step(monkeypatch, 2, signal.SIGTERM)  # right after step 2, whose checkpoint is then on its way
+    assert exit_code(tmp_path) == 143
+    assert checkpoints(tmp_path) == ["checkpoint-2"]  # published before the process said so and stopped
+    assert "saved " + str(tmp_path / "checkpoints" / "checkpoint-2") in capsys.readouterr().out
+
+
+def test_one_checkpoint_is_on_its_way_at_a_time_and_the_end_waits_for_the_last(tmp_path, slow_disk):
+    run(tmp_path, "--max_train_steps", 2, "--checkpointing_steps", 1)  # checkpoint-2 is due while 1 is flushing
+    manifest = json.loads((tmp_path / "run.json").read_text())
+    assert manifest["checkpoints"] == [str(tmp_path / "checkpoints" / f"checkpoint-{n}") for n in (1, 2)]
+    times = manifest["checkpoint_times_s"]
+    assert [t["step"] for t in times] == [1, 2]  # each waited for and said, none lost to the next
+    assert all(t["flushed"] >= 1.0 and t["written"] > 0 for t in times)
+
+
+def test_a_failed_flush_stops_the_run_at_the_next_step_not_the_next_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(checkpoint.Flush, "start", checkpoint.Flush._flush)  # done as soon as it is written
+    real = checkpoint._fsync_tree
+
+    def fsync(folder):
+        if "checkpoint-3" in str(folder):
+            raise OSError(errno.EIO, "Input/output error")
+        real(folder)
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", fsync)
+    steps = []
+    monkeypatch.setattr(flops.StepTimer, "step_done", lambda self, real=flops.StepTimer.step_done: (steps.append(1), real(self)))
+    assert exit_code(tmp_path, "--checkpointing_steps", 3) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "could not write checkpoint" in err and "checkpoint-3" in err and "Input/output error" in err
+    assert len(steps) == 3 and checkpoints(tmp_path) == []  # not 3 more steps trained for nothing
 
 
 def test_resuming_with_other_settings_is_refused_with_the_differences(tmp_path, capsys):
