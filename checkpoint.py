@@ -140,6 +140,29 @@ def _not_written(output_dir, final, error):
     return cannot_write(f"checkpoint {final}", error, kept)
 
 
+def disk_warning(output_dir, each, step, total_steps, every, total_limit=None):
+    """One line when the checkpoints this run has still to write (`each` bytes apiece, every `every` steps and at
+    the last) will not fit in the space free on output_dir's disk; None when they will. With a
+    --checkpoints_total_limit of N, N + 1 are on disk at once (the new one is complete before the oldest goes)."""
+    future = total_steps // every - step // every + (1 if total_steps % every and total_steps > step else 0)
+    if future <= 0 or each <= 0:
+        return None
+    existing = len(checkpoint_dirs(output_dir))
+    at_once = existing + future if total_limit is None else min(existing + future, total_limit + 1)
+    need = max(1, at_once - existing) * each
+    where = Path(output_dir).absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need <= free:
+        return None
+    gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
+    fit = free // each - 1  # with a limit of N, N + 1 at once
+    fix = f"pass --checkpoints_total_limit {fit}" if fit >= 1 else "free space"
+    return (f"warning: the {future} checkpoint(s) still to come ({gib(each)} each, {gib(need)} on disk at once) will not "
+            f"fit in the {gib(free)} free under {where}: {fix}, or a larger --checkpointing_steps")  # fmt: skip
+
+
 def cannot_write(what, error, note=""):
     """The one-line message for an OSError while writing `what`: why, and what to do before running again."""
     full = error.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -396,6 +396,36 @@ def test_a_failed_flush_stops_the_run_at_the_next_step_not_the_next_checkpoint(t
     assert len(steps) == 3 and checkpoints(tmp_path) == []  # not 3 more steps trained for nothing
 
 
+def disk_with(monkeypatch, free):
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=free))
+
+
+def test_checkpoints_that_will_not_fit_on_the_disk_are_said_at_the_start_with_the_limit_that_fits(tmp_path, monkeypatch):
+    gib = 2**30
+    disk_with(monkeypatch, 35 * gib)
+    # 10 GiB each, every 500 steps to step 2,000: 4 to come, 40 GiB
+    line = checkpoint.disk_warning(tmp_path / "new", 10 * gib, 0, 2000, 500)
+    assert line.startswith("warning: the 4 checkpoint(s) still to come (10 GiB each, 40 GiB on disk at once)")
+    assert f"35 GiB free under {tmp_path}: pass --checkpoints_total_limit 2," in line  # its nearest folder that exists
+    assert checkpoint.disk_warning(tmp_path, 10 * gib, 0, 2000, 500, total_limit=2) is None  # 3 at once: 30 GiB
+    assert checkpoint.disk_warning(tmp_path, 10 * gib, 0, 1800, 500) is not None  # 500, 1000, 1500 and the last
+    assert checkpoint.disk_warning(tmp_path, 10 * gib, 0, 1500, 500) is None  # 3 fit
+    disk_with(monkeypatch, 15 * gib)
+    assert "free space, or a larger --checkpointing_steps" in checkpoint.disk_warning(tmp_path, 10 * gib, 0, 2000, 500)
+    # resumed with 3 kept and a limit of 3: one more at once (then the oldest goes), 10 GiB
+    for n in (500, 1000, 1500):
+        (tmp_path / "checkpoints" / f"checkpoint-{n}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"checkpoint-{n}" / checkpoint.STATE_FILE).write_text("{}")
+    assert checkpoint.disk_warning(tmp_path, 10 * gib, 1500, 9000, 500, total_limit=3) is None
+    assert checkpoint.disk_warning(tmp_path, 10 * gib, 9000, 9000, 500) is None  # nothing left to write
+
+
+def test_train_py_says_when_its_checkpoints_will_not_fit(tmp_path, monkeypatch, capsys):
+    disk_with(monkeypatch, 2**20)  # 1 MiB free: not one of tiny's checkpoints
+    run(tmp_path / "run", "--max_train_steps", 2)
+    assert "warning: the 1 checkpoint(s) still to come" in capsys.readouterr().out
+
+
 def test_resuming_with_other_settings_is_refused_with_the_differences(tmp_path, capsys):
     out = tmp_path / "run"
     run(out, "--max_train_steps", 2)
