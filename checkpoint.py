@@ -88,7 +88,7 @@ class Flush:
     temporary folder into place (a checkpoint is only ever published complete), drop the stale ones.
 
     Training goes on meanwhile: the files are closed and the GPU's tensors already copied out, so all
-    that is left is the kernel writing its page cache to the disk (minutes on a network filesystem).
+    that is left is the kernel writing its page cache to the disk (long where the disk is slow or remote).
     The thread is not a daemon: a process that exits, even with an error, first publishes what it wrote.
     On another process, or before start(), it is done at once."""
 
@@ -145,7 +145,7 @@ def disk_warning(output_dir, each, step, total_steps, every, total_limit=None):
     the last) will not fit in the space free on output_dir's disk; None when they will. With a
     --checkpoints_total_limit of N, N + 1 are on disk at once (the new one is complete before the oldest goes)."""
     future = total_steps // every - step // every + (1 if total_steps % every and total_steps > step else 0)
-    if future <= 0 or each <= 0:
+    if future <= 0:
         return None
     existing = len(checkpoint_dirs(output_dir))
     at_once = existing + future if total_limit is None else min(existing + future, total_limit + 1)
