@@ -417,6 +417,8 @@ def test_checkpoints_that_will_not_fit_on_the_disk_are_said_at_the_start_with_th
         (tmp_path / "checkpoints" / f"checkpoint-{n}").mkdir(parents=True)
         (tmp_path / "checkpoints" / f"checkpoint-{n}" / checkpoint.STATE_FILE).write_text("{}")
     assert checkpoint.disk_warning(tmp_path, 10 * gib, 1500, 9000, 500, total_limit=3) is None
+    disk_with(monkeypatch, 5 * gib)  # a limit lowered below the 3 kept: the next is still written before any goes
+    assert checkpoint.disk_warning(tmp_path, 10 * gib, 1500, 9000, 500, total_limit=1) is not None
     assert checkpoint.disk_warning(tmp_path, 10 * gib, 9000, 9000, 500) is None  # nothing left to write
 
 
