@@ -270,6 +270,12 @@ class Plan:
         self.checkpointed_peak, self.ema_copies = checkpointed_peak, ema_copies
 
     @property
+    def state(self):
+        """What stays between steps but the gradients: the weights, the optimizer's state and the EMA (what a
+        checkpoint holds)."""
+        return self.weights + (self.optimizer or 0) + self.ema
+
+    @property
     def activations(self):
         return max(0, self.step_peak - self.gradients)
 
@@ -281,7 +287,7 @@ class Plan:
         """The largest micro-batch that fits in `capacity` bytes, the step's peak taken to grow in proportion to
         the batch (its gradients too: a bound from below); 0 when not even the weights and their state fit."""
         step_peak = self.step_peak if step_peak is None else step_peak
-        room = capacity - self.weights - (self.optimizer or 0) - self.ema - self.buckets
+        room = capacity - self.state - self.buckets
         return max(0, int(room // (step_peak / self.batch_size)))
 
 

@@ -413,9 +413,8 @@ class Run:
         capacity = torch.cuda.get_device_properties(self.device).total_memory if cuda else None
         self.accelerator.print(memory.plan_line(self.memory, capacity, "this GPU" if cuda else None,
                                                 compiled=config["step_compile_mode"] != "eager"))
-        each = self.memory.weights + (self.memory.optimizer or 0) + self.memory.ema  # what a checkpoint holds
-        full = checkpoint.disk_warning(self.output_dir, each, self.step, self.total_steps, args.checkpointing_steps,
-                                       args.checkpoints_total_limit)  # fmt: skip
+        full = checkpoint.disk_warning(self.output_dir, self.memory.state, self.step, self.total_steps,
+                                       args.checkpointing_steps, args.checkpoints_total_limit)  # fmt: skip
         if full:
             self.accelerator.print(full)
 
