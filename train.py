@@ -287,6 +287,7 @@ class Run:
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
         self.flushing = None  # the checkpoint on its way to disk (checkpoint.Flush), behind the steps
         self.checkpoint_times = []  # run.json's checkpoint_times_s
+        self.host_copy = checkpoint.HostCopy()  # the state's copy that the checkpoints' thread writes
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             self._announce()
@@ -566,7 +567,8 @@ class Run:
         state = dict(skipped_nonfinite=self.skipped(), run=resume.run_identity(self.config))
         with meter.paused("checkpointing"):
             self.flushed(meter)  # one checkpoint on its way to disk at a time
-            self.flushing = checkpoint.save(self.accelerator, self.output_dir, self.step, state, self.args.checkpoints_total_limit)  # fmt: skip
+            self.flushing = checkpoint.save(self.accelerator, self.output_dir, self.step, state, self.args.checkpoints_total_limit,
+                                            self.host_copy)  # fmt: skip
         self.last_saved = (self.step, self.flushing.path)
         return self.flushing.path
 
@@ -578,9 +580,12 @@ class Run:
             return
         self.flushing = None
         path = flush.wait()
-        self.checkpoint_times.append(dict(step=flush.step, written=flush.written_s, flushed=flush.flushed_s))
+        self.checkpoint_times.append(dict(step=flush.step, waited=flush.waited_s, beside=flush.beside_s, copied=flush.copied))
         if self.is_main:  # the process that flushed it
-            meter.write(f"saved {path} (written in {flush.written_s:.1f} s; on disk {flush.flushed_s:.1f} s later, beside training)")
+            held, rest = ("its copy", "written and on disk") if flush.copied else ("its writing", "on disk")
+            note = f"; {flush.note}" if flush.note else ""
+            meter.write(f"saved {path} (the steps waited {flush.waited_s:.1f} s for {held}; {rest} in {flush.beside_s:.1f} s "
+                        f"more, beside training{note})")  # fmt: skip
 
     def stop_requested(self, signals):
         """Whether to stop now. Processes must agree, or one would wait in save_state for

@@ -5,8 +5,8 @@
 Rows come from runs.tsv (name, exit status, start and end as epoch seconds, budget). A train.py
 run's numbers come from its run.json: the median step, img/s, MFU, the mode its step ran in, the
 compile and the time to its first step (from launch: imports, data, model and the compile; the notes
-give the three longest parts of its startup, run.json's startup_s, and its checkpoints' seconds to
-write and then to flush, checkpoint_times_s). A diffusers run's come from its
+give the three longest parts of its startup, run.json's startup_s, and its checkpoints' seconds the
+steps waited and then beside them, checkpoint_times_s). A diffusers run's come from its
 progress bar: the rate of its last whole epoch after the first. A speed-ladder run's (python -m bench)
 from its JSON: its last row that ran (its first call as the compile), the others in the notes. The
 reference DiT step's (bench/dit_reference.py) from the run.json it writes, as a train.py run's.
@@ -42,10 +42,11 @@ def train_numbers(pack, row):
     if run.get("startup_s"):  # train.py's "ready to train" line: its three longest parts
         longest = sorted(run["startup_s"].items(), key=lambda part: -part[1])[:3]
         notes.append(f"ready in {sum(run['startup_s'].values()):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in longest))
-    if run.get("checkpoint_times_s"):  # each checkpoint's writing (the steps waited) and flush (beside them)
+    if run.get("checkpoint_times_s"):  # what of each checkpoint the steps waited for, and what went on beside them
         times = run["checkpoint_times_s"]
-        notes.append(f"{len(times)} checkpoint(s): written {sum(t['written'] for t in times):.1f} s, "
-                     f"then on disk {sum(t['flushed'] for t in times):.1f} s beside training")  # fmt: skip
+        copied = sum(bool(t.get("copied")) for t in times)
+        notes.append(f"{len(times)} checkpoint(s), {copied} from a host copy: the steps waited {sum(t['waited'] for t in times):.1f} s, "
+                     f"then {sum(t['beside'] for t in times):.1f} s beside training")  # fmt: skip
     step = run.get("median_step_time_s")
     return {
         "mode": run.get("step_compile_mode"),

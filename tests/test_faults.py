@@ -179,7 +179,7 @@ where = {where!r}
 if where == "between accelerate's files":  # the model is written, the optimizer is not
     real_save = torch.save
     def save(*args, **kwargs):
-        if "checkpoint-4" in str(args[1]):
+        if "checkpoint-4" in str(args[1]) and str(args[1]).endswith("optimizer.bin"):  # in the checkpoint's thread
             os.kill(os.getpid(), signal.SIGKILL)
         return real_save(*args, **kwargs)
     torch.save = save
@@ -290,8 +290,8 @@ def test_a_folder_with_no_readable_image_fails_before_training(tmp_path, capsys,
 def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch, capsys, straight):
     real, written = torch.save, []
 
-    def save(obj, f, *args, **kwargs):  # the disk fills up partway through checkpoint-4's optimizer.bin
-        if "checkpoint-4" in str(f):
+    def save(obj, f, *args, **kwargs):  # the disk fills up partway through checkpoint-4's optimizer.bin, which
+        if "checkpoint-4" in str(f) and Path(f).name == "optimizer.bin":  # a thread writes beside training
             written.append(f)
             with open(f, "wb") as partial:
                 partial.write(b"\0" * 4096)
@@ -338,7 +338,7 @@ def test_a_checkpoint_goes_to_disk_beside_training_and_is_published_only_then(tm
     gate.set()
     assert flush.wait() == tmp_path / "checkpoints" / "checkpoint-4"
     assert checkpoints(tmp_path) == ["checkpoint-4"]  # on disk, renamed, then the stale one dropped
-    assert flush.step == 4 and flush.written_s > 0 and flush.flushed_s > 0
+    assert flush.step == 4 and flush.waited_s > 0 and flush.beside_s > 0
 
 
 def test_a_failed_flush_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -353,6 +353,141 @@ def test_a_failed_flush_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, 
         flush.wait()
     assert "the disk is full" in str(e.value) and "checkpoint-2, is intact" in str(e.value) and "\n" not in str(e.value)
     assert checkpoints(tmp_path) == ["checkpoint-2"]  # the temporary folder removed
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        self.b.weight = self.a.weight  # tied: safetensors refuses two names for one memory unless told
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class Counter:  # a registered object, as the EMA and the LR schedule are
+    def __init__(self):
+        self.state = dict(n=1, values=torch.arange(4.0))
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def trained_accelerator():
+    """A real Accelerator (one CPU process) with a tied-weight network, AdamW after a step, a registered object."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    net = Tied()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net, optimizer = accelerator.prepare(net, optimizer)
+    net(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, net, counter
+
+
+def loaded(folder):
+    """Every file of a checkpoint folder, read back: safetensors as tensors, the rest unpickled."""
+    files = {}
+    for path in sorted(Path(folder).iterdir()):
+        files[path.name] = load_file(path) if path.suffix == ".safetensors" else path.read_text() if path.suffix == ".json" else torch.load(path, weights_only=False)
+    return files
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert type(a) is type(b) and (a == b if not hasattr(a, "__array__") else (a == b).all())
+
+
+def test_a_checkpoint_written_from_its_host_copy_is_the_one_save_state_writes(tmp_path):
+    accelerator, net, counter = trained_accelerator()
+    host = checkpoint.HostCopy()
+    flush = checkpoint.save(accelerator, tmp_path / "split", 1, {}, host=host)
+    assert flush.copied and {"model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl"} <= {
+        w.args[1].name for w in flush.writes if isinstance(w, functools.partial) and len(w.args) > 1}  # left to the thread
+    flush.wait()
+    checkpoint.save(accelerator, tmp_path / "whole", 1, {}).wait()  # accelerate's save_state, all at once
+    split, whole = (loaded(tmp_path / run / "checkpoints" / "checkpoint-1") for run in ("split", "whole"))
+    assert sorted(split) == sorted(whole) and "a.weight" in split["model.safetensors"]
+    assert_same(split, whole)  # the same files (tied weights written once, as accelerate writes them), the same contents
+
+
+def test_the_steps_change_the_state_not_the_copy_being_written(tmp_path, monkeypatch):
+    accelerator, net, counter = trained_accelerator()
+    monkeypatch.setattr(checkpoint.Flush, "start", lambda self: None)  # the thread held back while training goes on
+    flush = checkpoint.save(accelerator, tmp_path, 1, {}, host=checkpoint.HostCopy())
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    counter.state["values"].add_(1.0)
+    flush._flush()
+    flush.wait()
+    saved = loaded(tmp_path / "checkpoints" / "checkpoint-1")
+    assert torch.equal(saved["model.safetensors"]["a.weight"], before["a.weight"])
+    assert torch.equal(saved["custom_checkpoint_0.pkl"]["values"], torch.arange(4.0))
+
+
+def test_a_host_copy_keeps_its_buffers_from_one_checkpoint_to_the_next(tmp_path):
+    accelerator, net, counter = trained_accelerator()
+    host = checkpoint.HostCopy()
+    checkpoint.save(accelerator, tmp_path, 1, {}, host=host).wait()
+    first = list(host.buffers)
+    checkpoint.save(accelerator, tmp_path, 2, {}, host=host).wait()
+    assert len(first) > 0 and all(a is b for a, b in zip(first, host.buffers, strict=True))
+
+
+def test_without_host_memory_for_the_copy_the_steps_wait_for_the_writing_and_say_why(tmp_path, monkeypatch):
+    accelerator, net, counter = trained_accelerator()
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 100)  # bytes: the copy needs a few hundred
+    host = checkpoint.HostCopy()
+    flush = checkpoint.save(accelerator, tmp_path, 1, {}, host=host)
+    assert not flush.copied and host.buffers == [] and "would not fit beside training" in flush.note
+    assert (tmp_path / "checkpoints" / ".tmp-checkpoint-1" / "optimizer.bin").is_file() or flush.done  # written already
+    flush.wait()
+    assert "optimizer.bin" in loaded(tmp_path / "checkpoints" / "checkpoint-1")
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "a save hook", "files on each node"])
+def test_where_the_state_is_not_plain_save_state_writes_it_all_at_once(tmp_path, kind):
+    from accelerate.utils import DistributedType
+
+    accelerator = OneProcess()
+    accelerator.distributed_type = DistributedType.FSDP if kind == "FSDP" else DistributedType.NO
+    accelerator._save_model_state_pre_hook = {1: print} if kind == "a save hook" else {}
+    accelerator.project_configuration = types.SimpleNamespace(save_on_each_node=kind == "files on each node")
+    flush = checkpoint.save(accelerator, tmp_path, 2, {}, host=checkpoint.HostCopy())
+    assert not flush.copied and flush.wait() == tmp_path / "checkpoints" / "checkpoint-2"
+    assert (flush.path / "model.safetensors").read_bytes() == b"weights"  # save_state's own
+
+
+def test_a_thread_that_fails_otherwise_than_on_the_disk_gives_its_error_at_the_wait(tmp_path):
+    def broken():
+        raise ValueError("cannot pickle")
+
+    flush = checkpoint.Flush(tmp_path, 2, tmp_path / ".tmp-checkpoint-2", tmp_path / "checkpoint-2", None, 0.1, [broken])
+    (tmp_path / ".tmp-checkpoint-2").mkdir()
+    flush.start()
+    with pytest.raises(ValueError, match="cannot pickle"):
+        flush.wait()
+    assert not (tmp_path / ".tmp-checkpoint-2").exists() and not (tmp_path / "checkpoint-2").exists()
 
 
 @pytest.fixture
@@ -375,7 +510,7 @@ def test_one_checkpoint_is_on_its_way_at_a_time_and_the_end_waits_for_the_last(t
     assert manifest["checkpoints"] == [str(tmp_path / "checkpoints" / f"checkpoint-{n}") for n in (1, 2)]
     times = manifest["checkpoint_times_s"]
     assert [t["step"] for t in times] == [1, 2]  # each waited for and said, none lost to the next
-    assert all(t["flushed"] >= 1.0 and t["written"] > 0 for t in times)
+    assert all(t["beside"] >= 1.0 and t["waited"] > 0 and t["copied"] for t in times)
 
 
 def test_a_failed_flush_stops_the_run_at_the_next_step_not_the_next_checkpoint(tmp_path, monkeypatch, capsys):

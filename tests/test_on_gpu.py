@@ -112,10 +112,10 @@ def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
         (pack / f"{name}.run.json").write_text(json.dumps(dict(start_time="1970-01-01T00:03:30+00:00", median_step_time_s=ms / 1e3)))
     startup = dict(imports=4.0, accelerate=0.5, data=9.5, network=3.0, step=0.01)  # train.py's startup_s
     run = json.loads((pack / "dit-default-cold.run.json").read_text())
-    flushes = [dict(step=100, written=5.0, flushed=7.5), dict(step=120, written=4.5, flushed=7.0)]
+    flushes = [dict(step=100, waited=0.5, beside=7.5, copied=True), dict(step=120, waited=4.5, beside=7.0, copied=False)]
     (pack / "dit-default-cold.run.json").write_text(json.dumps(run | dict(startup_s=startup, checkpoint_times_s=flushes)))
     summary = pack_summary.summarize(tmp_path, "dit")
     assert "dit-default-cold: 2.00x the reference step" in summary.splitlines()
     # a train.py run's notes say how long it took to be ready to train, and its longest parts
     assert "ready in 17.0 s: data 9.5, imports 4.0, network 3.0" in summary
-    assert "2 checkpoint(s): written 9.5 s, then on disk 14.5 s beside training" in summary
+    assert "2 checkpoint(s), 1 from a host copy: the steps waited 5.0 s, then 14.5 s beside training" in summary
