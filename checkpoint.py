@@ -8,9 +8,10 @@ leaves the previous checkpoint loadable and never a half-written one under a
 real name. `trainer_state.json` is written last: a folder without it is not a
 checkpoint.
 
-The steps wait only while the state is copied into host memory (HostCopy) and the
-small files (every process's RNG state) are written; the large files' writing, the
-wait for the disk and the rename (Flush) run beside training.
+The wait for the disk and the rename (Flush) run beside training. Given a HostCopy
+(host_copy_for: a device measured to gain by it), the steps wait only while the state
+is copied into host memory and every process's RNG state is written, and the Flush
+also writes the large files from the copy.
 """
 
 import errno
@@ -143,6 +144,19 @@ def available_memory():
     except OSError:
         pass
     return 0
+
+
+# The devices whose runs write their checkpoints from a host copy. None yet: on a CPU the steps slowed, while the
+# thread wrote, by about the wait it saved them (bench/results/2026-11-28-cpu-checkpoint-host-copy); on a GPU the
+# host's cores are idle and the steps should not slow, but that is not measured: bench/on_gpu.sh's dit part runs
+# train.py's default against the host copy (dit-default-cold, dit-default-copy), and its numbers decide "cuda".
+HOST_COPY_DEVICES = ()
+
+
+def host_copy_for(device):
+    """A HostCopy for a run on `device` where the host copy is measured faster there (HOST_COPY_DEVICES), else None:
+    the steps wait while accelerate's save_state writes the files, and only the flush is beside them."""
+    return HostCopy() if device.type in HOST_COPY_DEVICES else None
 
 
 class HostCopy:

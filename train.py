@@ -287,7 +287,7 @@ class Run:
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
         self.flushing = None  # the checkpoint on its way to disk (checkpoint.Flush), behind the steps
         self.checkpoint_times = []  # run.json's checkpoint_times_s
-        self.host_copy = checkpoint.HostCopy()  # the state's copy that the checkpoints' thread writes
+        self.host_copy = checkpoint.host_copy_for(self.device)  # the state's copy that a checkpoint's thread writes
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             self._announce()

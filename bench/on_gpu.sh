@@ -13,6 +13,8 @@
 #           block compiled once (regional, cold, and the rows of issue 48: fp8, flash and cuDNN attention),
 #           train.py's default (cold, in caches of its own) on 1,024 JPEGs of 256px encoded by a VAE of SD's
 #           architecture with random weights (made here: no download; the step does not depend on its weights),
+#           a checkpoint at step 60; the same again warm with its checkpoints written from a host copy beside
+#           the steps (dit-default-copy: bench/checkpoint_copy.py copy, against the default's wait),
 #           facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), then max_autotune
 #           with what time is left (its kernel search takes minutes: for it alone, ON_GPU_RUNS="dit-autotune");
 #           eager, compiled (whole) and train_default are the cold part's and the records'
@@ -131,7 +133,8 @@ run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, 
 train_run() {  # train_run NAME BUDGET_S train.py flags...: the run's printed lines, run.json, config and last grid packed
   local name=$1 budget=$2 dir=$work/runs/$1
   shift 2
-  run_within "$name" "$budget" "$python" train.py --output_dir "$dir" "$@"
+  local script=(${TRAIN_PY:-train.py}) # TRAIN_PY="bench/checkpoint_copy.py wait": train.py with that choice
+  run_within "$name" "$budget" "$python" "${script[@]}" --output_dir "$dir" "$@"
   [[ -f $dir/run.json ]] && cp "$dir/run.json" "$pack/$name.run.json"
   [[ -f $dir/train_config.json ]] && cp "$dir/train_config.json" "$pack/$name.train_config.json"
   local grid
@@ -228,6 +231,7 @@ if ((cpu)); then
   sides=(16 16)
   dit=("${timing[@]}" "${tiny[@]}" --model dit-tiny --logging_steps 1)
   dit_images=16
+  dit_checkpoints=(--checkpointing_steps 1)
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4, "norm_num_groups": 8, "sample_size": 16}'
   dit_reference=(--tiny --cpu --batch 4 --num_classes 10 --steps 2 --warmup 1)
   dit_ladder=(--workload dit-tiny --variants eager,train_default --steps 2 --warmup 1)
@@ -247,6 +251,7 @@ else
   # 1,024 images: 16 steps an epoch; 120 steps leave 115 timed after train.py's 5 warm-up steps
   dit=("${timing[@]}" --model dit-xl2 --image_size 256 --train_batch_size 64 --max_train_steps 120 --logging_steps 40 --compile_mode default)
   dit_images=1024
+  dit_checkpoints=(--checkpointing_steps 60) # one mid-run (its writing beside the next 60 steps, or not), one at the end
   # Stable Diffusion's VAE (stabilityai/sd-vae-ft-mse's config.json): 8x, 4 channels, 83.7M parameters
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "sample_size": 256}'
   dit_reference=(--steps 30 --warmup 5)
@@ -277,7 +282,8 @@ tests)
       tests/test_gpu.py \
       tests/test_step.py::test_the_captured_step_trains_as_the_eager_step_on_a_gpu \
       tests/test_fused_norm.py::test_cuda_bf16_matches_fp32_reference \
-      tests/test_fused_norm.py::test_cuda_compiled_unet_keeps_channels_last
+      tests/test_fused_norm.py::test_cuda_compiled_unet_keeps_channels_last \
+      tests/test_memory.py::test_on_a_gpu_decoding_a_grid_allocates_its_activations_not_a_benchmark_workspace
   fi
   train_run bare 240 "${bare[@]}"
   if [[ -f $work/runs/bare/model_index.json ]]; then
@@ -318,7 +324,12 @@ dit)
   make_folder "$work/data256" $dit_images "$(((cpu)) && echo 16 || echo 256)"
   make_vae "$work/vae" "$dit_vae"
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \
-    train_run dit-default-cold 200 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}"
+    train_run dit-default-cold 200 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}" "${dit_checkpoints[@]}"
+  # The same run in the same caches (its compile warm), its checkpoints written from a host copy beside the steps
+  # instead of while they wait: the host copy's A/B (checkpoint.HOST_COPY_DEVICES; run.json's checkpointing and
+  # steps, checkpoint_times_s)
+  TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default TRAIN_PY="bench/checkpoint_copy.py copy" \
+    train_run dit-default-copy 120 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}" "${dit_checkpoints[@]}"
   reference_run dit-reference 60 "${dit_reference[@]}"
   bench_run dit-autotune 200 "${dit_autotune[@]}"
   ;;

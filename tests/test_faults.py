@@ -102,6 +102,30 @@ def test_a_signal_saves_exits_and_the_same_command_resumes_exactly(tmp_path, mon
     assert_same_weights(out, straight)
 
 
+def test_checkpoints_written_from_a_host_copy_resume_exactly(tmp_path, monkeypatch, capsys, straight):
+    monkeypatch.setattr(checkpoint, "host_copy_for", lambda device: checkpoint.HostCopy())  # bench/checkpoint_copy.py copy
+    out = tmp_path / "run"
+    send_at_step(monkeypatch, 3, signal.SIGTERM)
+    assert exit_code(out) == 143
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
+    assert "the steps waited" in capsys.readouterr().out.split("checkpoint-3 (")[1].split("for its copy")[0]
+    monkeypatch.undo()
+
+    run(out)
+    assert_same_weights(out, straight)
+
+
+def test_bench_checkpoint_copy_chooses_the_host_copy_on_any_device(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import checkpoint_copy
+
+    monkeypatch.setattr(checkpoint, "host_copy_for", checkpoint.host_copy_for)  # put back after the test
+    with pytest.raises(SystemExit, match="usage: python bench/checkpoint_copy.py copy|wait"):
+        checkpoint_copy.main(["--model", "tiny"])
+    checkpoint_copy.main(["copy", *flags(tmp_path, "--max_train_steps", 2)])
+    assert [t["copied"] for t in json.loads((tmp_path / "run.json").read_text())["checkpoint_times_s"]] == [True]
+
+
 def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     send_at_step(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
@@ -179,7 +203,7 @@ where = {where!r}
 if where == "between accelerate's files":  # the model is written, the optimizer is not
     real_save = torch.save
     def save(*args, **kwargs):
-        if "checkpoint-4" in str(args[1]) and str(args[1]).endswith("optimizer.bin"):  # in the checkpoint's thread
+        if "checkpoint-4" in str(args[1]) and str(args[1]).endswith("optimizer.bin"):
             os.kill(os.getpid(), signal.SIGKILL)
         return real_save(*args, **kwargs)
     torch.save = save
@@ -290,8 +314,8 @@ def test_a_folder_with_no_readable_image_fails_before_training(tmp_path, capsys,
 def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch, capsys, straight):
     real, written = torch.save, []
 
-    def save(obj, f, *args, **kwargs):  # the disk fills up partway through checkpoint-4's optimizer.bin, which
-        if "checkpoint-4" in str(f) and Path(f).name == "optimizer.bin":  # a thread writes beside training
+    def save(obj, f, *args, **kwargs):  # the disk fills up partway through checkpoint-4's optimizer.bin
+        if "checkpoint-4" in str(f) and Path(f).name == "optimizer.bin":
             written.append(f)
             with open(f, "wb") as partial:
                 partial.write(b"\0" * 4096)
@@ -445,6 +469,12 @@ def test_the_steps_change_the_state_not_the_copy_being_written(tmp_path, monkeyp
     assert torch.equal(saved["custom_checkpoint_0.pkl"]["values"], torch.arange(4.0))
 
 
+def test_a_device_takes_the_host_copy_once_measured_to_gain_by_it(monkeypatch):
+    assert checkpoint.host_copy_for(torch.device("cpu")) is None  # the steps slowed by what it saved them
+    monkeypatch.setattr(checkpoint, "HOST_COPY_DEVICES", ("cpu",))
+    assert isinstance(checkpoint.host_copy_for(torch.device("cpu")), checkpoint.HostCopy)
+
+
 def test_a_host_copy_keeps_its_buffers_from_one_checkpoint_to_the_next(tmp_path):
     accelerator, net, counter = trained_accelerator()
     host = checkpoint.HostCopy()
@@ -510,7 +540,8 @@ def test_one_checkpoint_is_on_its_way_at_a_time_and_the_end_waits_for_the_last(t
     assert manifest["checkpoints"] == [str(tmp_path / "checkpoints" / f"checkpoint-{n}") for n in (1, 2)]
     times = manifest["checkpoint_times_s"]
     assert [t["step"] for t in times] == [1, 2]  # each waited for and said, none lost to the next
-    assert all(t["beside"] >= 1.0 and t["waited"] > 0 and t["copied"] for t in times)
+    # the steps wait for the writing (no device's runs take the host copy yet): only the flush is beside them
+    assert all(t["beside"] >= 1.0 and t["waited"] > 0 and not t["copied"] for t in times)
 
 
 def test_a_failed_flush_stops_the_run_at_the_next_step_not_the_next_checkpoint(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,26 @@
+"""train.py with its checkpoints' host copy chosen, whatever the device: `copy` writes the large files from a
+copy in host memory beside training (checkpoint.HostCopy), `wait` has the steps wait while accelerate's
+save_state writes them (train.py's default where checkpoint.HOST_COPY_DEVICES does not name the device). For
+measuring one against the other: bench/on_gpu.sh's dit part, the record 2026-11-28-cpu-checkpoint-host-copy.
+
+    python bench/checkpoint_copy.py copy|wait TRAIN_PY_FLAGS...
+"""
+
+import sys
+from pathlib import Path
+
+
+def main(argv):
+    if not argv or argv[0] not in ("copy", "wait"):
+        sys.exit("usage: python bench/checkpoint_copy.py copy|wait TRAIN_PY_FLAGS...")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import checkpoint
+    import train
+
+    copy = argv[0] == "copy"
+    checkpoint.host_copy_for = lambda device: checkpoint.HostCopy() if copy else None
+    train.main(train.parse_args(argv[1:]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
