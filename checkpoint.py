@@ -84,8 +84,7 @@ def save(accelerator, output_dir, step, state, total_limit=None, host=None):
             shutil.rmtree(tmp, ignore_errors=True)
         raise RunError(_not_written(output_dir, final, e)) from None
     last = functools.partial((tmp / STATE_FILE).write_text, json.dumps(dict(state, step=step)))
-    flush = Flush(output_dir, step, tmp, final, total_limit, time.perf_counter() - started, [*later, last], note)
-    flush.copied = bool(later)
+    flush = Flush(output_dir, step, tmp, final, total_limit, time.perf_counter() - started, [*later, last], bool(later), note)
     if accelerator.is_main_process:  # every process's files are written (the barrier above)
         flush.start()
     return flush
@@ -223,11 +222,10 @@ class Flush:
     The thread is not a daemon: a process that exits, even with an error, first publishes what it wrote.
     On another process, or before start(), it is done at once."""
 
-    def __init__(self, output_dir, step, tmp, final, total_limit, waited_s, writes=(), note=None):
+    def __init__(self, output_dir, step, tmp, final, total_limit, waited_s, writes=(), copied=False, note=None):
         self.output_dir, self.step, self.tmp, self.path, self.total_limit = output_dir, step, tmp, final, total_limit
-        self.writes, self.note = list(writes), note
+        self.writes, self.copied, self.note = list(writes), copied, note  # copied: the large files among the writes
         self.waited_s, self.beside_s, self.error, self.thread = waited_s, 0.0, None, None
-        self.copied = False  # whether the large files are among the writes, from a host copy
 
     def start(self):
         self.thread = threading.Thread(target=self._flush, name=f"flush {self.path.name}")
