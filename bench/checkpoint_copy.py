@@ -9,14 +9,15 @@ measuring one against the other: bench/on_gpu.sh's dit part, the record 2026-11-
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import checkpoint  # noqa: E402
+import train  # noqa: E402
+
 
 def main(argv):
     if not argv or argv[0] not in ("copy", "wait"):
         sys.exit("usage: python bench/checkpoint_copy.py copy|wait TRAIN_PY_FLAGS...")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import checkpoint
-    import train
-
     copy = argv[0] == "copy"
     checkpoint.host_copy_for = lambda device: checkpoint.HostCopy() if copy else None
     train.main(train.parse_args(argv[1:]))

@@ -809,14 +809,26 @@ def assert_identical(a, b, where=""):
         assert a == b, where
 
 
-def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path):
+HOST_COPY = """
+import sys
+sys.path.insert(0, {root!r})
+import checkpoint
+checkpoint.host_copy_for = lambda device: checkpoint.HostCopy()
+"""
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["written", "from a host copy"])
+def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, copy):
+    """`copy`: the signalled run's checkpoints, and the resumed run's, written from a host copy beside training
+    (bench/checkpoint_copy.py copy); the uninterrupted run's as train.py writes them."""
     stop_at, total = 2 * train.STOP_CHECK_STEPS, 2 * train.STOP_CHECK_STEPS + 2
     # 24 images, 8 a step: 3 steps an epoch, so step 20 is mid-epoch; checkpoints only when stopping and at the end
     common = ["--shapes_num_images", 24, "--max_train_steps", total, "--checkpointing_steps", 100, "--logger", "none"]
     straight, out = tmp_path / "straight", tmp_path / "run"
     ports = free_ports(2)  # the uninterrupted run trains beside the signalled one
     reference = start_two_ranks(flags(straight, *common), port=ports[0])
-    script = SIGTERM_AFTER.format(root=str(ROOT), steps=(11, 13))
+    prelude = HOST_COPY.format(root=str(ROOT)) if copy else ""
+    script = prelude + SIGTERM_AFTER.format(root=str(ROOT), steps=(11, 13))
     signalled = Ranks(start_two_ranks(flags(out, *common), script, port=ports[1]))
     reference = Ranks(reference)
     assert signalled.codes == [143, 143], signalled
@@ -824,8 +836,10 @@ def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path):
     assert checkpoints(out) == [f"checkpoint-{stop_at}"], signalled
     assert reference.codes == [0, 0], reference
 
-    resumed = Ranks(start_two_ranks(flags(out, *common)))  # the same command again
+    again = prelude + TRAIN_TIMING_EVERY_STEP.format(root=str(ROOT)) if copy else None
+    resumed = Ranks(start_two_ranks(flags(out, *common), again))  # the same command again
     assert resumed.codes == [0, 0], resumed
+    assert ("for its copy" in signalled.out0 + resumed.out0) == copy, resumed
     assert f"resumed from {out / 'checkpoints' / f'checkpoint-{stop_at}'} at step {stop_at}" in resumed.out0, resumed
     assert json.loads((out / "train_config.json").read_text())["ema"] != "none", "the comparison covers an EMA"
     end = f"checkpoint-{total}"
