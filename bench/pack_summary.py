@@ -45,7 +45,8 @@ def train_numbers(pack, row):
     if run.get("checkpoint_times_s"):  # what of each checkpoint the steps waited for, and what went on beside them
         times = run["checkpoint_times_s"]
         copied = sum(bool(t.get("copied")) for t in times)
-        notes.append(f"{len(times)} checkpoint(s), {copied} from a host copy: the steps waited {sum(t['waited'] for t in times):.1f} s, "
+        wall = f" of {run['train_wall_s']:.1f} s training" if run.get("train_wall_s") else ""  # the host copy's A/B: the whole
+        notes.append(f"{len(times)} checkpoint(s), {copied} from a host copy: the steps waited {sum(t['waited'] for t in times):.1f} s{wall}, "
                      f"then {sum(t['beside'] for t in times):.1f} s beside training")  # fmt: skip
     step = run.get("median_step_time_s")
     return {

@@ -113,9 +113,9 @@ def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
     startup = dict(imports=4.0, accelerate=0.5, data=9.5, network=3.0, step=0.01)  # train.py's startup_s
     run = json.loads((pack / "dit-default-cold.run.json").read_text())
     flushes = [dict(step=100, waited=0.5, beside=7.5, copied=True), dict(step=120, waited=4.5, beside=7.0, copied=False)]
-    (pack / "dit-default-cold.run.json").write_text(json.dumps(run | dict(startup_s=startup, checkpoint_times_s=flushes)))
+    (pack / "dit-default-cold.run.json").write_text(json.dumps(run | dict(startup_s=startup, checkpoint_times_s=flushes, train_wall_s=80.0)))
     summary = pack_summary.summarize(tmp_path, "dit")
     assert "dit-default-cold: 2.00x the reference step" in summary.splitlines()
     # a train.py run's notes say how long it took to be ready to train, and its longest parts
     assert "ready in 17.0 s: data 9.5, imports 4.0, network 3.0" in summary
-    assert "2 checkpoint(s), 1 from a host copy: the steps waited 5.0 s, then 14.5 s beside training" in summary
+    assert "2 checkpoint(s), 1 from a host copy: the steps waited 5.0 s of 80.0 s training, then 14.5 s beside training" in summary
