@@ -133,7 +133,7 @@ run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, 
 train_run() {  # train_run NAME BUDGET_S train.py flags...: the run's printed lines, run.json, config and last grid packed
   local name=$1 budget=$2 dir=$work/runs/$1
   shift 2
-  local script=(${TRAIN_PY:-train.py}) # TRAIN_PY="bench/checkpoint_copy.py wait": train.py with that choice
+  local script=(${TRAIN_PY:-train.py}) # TRAIN_PY="bench/checkpoint_copy.py copy": train.py with that choice
   run_within "$name" "$budget" "$python" "${script[@]}" --output_dir "$dir" "$@"
   [[ -f $dir/run.json ]] && cp "$dir/run.json" "$pack/$name.run.json"
   [[ -f $dir/train_config.json ]] && cp "$dir/train_config.json" "$pack/$name.train_config.json"
