@@ -134,15 +134,43 @@ def stage(accelerator, folder, host):
     return later, None
 
 
-def available_memory():
-    """Bytes of host memory free for use (Linux's MemAvailable: free plus reclaimable cache), or 0 unknown."""
+def available_memory(root=Path("/")):
+    """Bytes of host memory this process can still take: Linux's MemAvailable (free plus reclaimable cache), or
+    less where its cgroup's limit (a container's: Docker, Kubernetes) allows less; 0 where unknown."""
+    free = 0
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    room = cgroup_room(root)
+    return free if room is None else min(free, room)
+
+
+def cgroup_room(root=Path("/")):
+    """Bytes this process's memory cgroup still allows: its limit less what it holds that cannot be reclaimed
+    (usage less inactive file cache: the working set, as the kubelet counts it); None without a limit. cgroup v2
+    (the process's own group, from /proc/self/cgroup, else the mount's root: a container's view) or v1."""
+    groups = [root / "sys/fs/cgroup"]
+    try:
+        groups = [root / "sys/fs/cgroup" / line[3:].strip("/") for line in (root / "proc/self/cgroup").read_text().splitlines()
+                  if line.startswith("0::")] + groups  # fmt: skip
+    except OSError:
+        pass
+    v1 = root / "sys/fs/cgroup/memory"
+    files = [(g / "memory.max", g / "memory.current", g / "memory.stat", "inactive_file") for g in groups]
+    files.append((v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes", v1 / "memory.stat", "total_inactive_file"))
+    for limit, usage, stat, reclaimable in files:
+        try:
+            limit, usage = limit.read_text().strip(), int(usage.read_text())
+            cache = dict(line.split()[:2] for line in stat.read_text().splitlines() if line.strip()).get(reclaimable, 0)
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 2**62:  # "max", or v1's unlimited (a page short of 2**63)
+            return None
+        return max(0, int(limit) - (usage - int(cache)))
+    return None
 
 
 # The devices whose runs write their checkpoints from a host copy. None yet: on a CPU the steps slowed, while the

@@ -495,6 +495,45 @@ def test_without_host_memory_for_the_copy_the_steps_wait_for_the_writing_and_say
     assert "optimizer.bin" in loaded(tmp_path / "checkpoints" / "checkpoint-1")
 
 
+GIB = 2**30
+
+
+def fake_host(root, cgroup=None, v2_path="/", **files):
+    """A root folder with /proc/meminfo (20 GiB available), /proc/self/cgroup and cgroup files under /sys/fs/cgroup."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/meminfo").write_text(f"MemTotal: 33554432 kB\nMemAvailable: {20 * 2**20} kB\n")
+    (root / "proc/self/cgroup").write_text(f"4:memory:/x\n0::{v2_path}\n")
+    for name, text in files.items():
+        path = root / "sys/fs/cgroup" / name.replace("__", "/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("files, room", [
+    ({}, None),  # no cgroup files: the host's memory
+    ({"memory.max": "max\n", "memory.current": f"{GIB}\n", "memory.stat": "inactive_file 0\n"}, None),
+    ({"memory.max": f"{8 * GIB}\n", "memory.current": f"{6 * GIB}\n", "memory.stat": f"anon 1\ninactive_file {GIB}\n"}, 3 * GIB),
+    ({"memory__memory.limit_in_bytes": f"{4 * GIB}\n", "memory__memory.usage_in_bytes": f"{3 * GIB}\n",
+      "memory__memory.stat": f"cache 5\ntotal_inactive_file {GIB // 2}\n"}, GIB + GIB // 2),  # cgroup v1
+    ({"memory__memory.limit_in_bytes": "9223372036854771712\n", "memory__memory.usage_in_bytes": f"{GIB}\n",
+      "memory__memory.stat": ""}, None),  # v1 without a limit
+    ({"memory.max": f"{GIB}\n", "memory.current": f"{2 * GIB}\n", "memory.stat": "inactive_file 0\n"}, 0),  # over it
+])  # fmt: skip
+def test_a_containers_memory_limit_bounds_the_host_memory_a_copy_may_take(tmp_path, files, room):
+    root = fake_host(tmp_path, **files)
+    assert checkpoint.cgroup_room(root) == room
+    assert checkpoint.available_memory(root) == (20 * GIB if room is None else room)
+
+
+def test_the_processs_own_cgroup_v2_group_is_read_first(tmp_path):
+    root = fake_host(tmp_path, v2_path="/user.slice/job", **{
+        "memory.max": "max\n", "memory.current": "0\n", "memory.stat": "",
+        "user.slice__job__memory.max": f"{2 * GIB}\n", "user.slice__job__memory.current": f"{GIB}\n",
+        "user.slice__job__memory.stat": "inactive_file 0\n"})  # fmt: skip
+    assert checkpoint.available_memory(root) == GIB
+
+
 @pytest.mark.parametrize("kind", ["FSDP", "a save hook", "files on each node"])
 def test_where_the_state_is_not_plain_save_state_writes_it_all_at_once(tmp_path, kind):
     from accelerate.utils import DistributedType
