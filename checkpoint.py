@@ -285,11 +285,15 @@ class Flush:
     def done(self):
         return self.thread is None or not self.thread.is_alive()
 
+    def join(self):
+        """Until the thread is done, published or not (a failure stays for wait() to raise)."""
+        if self.thread is not None:
+            self.thread.join()
+
     def wait(self):
         """Until the checkpoint is on disk under its name; a RunError if it could not be written (an OSError),
         the error itself otherwise."""
-        if self.thread is not None:
-            self.thread.join()
+        self.join()
         if self.error is not None:
             error, self.error = self.error, None
             if isinstance(error, OSError):

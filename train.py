@@ -82,15 +82,20 @@ def train(args):
     train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
     meter.profile_when_steady(train_step)  # --profile records steps after those that compile or capture it
     with checkpoint.StopSignals() as signals, meter:
-        for epoch in run.epochs():
-            for batch in meter.timed_batches(run.batches_of(epoch)):
-                with meter.first_step_clock():
-                    losses = train_step(batch, run.step + 1)
-                run.step += 1
-                meter.step_done(losses)
-                run.after_step(meter, signals)  # checkpoint, stop signals
-            meter.epoch_done(epoch, run.whole_epoch(epoch))
-            run.after_epoch(epoch, meter)  # sample grid, evaluation
+        try:
+            for epoch in run.epochs():
+                for batch in meter.timed_batches(run.batches_of(epoch)):
+                    with meter.first_step_clock():
+                        losses = train_step(batch, run.step + 1)
+                    run.step += 1
+                    meter.step_done(losses)
+                    run.after_step(meter, signals)  # checkpoint, stop signals
+                meter.epoch_done(epoch, run.whole_epoch(epoch))
+                run.after_epoch(epoch, meter)  # sample grid, evaluation
+        except BaseException:
+            if run.flushing is not None:  # the last good checkpoint is published before the error says it is there
+                run.flushing.join()
+            raise
     run.finish(meter, train_step)  # the pipeline and run.json
     return run.config
 
