@@ -164,12 +164,12 @@ def cgroup_room(root=Path("/")):
     for limit, usage, stat, reclaimable in files:
         try:
             limit, usage = limit.read_text().strip(), int(usage.read_text())
-            cache = dict(line.split()[:2] for line in stat.read_text().splitlines() if line.strip()).get(reclaimable, 0)
+            cache = int(dict(line.split()[:2] for line in stat.read_text().splitlines() if line.strip()).get(reclaimable, 0))
         except (OSError, ValueError):
             continue
         if not limit.isdigit() or int(limit) >= 2**62:  # "max", or v1's unlimited (a page short of 2**63)
             return None
-        return max(0, int(limit) - (usage - int(cache)))
+        return max(0, int(limit) - (usage - cache))
     return None
 
 
