@@ -174,7 +174,7 @@ def cgroup_room(root=Path("/")):
 
 
 # The devices whose runs write their checkpoints from a host copy. None yet: on a CPU the steps slowed, while the
-# thread wrote, by about the wait it saved them (bench/results/2026-11-28-cpu-checkpoint-host-copy); on a GPU the
+# thread wrote, by about the wait it saved them (BENCHMARKS.md, Speed on a CPU, and its record); on a GPU the
 # host's cores are idle and the steps should not slow, but that is not measured: bench/on_gpu.sh's dit part runs
 # train.py's default against the host copy (dit-default-cold, dit-default-copy), and its numbers decide "cuda".
 HOST_COPY_DEVICES = ()

@@ -63,8 +63,8 @@ PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", 
                         train_batch_size=16, num_epochs=8, ema="standard")  # fmt: skip
 # ... but a class-conditional DDPM run predicts v: with epsilon it learns its labels late (at high noise
 # epsilon is nearly the noisy input itself, whatever the class; docs/conditional.md). Measured on the
-# labelled photos for `small` and `dit-small` at two seeds (BENCHMARKS.md; record
-# 2026-11-27-cpu-conditional-defaults).
+# labelled photos for `small` and `dit-small` at two seeds (BENCHMARKS.md, Quality: the conditional
+# defaults, and their record).
 CONDITIONAL_FALLBACKS = dict(prediction_type="v_prediction")
 SMALL = models.PRESETS["small"]
 

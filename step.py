@@ -48,7 +48,7 @@ INDUCTOR_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile make
 # launches rather than by the GPU, and CUDA graphs pay: a UNet step launches tens of
 # milliseconds of kernels, which the GPU's own work hides once it passes ~10 TFLOP
 # at the MFU ref128 reaches. adm64 (below it) and ref128 (above it) on an H100 are
-# the measurements that place it (BENCHMARKS.md, Speed on a GPU; record 2026-11-23-h100).
+# the measurements that place it (BENCHMARKS.md, Speed on a GPU: the first H100 record).
 LAUNCH_BOUND_FLOPS = 10e12
 
 
@@ -83,7 +83,7 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
 # How much slower a step compiled block by block runs than the whole network compiled as one graph
 # (the glue between blocks stays eager, and no fusion crosses a block's edge), by device type and
 # network family (all positive: choose_compile_scope divides by it). The CPU's from its record
-# (bench/results/2026-11-27-cpu-regional-compile: DiT the mean of its two models, UNet rounded up);
+# (BENCHMARKS.md, Speed on a CPU, regional against whole: DiT the mean of its two models, UNet rounded up);
 # on a GPU predictions until `bash bench/on_gpu.sh cold` measures them (DiT's: DIT_PREDICTED_MS in
 # bench/speed.py; the UNets' and EDM2's: the CPU's UNets').
 REGIONAL_STEP_COST = {
@@ -132,10 +132,10 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
 # type, network family and scope; a warm one (Inductor's cache holds the graphs) takes
 # WARM_COMPILE_FRACTION of it. Rounded from the records (BENCHMARKS.md: the GPU's whole-network
 # compiles on an H100 and an H200, and DiT-XL/2's regional one on an H100; the CPU's whole and regional,
-# one thread, in bench/results/2026-11-27-cpu-regional-compile). A UNet's or EDM2's regional compile on a
+# one thread, in BENCHMARKS.md's Speed on a CPU). A UNet's or EDM2's regional compile on a
 # GPU is not measured yet: predicted as the whole compile times the family's regional/whole ratio on the
 # CPU (EDM2's blocks are not measured: the UNet's ratio). That rule overshot the DiT's, whose regional
-# share of the whole is far smaller on a GPU than on a CPU (the record 2026-11-27-h100-regional-memory);
+# share of the whole is far smaller on a GPU than on a CPU (BENCHMARKS.md, Speed on a GPU);
 # its measured figure still holds the first block's graph of its own, from before dense_inputs.
 COLD_COMPILE_S = {
     ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 25,
@@ -149,11 +149,11 @@ WARM_COMPILE_FRACTION = 0.11
 
 # What compiling saves: the eager step's MFU on a GPU (its time = FLOPs / (peak * MFU), no less than
 # a launch-bound floor), and the share of the eager step the compiled mode saves, each rounded from the
-# H100's eager and compiled ladder rows (DiT-XL/2: record 2026-11-26-h100-dit; ref128 and adm64, whose
-# CUDA graphs set the launch-bound share: record 2026-11-23-h100; BENCHMARKS.md). On a CPU, which has no peak in
+# H100's eager and compiled ladder rows (BENCHMARKS.md, Speed on a GPU: DiT-XL/2's; ref128's and adm64's,
+# whose CUDA graphs set the launch-bound share, in the first H100 record). On a CPU, which has no peak in
 # flops.py, the eager step's rate on a 2-core CPU takes the place of peak * MFU (issue 47's DiT-S/2
 # figures; the bare run's `small`, BENCHMARKS.md). A UNet's saving on a CPU is 0: compiling `tiny`
-# made its step slower in the sweep (bench/results/2026-11-23-cpu-speed), so its compile never pays.
+# made its step slower in the sweep (BENCHMARKS.md, Speed on a CPU), so its compile never pays.
 EAGER_MFU = {"dit": 0.246, "unet": 0.116, "edm2": 0.116}
 EAGER_LAUNCH_FLOOR_S = {"dit": 0.02, "unet": 0.1, "edm2": 0.1}
 SAVED_SHARE = {"dit": 0.32, "unet": 0.40, "edm2": 0.40}

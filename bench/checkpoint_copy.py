@@ -1,7 +1,7 @@
 """train.py with its checkpoints' host copy chosen, whatever the device: `copy` writes the large files from a
 copy in host memory beside training (checkpoint.HostCopy), `wait` has the steps wait while accelerate's
 save_state writes them (train.py's default where checkpoint.HOST_COPY_DEVICES does not name the device). For
-measuring one against the other: bench/on_gpu.sh's dit part, the record 2026-11-28-cpu-checkpoint-host-copy.
+measuring one against the other: bench/on_gpu.sh's dit part; on a CPU, BENCHMARKS.md's Speed on a CPU.
 
     python bench/checkpoint_copy.py copy|wait TRAIN_PY_FLAGS...
 """

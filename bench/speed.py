@@ -130,8 +130,8 @@ def train_defaults(workload, *flags):
 TIMED_RUN_STEPS = 10**6
 
 # fp8 (--mixed_precision fp8): e4m3's 3 mantissa bits forward, e5m2's 2 for the gradients, in the converted layers;
-# its check on a CPU for dit-tiny (8x8x4 latents, batch 4) passes well inside this bound (record 2026-11-27-cpu-fp8,
-# BENCHMARKS.md).
+# its check on a CPU for dit-tiny (8x8x4 latents, batch 4) passes well inside this bound (BENCHMARKS.md, Not measured
+# on a GPU: the fp8 row and its record).
 TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2, "fp8": 0.1}
 
 # The plain step the check compares against: fp32 everywhere, eager.
@@ -383,7 +383,7 @@ DIT_ROWS_BY_NAME = {row[0]: row for row in DIT_ROWS}
 def dit_variants(**given):
     """DIT_ROWS as rows: train.py's step compiled whole (the `compiled` row's settings), one change each; with
     --compile_scope regional, each repeated block compiled once (the `regional` row's): a compile short enough
-    for a lent GPU's call, which fp8's whole network of DiT-XL/2 was not (record 2026-11-27-h100-regional-memory)."""
+    for a lent GPU's call, which fp8's whole network of DiT-XL/2 was not (BENCHMARKS.md, Speed on a GPU)."""
     base = train_settings("--compile_mode", "default", **given)
     base["compile_scope"] = given.get("compile_scope") or "whole"
     how = "compiled" if base["compile_scope"] == "whole" else "regional"

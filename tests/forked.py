@@ -44,7 +44,7 @@ class Forked:
     def __init__(self, cmd, cwd=None, env=None, stdout=None, stderr=None):
         sys.stdout.flush(), sys.stderr.flush()
         # The child never collects what it inherits (the test process's garbage is the test process's to
-        # finalize): forked children segfaulted in their garbage collector in two of five suite runs without this.
+        # finalize): forked children have segfaulted in their garbage collector without this (docs/testing.md).
         gc.freeze()
         self.args, self.returncode, self.pid = list(map(str, cmd)), None, os.fork()
         if self.pid == 0:
