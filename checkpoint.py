@@ -116,11 +116,12 @@ def stage(accelerator, folder, host):
         weights = [accelerator.get_state_dict(m, unwrap=False) for m in accelerator._models]
         optimizers = [o.state_dict() for o in accelerator._optimizers]
         objects = [o.state_dict() for o in accelerator._custom_objects]
-        note = host.room_for([*weights, *optimizers, *objects])
+        state = [weights, optimizers, objects]
+        note = host.room_for(state)
         if note is not None:
             accelerator.save_state(str(folder))
             return [], note
-        weights, optimizers, objects = host.copy([weights, optimizers, objects])
+        weights, optimizers, objects = host.copy(state)
         indexed = lambda name, i: name if i == 0 else name.replace(".", f"_{i}.")  # noqa: E731 (accelerate's)
         later = [functools.partial(accelerate_save, w, Path(folder) / indexed(SAFE_WEIGHTS_NAME, i), safe_serialization=True)
                  for i, w in enumerate(weights)]  # fmt: skip
@@ -223,8 +224,7 @@ class HostCopy:
         need, free = sum(t.numel() * t.element_size() for t in tensors), available_memory()
         if need <= self.SHARE * free:
             return None
-        gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
-        return f"its {gib(need)} would not fit beside training in the {gib(free)} of host memory free, so the steps waited for the writing"
+        return f"its {_gib(need)} would not fit beside training in the {_gib(free)} of host memory free, so the steps waited for the writing"
 
     def copy(self, tree):
         """`tree` with its tensors replaced by their host copies (the containers rebuilt, other leaves kept)."""
@@ -324,11 +324,14 @@ def disk_warning(output_dir, each, step, total_steps, every, total_limit=None):
     free = shutil.disk_usage(where).free
     if need <= free:
         return None
-    gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
     fit = free // each - 1  # with a limit of N, N + 1 at once
     fix = f"pass --checkpoints_total_limit {fit}" if fit >= 1 else "free space"
-    return (f"warning: the {future} checkpoint(s) still to come ({gib(each)} each, {gib(need)} on disk at once) will not "
-            f"fit in the {gib(free)} free under {where}: {fix}, or a larger --checkpointing_steps")  # fmt: skip
+    return (f"warning: the {future} checkpoint(s) still to come ({_gib(each)} each, {_gib(need)} on disk at once) will not "
+            f"fit in the {_gib(free)} free under {where}: {fix}, or a larger --checkpointing_steps")  # fmt: skip
+
+
+def _gib(n):
+    return f"{n / 2**30:.3g} GiB"
 
 
 def cannot_write(what, error, note=""):

@@ -81,21 +81,16 @@ def train(args):
     meter = Meter(run)  # step times, where the time went, the profiler, the printed lines
     train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
     meter.profile_when_steady(train_step)  # --profile records steps after those that compile or capture it
-    with checkpoint.StopSignals() as signals, meter:
-        try:
-            for epoch in run.epochs():
-                for batch in meter.timed_batches(run.batches_of(epoch)):
-                    with meter.first_step_clock():
-                        losses = train_step(batch, run.step + 1)
-                    run.step += 1
-                    meter.step_done(losses)
-                    run.after_step(meter, signals)  # checkpoint, stop signals
-                meter.epoch_done(epoch, run.whole_epoch(epoch))
-                run.after_epoch(epoch, meter)  # sample grid, evaluation
-        except BaseException:
-            if run.flushing is not None:  # the last good checkpoint is published before the error says it is there
-                run.flushing.join()
-            raise
+    with checkpoint.StopSignals() as signals, meter, run.published_on_error():
+        for epoch in run.epochs():
+            for batch in meter.timed_batches(run.batches_of(epoch)):
+                with meter.first_step_clock():
+                    losses = train_step(batch, run.step + 1)
+                run.step += 1
+                meter.step_done(losses)
+                run.after_step(meter, signals)  # checkpoint, stop signals
+            meter.epoch_done(epoch, run.whole_epoch(epoch))
+            run.after_epoch(epoch, meter)  # sample grid, evaluation
     run.finish(meter, train_step)  # the pipeline and run.json
     return run.config
 
@@ -576,6 +571,17 @@ class Run:
                                             self.host_copy)  # fmt: skip
         self.last_saved = (self.step, self.flushing.path)
         return self.flushing.path
+
+    @contextlib.contextmanager
+    def published_on_error(self):
+        """Around the loop: an error on its way out waits for the checkpoint on its way to disk (the last good
+        one), so that it is published before the error says it is there."""
+        try:
+            yield
+        except BaseException:
+            if self.flushing is not None:
+                self.flushing.join()
+            raise
 
     def flushed(self, meter, wait=True):
         """The checkpoint on its way to disk, once it is there (waited for, or only if it is, without
