@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from errors import RunError
+from errors import ConfigError, RunError
 
 STATE_FILE = "trainer_state.json"
 
@@ -37,16 +37,32 @@ def checkpoints_root(output_dir):
 
 def checkpoint_dirs(output_dir):
     """Complete checkpoints, oldest first."""
-    found = []
-    for path in checkpoints_root(output_dir).glob("checkpoint-*"):
-        step = path.name.removeprefix("checkpoint-")
-        if step.isdigit() and (path / STATE_FILE).is_file():
-            found.append((int(step), path))
-    return [path for _, path in sorted(found)]
+    found = [path for path in checkpoints_root(output_dir).glob("checkpoint-*") if step_of(path) is not None]
+    return sorted((path for path in found if (path / STATE_FILE).is_file()), key=step_of)
+
+
+def step_of(path):
+    """The step in a checkpoint folder's name, None for another name."""
+    step = Path(path).name.removeprefix("checkpoint-")
+    return int(step) if step.isdigit() else None
 
 
 def read_state(path):
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:  # a damaged or unreadable file: one line, not a traceback
+        raise unloadable(path, e) from None
+
+
+def unloadable(path, error):
+    """The one line (a ConfigError) for a checkpoint that cannot be read: what failed, and what to resume instead:
+    the newest checkpoint before it in its run, or a fresh start where there is none."""
+    path, step = Path(path), step_of(path)
+    earlier = [found for found in checkpoint_dirs(path.parent.parent) if step is not None and step_of(found) < step]
+    instead = (f"resume the one before it with --resume {earlier[-1]}" if earlier else
+               "start again with --overwrite_output_dir (it removes the run's checkpoints) or choose another --output_dir")
+    why = (str(error).strip().splitlines() or [""])[0][:200]
+    return ConfigError(f"cannot load checkpoint {path} ({type(error).__name__}: {why}); {instead}")
 
 
 def _fsync_tree(folder):

@@ -386,7 +386,10 @@ class Run:
         return memory.plan(trained, self.optimizer, self.ema, count, args.train_batch_size, self.world, checkpointed)
 
     def _resume(self, start_from):
-        self.accelerator.load_state(str(start_from))
+        try:
+            self.accelerator.load_state(str(start_from))
+        except Exception as e:  # a damaged or missing file (torch's, safetensors' and pickle's errors): one line
+            raise checkpoint.unloadable(start_from, e) from None
         if self.ema is not None:
             self.ema.to(self.device)
         state = checkpoint.read_state(start_from)

@@ -392,3 +392,28 @@ def test_a_resume_that_names_no_objective_keeps_the_one_its_checkpoint_recorded(
     assert rules.keep_recorded_objective(args("--resume", edm, "--overwrite_output_dir")) == "edm"  # as choose_start: it wins
     empty = config.parse_args([*TINY, "--output_dir", str(tmp_path / "empty")])
     assert rules.keep_recorded_objective(empty) is None and empty.objective is None  # a fresh run: the preset's
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin", checkpoint.STATE_FILE])
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_one_before_it(tmp_path, capsys, damaged):
+    """A file of the newest checkpoint cut short (a copy between nodes that stopped, a disk's fault): one line that
+    names it and the checkpoint to resume instead, every checkpoint kept; that one resumes."""
+    out = tmp_path / "run"
+    train(out, "--max_train_steps", 4, "--checkpointing_steps", 2, *FEW)
+    newest, before = out / "checkpoints" / "checkpoint-4", out / "checkpoints" / "checkpoint-2"
+    (newest / damaged).write_bytes((newest / damaged).read_bytes()[:40])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train(out, "--max_train_steps", 6, *FEW)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"train.py: error: cannot load checkpoint {newest} (") and f"--resume {before}" in err, err
+    assert checkpoint.checkpoint_dirs(out) == [before, newest]
+    trains_on(out, capsys, 2, "--max_train_steps", 6, "--resume", before)
+
+
+def test_a_damaged_only_checkpoint_says_how_to_start_again(tmp_path):
+    (tmp_path / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "checkpoint-2" / checkpoint.STATE_FILE).write_text('{"step": ')
+    with pytest.raises(ConfigError, match=r"cannot load checkpoint .*checkpoint-2 \(JSONDecodeError: .*--overwrite_output_dir"):
+        checkpoint.read_state(tmp_path / "checkpoints" / "checkpoint-2")
