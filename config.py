@@ -605,6 +605,8 @@ def read_file(path):
         text = Path(path).read_text()
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a text file; give a YAML or JSON file") from None
     try:
         values = json.loads(text) if Path(path).suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:
@@ -693,7 +695,20 @@ def resolve(args):
                           "or leave it at 1")  # fmt: skip
     if args.fid_weights is not None and not Path(args.fid_weights).is_file():
         raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
+    check_writable(args.output_dir, "--output_dir")
     return args
+
+
+def check_writable(folder, flag):
+    """A ConfigError, before any data loads, where `folder` cannot be made or written: a file stands at it or on
+    its path, or the nearest folder that exists is not writable (permissions, a read-only mount)."""
+    folder = Path(folder).absolute()
+    there = next(path for path in (folder, *folder.parents) if path.exists())
+    if not there.is_dir():
+        raise ConfigError(f"{flag} {folder}: {there} is a file, not a folder; choose another {flag}")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {folder}: cannot write in {there} (permissions or a read-only disk); "
+                          f"choose another {flag}")  # fmt: skip
 
 
 def _fill_settings(args):

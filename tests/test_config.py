@@ -111,6 +111,23 @@ def test_a_bad_config_file_is_one_line_and_exit_code_2(tmp_path, capsys, text, m
 
 def test_a_missing_config_file_is_one_line(tmp_path, capsys):
     assert "cannot read it" in one_line_error(capsys, ["--config", tmp_path / "nope.yaml"])
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00model")
+    assert "not a text file" in one_line_error(capsys, ["--config", tmp_path / "binary.yaml"])
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "read_only"])
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_data(tmp_path, capsys, monkeypatch, where):
+    """A file at --output_dir or on its path, or a folder the run cannot write in: refused before the data loads
+    and the network is built, not a traceback at the first file written."""
+    (tmp_path / "a_file").touch()
+    out = {"file": tmp_path / "a_file", "under_file": tmp_path / "a_file" / "run", "read_only": tmp_path / "ro" / "run"}
+    if where == "read_only":  # root writes through chmod: the mount's refusal as os.access reports it
+        (tmp_path / "ro").mkdir()
+        monkeypatch.setattr(config.os, "access", lambda path, mode: path != tmp_path / "ro")
+    monkeypatch.setattr(data, "load_images", lambda *a: pytest.fail("loaded the data"))
+    line = one_line_error(capsys, [*TINY, "--output_dir", out[where]])
+    says = "cannot write in" if where == "read_only" else "is a file, not a folder"
+    assert line.startswith(f"train.py: error: --output_dir {out[where]}: ") and says in line, line
 
 
 @pytest.mark.parametrize("key", config.REMOVED)
