@@ -10,7 +10,6 @@ train.py is either identity or declared free to change on resume, with the reaso
 
 import functools
 import json
-import shutil
 from pathlib import Path
 
 import checkpoint
@@ -222,7 +221,7 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
     - otherwise, with `resume` (the default), the newest checkpoint in
       output_dir: running the same command again continues the run.
     - an output_dir that holds another run (its own train_config.json) is not
-      written over without `overwrite`, which removes its checkpoints.
+      written over without `overwrite` (whose caller removes its checkpoints, once nothing else can refuse the run).
     A checkpoint whose run had other identity values (RUN_IDENTITY, as
     saved_identity reads them) is refused with the list of differences.
     """
@@ -232,8 +231,7 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
         if not (start / checkpoint.STATE_FILE).is_file():
             raise ConfigError(f"--resume {start}: not a checkpoint folder (no {checkpoint.STATE_FILE})")
     elif overwrite:
-        shutil.rmtree(checkpoint.checkpoints_root(output_dir), ignore_errors=True)
-        return None
+        return None  # its checkpoints are removed once every check has passed (train.py: Run._announce)
     elif start is None:
         found = checkpoint.checkpoint_dirs(output_dir)
         if found or (output_dir / "train_config.json").is_file():

@@ -26,6 +26,7 @@ STARTED = time.perf_counter()  # before the imports: the "ready to train" line's
 import contextlib
 import json
 import math
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -400,6 +401,8 @@ class Run:
         """train_config.json, the trackers and the first line: only for a run with steps to take."""
         args, config = self.args, self.config
         if self.is_main:
+            if args.overwrite_output_dir:  # the run it starts over: not before every check has passed
+                shutil.rmtree(checkpoint.checkpoints_root(self.output_dir), ignore_errors=True)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
             scalars = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}

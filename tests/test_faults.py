@@ -956,3 +956,13 @@ def test_every_process_trains_rank_0_s_compile_plan(tmp_path):
     assert ranks.codes == [0, 0], ranks
     said = [next(line for line in out.splitlines() if "trains" in line and line.startswith("rank")) for out in (ranks.out0, ranks.out1)]
     assert said[0].startswith("rank 0 trains eager whole: ") and said[1] == said[0].replace("rank 0", "rank 1", 1), said
+
+
+def test_overwrite_removes_the_old_checkpoints_only_once_nothing_can_refuse_the_run(tmp_path, capsys):
+    """--overwrite_output_dir with a dataset too small for one step: refused in one line, the old run's
+    checkpoints kept (they were deleted before the check that refused it)."""
+    out = tmp_path / "run"
+    run(out, "--max_train_steps", 2)
+    assert exit_code(out, "--overwrite_output_dir", "--shapes_num_images", 4, "--train_batch_size", 8) == 2
+    assert "fewer than one optimizer step" in capsys.readouterr().err
+    assert checkpoints(out) == ["checkpoint-2"]
