@@ -550,7 +550,8 @@ def build_parser(prog="train.py", source=""):
     switch_or_value(o, "resume", "continue from CHECKPOINT (a checkpoint folder), or without one from the newest "
                     "checkpoint in --output_dir when there is one (the default); --no-resume: refuse to", True,
                     "CHECKPOINT")  # fmt: skip
-    switch(o, "overwrite_output_dir", "start afresh in an --output_dir that holds another run (its checkpoints are deleted)")
+    switch(o, "overwrite_output_dir", "start afresh in an --output_dir that holds another run (its checkpoints are "
+           "deleted) or other files")
 
     f = p.add_argument_group("faults")
     flag(f, "on_fault", "a step whose loss or gradients are NaN/inf, or an unreadable image: skip it (the step's "
@@ -702,6 +703,8 @@ def resolve(args):
 def check_writable(folder, flag):
     """A ConfigError, before any data loads, where `folder` cannot be made or written: a file stands at it or on
     its path, or the nearest folder that exists is not writable (permissions, a read-only mount)."""
+    if not str(folder).strip():
+        raise ConfigError(f"{flag} is empty: name a folder")
     folder = Path(folder).absolute()
     there = next(path for path in (folder, *folder.parents) if path.exists())
     if not there.is_dir():

@@ -221,7 +221,8 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
     - otherwise, with `resume` (the default), the newest checkpoint in
       output_dir: running the same command again continues the run.
     - an output_dir that holds another run (its own train_config.json) is not
-      written over without `overwrite` (whose caller removes its checkpoints, once nothing else can refuse the run).
+      written over without `overwrite` (whose caller removes its checkpoints, once nothing else can refuse the run);
+      nor, without it, one that holds other files (a user's folder: the run's README.md would replace theirs).
     A checkpoint whose run had other identity values (RUN_IDENTITY, as
     saved_identity reads them) is refused with the list of differences.
     """
@@ -239,6 +240,13 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
             raise ConfigError(
                 f"{output_dir} holds {reason}: run with --resume to continue it, "
                 "--overwrite_output_dir to start again there, or choose another --output_dir"
+            )
+        others = sorted(p.name for p in output_dir.glob("*") if not p.name.startswith(".") and p.name != "lost+found")
+        if others:  # a user's folder, not a run's: the run's README.md (the model card) and samples/ would replace theirs
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise ConfigError(
+                f"{output_dir} holds files that are not a run's ({shown}): a run writes its README.md, samples/ and "
+                "model there; choose a new or empty --output_dir, or --overwrite_output_dir to write among them"
             )
         return None
     saved = saved_identity(start)

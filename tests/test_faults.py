@@ -771,7 +771,7 @@ class Ranks:
 def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_path):
     out = tmp_path / "run"
     (out / "samples" / "0000.png").mkdir(parents=True)  # a folder where the first grid goes: rank 0 cannot write it
-    ranks = Ranks(start_two_ranks(flags(out, "--save_images_epochs", 1)))
+    ranks = Ranks(start_two_ranks(flags(out, "--save_images_epochs", 1, "--overwrite_output_dir")))  # writes among it
     assert ranks.codes == [1, 1], ranks
     last = ranks.err0.strip().splitlines()[-1]
     assert last.startswith("train.py: error: could not write") and "0000.png (Is a directory): make it writable" in last, ranks
@@ -966,3 +966,21 @@ def test_overwrite_removes_the_old_checkpoints_only_once_nothing_can_refuse_the_
     assert exit_code(out, "--overwrite_output_dir", "--shapes_num_images", 4, "--train_batch_size", 8) == 2
     assert "fewer than one optimizer step" in capsys.readouterr().err
     assert checkpoints(out) == ["checkpoint-2"]
+
+
+def test_a_users_folder_is_not_written_over_without_the_flag(tmp_path, capsys):
+    """A folder that holds files but no run (a project's README.md, notes): refused in one line, the files as they
+    were; hidden files alone do not count; --overwrite_output_dir writes among them."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / ".hidden").write_text("x")
+    run(out / "sub", "--max_train_steps", 1)  # a new folder inside
+    (out / "README.md").write_text("my notes")
+    capsys.readouterr()
+    assert exit_code(out, "--max_train_steps", 1) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds files that are not a run's (README.md, sub)" in err, err
+    assert (out / "README.md").read_text() == "my notes" and not (out / "train_config.json").exists()
+    run(out, "--max_train_steps", 1, "--overwrite_output_dir")
+    assert (out / "train_config.json").is_file()
+    assert exit_code("", "--max_train_steps", 1) == 2 and "--output_dir is empty" in capsys.readouterr().err
