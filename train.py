@@ -622,7 +622,10 @@ class Run:
         if saved_step != self.step:
             path = self.save_checkpoint(meter)
         with meter.paused("checkpointing"):
-            self.flushed(meter)  # on disk before this process says so and exits
+            # on disk before any process says so and exits: a launcher (torchrun) stops the others, in 30 s, once
+            # one process has exited, and only the main process writes the checkpoint
+            self.on_main_process(lambda: self.flushed(meter))
+            self.flushed(meter)  # the other processes' part
         self.accelerator.print(
             f"stopped by {signals.received.name} at step {self.step}: saved {path}; run the same command again to continue"
         )

@@ -984,3 +984,30 @@ def test_a_users_folder_is_not_written_over_without_the_flag(tmp_path, capsys):
     run(out, "--max_train_steps", 1, "--overwrite_output_dir")
     assert (out / "train_config.json").is_file()
     assert exit_code("", "--max_train_steps", 1) == 2 and "--output_dir is empty" in capsys.readouterr().err
+
+
+# Rank 0's checkpoint takes 4 s to reach the disk; rank 1 says at its exit whether it is published by then.
+SLOW_DISK_AT_THE_STOP = """
+import atexit, os, sys, time
+sys.path.insert(0, {root!r})
+import checkpoint
+fsync = checkpoint._fsync_tree
+def slow_fsync(folder):
+    time.sleep(4)
+    fsync(folder)
+checkpoint._fsync_tree = slow_fsync
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+if os.environ["RANK"] == "1":
+    atexit.register(lambda: print("published at rank 1's exit:", [p.name for p in checkpoint.checkpoint_dirs(out)]))
+""" + SIGTERM_AFTER
+
+
+def test_at_a_stop_every_process_waits_until_the_main_one_has_published_the_checkpoint(tmp_path):
+    """SIGTERM to rank 1 alone: it must not exit while rank 0 still writes, or a launcher (torchrun) would kill
+    rank 0 mid-write, 30 s after rank 1 has gone, and the checkpoint would be lost."""
+    out = tmp_path / "run"
+    stop_at = train.STOP_CHECK_STEPS
+    script = SLOW_DISK_AT_THE_STOP.format(root=str(ROOT), steps=(10**6, 1))
+    ranks = Ranks(start_two_ranks(flags(out, "--max_train_steps", 3 * stop_at, "--checkpointing_steps", 10**4), script))
+    assert ranks.codes == [143, 143], ranks
+    assert f"published at rank 1's exit: ['checkpoint-{stop_at}']" in ranks.out1, ranks
