@@ -59,7 +59,7 @@ def unloadable(path, error):
     the newest checkpoint before it in its run, or a fresh start where there is none."""
     path, step = Path(path), step_of(path)
     earlier = [found for found in checkpoint_dirs(path.parent.parent) if step is not None and step_of(found) < step]
-    instead = (f"resume the one before it with --resume {earlier[-1]}" if earlier else
+    instead = (f"move it out of {path.parent} and the run resumes from the one before it, {earlier[-1].name}" if earlier else
                "start again with --overwrite_output_dir (it removes the run's checkpoints) or choose another --output_dir")
     why = (str(error).strip().splitlines() or [""])[0][:200]
     return ConfigError(f"cannot load checkpoint {path} ({type(error).__name__}: {why}); {instead}")

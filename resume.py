@@ -231,6 +231,14 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
     if resume_from not in (None, "latest"):
         if not (start / checkpoint.STATE_FILE).is_file():
             raise ConfigError(f"--resume {start}: not a checkpoint folder (no {checkpoint.STATE_FILE})")
+        step = checkpoint.read_state(start)["step"]
+        newer = [found for found in checkpoint.checkpoint_dirs(output_dir) if checkpoint.step_of(found) > step]
+        if newer:  # their steps and the ones trained from `start` would share one run's folder (and its limit)
+            raise ConfigError(
+                f"--resume {start}: {output_dir} holds newer checkpoints ({', '.join(p.name for p in newer)}): "
+                f"--resume alone continues from the newest; to go back to step {step}, resume into another "
+                f"--output_dir or move the newer ones out of {checkpoint.checkpoints_root(output_dir)}"
+            )
     elif overwrite:
         return None  # its checkpoints are removed once every check has passed (train.py: Run._announce)
     elif start is None:

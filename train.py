@@ -626,8 +626,10 @@ class Run:
             # one process has exited, and only the main process writes the checkpoint
             self.on_main_process(lambda: self.flushed(meter))
             self.flushed(meter)  # the other processes' part
+        again = " with --resume alone (no folder)" if isinstance(self.args.resume, str) else ""  # not from CHECKPOINT
         self.accelerator.print(
-            f"stopped by {signals.received.name} at step {self.step}: saved {path}; run the same command again to continue"
+            f"stopped by {signals.received.name} at step {self.step}: saved {path}; "
+            f"run the same command again{again} to continue"
         )
         self.accelerator.end_training()
         raise SystemExit(signals.exit_code)

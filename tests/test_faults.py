@@ -5,6 +5,7 @@ import errno
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -988,7 +989,7 @@ def test_a_users_folder_is_not_written_over_without_the_flag(tmp_path, capsys):
 
 # Rank 0's checkpoint takes 4 s to reach the disk; rank 1 says at its exit whether it is published by then.
 SLOW_DISK_AT_THE_STOP = """
-import atexit, os, sys, time
+import os, sys, time
 sys.path.insert(0, {root!r})
 import checkpoint
 fsync = checkpoint._fsync_tree
@@ -997,9 +998,12 @@ def slow_fsync(folder):
     fsync(folder)
 checkpoint._fsync_tree = slow_fsync
 out = sys.argv[sys.argv.index("--output_dir") + 1]
-if os.environ["RANK"] == "1":
-    atexit.register(lambda: print("published at rank 1's exit:", [p.name for p in checkpoint.checkpoint_dirs(out)]))
-""" + SIGTERM_AFTER
+try:
+""" + "\n".join("    " + line for line in SIGTERM_AFTER.strip().splitlines()) + """
+finally:
+    if os.environ["RANK"] == "1":
+        print("published at rank 1's exit:", [p.name for p in checkpoint.checkpoint_dirs(out)], flush=True)
+"""
 
 
 def test_at_a_stop_every_process_waits_until_the_main_one_has_published_the_checkpoint(tmp_path):
@@ -1011,3 +1015,18 @@ def test_at_a_stop_every_process_waits_until_the_main_one_has_published_the_chec
     ranks = Ranks(start_two_ranks(flags(out, "--max_train_steps", 3 * stop_at, "--checkpointing_steps", 10**4), script))
     assert ranks.codes == [143, 143], ranks
     assert f"published at rank 1's exit: ['checkpoint-{stop_at}']" in ranks.out1, ranks
+
+
+def test_a_run_resumed_from_a_named_checkpoint_and_stopped_says_to_continue_with_resume_alone(tmp_path, monkeypatch, capsys):
+    """The same command would go back to the named checkpoint (refused: newer ones are there now); --resume alone
+    continues from the one the stop saved."""
+    first, out = tmp_path / "first", tmp_path / "run"
+    run(first, "--max_train_steps", 2)
+    send_at_step(monkeypatch, 3, signal.SIGTERM)
+    assert exit_code(out, "--resume", first / "checkpoints" / "checkpoint-2") == 143
+    said = capsys.readouterr().out
+    assert "run the same command again with --resume alone (no folder) to continue" in said, said
+    stop = re.search(r"stopped by SIGTERM at step (\d+)", said).group(1)
+    monkeypatch.undo()
+    run(out)
+    assert f"resumed from {out / 'checkpoints' / f'checkpoint-{stop}'} at step {stop}" in capsys.readouterr().out

@@ -407,9 +407,21 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_one_before_it(tm
         train(out, "--max_train_steps", 6, *FEW)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"train.py: error: cannot load checkpoint {newest} (") and f"--resume {before}" in err, err
+    assert err.startswith(f"train.py: error: cannot load checkpoint {newest} (") and "from the one before it, checkpoint-2" in err, err
     assert checkpoint.checkpoint_dirs(out) == [before, newest]
-    trains_on(out, capsys, 2, "--max_train_steps", 6, "--resume", before)
+    newest.rename(tmp_path / "damaged")  # as the line says
+    trains_on(out, capsys, 2, "--max_train_steps", 6)
+
+
+def test_resuming_an_older_checkpoint_where_newer_ones_are_is_refused_in_one_line(tmp_path, capsys):
+    """Going back to step 2 in a folder that holds step 4: the new steps would sit among the old ones (and a
+    --checkpoints_total_limit would delete each new one as it is saved); another --output_dir takes it."""
+    out = tmp_path / "run"
+    train(out, "--max_train_steps", 4, "--checkpointing_steps", 2, *FEW)
+    before = out / "checkpoints" / "checkpoint-2"
+    with pytest.raises(ConfigError, match=r"holds newer checkpoints \(checkpoint-4\): --resume alone continues"):
+        rules.choose_start(out, BASE, True, str(before), False)
+    trains_on(tmp_path / "back", capsys, 2, "--max_train_steps", 3, "--resume", before, run=out)
 
 
 def test_a_damaged_only_checkpoint_says_how_to_start_again(tmp_path):
