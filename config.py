@@ -336,8 +336,9 @@ def at_least(low, kind=int):
     return Range(kind, lambda v: v >= low, f"at least {low}")
 
 
-positive = Range(float, lambda v: v > 0, "greater than 0")
-non_negative = Range(float, lambda v: v >= 0, "at least 0")
+positive = Range(float, lambda v: 0 < v < math.inf, "a finite number greater than 0")
+non_negative = Range(float, lambda v: 0 <= v < math.inf, "a finite number, at least 0")
+SEEDS = Range(int, lambda v: 0 <= v < 2**32, f"in [0, {2**32 - 1}] (numpy's seeds)")
 unit_interval = Range(float, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
@@ -518,7 +519,7 @@ def build_parser(prog="train.py", source=""):
     flag(t, "ema_power", "standard EMA: warm-up power, decay = 1 - (1 + step)^-power", 0.75, type=non_negative)
     flag(t, "mixed_precision", "autocast precision (default: bf16 on a GPU that has it, else no); fp8: a DiT's "
          "block linear layers in FP8 through torchao, the rest bf16 (docs/fp8.md)", choices=("no", "fp16", "bf16", "fp8"))  # fmt: skip
-    flag(t, "seed", "seeds the data, the model and the noise", 0, type=at_least(0))
+    flag(t, "seed", "seeds the data, the model and the noise", 0, type=SEEDS)
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
     flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
          "to keep the GPU busy, else default (the rule and its measurements: step.py); torch.compile's modes; "

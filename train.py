@@ -61,8 +61,8 @@ def main(args):
             resume.keep_recorded_objective(args)  # a resumed run trains on with its own objective
             args = resolve(args)
             return describe(args) if args.dry_run else train(args)
-    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint
-        print("train.py: interrupted twice: stopped without saving", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C in the loop, or a first one before it: no checkpoint
+        print("train.py: interrupted: stopped without saving", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         end_process_group()

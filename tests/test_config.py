@@ -306,15 +306,19 @@ def test_lr_ref_steps_counts_the_processes(monkeypatch):
 def test_every_range_is_checked_with_the_flags_name():
     with pytest.raises(ConfigError, match=r"^--adam_betas must be two numbers in \[0, 1\) \(got \[0.9, 1.0\]\)$"):
         resolved("--adam_betas", "0.9,1")
-    with pytest.raises(ConfigError, match=r"^--weight_decay must be at least 0 \(got -1.0\)$"):
+    with pytest.raises(ConfigError, match=r"^--weight_decay must be a finite number, at least 0 \(got -1.0\)$"):
         resolved("--weight_decay=-1")
+    with pytest.raises(ConfigError, match=r"^--learning_rate must be a finite number greater than 0 \(got inf\)$"):
+        resolved("--learning_rate", "inf")
+    with pytest.raises(ConfigError, match=r"^--seed must be in \[0, 4294967295\] \(numpy's seeds\) \(got 4294967296\)$"):
+        resolved("--seed", 2**32)
     with pytest.raises(ConfigError, match=r"^--P_mean_std must be two numbers, P_std greater than 0 \(got \[-1.0, 0.0\]\)$"):
         resolved("--P_mean_std=-1,0")
-    with pytest.raises(ConfigError, match=r"^--preload_data must be greater than 0 \(got 0.0\)$"):
+    with pytest.raises(ConfigError, match=r"^--preload_data must be a finite number greater than 0 \(got 0.0\)$"):
         resolved("--preload_data", 0)
     text = " ".join(config.build_parser().format_help().split())
     assert "images per device per micro-batch (at least 1; default: the preset's; 4 for small, else 16)" in text
-    assert "AdamW weight decay (at least 0; default: 1e-06)" in text
+    assert "AdamW weight decay (a finite number, at least 0; default: 1e-06)" in text
 
 
 def test_logger_wandb_logs_offline(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import checkpoint
+import data
 import flops
 import forked
 import model as models
@@ -132,7 +133,16 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path, monkeypatch, cap
     send_at_step(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
     assert exit_code(out) == 130
     assert checkpoints(out) == ["checkpoint-2"]
-    assert "interrupted twice" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith("train.py: interrupted: stopped without saving\n")
+
+
+def test_a_ctrl_c_before_the_loop_exits_in_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "load_images", interrupted)  # Ctrl-C while the images load
+    assert exit_code(tmp_path / "run") == 130
+    assert capsys.readouterr().err == "train.py: interrupted: stopped without saving\n"
 
 
 def free_ports(count=1):
@@ -853,6 +863,7 @@ HOST_COPY = """
 import sys
 sys.path.insert(0, {root!r})
 import checkpoint
+import data
 checkpoint.host_copy_for = lambda device: checkpoint.HostCopy()
 """
 
@@ -992,6 +1003,7 @@ SLOW_DISK_AT_THE_STOP = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 import checkpoint
+import data
 fsync = checkpoint._fsync_tree
 def slow_fsync(folder):
     time.sleep(4)

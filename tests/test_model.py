@@ -220,7 +220,7 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
     (["--objective", "ddpm", "--zero_terminal_snr", "--prediction_type", "epsilon"], "--zero_terminal_snr needs --prediction_type v_prediction"),
     (["--objective", "edm", "--timestep_sampling", "lognormal"], "--timestep_sampling is DDPM's"),
     (["--model", "edm2tiny", "--image_size", "16", "--snr_gamma", "5"], "are DDPM's"),
-    (["--snr_gamma", "0"], "--snr_gamma must be greater than 0"),
+    (["--snr_gamma", "0"], "--snr_gamma must be a finite number greater than 0"),
 ])  # fmt: skip
 def test_the_loss_weighting_flags_refuse_what_they_cannot_do(flags, message):
     import config
