@@ -15,11 +15,13 @@ also writes the large files from the copy.
 """
 
 import errno
+import fcntl
 import functools
 import json
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from errors import ConfigError, RunError
 
 STATE_FILE = "trainer_state.json"
+LOCK_FILE = ".lock"  # RunLock's, in the output folder
 
 def checkpoints_root(output_dir):
     return Path(output_dir) / "checkpoints"
@@ -362,6 +365,39 @@ def weights_finite(model):
     """Whether every weight is finite: a checkpoint never replaces a good one with a broken state."""
     norms = torch._foreach_norm([p.detach() for p in model.parameters()])
     return bool(torch.isfinite(torch.stack(norms)).all())
+
+
+class RunLock:
+    """Held by a run's main process for its life: a second run started in the same --output_dir (a job requeued
+    while the first still runs) is refused in one line, rather than both writing checkpoints there. The kernel
+    drops the lock when the process ends, however it ends. A disk that cannot lock (some network file systems)
+    is used without one. `release_all` lets the same process start another run (train.main's end)."""
+
+    held = []  # this process's open lock files
+
+    def __init__(self, output_dir):
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.file = open(Path(output_dir) / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise ConfigError(f"{output_dir} is in use by another run ({holder}): wait for it to end, or choose "
+                              "another --output_dir") from None  # fmt: skip
+        except OSError:  # no locks on this disk
+            self.file.close()
+            return
+        self.file.truncate(0)
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self.file.flush()
+        RunLock.held.append(self.file)
+
+    @classmethod
+    def release_all(cls):
+        while cls.held:
+            cls.held.pop().close()  # closing the file drops its lock
 
 
 # --- preemption ------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def main(args):
     """Train, or with --dry_run describe the run. Errors are one line: exit code 2 for a bad
     flag, path or dataset, 1 when training cannot go on (disk full, non-finite loss with
     --on_fault stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved.
-    Every exit, these and the normal end, leaves no process group behind."""
+    Every exit, these and the normal end, leaves no process group behind and the output folder unlocked."""
     try:
         with one_line_errors("train.py"):
             resume.keep_recorded_objective(args)  # a resumed run trains on with its own objective
@@ -65,6 +65,7 @@ def main(args):
         print("train.py: interrupted: stopped without saving", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
+        checkpoint.RunLock.release_all()
         end_process_group()
 
 
@@ -300,9 +301,17 @@ class Run:
         self.flow_sigmas = models.flow_sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
         identity = dict(vars(args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
                         latent_space=self.latent_space, flow_sigmas=self.flow_sigmas)  # fmt: skip
-        start = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from, args.overwrite_output_dir)
-        self.accelerator.wait_for_everyone()  # every process has looked before rank 0 writes there
-        return start
+        chosen = [None]
+
+        def choose():  # the main process's: one run at a time in a folder, and one choice for every process
+            self.lock = checkpoint.RunLock(self.output_dir)
+            chosen[0] = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from,
+                                            args.overwrite_output_dir)  # fmt: skip
+
+        self.on_main_process(choose)
+        if self.world > 1:  # not each its own: a node whose view of a shared disk lags would pick an older one
+            torch.distributed.broadcast_object_list(chosen, src=0, group=self.main_work_group)
+        return chosen[0]
 
     def _latent_source(self):
         """A latent run's VAE and dataset, nothing encoded yet: the VAE loaded and hashed (`self.latent_space`,

@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import fcntl
 import functools
 import json
 import os
@@ -1042,3 +1043,49 @@ def test_a_run_resumed_from_a_named_checkpoint_and_stopped_says_to_continue_with
     monkeypatch.undo()
     run(out)
     assert f"resumed from {out / 'checkpoints' / f'checkpoint-{stop}'} at step {stop}" in capsys.readouterr().out
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """A requeued job started while the first still runs: refused, not both writing checkpoints there (one
+    deleting, by its total limit, the checkpoint the other was about to load). Where the disk cannot lock, the run
+    goes on without."""
+    out = tmp_path / "run"
+    run(out, "--max_train_steps", 1)
+    with open(out / checkpoint.LOCK_FILE, "a+") as held:  # another process's open file, as the running run's
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("pid 4242 on node7\n")
+        held.flush()
+        capsys.readouterr()
+        assert exit_code(out, "--max_train_steps", 2) == 2
+        assert capsys.readouterr().err == (f"train.py: error: {out} is in use by another run (pid 4242 on node7): "
+                                           "wait for it to end, or choose another --output_dir\n")  # fmt: skip
+
+        def cannot_lock(file, how):
+            raise OSError(errno.ENOLCK, "No locks available")
+
+        monkeypatch.setattr(checkpoint.fcntl, "flock", cannot_lock)
+        run(out, "--max_train_steps", 2)
+    assert checkpoints(out)[-1] == "checkpoint-2"
+
+
+# Rank 1 sees no checkpoints (a node whose view of the shared disk lags): it must resume with rank 0 all the same.
+LAGGING_VIEW = """
+import os, sys
+from datetime import timedelta
+sys.path.insert(0, {root!r})
+import checkpoint, train
+train.STEP_WAIT = timedelta(seconds=20)
+if os.environ["RANK"] == "1":
+    checkpoint.checkpoint_dirs = lambda output_dir: []
+train.main(train.parse_args(sys.argv[1:]))
+"""
+
+
+def test_every_process_resumes_from_the_checkpoint_the_main_one_chose(tmp_path):
+    out = tmp_path / "run"
+    assert Ranks(start_two_ranks(flags(out, "--max_train_steps", 2))).codes == [0, 0]
+    ranks = Ranks(start_two_ranks(flags(out, "--max_train_steps", 4), LAGGING_VIEW.format(root=str(ROOT))))
+    assert ranks.codes == [0, 0], ranks
+    assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in ranks.out0, ranks
+    assert checkpoints(out)[-1] == "checkpoint-4"

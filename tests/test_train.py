@@ -166,8 +166,8 @@ BAD_INPUTS = [
     (["--model", "ref128", "--image_size", "100"], "multiple of 32"),
     (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
     (["--num_epochs", "0"], "--num_epochs must be at least 1"),
-    (["--learning_rate", "0"], "--learning_rate must be greater than 0"),
-    (["--learning_rate=-1e-4"], "--learning_rate must be greater than 0"),
+    (["--learning_rate", "0"], "--learning_rate must be a finite number greater than 0"),
+    (["--learning_rate=-1e-4"], "--learning_rate must be a finite number greater than 0"),
     (["--dataset", "someone/no-such-dataset"], "could not load dataset 'someone/no-such-dataset'"),
     (["--mixed_precision", "fp8"], "tiny has none to convert"),  # a UNet: fp8 is a DiT's
     (["--mixed_precision", "fp4"], "invalid choice: 'fp4'"),
