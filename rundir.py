@@ -186,6 +186,17 @@ def write_model_card(folder, config):
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).save(folder / "README.md")
 
 
+def unreadable(path, error):
+    """The one line (a ConfigError) for a run's file or folder that cannot be read: removed while it was read (a run
+    still training drops its old checkpoints past its --checkpoints_total_limit), or damaged."""
+    if not Path(path).exists():
+        return ConfigError(f"{path} was removed while it was read (a run still training there drops checkpoints "
+                           "past its --checkpoints_total_limit): run the command again")  # fmt: skip
+    why = (str(error).strip().splitlines() or [""])[0][:200]
+    return ConfigError(f"cannot read {path} ({type(error).__name__}: {why}): its files are damaged or incomplete; "
+                       "point at another checkpoint of the run (RUN_DIR/checkpoints/checkpoint-STEP)")  # fmt: skip
+
+
 class RunDir:
     """A run, pipeline or checkpoint folder, with the config of the run it belongs to read once.
 
@@ -195,7 +206,10 @@ class RunDir:
     def __init__(self, path):
         self.path = Path(path)
         self.folder = find_run_folder(self.path)
-        self.config = json.loads((self.folder / CONFIG_FILE).read_text()) if self.folder else None
+        try:
+            self.config = json.loads((self.folder / CONFIG_FILE).read_text()) if self.folder else None
+        except ValueError as e:
+            raise unreadable(self.folder / CONFIG_FILE, e) from None
 
     def get(self, key, default=None):
         return (self.config or {}).get(key, default)
@@ -231,9 +245,14 @@ class RunDir:
         kind, folder = resolve_source(self.path)
         if ema and not self.kept_ema:
             raise ConfigError(f"{folder}: the run kept no EMA (trained with --ema none), so it has raw weights only: drop --ema")
-        if kind == "pipeline":
-            return self._load_pipeline(folder, ema)
-        return self._load_checkpoint(folder, ema)
+        try:
+            if kind == "pipeline":
+                return self._load_pipeline(folder, ema)
+            return self._load_checkpoint(folder, ema)
+        except ConfigError:
+            raise
+        except Exception as e:  # a damaged or missing file (diffusers', safetensors' and torch's errors): one line
+            raise unreadable(folder, e) from None
 
     def _load_pipeline(self, folder, ema):
         if ema is False and self.kept_ema:
@@ -259,7 +278,7 @@ class RunDir:
         unet = models.build_run_network(config)
         weights = folder / "model.safetensors"
         if not weights.is_file():
-            raise ConfigError(f"{folder}: no model.safetensors in the checkpoint")
+            raise unreadable(folder, FileNotFoundError("no model.safetensors in the checkpoint"))
         # safetensors' load_model, not load_state_dict: accelerate saved one copy of tensors that share memory
         # (a DiT's one embedder, tied into every block), and load_model fills in the others
         safetensors.torch.load_model(unet, str(weights))

@@ -2,14 +2,17 @@ import json
 import shutil
 
 import pytest
+import safetensors.torch
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import checkpoint
 import model as models
 import rundir
 import sample
 import train
+from errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +232,34 @@ def test_bad_sample_input_is_one_line_and_exit_code_2(tiny_run, tmp_path, monkey
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and message in err[0], err
     assert not list(tmp_path.rglob("*.png"))
+
+
+@pytest.mark.parametrize("damaged", ["unet/diffusion_pytorch_model.safetensors", "unet/config.json", "train_config.json",
+                                     "checkpoint/model.safetensors"])  # fmt: skip
+def test_a_damaged_run_is_one_line_and_exit_code_2(tiny_run, tmp_path, capsys, damaged):
+    """A copy cut short, a disk's fault: what cannot be read is named in one line, not diffusers' or torch's traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    source = checkpoint.checkpoint_dirs(run)[-1] if damaged.startswith("checkpoint/") else run
+    file = source / damaged.removeprefix("checkpoint/")
+    file.write_bytes(file.read_bytes()[:30])
+    with pytest.raises(SystemExit) as exit_info:
+        sample_main(source, "--num_images", 1, "--num_inference_steps", 1, "--output", tmp_path / "out")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2 and len(err) == 1 and "cannot read" in err[0] and "damaged" in err[0], err
+
+
+def test_a_checkpoint_removed_while_it_is_read_says_so(tiny_run, tmp_path, monkeypatch):
+    """A run still training drops its old checkpoints past its total limit: the one being read may go."""
+    folder = tmp_path / "checkpoints" / "checkpoint-8"
+    shutil.copytree(checkpoint.checkpoint_dirs(tiny_run)[-1], folder)
+    shutil.copy(tiny_run / "train_config.json", tmp_path)  # a run folder around it
+    real = safetensors.torch.load_model
+
+    def removed_meanwhile(model, path, *args, **kwargs):
+        shutil.rmtree(folder)
+        return real(model, path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "load_model", removed_meanwhile)
+    with pytest.raises(ConfigError, match="was removed while it was read .*run the command again"):
+        rundir.RunDir(folder).load()
