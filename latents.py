@@ -462,17 +462,27 @@ def _alive(pid):
     return True
 
 
+def _host():
+    """Where a process's PID means that process: the host name and, on Linux, its PID namespace (containers on one
+    host may share its name, as Kubernetes' hostNetwork pods do, and not their PIDs)."""
+    try:
+        return f"{socket.gethostname()}~{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
 def _temporary(final, host=None, pid=None, token=None):
-    """A hidden folder beside `final`: .NAME.tmp-HOST-PID-TOKEN, HOST and PID those of the process that owns it."""
-    host = socket.gethostname() if host is None else host
+    """A hidden folder beside `final`: .NAME.tmp-HOST-PID-TOKEN, HOST (_host) and PID those of the process that owns it."""
+    host = _host() if host is None else host
     pid = os.getpid() if pid is None else pid
     return final.parent / f".{final.name}.tmp-{host}-{pid}-{token or uuid.uuid4().hex[:8]}"
 
 
 def _remove_leftovers(final):
     """Remove temporary folders of this key left by dead processes of this host (a killed encode). The host in
-    the name must be this host exactly: `node1` leaves `node1-b`'s and `node10`'s folders alone."""
-    host, prefix = socket.gethostname(), f".{final.name}.tmp-"
+    the name must be this host exactly: `node1` leaves `node1-b`'s and `node10`'s folders alone, and another
+    container's of the same name (another PID namespace: its PIDs are not this one's)."""
+    host, prefix = _host(), f".{final.name}.tmp-"
     for tmp in final.parent.glob(f"{prefix}*"):
         parts = tmp.name[len(prefix) :].rsplit("-", 2)  # HOST-PID-TOKEN (HOST may hold dashes)
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():

@@ -555,22 +555,25 @@ def dead_pid():
 def test_leftovers_are_removed_for_this_host_exactly(tmp_path, monkeypatch):
     final = tmp_path / "abc"
     pid = dead_pid()
-    names = {host: tmp_path / f".abc.tmp-{host}-{pid}-0123abcd" for host in ("node1", "node1-b", "node10", "xnode1")}
-    alive = tmp_path / f".abc.tmp-node1-{os.getpid()}-fedc0000"
+    monkeypatch.setattr(latents.socket, "gethostname", lambda: "node1")
+    here = latents._host()  # node1 and this process's PID namespace
+    assert here.startswith("node1~")  # Linux: the namespace is part of it
+    hosts = (here, "node1-b" + here[5:], "node10" + here[5:], "xnode1" + here[5:], "node1~1")
+    names = {host: tmp_path / f".abc.tmp-{host}-{pid}-0123abcd" for host in hosts}
+    alive = tmp_path / f".abc.tmp-{here}-{os.getpid()}-fedc0000"
     for folder in (*names.values(), alive):
         folder.mkdir()
     latents._IN_PROGRESS.add(str(alive))
-    monkeypatch.setattr(latents.socket, "gethostname", lambda: "node1")
     try:
         latents._remove_leftovers(final)
     finally:
         latents._IN_PROGRESS.discard(str(alive))
-    assert not names["node1"].exists()  # this host's, its process dead
-    assert names["node1-b"].exists() and names["node10"].exists() and names["xnode1"].exists()  # other hosts'
+    assert not names[here].exists()  # this host's, its process dead
+    assert all(names[host].exists() for host in hosts[1:])  # other hosts', and another container's of the same name
     assert alive.exists()  # being written
     monkeypatch.setattr(latents.socket, "gethostname", lambda: "node1-b")
     latents._remove_leftovers(final)
-    assert not names["node1-b"].exists() and names["node10"].exists()
+    assert not names[hosts[1]].exists() and names[hosts[2]].exists()
 
 
 # --- draws, decoding (vectorised) -----------------------------------------------------------------
