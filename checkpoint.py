@@ -68,6 +68,20 @@ def unloadable(path, error):
     return ConfigError(f"cannot load checkpoint {path} ({type(error).__name__}: {why}); {instead}")
 
 
+def check_writable(folder, flag, writable=True):
+    """A ConfigError, before any data loads, where `folder` cannot be made or written: a file stands at it or on
+    its path, or (`writable`) the nearest folder that exists is not writable (permissions, a read-only mount)."""
+    if not str(folder).strip():
+        raise ConfigError(f"{flag} is empty: name a folder")
+    folder = Path(folder).absolute()
+    there = next(path for path in (folder, *folder.parents) if path.exists())
+    if not there.is_dir():
+        raise ConfigError(f"{flag} {folder}: {there} is a file, not a folder; choose another {flag}")
+    if writable and not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {folder}: cannot write in {there} (permissions or a read-only disk); "
+                          f"choose another {flag}")  # fmt: skip
+
+
 def _fsync_tree(folder):
     """Flush every file under `folder` to disk, so that the rename below publishes complete files."""
     for path in Path(folder).rglob("*"):

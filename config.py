@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+import checkpoint
 import data
 import ema as posthoc_ema
 import fp8
@@ -697,22 +698,8 @@ def resolve(args):
                           "or leave it at 1")  # fmt: skip
     if args.fid_weights is not None and not Path(args.fid_weights).is_file():
         raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
-    check_writable(args.output_dir, "--output_dir")
+    checkpoint.check_writable(args.output_dir, "--output_dir")
     return args
-
-
-def check_writable(folder, flag):
-    """A ConfigError, before any data loads, where `folder` cannot be made or written: a file stands at it or on
-    its path, or the nearest folder that exists is not writable (permissions, a read-only mount)."""
-    if not str(folder).strip():
-        raise ConfigError(f"{flag} is empty: name a folder")
-    folder = Path(folder).absolute()
-    there = next(path for path in (folder, *folder.parents) if path.exists())
-    if not there.is_dir():
-        raise ConfigError(f"{flag} {folder}: {there} is a file, not a folder; choose another {flag}")
-    if not os.access(there, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {folder}: cannot write in {there} (permissions or a read-only disk); "
-                          f"choose another {flag}")  # fmt: skip
 
 
 def _fill_settings(args):
@@ -776,6 +763,8 @@ def _fill_latents(args):
             "--augment crop draws a new random crop of each image every epoch, and --vae encodes each image once: "
             "use --augment flip or none with --vae"
         )
+    # a file in the cache's place; a read-only cache may be complete already, and is read (latents.cached_latents)
+    checkpoint.check_writable(latents.cache_root(), f"${latents.CACHE_ENV}", writable=False)
     source, wanted = latents.parse_vae_flag(args.vae)
     try:
         found = latents.vae_settings(source)

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+import checkpoint
 import latents
 import metrics
 import model as models
@@ -578,6 +579,8 @@ def validate(args):
         raise ConfigError(f"--churn must be at least 0 (got {args.churn:g})")
     if args.output is None and not args.fid:
         raise ConfigError("say where the images go with --output DIR (or measure them with --fid)")
+    if args.output is not None:
+        checkpoint.check_writable(args.output, "--output")
     if args.fid and args.num_images < 2:
         raise ConfigError(f"--fid needs --num_images of at least 2 (got {args.num_images})")
     if args.device is None:

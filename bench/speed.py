@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import checkpoint
 import config
 import data
 import flops
@@ -914,6 +915,7 @@ def validate(args):
         Path(args.output).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot write to --output {args.output} ({e.strerror})") from None
+    checkpoint.check_writable(args.output, "--output")  # a read-only folder: before the timing, not after it
     return args
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+import checkpoint
 import config
 import model as models
 import training
@@ -356,6 +357,15 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
     assert code == 2
     err = visible(capsys.readouterr().err)
     assert len(err) == 1 and message in err[0] and err[0].startswith("bench: error:"), err
+
+
+def test_a_read_only_output_is_refused_before_the_timing(tmp_path, capsys, monkeypatch):
+    # root writes through chmod: the folder read-only as a mount's refusal says
+    monkeypatch.setattr(checkpoint.os, "access", lambda path, mode: path != tmp_path)
+    monkeypatch.setattr(bench, "run_variant", lambda *a, **k: pytest.fail("timed"))
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(bench.parse_args(["--workload", "tiny", "--output", str(tmp_path)]))
+    assert stopped.value.code == 2 and "cannot write in" in capsys.readouterr().err
 
 
 def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys, monkeypatch):

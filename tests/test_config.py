@@ -9,6 +9,7 @@ import time
 import pytest
 import yaml
 
+import checkpoint
 import config
 import data
 import train
@@ -123,7 +124,7 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_before_any_data(tmp_pa
     out = {"file": tmp_path / "a_file", "under_file": tmp_path / "a_file" / "run", "read_only": tmp_path / "ro" / "run"}
     if where == "read_only":  # root writes through chmod: the mount's refusal as os.access reports it
         (tmp_path / "ro").mkdir()
-        monkeypatch.setattr(config.os, "access", lambda path, mode: path != tmp_path / "ro")
+        monkeypatch.setattr(checkpoint.os, "access", lambda path, mode: path != tmp_path / "ro")
     monkeypatch.setattr(data, "load_images", lambda *a: pytest.fail("loaded the data"))
     line = one_line_error(capsys, [*TINY, "--output_dir", out[where]])
     says = "cannot write in" if where == "read_only" else "is a file, not a folder"

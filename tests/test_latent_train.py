@@ -408,3 +408,11 @@ def test_ema_py_reconstructs_a_latent_ddpm_run_at_its_latent_size(tmp_path, vae)
     samples = tmp_path / "samples"
     sample.main(sample.parse_args([str(rebuilt), "--num_images", "2", "--output", str(samples), "--num_inference_steps", "1"]))
     assert pixels(samples / "000000.png").shape == (16, 16, 3)  # decoded through the run's VAE
+
+
+def test_a_file_in_the_latent_caches_place_is_one_line_before_any_encode(tmp_path, vae, capsys, monkeypatch):
+    (tmp_path / "a_file").touch()
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "a_file" / "cache"))
+    says = refused(tmp_path / "run", capsys, "--max_train_steps", 1, "--vae", vae)
+    assert says == (f"train.py: error: ${latents.CACHE_ENV} {tmp_path / 'a_file' / 'cache'}: {tmp_path / 'a_file'} "
+                    f"is a file, not a folder; choose another ${latents.CACHE_ENV}")  # fmt: skip

@@ -220,6 +220,7 @@ SAMPLE_ERRORS = [
     (["{run}", "--sampler", "lms", "--output", "x"], "invalid choice: 'lms'"),
     (["{run}", "--guidance_scale", "2", "--output", "x"], "has no classes, so give --guide RUN"),
     (["{run}", "--device", "gpu", "--output", "x"], "--device gpu: not a device torch knows"),
+    (["{run}", "--output", "{run}/train_config.json"], "train_config.json is a file, not a folder"),
 ] + ([(["{run}", "--device", "cuda", "--output", "x"], "no CUDA GPU torch can use")] if not torch.cuda.is_available() else [])
 
 
