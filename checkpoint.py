@@ -447,6 +447,10 @@ class StopSignals:
     def _handle(self, signum, frame):
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if self.received is None and os.environ.get("RANK", "0") == "0":  # said now: a step may take minutes
+            again = " (Ctrl-C again: stop now, without saving)" if signum == signal.SIGINT else ""
+            # os.write: no lock a print (or tqdm's) may hold in the code this signal interrupted
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, once it is saved{again}\n".encode())
         self.received = signal.Signals(signum)
 
     def tally(self):

@@ -448,7 +448,8 @@ def build_parser(prog="train.py", source=""):
                     "(--guidance_scale): the subfolders of a folder, a datasets ClassLabel column (or the column "
                     "LABEL_COLUMN), or the built-in shapes' kinds; a tenth of the labels are dropped in training",
                     False, "LABEL_COLUMN")  # fmt: skip
-    flag(d, "image_size", "train on square images of this side", 32, type=at_least(8))
+    flag(d, "image_size", "train on square images of this side", 32,
+         type=Range(int, lambda v: models.IMAGE_SIZES[0] <= v <= models.IMAGE_SIZES[1], "from {} to {}".format(*models.IMAGE_SIZES)))  # fmt: skip
     flag(d, "augment", "random left-right flips (flip), random crops after resizing instead of the centre, "
          "decoded every epoch (crop), both (flip,crop) or none", "flip", type=augmentations)  # fmt: skip
     switch_or_value(d, "preload_data", "decode the dataset once and keep it in memory as uint8 (on the GPU when "

@@ -297,6 +297,8 @@ def main(args):
             raise ConfigError(f"--train_batch_size must be at least 1 (got {args.train_batch_size})")
         if args.channels < 1:
             raise ConfigError(f"--channels must be at least 1 (got {args.channels})")
+        if not models.IMAGE_SIZES[0] <= args.image_size <= models.IMAGE_SIZES[1]:
+            raise ConfigError("--image_size must be from {} to {} (got {})".format(*models.IMAGE_SIZES, args.image_size))
         name = models.resolve_model_name(args.model, args.image_size)
         per_image = unet_flops(name, args.image_size, 1, args.gradient_checkpointing, args.channels)
     # FLOPs are linear in the batch (tests/test_flops.py checks it), so count one image and scale.

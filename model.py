@@ -366,6 +366,7 @@ def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_
 # which the seed repository (FutureXiang/edm2, config/cifar10/*.yaml) keeps for its
 # EDM2 networks; EDM2 used -0.8/1.6 for ImageNet-64 and -0.4/1.0 for ImageNet-512
 # latents (NVlabs/edm2 train_edm2.py, config_presets).
+IMAGE_SIZES = (8, 8192)  # the sides train.py and flops.py take: a larger one fills any machine's memory in its first batch
 P_MEAN, P_STD = -1.2, 1.2
 TIMESTEP_SAMPLINGS = ("uniform", "lognormal")
 

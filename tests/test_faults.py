@@ -1089,3 +1089,11 @@ def test_every_process_resumes_from_the_checkpoint_the_main_one_chose(tmp_path):
     assert ranks.codes == [0, 0], ranks
     assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in ranks.out0, ranks
     assert checkpoints(out)[-1] == "checkpoint-4"
+
+
+def test_a_signal_is_answered_at_once_not_only_after_the_step(tmp_path, monkeypatch, capfd):
+    """A step may take minutes (a large image on a CPU): the stop is said when the signal arrives."""
+    send_at_step(monkeypatch, 1, signal.SIGINT)
+    assert exit_code(tmp_path / "run") == 130
+    said = capfd.readouterr().err
+    assert "SIGINT: stopping after this step, once it is saved (Ctrl-C again: stop now, without saving)" in said, said

@@ -159,12 +159,14 @@ def test_flops_cli_json_for_the_reference_model(capsys):
     assert result["flops_per_step"] == pytest.approx(23.82e12, rel=0.005)
 
 
-def test_flops_cli_refuses_an_unknown_model(capsys):
+@pytest.mark.parametrize("argv, says", [(["--model", "nope"], "unknown --model 'nope'"),
+                                        (["--image_size", "100000"], "--image_size must be from 8 to 8192 (got 100000)")])
+def test_flops_cli_refuses_bad_input_in_one_line(capsys, argv, says):
     with pytest.raises(SystemExit) as stopped:
-        flops.main(flops.parse_args(["--model", "nope"]))
+        flops.main(flops.parse_args(argv))
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "unknown --model 'nope'" in err
+    assert len(err.splitlines()) == 1 and says in err
 
 
 # --- DiT (issue 39): the count against the module structure, on any device, and in train.py's line ---

@@ -164,6 +164,7 @@ BAD_INPUTS = [
     (["--dataset", "{broken}", "--on_fault", "stop"], "cannot read image"),
     (["--model", "huge"], "unknown --model 'huge'"),
     (["--model", "ref128", "--image_size", "100"], "multiple of 32"),
+    (["--image_size", "100000"], "--image_size must be from 8 to 8192"),  # not a 61 TB allocation
     (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
     (["--num_epochs", "0"], "--num_epochs must be at least 1"),
     (["--learning_rate", "0"], "--learning_rate must be a finite number greater than 0"),
