@@ -194,6 +194,8 @@ def differences(saved, current):
 def _difference(key, saved, now):
     if key == "latent_space":
         return latents.latent_space_change(saved, now)
+    if key == "num_processes":  # no flag: the launcher's
+        return f"processes {saved!r} -> {now!r}: launch it with {saved}"
     return f"{key if key in DERIVED_IDENTITY else '--' + key} {saved!r} -> {now!r}"
 
 

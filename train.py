@@ -396,7 +396,8 @@ class Run:
         return memory.plan(trained, self.optimizer, self.ema, count, args.train_batch_size, self.world, checkpointed)
 
     def _resume(self, start_from):
-        try:
+        try:  # accelerate skips an RNG state it cannot read, and the run would go on, not as it would have
+            torch.load(Path(start_from) / f"random_states_{self.accelerator.process_index}.pkl", weights_only=False)
             self.accelerator.load_state(str(start_from))
         except Exception as e:  # a damaged or missing file (torch's, safetensors' and pickle's errors): one line
             raise checkpoint.unloadable(start_from, e) from None

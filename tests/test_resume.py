@@ -42,6 +42,8 @@ CHANGED = dict(
 def change_words(key, before, after):
     if key == "latent_space":
         return latents.latent_space_change(before, after)
+    if key == "num_processes":  # what to change is the launch, not a flag
+        return f"processes {before!r} -> {after!r}: launch it with {before}"
     return f"{named(key)} {before!r} -> {after!r}"
 
 
@@ -394,7 +396,7 @@ def test_a_resume_that_names_no_objective_keeps_the_one_its_checkpoint_recorded(
     assert rules.keep_recorded_objective(empty) is None and empty.objective is None  # a fresh run: the preset's
 
 
-@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin", checkpoint.STATE_FILE])
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin", "random_states_0.pkl", checkpoint.STATE_FILE])
 def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_one_before_it(tmp_path, capsys, damaged):
     """A file of the newest checkpoint cut short (a copy between nodes that stopped, a disk's fault): one line that
     names it and the checkpoint to resume instead, every checkpoint kept; that one resumes."""
