@@ -304,7 +304,7 @@ class Run:
         chosen = [None]
 
         def choose():  # the main process's: one run at a time in a folder, and one choice for every process
-            self.lock = checkpoint.RunLock(self.output_dir)
+            checkpoint.RunLock(self.output_dir)  # held till train.main ends (RunLock.held)
             chosen[0] = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from,
                                             args.overwrite_output_dir)  # fmt: skip
 
