@@ -459,7 +459,8 @@ def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_re
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                                          collate_fn=_collate_decoded, generator=loader_generator(0, 0))  # fmt: skip
     found = False
-    with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False) as bar:
+    # position 0: a bar left open (a generator an error stopped, its frame kept by the traceback) would push it down
+    with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False, position=0) as bar:
         for images, errors, decoded in loader:
             unreadable.report(errors)
             found = found or images is not None

@@ -61,12 +61,24 @@ def main(args):
             resume.keep_recorded_objective(args)  # a resumed run trains on with its own objective
             args = resolve(args)
             return describe(args) if args.dry_run else train(args)
-    except KeyboardInterrupt:  # a second Ctrl-C in the loop, or a first one before it: no checkpoint
+    except BaseException as error:  # a second Ctrl-C in the loop, or a first one before it: no checkpoint
+        if not interrupted(error):
+            raise
         print("train.py: interrupted: stopped without saving", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         checkpoint.RunLock.release_all()
         end_process_group()
+
+
+def interrupted(error):
+    """Whether `error` is a Ctrl-C's KeyboardInterrupt, or an error it caused on its way out (raised inside tqdm's
+    lock, it leaves "cannot release un-acquired lock")."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__context__
+    return False
 
 
 def end_process_group():

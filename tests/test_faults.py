@@ -1097,3 +1097,19 @@ def test_a_signal_is_answered_at_once_not_only_after_the_step(tmp_path, monkeypa
     assert exit_code(tmp_path / "run") == 130
     said = capfd.readouterr().err
     assert "SIGINT: stopping after this step, once it is saved (Ctrl-C again: stop now, without saving)" in said, said
+
+
+def test_a_second_ctrl_c_inside_the_stops_own_output_is_one_line_too(tmp_path, monkeypatch, capsys):
+    """The second Ctrl-C may land inside tqdm's lock as the stop prints: the lock's release then fails with a
+    RuntimeError raised while the KeyboardInterrupt was handled. Still one line, exit code 130."""
+
+    def write_interrupted(self, line):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("cannot release un-acquired lock") from None
+
+    send_at_step(monkeypatch, 2, signal.SIGINT)
+    monkeypatch.setattr(train.Meter, "write", write_interrupted)
+    assert exit_code(tmp_path / "run") == 130
+    assert capsys.readouterr().err.endswith("train.py: interrupted: stopped without saving\n")
