@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from errors import ConfigError, RunError
+from errors import ConfigError, RunError, error_line
 
 STATE_FILE = "trainer_state.json"
 LOCK_FILE = ".lock"  # RunLock's, in the output folder
@@ -64,8 +64,7 @@ def unloadable(path, error):
     earlier = [found for found in checkpoint_dirs(path.parent.parent) if step is not None and step_of(found) < step]
     instead = (f"move it out of {path.parent} and the run resumes from the one before it, {earlier[-1].name}" if earlier else
                "start again with --overwrite_output_dir (it removes the run's checkpoints) or choose another --output_dir")
-    why = (str(error).strip().splitlines() or [""])[0][:200]
-    return ConfigError(f"cannot load checkpoint {path} ({type(error).__name__}: {why}); {instead}")
+    return ConfigError(f"cannot load checkpoint {path} ({error_line(error)}); {instead}")
 
 
 def check_writable(folder, flag, writable=True):

@@ -40,6 +40,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {self.source}{message} (see --help)\n")
 
 
+def error_line(error):
+    """'Type: first line' of the exception at the bottom of a chain, for a one-line error that quotes a library's
+    (torch.compile wraps the backend's own error in a BackendCompilerFailed whose first line names only the backend)."""
+    while True:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if inner is None or inner is error:
+            break
+        error = inner
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 def fail(prog, message, code=2):
     """Print `prog: error: message` as the one line on stderr and exit with `code`."""
     print(f"{prog}: error: {message}", file=sys.stderr)

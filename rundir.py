@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
+from errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DDPMPipeline
 from diffusers.utils import logging as diffusers_logging
 import safetensors.torch
@@ -192,8 +192,7 @@ def unreadable(path, error):
     if not Path(path).exists():
         return ConfigError(f"{path} was removed while it was read (a run still training there drops checkpoints "
                            "past its --checkpoints_total_limit): run the command again")  # fmt: skip
-    why = (str(error).strip().splitlines() or [""])[0][:200]
-    return ConfigError(f"cannot read {path} ({type(error).__name__}: {why}): its files are damaged or incomplete; "
+    return ConfigError(f"cannot read {path} ({error_line(error)}): its files are damaged or incomplete; "
                        "point at another checkpoint of the run (RUN_DIR/checkpoints/checkpoint-STEP)")  # fmt: skip
 
 

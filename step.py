@@ -36,7 +36,7 @@ import torch
 import data
 import model as models
 import profiling
-from errors import ConfigError, RunError
+from errors import ConfigError, RunError, error_line
 
 # What --compile_mode accepts; the torch.compile modes pass through unchanged.
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -760,18 +760,6 @@ def process_count(accelerator=None):
         return accelerator.num_processes
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return torch.distributed.get_world_size() if distributed else 1
-
-
-def error_line(error):
-    """'Type: first line' of the exception at the bottom of a chain (torch.compile wraps the
-    backend's own error in a BackendCompilerFailed whose first line names only the backend)."""
-    while True:
-        inner = getattr(error, "inner_exception", None) or error.__cause__
-        if inner is None or inner is error:
-            break
-        error = inner
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 class GraphSkips:

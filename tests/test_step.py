@@ -12,7 +12,7 @@ import data
 import ema as posthoc_ema
 import model as models
 import step as steps
-from errors import ConfigError, RunError
+from errors import ConfigError, RunError, error_line
 
 CPU = torch.device("cpu")
 
@@ -361,7 +361,7 @@ def test_the_bottom_of_an_error_chain_is_named():
         except ValueError as e:
             raise RuntimeError("backend='inductor' raised:") from e
     except RuntimeError as e:
-        assert steps.error_line(e) == "ValueError: the real reason"
+        assert error_line(e) == "ValueError: the real reason"
 
 
 def test_inductor_settings_turn_loop_reindexing_off_only_without_the_coalescing_guard(monkeypatch):
