@@ -322,7 +322,9 @@ def plan_line(p, capacity=None, where=None, compiled=False):
         return line
     line += f" of {gib(capacity)}" + (f" on {where}" if where else "")
     largest = p.largest_batch(capacity)
-    if largest < p.batch_size:
+    if largest < 1:
+        line += f"; does not fit{' eager' if compiled else ''}, not even at batch 1"
+    elif largest < p.batch_size:
         line += f"; does not fit{' eager' if compiled else ''}: about batch {largest} would, with --gradient_accumulation_steps"
     else:
         line += f"; about batch {largest} would fit"

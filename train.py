@@ -439,9 +439,10 @@ class Run:
             f"step; {peak_words}; step {self.compile_why}"
         )
         cuda = self.device.type == "cuda"
-        capacity = torch.cuda.get_device_properties(self.device).total_memory if cuda else None
-        self.accelerator.print(memory.plan_line(self.memory, capacity, "this GPU" if cuda else None,
-                                                compiled=config["step_compile_mode"] != "eager"))
+        # on a CPU the host memory free now (a container's limit included; None where unknown)
+        capacity = torch.cuda.get_device_properties(self.device).total_memory if cuda else checkpoint.available_memory() or None
+        self.accelerator.print(memory.plan_line(self.memory, capacity, "this GPU" if cuda else "this machine's free memory",
+                                                compiled=config["step_compile_mode"] != "eager"))  # fmt: skip
         full = checkpoint.disk_warning(self.output_dir, self.memory.state, self.step, self.total_steps,
                                        args.checkpointing_steps, args.checkpoints_total_limit)  # fmt: skip
         if full:

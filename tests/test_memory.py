@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 
+import checkpoint
 import config
 import ema as posthoc_ema
 import latents
@@ -192,7 +193,8 @@ def test_a_latent_run_says_what_it_holds_and_keeps_its_vae_off_the_device_but_wh
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("memory: weights"))
     assert re.fullmatch(r"memory: weights [\d.e-]+ \+ gradients [\d.e-]+ \+ AdamW [\d.e-]+ \+ EMA [\d.e-]+ \+ "
-                        r"activations [\d.e-]+ = [\d.e-]+ GiB", line), line  # fmt: skip
+                        r"activations [\d.e-]+ = [\d.e-]+ GiB of [\d.e-]+ on this machine's free memory; about batch "
+                        r"\d+ would fit", line), line  # fmt: skip
     assert re.search(r"^memory: peak not measured on a CPU \(estimated [\d.e-]+ GiB\)$", out, re.M)
 
 
@@ -226,3 +228,15 @@ def test_on_a_gpu_decoding_a_grid_allocates_its_activations_not_a_benchmark_work
     finally:
         torch.backends.cudnn.benchmark = benchmark
     assert decoding < 8, f"decoding allocated {decoding:.2f} GiB over what was there (benchmarked: {benchmarked:.2f})"
+
+
+def test_on_a_cpu_the_line_weighs_the_run_against_the_memory_free(tmp_path, monkeypatch, capsys):
+    """A 2048px run on a 23 GiB machine started, estimated at 72 GiB, and sat in its first step: the line says so."""
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 2**20)  # 1 MiB free
+    run(tmp_path / "run", *FEW, "--max_train_steps", 1)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("memory: weights"))
+    assert line.endswith(" on this machine's free memory; does not fit, not even at batch 1"), line
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 0)  # unknown (no /proc/meminfo): no claim
+    run(tmp_path / "again", *FEW, "--max_train_steps", 1)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("memory: weights"))
+    assert line.endswith(" GiB"), line
