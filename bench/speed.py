@@ -617,6 +617,22 @@ def release_memory(device, forget_compiled=False):
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def pinned_kernel_cache_key(backend):
+    """Compile caches keyed by the attention kernel a row pins (`backend`, SDPBackend's name; None: no key
+    added). AOTAutograd's cache keys a graph by what Dynamo traced, which is the same whatever SDPA kernel is
+    allowed (the kernel is chosen below it): without this a pinned row loads the graph an earlier row
+    compiled, with that row's kernel, and times it again (an H100's flash and cuDNN rows did:
+    BENCHMARKS.md, Speed on a GPU)."""
+    tag = torch.compiler.config.cache_key_tag
+    if backend:
+        torch.compiler.config.cache_key_tag = f"{tag}|sdpa={backend}"
+    try:
+        yield
+    finally:
+        torch.compiler.config.cache_key_tag = tag
+
+
 def add_rates(row, flops_per_step, batch_size, peak_bf16, peak_row):
     """img/s, achieved TFLOP/s and MFU from the median step time."""
     step_time_s = row["step_time_s_median"]
@@ -682,7 +698,8 @@ def run_workload(name, args, device, peaks, print_line, save):
                     release_memory(device, forget_compiled=True)  # graph would run the kernel it was traced with
                     traced_with = variant["settings"].get("sdpa_backend")
                 try:
-                    row |= run_variant(variant, workload, batch_size, init_state, images, reference, args, device)
+                    with pinned_kernel_cache_key(variant["settings"].get("sdpa_backend")):
+                        row |= run_variant(variant, workload, batch_size, init_state, images, reference, args, device)
                     if reference_note:
                         row["check"]["note"] = reference_note
                 except torch.OutOfMemoryError as e:

@@ -520,9 +520,12 @@ def test_the_cpu_dit_workload_is_the_small_dit_on_pixels(tmp_path):
 def test_a_row_that_pins_another_attention_kernel_traces_its_step_anew(tmp_path, monkeypatch):
     """Dynamo does not guard on sdpa_kernel: a compiled graph kept from the row before would run the kernel it was
     traced with (an H100's flash and cuDNN rows did: record 2026-11-27-h100-regional-memory). A row whose kernel
-    differs is traced anew: its first call compiles."""
+    differs is traced anew: its first call compiles, and Inductor lowers its graph rather than loading the one
+    AOTAutograd's cache holds from the row before (whose key is Dynamo's graph, the same for every kernel: the
+    next H100 call's flash and cuDNN rows loaded the default's, record 2026-11-28-h100-cold-fp8)."""
     math_row = ("math_attention", "SDPA's math kernel only", 1, None, dict(sdpa_backend="MATH"))  # a CPU has it
     monkeypatch.setattr(bench, "DIT_ROWS", (math_row,))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no earlier run's graphs
     argv = ["--workload", "dit-tiny", "--variants", "compiled,math_attention", "--steps", "2", "--warmup", "1",
             "--output", str(tmp_path), "--tag", "kernels"]  # fmt: skip
     assert bench.main(bench.parse_args(argv)) == 0
@@ -530,6 +533,8 @@ def test_a_row_that_pins_another_attention_kernel_traces_its_step_anew(tmp_path,
     assert pinned["variant"] == "math_attention" and pinned["check"]["passed"], pinned
     # traced anew, its first call is a compile; the kept graph's first call is about one step
     assert pinned["first_call_s"] > 20 * pinned["step_time_s_median"], (compiled, pinned)
+    assert "GraphLowering.run" in pinned["compile_phases_s"], pinned["compile_phases_s"]  # lowered, not loaded
+    assert torch.compiler.config.cache_key_tag == ""  # the row's key is its own
     # where each 1st call went, by torch's compile timers, longest first: Dynamo's among them, inside the 1st call
     for row in (compiled, pinned):
         phases = row["compile_phases_s"]
