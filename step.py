@@ -84,10 +84,11 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
 # (the glue between blocks stays eager, and no fusion crosses a block's edge), by device type and
 # network family (all positive: choose_compile_scope divides by it). The CPU's from its record
 # (BENCHMARKS.md, Speed on a CPU, regional against whole: DiT the mean of its two models, UNet rounded up);
-# on a GPU predictions until `bash bench/on_gpu.sh cold` measures them (DiT's: DIT_PREDICTED_MS in
-# bench/speed.py; the UNets' and EDM2's: the CPU's UNets').
+# the GPU's from an H100's ladder rows (BENCHMARKS.md, Speed on a GPU: DiT-XL/2's regional row against
+# the whole network's of earlier calls; ddpm32's two scopes in one session, under CUDA graphs, a mode
+# in which train.py compiles the whole network anyway). EDM2's blocks are not measured: the UNet's.
 REGIONAL_STEP_COST = {
-    ("cuda", "dit"): 0.023, ("cuda", "unet"): 0.14, ("cuda", "edm2"): 0.14,
+    ("cuda", "dit"): 0.03, ("cuda", "unet"): 0.52, ("cuda", "edm2"): 0.52,
     ("cpu", "dit"): 0.035, ("cpu", "unet"): 0.14, ("cpu", "edm2"): 0.14,
 }  # fmt: skip
 
@@ -131,16 +132,16 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
 # A cold compile of train.py's step (the first step: forward and backward) in seconds, by device
 # type, network family and scope; a warm one (Inductor's cache holds the graphs) takes
 # WARM_COMPILE_FRACTION of it. Rounded from the records (BENCHMARKS.md: the GPU's whole-network
-# compiles on an H100 and an H200, and DiT-XL/2's regional one on an H100; the CPU's whole and regional,
-# one thread, in BENCHMARKS.md's Speed on a CPU). A UNet's or EDM2's regional compile on a
-# GPU is not measured yet: predicted as the whole compile times the family's regional/whole ratio on the
-# CPU (EDM2's blocks are not measured: the UNet's ratio). That rule overshot the DiT's, whose regional
-# share of the whole is far smaller on a GPU than on a CPU (BENCHMARKS.md, Speed on a GPU);
-# its measured figure still holds the first block's graph of its own, from before dense_inputs.
+# compiles on an H100 and an H200, DiT-XL/2's regional one (one graph for every block) and ddpm32's
+# regional one on an H100; the CPU's whole and regional, one thread, in BENCHMARKS.md's Speed on a CPU).
+# The GPU's regional share of the whole differs from the CPU's in both directions (DiT's far smaller,
+# the UNet's larger: on an H100 ddpm32's regional compile took 1.06 of its whole one, under CUDA graphs),
+# so a UNet's and EDM2's regional compile on a GPU is the whole one times the GPU's measured ratio (EDM2's
+# blocks are not measured: the UNet's), and auto compiles their whole network there.
 COLD_COMPILE_S = {
-    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 25,
-    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 0.87,
-    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 0.87,
+    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 14,
+    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 1.06,
+    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 1.06,
     ("cpu", "dit", "whole"): 54, ("cpu", "dit", "regional"): 36,
     ("cpu", "unet", "whole"): 90, ("cpu", "unet", "regional"): 78,
     ("cpu", "edm2", "whole"): 90, ("cpu", "edm2", "regional"): 78,

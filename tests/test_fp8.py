@@ -118,6 +118,12 @@ def flat(run_dir):
     return torch.cat([p.detach().reshape(-1) for p in models.load_network(run_dir / "unet").parameters()])
 
 
+def test_the_first_line_says_what_fp8_was_measured_to_give_on_a_gpu_and_that_a_cpu_only_emulates_it():
+    on_gpu, on_cpu = (fp8.describe(torch.nn.Linear(16, 16), torch.device(kind)) for kind in ("cuda", "cpu"))
+    assert "no faster in FP8" in on_gpu and "docs/fp8.md" in on_gpu and "emulated" not in on_gpu
+    assert "emulated on a CPU" in on_cpu and "no faster in FP8" not in on_cpu
+
+
 def test_fp8_trains_close_to_bf16_resumes_bit_identically_and_saves_a_network_diffusers_loads(tmp_path, capsys):
     from diffusers import DiTTransformer2DModel
 

@@ -526,10 +526,10 @@ H100_BF16 = 989.4e12
     "changes, total_steps, peak, warm_s, mode, words",
     [
         # DiT-XL/2 at batch 64 (45.56 TFLOP): 120 steps save ~7 s, less than a cold compile
-        ({}, 120, H100_BF16, None, None, "auto: eager: compiling (default, each repeated block once) would take about 25 s (cold cache)"),
-        # regional's head start (85 - 25 s, an H100's) against its slower step (2.3% of ~128 ms) decides the scope
-        ({}, 5_000, H100_BF16, None, "default", "each repeated block compiled once (60 s sooner than the whole network, whose faster step would repay that after 20,495 steps)"),
-        ({}, 100_000, H100_BF16, None, "default", "whole network (its faster step repays its 60 s longer compile after 20,495 of this run's 100,000 steps)"),
+        ({}, 120, H100_BF16, None, None, "auto: eager: compiling (default, each repeated block once) would take about 14 s (cold cache)"),
+        # regional's head start (85 - 14 s, an H100's) against its slower step (3% of ~128 ms) decides the scope
+        ({}, 5_000, H100_BF16, None, "default", "each repeated block compiled once (71 s sooner than the whole network, whose faster step would repay that after 18,593 steps)"),
+        ({}, 100_000, H100_BF16, None, "default", "whole network (its faster step repays its 71 s longer compile after 18,593 of this run's 100,000 steps)"),
         ({}, 120, None, None, "default", "; whole network"),  # no peak known: nothing predicts the step or its saving
         ({}, 600, H100_BF16, 85.0, "default", "compile about 9 s (warm cache)"),  # the same 600 steps would not pay cold
         ({"compile_mode": "default"}, 10, H100_BF16, None, "default", "--compile_mode default"),  # asked for: compiled
@@ -544,6 +544,17 @@ def test_auto_compiles_only_where_the_run_repays_the_compile(changes, total_step
     assert plan.mode == mode and words in plan.why, plan.why
     if mode is None and "auto" in plan.why:  # the line gives both numbers
         assert "more than it saves in this run's 120 steps (about 7 s, 59.9 ms a step)" in plan.why
+
+
+def test_a_unets_step_on_a_gpu_compiles_its_whole_network_however_short_the_run():
+    """On an H100 ddpm32's regional compile was no sooner than its whole one, and its step slower: the prediction
+    for a short run weighs the whole network's compile (a CPU's regional compile is still the sooner)."""
+    for n, mode in ((100, None), (5_000, "default")):
+        plan = steps.plan_compile(plan_flags(model="ref128"), CUDA, 1, 45.56e12, n, H100_BF16, lambda mode, scope: None)
+        assert plan.mode == mode and plan.scope == "whole", plan
+    assert "compiling (default, the whole network) would take about 100 s" in steps.plan_compile(
+        plan_flags(model="ref128"), CUDA, 1, 45.56e12, 100, H100_BF16, lambda mode, scope: None).why
+    assert steps.COLD_COMPILE_S[("cpu", "unet", "regional")] < steps.COLD_COMPILE_S[("cpu", "unet", "whole")]
 
 
 def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is_none(tmp_path):
