@@ -465,6 +465,7 @@ class Run:
         self.startup.mark("step")
         if self.step < self.total_steps:
             meter.write(self.startup.line())
+        self.train_step = fast  # run.json's compile fields, written at the end or at a stop
         return fast
 
     # --- the loop's pace ---
@@ -649,6 +650,9 @@ class Run:
             # one process has exited, and only the main process writes the checkpoint
             self.on_main_process(lambda: self.flushed(meter))
             self.flushed(meter)  # the other processes' part
+            # run.json of the steps trained so far (a preempted run's speed is kept; the resumed run's end rewrites it)
+            timing = meter.manifest() | dict(stopped_by=signals.received.name)
+            self.on_main_process(lambda: self.write_manifest(self.train_step, timing))
         again = " with --resume alone (no folder)" if isinstance(self.args.resume, str) else ""  # not from CHECKPOINT
         self.accelerator.print(
             f"stopped by {signals.received.name} at step {self.step}: saved {path}; "

@@ -98,11 +98,14 @@ def test_a_signal_saves_exits_and_the_same_command_resumes_exactly(tmp_path, mon
     assert exit_code(out) == code
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-3"]  # step 3 is kept, not lost
     assert f"stopped by {signal.Signals(sig).name} at step 3" in capsys.readouterr().out
+    stopped = json.loads((out / "run.json").read_text())  # what the steps so far measured, kept
+    assert stopped["stopped_by"] == signal.Signals(sig).name and stopped["steps"] == 3 and stopped["train_wall_s"] > 0
     monkeypatch.undo()
 
     run(out)  # the same command again continues the run
     assert "resumed from" in capsys.readouterr().out
     assert_same_weights(out, straight)
+    assert "stopped_by" not in json.loads((out / "run.json").read_text())  # the end's, over the stop's
 
 
 def test_checkpoints_written_from_a_host_copy_resume_exactly(tmp_path, monkeypatch, capsys, straight):
