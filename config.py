@@ -626,7 +626,13 @@ def read_file(path):
 def file_flags(path, parser):
     """The command-line words that say what the file at `path` says, to be parsed before the real ones."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-    values = {k: v for k, v in read_file(path).items() if k not in DERIVED_KEYS and k not in INVOCATION_KEYS}
+    raw = read_file(path)
+    if not any(key in raw for key in DERIVED_KEYS):  # a file of yours, not a run's record: what it asks, it means
+        typed_only = [key for key in INVOCATION_KEYS if key in actions and raw.get(key) not in (None, False)]
+        if typed_only:
+            raise ConfigError(f"--config {path}: '{typed_only[0]}' acts only when typed: pass --{typed_only[0]} on "
+                              "the command line")  # fmt: skip
+    values = {k: v for k, v in raw.items() if k not in DERIVED_KEYS and k not in INVOCATION_KEYS}
     settings = values.pop("settings", None) or {}  # a run's (`recorded`): removed flags, read as REMOVED says
     if not isinstance(settings, dict):
         raise ConfigError(f"--config {path}: settings holds a {type(settings).__name__}, not 'setting: value' lines")

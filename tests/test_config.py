@@ -98,6 +98,9 @@ BAD_FILES = [
     ("[1, 2]\n", "--config {path}: holds a list"),
     ("a: [\n", "--config {path}: not valid YAML"),
     ("train_batch_size: 0\n", "--train_batch_size must be at least 1 (got 0)"),  # a range: checked by resolve
+    # what a run's train_config.json records and must not act on again, a file of yours asks for in vain
+    ("resume: true\n", "--config {path}: 'resume' acts only when typed: pass --resume on the command line"),
+    ("overwrite_output_dir: true\n", "--config {path}: 'overwrite_output_dir' acts only when typed"),
 ]
 
 
@@ -344,7 +347,7 @@ def test_a_file_never_carries_what_one_command_asked_for_once(tmp_path):
     """A run started with --overwrite_output_dir, fed back, resumes rather than deleting its checkpoints."""
     path = tmp_path / "train_config.json"
     path.write_text(json.dumps(dict(model="tiny", overwrite_output_dir=True, resume="run/checkpoints/checkpoint-4",
-                                    resume_from_checkpoint="latest", dry_run=True)))  # fmt: skip
+                                    resume_from_checkpoint="latest", dry_run=True, total_train_steps=4)))  # a run's facts
     args = resolved("--config", path)
     assert (args.model, args.overwrite_output_dir, args.resume, args.dry_run) == ("tiny", False, True, False)
     assert resolved("--config", path, "--overwrite_output_dir").overwrite_output_dir  # typed: still honoured
