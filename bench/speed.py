@@ -912,6 +912,8 @@ def validate(args):
             raise ConfigError(f"--redraw {args.redraw}: not the JSON of a python -m bench run")
         args.redraw_result = result
         return args
+    if args.values is not None:  # the ladder would run, its values unread
+        raise ConfigError(f"--values {args.values} are a sweep's: add --sweep NAME ({', '.join(sweep.SWEEPS)})")
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
     if args.warmup < 0:

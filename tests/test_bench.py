@@ -341,6 +341,7 @@ BAD_INPUTS = [
     (["--variants", "reference,warp"], "unknown --variants 'warp'"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--values", "8,16"], "--values 8,16 are a sweep's: add --sweep NAME (batch_size,"),  # not the ladder, unread
     (["--output", "{file}"], "cannot write to --output"),
     (["--redraw", "{file}"], "not the JSON of a python -m bench run"),
 ]
