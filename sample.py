@@ -525,6 +525,10 @@ def save_grid(images, path):
 # --- the command ---------------------------------------------------------------------
 
 
+# What sampling writes into --output: the first image, the grid and the scores (their presence: samples already there).
+WRITTEN = ("000000.png", "grid.png", "fid.json")
+
+
 def parse_args(argv=None):
     p = OneLineParser(prog="sample.py", description="Generate images from a trained run; measure FID and KID.")
     p.add_argument("run_dir", help="a run's --output_dir, a pipeline folder or a checkpoint folder")
@@ -581,6 +585,10 @@ def validate(args):
         raise ConfigError("say where the images go with --output DIR (or measure them with --fid)")
     if args.output is not None:
         checkpoint.check_writable(args.output, "--output")
+        written = [name for name in WRITTEN if (Path(args.output) / name).exists()]
+        if written:  # an earlier sampling's images, written over one by one
+            raise ConfigError(f"--output {args.output} already holds samples ({written[0]}): give another folder, "
+                              "or move them away first")  # fmt: skip
     if args.fid and args.num_images < 2:
         raise ConfigError(f"--fid needs --num_images of at least 2 (got {args.num_images})")
     if args.device is None:

@@ -131,6 +131,10 @@ def test_sample_writes_n_images_and_a_grid_and_the_same_seed_gives_the_same_file
     assert pngs(tmp_path / "b") == written
     sample_main(*flags, "--output", tmp_path / "c", "--seed", 1)
     assert pngs(tmp_path / "c")["000000.png"] != written["000000.png"]
+    # a folder that holds samples already is not written over: one line, the first sampling's files kept
+    with pytest.raises(SystemExit) as exit_info:
+        sample_main(*flags, "--output", tmp_path / "a", "--seed", 1)
+    assert exit_info.value.code == 2 and pngs(tmp_path / "a") == written
 
 
 def test_a_checkpoint_gives_its_ema_weights_by_default_and_raw_ones_with_no_ema(tiny_run, tmp_path):
