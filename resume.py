@@ -106,6 +106,13 @@ CHANGES_ON_RESUME = {
     ),
 }  # fmt: skip
 
+# Of those, the ones that change what the steps after a resume do: a resume that changes one says so, beside
+# "resumed from" (changed_since).
+ANNOUNCED_ON_RESUME = (
+    "num_epochs", "max_train_steps", "lr_scheduler", "lr_warmup_steps", "lr_ref_steps",
+    "timestep_sampling", "P_mean_std", "snr_gamma", "max_grad_norm",
+)  # fmt: skip
+
 
 # --- starting or resuming ------------------------------------------------------------
 
@@ -180,6 +187,22 @@ def keep_recorded_objective(args):
         return None  # choose_start refuses it, in one line
     args.objective = saved.get("objective")
     return args.objective
+
+
+def changed_since(start, current):
+    """'--flag before -> now' for each flag of ANNOUNCED_ON_RESUME that differs from what the run of checkpoint
+    `start` last trained with (its train_config.json, not yet rewritten by this run); none without that record."""
+    start = Path(start)
+    try:
+        before = json.loads((start.parent.parent / "train_config.json").read_text()) if start.parent.name == "checkpoints" else {}
+    except (OSError, ValueError):
+        return []
+
+    def plain(value):  # as JSON holds it (a tuple is a list)
+        return json.loads(json.dumps(value, default=str))
+
+    return [f"--{key} {before[key]!r} -> {current.get(key)!r}" for key in ANNOUNCED_ON_RESUME
+            if key in before and plain(before[key]) != plain(current.get(key))]  # fmt: skip
 
 
 def differences(saved, current):

@@ -417,7 +417,8 @@ class Run:
             self.ema.to(self.device)
         state = checkpoint.read_state(start_from)
         self.step, self.skipped_before = state["step"], state.get("skipped_nonfinite", 0)
-        self.accelerator.print(f"resumed from {start_from} at step {self.step}")
+        changed = resume.changed_since(start_from, vars(self.args))  # honoured, and said
+        self.accelerator.print(f"resumed from {start_from} at step {self.step}" + "; changed: " * bool(changed) + "; ".join(changed))
 
     def _announce(self):
         """train_config.json, the trackers and the first line: only for a run with steps to take."""

@@ -210,7 +210,21 @@ def test_a_run_resumed_with_every_safe_flag_changed_trains_on(tmp_path, capsys, 
     fid_weights.touch()
     stdout = trains_on(out, capsys, 2, *CHANGED_ON_RESUME, "--guide", guide, "--fid_weights", fid_weights)
     assert re.search(r"^eval epoch 1 step 4 \| .*FID", stdout, re.M), stdout
+    said = re.search(r"^resumed from .*", stdout, re.M).group(0)  # what changes the steps after it, said there
+    assert all(f"--{key} " in said for key in rules.ANNOUNCED_ON_RESUME), said
+    assert "--lr_scheduler 'cosine' -> 'constant'" in said and "--max_grad_norm 1.0 -> 0.5" in said, said
     assert [p.name for p in checkpoint.checkpoint_dirs(out)] == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_what_changed_on_resume_is_read_from_the_runs_train_config_and_nothing_without_one(tmp_path):
+    start = tmp_path / "checkpoints" / "checkpoint-2"
+    start.mkdir(parents=True)
+    assert rules.changed_since(start, dict(lr_scheduler="constant")) == []  # no record: nothing to compare
+    (tmp_path / "train_config.json").write_text(json.dumps(dict(lr_scheduler="cosine", P_mean_std=[-1.2, 1.2])))
+    assert rules.changed_since(start, dict(lr_scheduler="constant", P_mean_std=(-1.2, 1.2))) == [
+        "--lr_scheduler 'cosine' -> 'constant'"]  # a tuple is the list JSON holds
+    (tmp_path / "train_config.json").write_text('{"lr_scheduler": ')  # damaged, or half seen on a shared disk
+    assert rules.changed_since(start, dict(lr_scheduler="constant")) == []
 
 
 def test_a_folder_with_an_unreadable_image_resumed_streamed_trains_as_preloaded(tmp_path, capsys):
