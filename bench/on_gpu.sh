@@ -17,7 +17,8 @@
 #           a checkpoint at step 60; the same again warm with its checkpoints written from a host copy beside
 #           the steps (dit-default-copy: bench/checkpoint_copy.py copy, against the default's wait),
 #           facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), then max_autotune
-#           with what time is left (its kernel search takes minutes: for it alone, ON_GPU_RUNS="dit-autotune");
+#           beside the regional row, each block compiled once, with what time is left (its kernel search takes
+#           minutes: for it alone, ON_GPU_RUNS="dit-autotune");
 #           eager, compiled (whole) and train_default are the cold part's and the records'
 #   cold    the cold start, whole network against regional compilation (each repeated block once), each in a
 #           process of its own with empty Inductor and Triton caches: the speed ladder's compiled and regional
@@ -259,7 +260,9 @@ else
   # each repeated block compiled once: fp8's whole network did not finish compiling within a call's budget
   # (record 2026-11-27-h100-regional-memory); fp8 is left out since it was measured (BENCHMARKS.md)
   dit_ladder=(--workload dit --steps 20 --warmup 3 --compile_scope regional --variants regional,flash_attention,cudnn_attention)
-  dit_autotune=(--workload dit --steps 20 --warmup 3 --variants max_autotune)
+  # beside the regional row it is timed against, each block compiled once (the whole network's compile alone took
+  # 86-91 s before any kernel search); without CUDA graphs, which per block cost ddpm32's step 52% (BENCHMARKS.md)
+  dit_autotune=(--workload dit --steps 20 --warmup 3 --compile_scope regional --variants regional,max_autotune)
   cold_dit=(--workload dit --steps 20 --warmup 3)
   cold_bare=(--workload ddpm32 --steps 50 --warmup 5)
 fi
