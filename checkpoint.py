@@ -57,14 +57,15 @@ def read_state(path):
         raise unloadable(path, e) from None
 
 
-def unloadable(path, error):
-    """The one line (a ConfigError) for a checkpoint that cannot be read: what failed, and what to resume instead:
-    the newest checkpoint before it in its run, or a fresh start where there is none."""
+def unloadable(path, error, file=None):
+    """The one line (a ConfigError) for a checkpoint that cannot be read: what failed (in `file`, where the error
+    does not name it), and what to resume instead: the newest checkpoint before it in its run, or a fresh start
+    where there is none."""
     path, step = Path(path), step_of(path)
     earlier = [found for found in checkpoint_dirs(path.parent.parent) if step is not None and step_of(found) < step]
     instead = (f"move it out of {path.parent} and the run resumes from the one before it, {earlier[-1].name}" if earlier else
                "start again with --overwrite_output_dir (it removes the run's checkpoints) or choose another --output_dir")
-    return ConfigError(f"cannot load checkpoint {path} ({error_line(error)}); {instead}")
+    return ConfigError(f"cannot load checkpoint {path} ({file + ': ' if file else ''}{error_line(error)}); {instead}")
 
 
 def check_writable(folder, flag, writable=True):

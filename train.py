@@ -408,11 +408,23 @@ class Run:
         return memory.plan(trained, self.optimizer, self.ema, count, args.train_batch_size, self.world, checkpointed)
 
     def _resume(self, start_from):
+        error, rng = None, Path(start_from) / f"random_states_{self.accelerator.process_index}.pkl"  # this process's
         try:  # accelerate skips an RNG state it cannot read, and the run would go on, not as it would have
-            torch.load(Path(start_from) / f"random_states_{self.accelerator.process_index}.pkl", weights_only=False)
-            self.accelerator.load_state(str(start_from))
+            torch.load(rng, weights_only=False)
+        except Exception as e:  # named: each process has its own
+            error = checkpoint.unloadable(start_from, e, rng.name)
+        try:
+            if error is None:
+                self.accelerator.load_state(str(start_from))
         except Exception as e:  # a damaged or missing file (torch's, safetensors' and pickle's errors): one line
-            raise checkpoint.unloadable(start_from, e) from None
+            error = checkpoint.unloadable(start_from, e)
+        failed = torch.tensor(float(error is not None))
+        if self.world > 1:  # every process stops where one cannot load its part (its RNG state), none waits for it
+            torch.distributed.all_reduce(failed, group=self.main_work_group)
+        if error is not None:
+            raise error from None
+        if failed.item():
+            raise SystemExit(2)  # the process that could not load says which file
         if self.ema is not None:
             self.ema.to(self.device)
         state = checkpoint.read_state(start_from)

@@ -838,6 +838,20 @@ def test_the_others_wait_for_the_main_processs_work_longer_than_the_steps_timeou
     assert (out / "samples" / "0000.png").is_file()
 
 
+def test_a_ranks_damaged_rng_state_stops_every_rank_at_the_resume_not_the_others_in_their_first_step(tmp_path):
+    """Rank 1 cannot load its RNG state: it says which file, and rank 0 stops with it (exit 2 both), rather than
+    train on into its first collective and wait there for STEP_WAIT (15 minutes) before failing."""
+    out = tmp_path / "run"
+    first = Ranks(start_two_ranks(flags(out, "--max_train_steps", 2, "--save_images_epochs", 100)))
+    assert first.codes == [0, 0], first
+    (out / "checkpoints" / "checkpoint-2" / "random_states_1.pkl").write_bytes(b"cut short")
+    again = Ranks(start_two_ranks(flags(out, "--max_train_steps", 4, "--save_images_epochs", 100)), timeout=120)
+    assert again.codes == [2, 2], again
+    said = again.err1.strip().splitlines()[-1]
+    assert said.startswith("train.py: error: ") and "random_states_1.pkl" in said, again
+    assert "Traceback" not in again.err0 + again.err1 and not (out / "checkpoints" / "checkpoint-3").exists(), again
+
+
 def checkpoint_contents(folder):
     """The weights, EMA, optimizer and schedule of a checkpoint: everything but the RNG states."""
     contents = {"model.safetensors": load_file(folder / "model.safetensors")}
