@@ -9,6 +9,8 @@ the run's config once, and loads its network: the EMA weights or the raw ones.
 
 import contextlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -101,14 +103,40 @@ def quiet_loading():
             diffusers_logging.enable_progress_bar()
 
 
+# Where save_network writes a pipeline before moving it into place (hidden: not a user's file, nor a run's output).
+STAGING = ".tmp-pipeline"
+
+
+def pipeline_mark(pipeline):
+    """The file whose presence says a saved network is whole: a DDPMPipeline's model_index.json, or the network's
+    config in unet/ (train.py's Run.pipeline_saved)."""
+    return "model_index.json" if pipeline else "unet/config.json"
+
+
 def save_network(unet, folder, noise_scheduler=None):
     """What RunDir.load reads back: a DDPMPipeline in `folder` (a DDPM run: pass its
     `noise_scheduler`), or the network alone in folder/unet (an EDM run: no diffusers
-    pipeline samples it; model.load_network reads it)."""
+    pipeline samples it; model.load_network reads it).
+
+    Its mark (pipeline_mark) goes first; the network is written whole into folder/STAGING, then moved into
+    place with the mark last. A save cut short (a kill, a full disk) leaves no mark, and train.py's next start
+    saves it again from the last checkpoint rather than take a half-written or an older one for saved."""
+    folder = Path(folder)
+    mark = pipeline_mark(noise_scheduler is not None)
+    (folder / mark).unlink(missing_ok=True)
+    staging = folder / STAGING
+    shutil.rmtree(staging, ignore_errors=True)  # what a save cut short left
     if noise_scheduler is not None:
-        DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(str(folder))
+        DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(str(staging))
     else:
-        unet.save_pretrained(str(Path(folder) / "unet"))
+        unet.save_pretrained(str(staging / "unet"))
+    for entry in sorted(staging.iterdir(), key=lambda path: mark.startswith(path.name)):  # the mark's last
+        if (folder / entry.name).is_dir():
+            shutil.rmtree(folder / entry.name)
+        else:
+            (folder / entry.name).unlink(missing_ok=True)
+        os.replace(entry, folder / entry.name)
+    staging.rmdir()
 
 
 OBJECTIVE_WORDS = {"ddpm": "DDPM (Ho et al. 2020)", "edm": "EDM (Karras et al. 2022) with EDM2's loss weighting",

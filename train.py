@@ -547,8 +547,7 @@ class Run:
         return posthoc_ema.averaged_copy(self.accelerator.unwrap_model(self.model), self.ema)
 
     def pipeline_saved(self):
-        pipeline = models.saves_pipeline(vars(self.args))
-        return (self.output_dir / ("model_index.json" if pipeline else "unet/config.json")).is_file()
+        return (self.output_dir / rundir.pipeline_mark(models.saves_pipeline(vars(self.args)))).is_file()
 
     def save_network(self, network, folder):
         rundir.save_network(network, folder, self.noise_scheduler if models.saves_pipeline(vars(self.args)) else None)

@@ -27,6 +27,7 @@ import data
 import flops
 import forked
 import model as models
+import rundir
 import train
 from conftest import ROOT
 from errors import RunError
@@ -666,6 +667,36 @@ def test_a_finished_run_is_not_trained_again_and_longer_runs_continue(tmp_path, 
     run(out)  # 6 steps: continues from 4 (on a schedule stretched to 6, so not the straight run's weights)
     assert "checkpoint-4 at step 4" in capsys.readouterr().out
     assert checkpoints(out)[-1] == "checkpoint-6"
+
+
+def test_a_pipeline_save_cut_short_is_saved_again_by_the_next_start_not_taken_for_saved(tmp_path, monkeypatch, capsys):
+    """A longer run whose final save of the network fails half-written (a full disk; a kill likewise): the folder
+    keeps no mark of a saved network, so the same command again saves it from the last checkpoint, rather than
+    say "already trained" over a half-written one (or the shorter run's)."""
+    import safetensors.torch
+
+    out = tmp_path / "run"
+    run(out, "--max_train_steps", 2)
+    real_save = safetensors.torch.save_file
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    assert exit_code(out, "--max_train_steps", 4) == 1
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    (out / rundir.STAGING / "left.txt").write_text("what the save cut short left")
+    capsys.readouterr()
+    run(out, "--max_train_steps", 4)
+    said = capsys.readouterr().out
+    assert "already trained" not in said and re.search(f"saved the (network|pipeline) to {out}", said), said
+    straight = tmp_path / "straight"  # the same two runs, the save not cut short
+    run(straight, "--max_train_steps", 2)
+    run(straight, "--max_train_steps", 4)
+    saved, meant = (models.load_network(folder / "unet").state_dict() for folder in (out, straight))
+    assert saved.keys() == meant.keys() and all(torch.equal(saved[k], meant[k]) for k in saved)
+    assert not (out / rundir.STAGING).exists() and not (out / "left.txt").exists()
 
 
 def test_another_runs_output_dir_is_not_overwritten_without_the_flag(tmp_path, capsys):
