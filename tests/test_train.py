@@ -1,10 +1,13 @@
 import io
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -211,6 +214,38 @@ def test_bad_input_from_the_command_line(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip() == "train.py: error: --train_batch_size must be at least 1 (got 0)"
+
+
+# train.py as `python train.py` runs it, with a Ctrl-C while its data loads (data is imported here first: train.py's
+# import finds it patched)
+CTRL_C_WHILE_THE_DATA_LOADS = """
+import os, runpy, signal, sys
+import data
+load_images = data.load_images
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return load_images(*args, **kwargs)
+data.load_images = interrupted
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_train_py_imports_is_one_line_and_exit_130(tmp_path):
+    """A fresh interpreter spends seconds importing torch and diffusers before main: a Ctrl-C there is one line,
+    not Python's traceback from inside an import."""
+    process = subprocess.Popen([sys.executable, "train.py", "--output_dir", str(tmp_path / "run")], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.5)  # torch's import alone takes longer
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert err.strip() == "train.py: interrupted while starting: nothing was written" and not out
+    assert not (tmp_path / "run").exists()
+    # imported, a Ctrl-C is main's again (here while the data loads): its own line, its cleanup
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_THE_DATA_LOADS, "--cpu", *TINY, "--output_dir",
+                           str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 130 and done.stderr.strip().splitlines()[-1] == "train.py: interrupted: stopped without saving", done.stderr
 
 
 def test_the_logged_loss_is_the_mean_of_the_finite_losses_since_the_last_log():
