@@ -193,8 +193,10 @@ def changed_since(start, current):
     """'--flag before -> now' for each flag of ANNOUNCED_ON_RESUME that differs from what the run of checkpoint
     `start` last trained with (its train_config.json, not yet rewritten by this run); none without that record."""
     start = Path(start)
+    if start.parent.name != "checkpoints":  # a checkpoint folder on its own: no run's record beside it
+        return []
     try:
-        before = json.loads((start.parent.parent / "train_config.json").read_text()) if start.parent.name == "checkpoints" else {}
+        before = json.loads((start.parent.parent / "train_config.json").read_text())
     except (OSError, ValueError):
         return []
 

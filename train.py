@@ -446,7 +446,8 @@ class Run:
         state = checkpoint.read_state(start_from)
         self.step, self.skipped_before = state["step"], state.get("skipped_nonfinite", 0)
         changed = resume.changed_since(start_from, vars(self.args))  # honoured, and said
-        self.accelerator.print(f"resumed from {start_from} at step {self.step}" + "; changed: " * bool(changed) + "; ".join(changed))
+        said = f"; changed: {'; '.join(changed)}" if changed else ""
+        self.accelerator.print(f"resumed from {start_from} at step {self.step}{said}")
 
     def _announce(self):
         """train_config.json, the trackers and the first line: only for a run with steps to take."""

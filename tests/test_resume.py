@@ -225,6 +225,10 @@ def test_what_changed_on_resume_is_read_from_the_runs_train_config_and_nothing_w
         "--lr_scheduler 'cosine' -> 'constant'"]  # a tuple is the list JSON holds
     (tmp_path / "train_config.json").write_text('{"lr_scheduler": ')  # damaged, or half seen on a shared disk
     assert rules.changed_since(start, dict(lr_scheduler="constant")) == []
+    alone = tmp_path / "copied" / "checkpoint-2"  # a checkpoint copied out of its run: what is two up is not its record
+    alone.mkdir(parents=True)
+    (tmp_path / "train_config.json").write_text(json.dumps(dict(lr_scheduler="cosine")))
+    assert rules.changed_since(alone, dict(lr_scheduler="constant")) == []
 
 
 def test_a_folder_with_an_unreadable_image_resumed_streamed_trains_as_preloaded(tmp_path, capsys):
