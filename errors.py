@@ -10,6 +10,8 @@ no traceback and no usage block, one line on stderr that says what to change.
 import argparse
 import contextlib
 import logging
+import os
+import signal
 import sys
 
 # Harmless lines two libraries log when torchao (--mixed_precision fp8) is installed, on every import of
@@ -59,11 +61,33 @@ def fail(prog, message, code=2):
 
 
 @contextlib.contextmanager
-def one_line_errors(prog):
-    """ConfigError -> one line and exit code 2, RunError -> one line and exit code 1."""
+def one_line_errors(prog, interrupted=None):
+    """ConfigError -> one line and exit code 2, RunError -> one line and exit code 1; with `interrupted` (what a
+    Ctrl-C leaves, in words), a Ctrl-C -> one line and exit code 130 (train.py handles its own)."""
     try:
         yield
     except ConfigError as e:  # and its subclasses (latents.DownloadNeeded)
         fail(prog, e, 2)
     except RunError as e:
         fail(prog, e, 1)
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        print(f"{prog}: interrupted: {interrupted}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def quit_on_ctrl_c(prog):
+    """A command's first act, before it imports torch and diffusers (seconds): a Ctrl-C then exits at once, in
+    one line, not with Python's traceback from inside an import. `ctrl_c_raises` ends it, once imported."""
+
+    def quit(signum, frame):
+        sys.stderr.write(f"{prog}: interrupted while starting: nothing was written\n")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, quit)
+
+
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt again (Python's own), for the command's handling."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -29,6 +29,11 @@ Every sampler takes classifier-free guidance and autoguidance through
 `Guided`, which combines the network's outputs (docs/conditional.md).
 """
 
+import errors  # noqa: I001 (first: the standard library only)
+
+if __name__ == "__main__":  # a Ctrl-C while torch and diffusers import: one line, not their traceback
+    errors.quit_on_ctrl_c("sample.py")
+
 import argparse
 import contextlib
 import json
@@ -46,6 +51,9 @@ import metrics
 import model as models
 from errors import ConfigError, OneLineParser, one_line_errors
 from rundir import RunDir
+
+if __name__ == "__main__":
+    errors.ctrl_c_raises()  # imported: main's own handling from here
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver", "dpmsolver_sde")
 # DPM-Solver++'s stochastic form with 25 steps: fresh noise at each step corrects
@@ -661,7 +669,7 @@ def check_guide_network(guide, guide_net, source, net):
 
 
 def main(args):
-    with one_line_errors("sample.py"):
+    with one_line_errors("sample.py", interrupted="stopped before the end; the images written so far stay"):
         return run(validate(args))
 
 

@@ -23,23 +23,16 @@ import time
 
 STARTED = time.perf_counter()  # before the imports: the "ready to train" line's first part
 
-import os
-import signal
-import sys
-
-
-def _interrupted_while_starting(signum, frame):
-    sys.stderr.write("train.py: interrupted while starting: nothing was written\n")
-    os._exit(130)
-
+import errors  # noqa: I001 (first: the standard library only)
 
 if __name__ == "__main__":  # a Ctrl-C in the seconds torch and diffusers take to import: one line, not their traceback
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    errors.quit_on_ctrl_c("train.py")
 
 import contextlib
 import json
 import math
 import shutil
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,7 +57,7 @@ from config import network_size, parse_args, recorded, resolve
 from errors import ConfigError, RunError, one_line_errors
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # imported: main's own handling from here
+    errors.ctrl_c_raises()  # imported: main's own handling from here
 
 
 def main(args):

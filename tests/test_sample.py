@@ -1,5 +1,9 @@
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import safetensors.torch
@@ -12,6 +16,7 @@ import model as models
 import rundir
 import sample
 import train
+from conftest import ROOT
 from errors import ConfigError
 
 
@@ -212,6 +217,38 @@ def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, caps
     assert result["fid"] > 0 and result["reference_images"] == 32  # the run's training set
     assert (tiny_run / metrics.REFERENCE_FILE).is_file() and (tmp_path / "fid.json").is_file()
     assert f"FID {result['fid']:.3f} | KID" in capsys.readouterr().out
+
+
+def test_ctrl_c_is_one_line_and_exit_130_while_importing_and_while_sampling(tiny_run, tmp_path, monkeypatch, capsys):
+    process = subprocess.Popen([sys.executable, "sample.py", str(tiny_run), "--output", str(tmp_path / "x")], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.5)  # torch's import alone takes longer
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and err.strip() == "sample.py: interrupted while starting: nothing was written", err
+    # imported, a Ctrl-C is main's: here as the run is opened (rundir is imported first: sample.py finds it patched)
+    script = ("import os, runpy, signal, sys, rundir\n"
+              "opened = rundir.RunDir.__init__\n"
+              "def interrupted(self, *args):\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    opened(self, *args)\n"
+              "rundir.RunDir.__init__ = interrupted\n"
+              "sys.argv = ['sample.py', *sys.argv[1:]]\n"
+              "runpy.run_path('sample.py', run_name='__main__')\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_run), "--output", str(tmp_path / "z")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 130 and done.stderr.strip().splitlines()[-1].startswith("sample.py: interrupted: stopped"), done.stderr
+
+    def interrupted(*args, **kwargs):  # the first batch written, then Ctrl-C
+        yield torch.zeros(2, 3, 16, 16, dtype=torch.uint8)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "generate_batches", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        sample_main(tiny_run, "--num_images", 4, "--batch_size", 2, "--output", tmp_path / "y")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 130 and err[-1] == "sample.py: interrupted: stopped before the end; the images written so far stay"
+    assert sorted(p.name for p in (tmp_path / "y").iterdir()) == ["000000.png", "000001.png"]
 
 
 SAMPLE_ERRORS = [
