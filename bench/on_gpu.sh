@@ -15,7 +15,8 @@
 #           train.py's default (cold, in caches of its own) on 1,024 JPEGs of 256px encoded by a VAE of SD's
 #           architecture with random weights (made here: no download; the step does not depend on its weights),
 #           a checkpoint at step 60; the same again warm with its checkpoints written from a host copy beside
-#           the steps (dit-default-copy: bench/checkpoint_copy.py copy, against the default's wait),
+#           the steps (dit-default-copy: bench/checkpoint_copy.py copy, against the default's wait), 12 steps of it
+#           profiled by operator (dit-profile: --profile operators),
 #           facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), then max_autotune
 #           beside the regional row, each block compiled once, with what time is left (its kernel search takes
 #           minutes: for it alone, ON_GPU_RUNS="dit-autotune");
@@ -334,6 +335,11 @@ dit)
   # steps, checkpoint_times_s)
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default TRAIN_PY="bench/checkpoint_copy.py copy" \
     train_run dit-default-copy 120 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}" "${dit_checkpoints[@]}"
+  # Where the default step's time goes, by operator (the optimizer's, the EMA's, the clipping's share beside the
+  # matmuls' and attention's: what is left for issue 48's 40%), in the same warm caches: --profile prints the top 15
+  TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \
+    train_run dit-profile 90 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}" --max_train_steps 12 \
+    --profile operators
   reference_run dit-reference 60 "${dit_reference[@]}"
   bench_run dit-autotune 200 "${dit_autotune[@]}"
   ;;
