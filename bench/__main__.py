@@ -2,6 +2,11 @@
 
 import sys
 
-from bench import speed
+import errors  # noqa: I001 (first: the standard library only)
 
+errors.quit_on_ctrl_c("bench")  # while torch and diffusers import: one line, not their traceback
+
+from bench import speed  # noqa: E402
+
+errors.ctrl_c_raises()  # imported: speed.command's own handling from here
 sys.exit(speed.command())

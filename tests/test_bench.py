@@ -1,8 +1,11 @@
 import json
 import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -331,6 +334,33 @@ def test_a_row_that_breaks_is_recorded_and_fails_the_run(tmp_path, monkeypatch, 
     row = json.loads((tmp_path / "broken.json").read_text())["results"][0]
     assert row["status"] == "error" and row["reason"] == "RuntimeError: no kernel image is available"
     assert "tiny batch 8 reference" in capsys.readouterr().err
+
+
+# `python -m bench` with a Ctrl-C once it has imported, in its ladder's first row (bench.speed is imported first:
+# bench/__main__.py finds it patched)
+CTRL_C_IN_THE_LADDER = """
+import os, runpy, signal, sys, time
+from bench import speed
+def interrupted(*args):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+speed.run_variant = interrupted
+sys.argv = ["bench", *sys.argv[1:]]
+runpy.run_module("bench", run_name="__main__")
+"""
+
+
+def test_ctrl_c_is_one_line_and_exit_130_while_bench_imports_and_while_it_times(tmp_path):
+    process = subprocess.Popen([sys.executable, "-m", "bench", "--output", str(tmp_path)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.5)  # torch's import alone takes longer
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and err.strip() == "bench: interrupted while starting: nothing was written", err
+    done = subprocess.run([sys.executable, "-c", CTRL_C_IN_THE_LADDER, "--workload", "tiny", "--variants", "eager",
+                           "--output", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 130 and said == "bench: interrupted: the rows measured so far are in the .json in --output", done.stderr
 
 
 BAD_INPUTS = [
