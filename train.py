@@ -454,9 +454,10 @@ class Run:
             self.accelerator.init_trackers("train", config=scalars)
         _, peak_words = flops.describe_peak(self.device, args.mixed_precision, args.allow_tf32)
         latent = f" as {args.latent_size}x{args.latent_size}x{args.latent_channels} latents" if args.vae else ""
+        skipped = f" ({len(self.unreadable)} unreadable so far: skipped)" if len(self.unreadable) else ""  # preloaded: all
         self.accelerator.print(
             f"training {args.model} ({config['params']:,} parameters, --objective {args.objective}) "
-            f"on {self.num_images} images at {args.image_size}px{latent}: "
+            f"on {self.num_images} images{skipped} at {args.image_size}px{latent}: "
             f"{self.total_steps} steps of {self.images_per_step} images, mixed precision {args.mixed_precision}{self.precision_words}, "
             f"{self.world} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
             f"step; {peak_words}; step {self.compile_why}"

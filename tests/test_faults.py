@@ -311,6 +311,8 @@ def test_a_corrupt_image_is_skipped_with_a_warning_and_counted(tmp_path, capsys,
     captured = capsys.readouterr()
     assert f"warning: skipping cannot read image {images / 'bad.png'}" in captured.err
     assert "and 1 unreadable image(s)" in captured.out
+    if preload == "--preload_data":  # decoded before the first line, which says so (streamed: found as they come)
+        assert re.search(r"^training tiny .* on \d+ images \(1 unreadable so far: skipped\) at 16px", captured.out, re.M)
 
 
 def test_on_fault_stop_stops_at_a_corrupt_image(tmp_path, capsys):
