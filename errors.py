@@ -63,18 +63,29 @@ def fail(prog, message, code=2):
 @contextlib.contextmanager
 def one_line_errors(prog, interrupted=None):
     """ConfigError -> one line and exit code 2, RunError -> one line and exit code 1; with `interrupted` (what a
-    Ctrl-C leaves, in words), a Ctrl-C -> one line and exit code 130 (train.py handles its own)."""
+    Ctrl-C leaves, in words), a Ctrl-C, or an error it caused on its way out (caused_by_ctrl_c), -> one line and
+    exit code 130."""
     try:
         yield
     except ConfigError as e:  # and its subclasses (latents.DownloadNeeded)
         fail(prog, e, 2)
     except RunError as e:
         fail(prog, e, 1)
-    except KeyboardInterrupt:
-        if interrupted is None:
+    except BaseException as error:
+        if interrupted is None or not caused_by_ctrl_c(error):
             raise
         print(f"{prog}: interrupted: {interrupted}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def caused_by_ctrl_c(error):
+    """Whether `error` is a Ctrl-C's KeyboardInterrupt, or an error it caused on its way out (raised inside tqdm's
+    lock, it leaves "cannot release un-acquired lock")."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__context__
+    return False
 
 
 def quit_on_ctrl_c(prog):

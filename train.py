@@ -32,7 +32,6 @@ import contextlib
 import json
 import math
 import shutil
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,29 +64,14 @@ def main(args):
     flag, path or dataset, 1 when training cannot go on (disk full, non-finite loss with
     --on_fault stop); 143 after a SIGTERM and 130 after Ctrl-C, once the checkpoint is saved.
     Every exit, these and the normal end, leaves no process group behind and the output folder unlocked."""
-    try:
-        with one_line_errors("train.py"):
+    try:  # a second Ctrl-C in the loop, or a first one before it: no checkpoint
+        with one_line_errors("train.py", interrupted="stopped without saving"):
             resume.keep_recorded_objective(args)  # a resumed run trains on with its own objective
             args = resolve(args)
             return describe(args) if args.dry_run else train(args)
-    except BaseException as error:  # a second Ctrl-C in the loop, or a first one before it: no checkpoint
-        if not interrupted(error):
-            raise
-        print("train.py: interrupted: stopped without saving", file=sys.stderr)
-        raise SystemExit(130) from None
     finally:
         checkpoint.RunLock.release_all()
         end_process_group()
-
-
-def interrupted(error):
-    """Whether `error` is a Ctrl-C's KeyboardInterrupt, or an error it caused on its way out (raised inside tqdm's
-    lock, it leaves "cannot release un-acquired lock")."""
-    while error is not None:
-        if isinstance(error, KeyboardInterrupt):
-            return True
-        error = error.__context__
-    return False
 
 
 def end_process_group():

@@ -1026,8 +1026,5 @@ def _default_tag(env, args):
 
 def command():
     """`python -m bench`: main's exit code; Ctrl-C exits 130 (the JSON holds every row measured before it)."""
-    try:
+    with one_line_errors("bench", interrupted="the rows measured so far are in the .json in --output"):
         return main(parse_args())
-    except KeyboardInterrupt:
-        print("bench: interrupted: the rows measured so far are in the .json in --output", file=sys.stderr)
-        return 130
