@@ -411,13 +411,7 @@ class Run:
                 self.accelerator.load_state(str(start_from))
         except Exception as e:  # a damaged or missing file (torch's, safetensors' and pickle's errors): one line
             error = checkpoint.unloadable(start_from, e)
-        failed = torch.tensor(float(error is not None))
-        if self.world > 1:  # every process stops where one cannot load its part (its RNG state), none waits for it
-            torch.distributed.all_reduce(failed, group=self.main_work_group)
-        if error is not None:
-            raise error from None
-        if failed.item():
-            raise SystemExit(2)  # the process that could not load says which file
+        self.stop_together(error, 2)  # one process that cannot load its part (its RNG state) stops them all
         if self.ema is not None:
             self.ema.to(self.device)
         state = checkpoint.read_state(start_from)
@@ -529,13 +523,18 @@ class Run:
                 work()
             except (RunError, ConfigError) as e:
                 error = e
+        self.stop_together(error, 1)  # also the barrier
+
+    def stop_together(self, error, code):
+        """Every process stops where one failed (`error`, raised there; the others exit with `code` and say
+        nothing: that one says why), rather than the others waiting for it at their next collective."""
         failed = torch.tensor(float(error is not None))
-        if self.world > 1:  # also the barrier: in the group that waits long enough for the main process's work
+        if self.world > 1:  # in the group that waits long enough for the main process's work
             torch.distributed.all_reduce(failed, group=self.main_work_group)
         if error is not None:
             raise error
         if failed.item():
-            raise SystemExit(1)  # the main process prints why
+            raise SystemExit(code)
 
     def averaged_network(self):
         """A copy of the network with the EMA weights (the raw ones without an EMA)."""
