@@ -98,7 +98,7 @@ def train(args):
                 run.after_step(meter, signals)  # checkpoint, stop signals
             meter.epoch_done(epoch, run.whole_epoch(epoch))
             run.after_epoch(epoch, meter)  # sample grid, evaluation
-    run.finish(meter, train_step)  # the pipeline and run.json
+    run.finish(meter)  # the pipeline and run.json
     return run.config
 
 
@@ -467,7 +467,7 @@ class Run:
         self.startup.mark("step")
         if self.step < self.total_steps:
             meter.write(self.startup.line())
-        self.train_step = fast  # run.json's compile fields, written at the end or at a stop
+        self.train_step = fast  # run.json's compile fields (write_manifest: at the end, or at a stop)
         return fast
 
     # --- the loop's pace ---
@@ -657,8 +657,7 @@ class Run:
             self.on_main_process(lambda: self.flushed(meter))
             self.flushed(meter)  # the other processes' part
             # run.json of the steps trained so far (a preempted run's speed is kept; the resumed run's end rewrites it)
-            timing = meter.manifest() | dict(stopped_by=signals.received.name)
-            self.on_main_process(lambda: self.write_manifest(self.train_step, timing))
+            self.on_main_process(lambda: self.write_manifest(meter.manifest() | dict(stopped_by=signals.received.name)))
         again = " with --resume alone (no folder)" if isinstance(self.args.resume, str) else ""  # not from CHECKPOINT
         self.accelerator.print(
             f"stopped by {signals.received.name} at step {self.step}: saved {path}; "
@@ -667,7 +666,7 @@ class Run:
         self.accelerator.end_training()
         raise SystemExit(signals.exit_code)
 
-    def finish(self, meter, train_step):
+    def finish(self, meter):
         """The end: the pipeline and run.json after training; or why nothing was trained."""
         if not meter.trained:  # already trained to the end
             if not self.pipeline_saved():  # the end of the run was cut short
@@ -682,13 +681,13 @@ class Run:
             timing = meter.manifest()  # before the pipeline is saved: training ends here
             if self.args.ema == "power":
                 self.ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
-            self.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(train_step, timing),
+            self.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(timing),
                                           rundir.write_model_card(self.output_dir, self.config)))  # fmt: skip
             self.accelerator.end_training()  # flushes the tensorboard logs that the plots read
             if self.is_main:
                 profiling.draw_run_plots(self.output_dir)
 
-    def write_manifest(self, train_step, timing):
+    def write_manifest(self, timing):
         """run.json: everything about the run one would need to compare or reproduce it."""
         profiling.write_manifest(
             self.output_dir / "run.json",
@@ -699,9 +698,9 @@ class Run:
             steps=self.step,
             skipped_nonfinite_steps=self.skipped(),
             unreadable_images=len(self.unreadable),
-            step_compile_mode=train_step.mode_name,
-            compile_fallbacks=train_step.fallbacks,
-            cuda_graph_skips=train_step.graph_skips,
+            step_compile_mode=self.train_step.mode_name,
+            compile_fallbacks=self.train_step.fallbacks,
+            cuda_graph_skips=self.train_step.graph_skips,
             samples_dir=str(self.output_dir / "samples"),
             checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(self.output_dir)],
             checkpoint_times_s=self.checkpoint_times,
