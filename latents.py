@@ -906,14 +906,14 @@ def _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, gr
                     _send_file(tmp / name, receiver, group)
                 elif size and rank == receiver:
                     _recv_file(tmp / name, size, m["rank"], group)
-    outcome, failure, kept, cache = dict(rank=rank), None, False, None
+    outcome, failure, cache = dict(rank=rank), None, None
     if rank == leaders[rank]:
         try:
             _assemble(tmp, everyone)
             ranks = [{k: m[k] for k in ("rank", "host", "device", "start", "stop", "images", "seconds")} for m in everyone]
-            _finish(vae, key, tmp, ranks)
+            outcome["meta"] = _finish(vae, key, tmp, ranks)  # this job's encode, told even if another's cache is kept
             cache, ours = _publish(tmp, final, key, max_gib)
-            kept = not ours
+            outcome["kept"] = not ours
         except Exception as e:
             failure, outcome["error"] = e, _error(e)
     outcomes = [None] * world
@@ -929,7 +929,8 @@ def _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, gr
                     f"{m['device']}" for m in everyone)
         + f"; assembled in {folders} cache folder{'s' if folders > 1 else ''}"
     )  # fmt: skip
-    log(_encoded_line(cache.meta, key, final, kept))
+    leader = outcomes[leaders[rank]]  # its folder's encode, and whether another job's cache was kept instead of it
+    log(_encoded_line(leader["meta"], key, final, leader["kept"]))
     return cache
 
 

@@ -5,6 +5,7 @@ start torch afresh: a few seconds each."""
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -111,6 +112,19 @@ def worker(spec):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))  # fmt: skip
         run("shared", out / "shared")
+        # another job publishes this key while these two encode it: rank 0, the folder's leader, finds it there
+        publish, theirs = latents._publish, Path(results["shared"]["path"])
+
+        def another_job_first(tmp, final, key, max_gib):
+            shutil.copytree(theirs, final)
+            meta = json.loads((final / latents.META_FILE).read_text())
+            meta.update(encode_seconds=999.0, encode_device="another job's devices")
+            (final / latents.META_FILE).write_text(json.dumps(meta))
+            return publish(tmp, final, key, max_gib)
+
+        latents._publish = another_job_first
+        run("lost", out / "lost")
+        latents._publish = publish
         os.environ[latents.CACHE_ENV] = str(out / f"node{rank}")  # two "nodes": each process its own folder
         run("nodes", None)
         run("again", None)
@@ -184,6 +198,15 @@ def test_the_assembled_cache_is_the_one_process_cache_bit_for_bit(two_processes)
             assert (path / latents.LABELS_FILE).read_bytes() == (reference.path / latents.LABELS_FILE).read_bytes()
             assert result[scenario]["labels"] == reference.labels.tolist()
             assert result[scenario]["meta"]["stats"] == reference.meta["stats"]  # the same sums, not per share
+
+
+def test_a_job_that_lost_the_race_to_publish_says_its_own_encode_on_every_process(two_processes):
+    _, ranks, _ = two_processes
+    for result in ranks:
+        assert result["lost"]["meta"]["encode_device"] == "another job's devices"  # it reads the other job's cache
+        line = result["lost"]["lines"][-1]
+        assert line.startswith("encoded 199 images") and "(2 processes)" in line and "999" not in line, line
+        assert line.endswith("(another process published this key first: reading its cache)")
 
 
 def test_two_nodes_each_end_with_the_full_cache_and_a_second_call_encodes_nothing(two_processes):
