@@ -25,6 +25,11 @@ in least squares to the wanted profile (Algorithm 3).
 Time is the optimizer step, counted from 1.
 """
 
+import errors  # noqa: I001 (first: the standard library only)
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports: one line, not its traceback
+    errors.quit_on_ctrl_c("ema.py")
+
 import json
 import types
 from copy import deepcopy
@@ -37,6 +42,9 @@ import fp8
 import model as models
 from errors import ConfigError, OneLineParser, one_line_errors
 from rundir import CONFIG_FILE, RunDir, save_network
+
+if __name__ == "__main__":
+    errors.ctrl_c_raises()  # imported: main's own handling from here
 
 SNAPSHOT_DIR = "ema_snapshots"
 MAX_STD = (1 / 12) ** 0.5  # sigma_rel of gamma = 0, the uniform average of the whole run
@@ -293,7 +301,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    with one_line_errors("ema.py"):
+    with one_line_errors("ema.py", interrupted="stopped before the end: run it again to write the network whole"):
         return reconstruct_command(args)
 
 

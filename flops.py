@@ -21,6 +21,11 @@ MFU counts the model's FLOPs once; HFU counts what the hardware executes,
 which under gradient checkpointing includes the recomputed forward passes.
 """
 
+import errors  # noqa: I001 (first: the standard library only)
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports: one line, not its traceback
+    errors.quit_on_ctrl_c("flops.py")
+
 import argparse
 import json
 import re
@@ -33,6 +38,9 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import model as models
 from errors import ConfigError, OneLineParser, one_line_errors
+
+if __name__ == "__main__":
+    errors.ctrl_c_raises()  # imported: main's own handling from here
 
 
 def _attention_flops(query, key, value, *args, out_shape=None, **kwargs):
@@ -292,7 +300,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    with one_line_errors("flops.py"):
+    with one_line_errors("flops.py", interrupted="stopped: nothing was written"):
         if args.train_batch_size < 1:
             raise ConfigError(f"--train_batch_size must be at least 1 (got {args.train_batch_size})")
         if args.channels < 1:

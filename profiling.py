@@ -8,6 +8,11 @@ torch.profiler (`make_profiler`), `draw_run_plots` draws the logged scalars
 at the end, and `write_manifest` writes `run.json`.
 """
 
+import errors  # noqa: I001 (first: the standard library only)
+
+if __name__ == "__main__":  # a Ctrl-C while torch imports: one line, not its traceback
+    errors.quit_on_ctrl_c("profiling.py")
+
 import contextlib
 import json
 import math
@@ -25,6 +30,9 @@ import torch
 
 from errors import ConfigError, OneLineParser, one_line_errors
 from flops import seconds_between, time_mark
+
+if __name__ == "__main__":
+    errors.ctrl_c_raises()  # imported: main's own handling from here
 
 # The phases of a training step, in order ("step": all but the data, when the
 # step is one CUDA graph), then what happens outside the steps ("compile": the
@@ -508,7 +516,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    with one_line_errors("profiling.py"):
+    with one_line_errors("profiling.py", interrupted="stopped: the plots drawn so far stay"):
         return plots_command(args)
 
 

@@ -289,3 +289,46 @@ def test_train_py_step_line_for_a_dit_has_flops_py_count_and_its_mfu(tmp_path, c
     assert per_step == 4 * flops.unet_flops("dit-tiny", 16, 1)["flops_fwdbwd"]
     assert line and line.group(1) == f"{per_step / 1e12:.4g}"
     assert float(line.group(3)) == pytest.approx(100 * float(line.group(2)) / 0.001, rel=1e-3, abs=0.051)
+
+
+# The small tools' Ctrl-C: while torch imports (errors.quit_on_ctrl_c), then in main (errors.ctrl_c_raises and
+# one_line_errors(interrupted=...)): one line each, exit code 130, never Python's traceback. For main's, a function
+# each tool calls from another module sends the SIGINT (the tool runs as __main__, its own functions out of reach).
+SMALL_TOOLS = {
+    "flops.py": ("import model\nopened = model.resolve_model_name\n"
+                 "def interrupted(*args):\n    os.kill(os.getpid(), signal.SIGINT)\n    return opened(*args)\n"
+                 "model.resolve_model_name = interrupted\n", [], "stopped: nothing was written"),
+    "ema.py": ("import rundir\nopened = rundir.RunDir.__init__\n"
+               "def interrupted(self, *args):\n    os.kill(os.getpid(), signal.SIGINT)\n    opened(self, *args)\n"
+               "rundir.RunDir.__init__ = interrupted\n", ["reconstruct", "{folder}", "--std", "0.1"],
+               "stopped before the end: run it again to write the network whole"),
+    "profiling.py": ("import tensorboard.backend.event_processing.event_accumulator as events\n"
+                     "opened = events.EventAccumulator\n"
+                     "def interrupted(*args, **kwargs):\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                     "    return opened(*args, **kwargs)\n"
+                     "events.EventAccumulator = interrupted\n", ["plots", "{folder}"], "stopped: the plots drawn so far stay"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool", sorted(SMALL_TOOLS))
+def test_ctrl_c_in_a_small_tool_is_one_line_and_exit_130(tool, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    patch, argv, words = SMALL_TOOLS[tool]
+    argv = [a.format(folder=tmp_path) for a in argv]
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "events.out.tfevents.1").write_bytes(b"")
+    process = subprocess.Popen([sys.executable, tool, *argv], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    time.sleep(0.5)  # torch's import alone takes longer
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and err.strip() == f"{tool}: interrupted while starting: nothing was written", err
+    script = f"import os, runpy, signal, sys\n{patch}sys.argv = [{tool!r}, *sys.argv[1:]]\nrunpy.run_path({tool!r}, run_name='__main__')\n"
+    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and done.stderr.strip() == f"{tool}: interrupted: {words}", done.stderr
