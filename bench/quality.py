@@ -130,6 +130,7 @@ def add_arguments(p):
                    help="the images: the built-in shapes, the LFW crops (faces FD) or labelled photos (class match)")
     q.add_argument("--quality_guidance", default="1,2,3",
                    help="--quality_data labelled: the guidance scales w each score samples at, comma-separated")
+    return q
 
 
 def validate(args):

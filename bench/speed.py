@@ -893,10 +893,19 @@ def parse_args(argv=None):
                    help="what a compiled step compiles: the network as one graph, or each repeated block once "
                         "(train.py: by the run's length, step.choose_compile_scope); a DiT's rows (fp8, the "
                         "attention kernels, max_autotune) take it too, else compile the whole network")  # fmt: skip
-    sweep.add_arguments(p)
-    quality.add_arguments(p)
+    groups = {"--sweep": sweep.add_arguments(p), "--quality": quality.add_arguments(p)}
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    # the flags typed (abbreviated too): argparse gives a default only to a name the namespace lacks
+    unset = object()
+    typed = vars(p.parse_args(argv, argparse.Namespace(**{a.dest: unset for a in p._actions})))
+    # each command's own flags, typed for another, which would leave them unread; the sweeps' --train_args is
+    # the quality ladder's too
+    args.unread = {f"--{a.dest}": command for command, group in groups.items() for a in group._group_actions
+                   if typed[a.dest] is not unset and f"--{a.dest}" != command}  # fmt: skip
+    if args.sweep or args.quality:
+        args.unread.pop("--train_args", None)
+    args.unread = {flag: command for flag, command in args.unread.items() if not getattr(args, command[2:])}
     args.train_settings = {name: getattr(args, name) for name in (*SETTING_FLAGS, "compile_scope") if getattr(args, name) is not None}
     return args
 
@@ -912,8 +921,6 @@ def validate(args):
             raise ConfigError(f"--redraw {args.redraw}: not the JSON of a python -m bench run")
         args.redraw_result = result
         return args
-    if args.values is not None:  # the ladder would run, its values unread
-        raise ConfigError(f"--values {args.values} are a sweep's: add --sweep NAME ({', '.join(sweep.SWEEPS)})")
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
     if args.warmup < 0:
@@ -938,8 +945,21 @@ def validate(args):
     return args
 
 
+def refuse_unread(args):
+    """One command at a time (the ladder, --sweep or --quality), and no flag of another's, which it would not read."""
+    if args.sweep and args.quality:
+        raise ConfigError("--sweep and --quality are two commands: give one")
+    for flag, command in args.unread.items():
+        if args.sweep or args.quality:
+            raise ConfigError(f"{flag} is {command}'s, and {'--sweep' if args.sweep else '--quality'} does not read it: leave it out")
+        add = f"--sweep NAME ({', '.join(sweep.SWEEPS)})" if command == "--sweep" else "--quality"
+        raise ConfigError(f"{flag} is {command}'s, and the ladder does not read it: add {add}, or leave it out")
+
+
 def main(args):
     """Run the ladder; 0 when every row that ran passed its check, 1 otherwise; a bad flag exits 2 with one line."""
+    with one_line_errors("bench"):
+        refuse_unread(args)
     if args.sweep:  # whole train.py runs on the built-in images: the pixel workloads
         return sweep.main(args, {k: w for k, w in WORKLOADS.items() if not w.get("channels")}, draw_chart_if_possible)
     if args.quality:

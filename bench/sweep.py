@@ -153,6 +153,7 @@ def add_arguments(p):
         default="",
         help="more train.py flags for every point, in one quoted string (one flag alone: --train_args=--augment=none)",
     )
+    return s
 
 
 def validate(args, workloads):

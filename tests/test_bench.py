@@ -371,7 +371,13 @@ BAD_INPUTS = [
     (["--variants", "reference,warp"], "unknown --variants 'warp'"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--warmup", "-1"], "--warmup must be at least 0"),
-    (["--values", "8,16"], "--values 8,16 are a sweep's: add --sweep NAME (batch_size,"),  # not the ladder, unread
+    # another command's flags, which would be left unread (abbreviated too, as argparse takes them)
+    (["--values", "8,16"], "--values is --sweep's, and the ladder does not read it: add --sweep NAME (batch_size,"),
+    (["--num_im", "64"], "--num_images is --sweep's, and the ladder does not read it"),
+    (["--rows", "ddpm"], "--rows is --quality's, and the ladder does not read it: add --quality, or leave it out"),
+    (["--quality", "--sweep_epochs", "3"], "--sweep_epochs is --sweep's, and --quality does not read it: leave it out"),
+    (["--sweep", "batch_size", "--quality_images", "64"], "--quality_images is --quality's, and --sweep does not"),
+    (["--sweep", "batch_size", "--quality"], "--sweep and --quality are two commands: give one"),
     (["--output", "{file}"], "cannot write to --output"),
     (["--redraw", "{file}"], "not the JSON of a python -m bench run"),
 ]
