@@ -20,7 +20,7 @@ RUNS = {
     "ref128": ["ref128-default-cold", "ref128-default-warm", "ref128-diffusers", "ref128-step-graph"],
     "adm64": ["adm64-auto-cold", "adm64-step-graph", "adm64-default", "adm64-diffusers"],
     "fused": ["ref128-fused", "adm64-fused"],
-    "dit": ["dit-ladder", "dit-default-cold", "dit-default-copy", "dit-reference", "dit-autotune"],
+    "dit": ["dit-ladder", "dit-default-cold", "dit-default-copy", "dit-profile", "dit-reference", "dit-autotune"],
     "cold": ["dit-regional", "dit-regional-inductor", "ddpm32-regional", "ddpm32-whole", "dit-whole", "bare-cold"],
 }
 
