@@ -1,5 +1,6 @@
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -202,3 +203,45 @@ def test_reconstruct_at_a_step_without_snapshot_names_the_steps(power_run, capsy
     with pytest.raises(SystemExit):
         ema.main(ema.parse_args(["reconstruct", str(power_run), "--std", "0.07", "--step", "5"]))
     assert "--step 5: no snapshot at that step; there are 3, 6, 8" in capsys.readouterr().err
+
+
+def test_the_standard_ema_is_diffusers_update_in_one_pass_over_the_weights():
+    """--ema standard (ema.LerpEMA): diffusers' EMAModel's decay, warm-up and state, its foreach update one lerp
+    over the weights and averages (diffusers' two subtractions also write and read a temporary copy of every
+    weight); a weight that is not trained is copied, as diffusers copies it."""
+    from diffusers.training_utils import EMAModel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    network = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    network[1].bias.requires_grad_(False)
+    settings = dict(decay=0.9999, use_ema_warmup=True, inv_gamma=1.0, power=0.75, foreach=True)
+    ours, theirs = ema.LerpEMA(network.parameters(), **settings), EMAModel(network.parameters(), **settings)
+    for _ in range(5):
+        with torch.no_grad():
+            for p in network.parameters():
+                p.add_(torch.randn_like(p))
+        with Ops() as ops:
+            ours.step(network.parameters())
+        theirs.step(network.parameters())
+        assert ours.cur_decay_value == theirs.cur_decay_value and ours.optimization_step == theirs.optimization_step
+        for a, b in zip(ours.shadow_params, theirs.shadow_params, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert ops.names.count("_foreach_lerp_.Scalar") == 1 and not [n for n in ops.names if "sub" in n], ops.names
+    assert torch.equal(ours.shadow_params[3], network[1].bias)  # not trained: copied
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    loop = ema.LerpEMA(network.parameters(), **dict(settings, foreach=False))  # the ladder's diffusers_example row
+    with Ops() as ops:
+        loop.step(network.parameters())
+    assert "lerp" not in " ".join(ops.names) and ops.names.count("sub_.Tensor") == 3, ops.names  # diffusers' loop
+    standard = SimpleNamespace(ema="standard", ema_max_decay=0.9999, ema_inv_gamma=1.0, ema_power=0.75)
+    assert type(ema.make_ema(standard, network, write=False)) is ema.LerpEMA  # what train.py builds
