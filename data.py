@@ -571,34 +571,38 @@ def loader_generator(seed, epoch):
 
 
 class _IndexBatches(torch.utils.data.Sampler):
-    def __init__(self, batches):
-        self.batches = batches
+    """The index lists of `batches`; with `epoch`, each index as (epoch, index): what _EpochDraws takes."""
+
+    def __init__(self, batches, epoch=None):
+        self.batches, self.epoch = batches, epoch
 
     def __iter__(self):
-        return iter(b.tolist() for b in self.batches)
+        if self.epoch is None:
+            return iter(b.tolist() for b in self.batches)
+        return iter([(self.epoch, i) for i in b.tolist()] for b in self.batches)
 
     def __len__(self):
         return len(self.batches)
 
 
 class _EpochDraws(torch.utils.data.Dataset):
-    """A latents.LatentDataset at one epoch, for DataLoader workers: `__getitems__` draws a whole batch of
-    indices with its `batch`, set to the epoch in the worker itself, so that a worker's batch is the one
-    this process would draw. A draw reads only its images' rows of the cache's array (a forked worker
-    shares the array: nothing copies it)."""
+    """A latents.LatentDataset for DataLoader workers: `__getitems__` draws a whole batch of (epoch, index)
+    pairs with its `batch`, set to the epoch in the worker itself, so that a worker's batch is the one this
+    process would draw, and one set of workers serves every epoch. A draw reads only its images' rows of the
+    cache's array (a forked worker shares the array: nothing copies it)."""
 
-    def __init__(self, dataset, epoch):
-        self.dataset, self.epoch = dataset, epoch
+    def __init__(self, dataset):
+        self.dataset = dataset
 
     def __len__(self):
         return len(self.dataset)
 
-    def __getitems__(self, indices):
-        self.dataset.set_epoch(self.epoch)
-        return self.dataset.batch(torch.tensor(indices, dtype=torch.long))
+    def __getitems__(self, pairs):
+        self.dataset.set_epoch(pairs[0][0])
+        return self.dataset.batch(torch.tensor([i for _, i in pairs], dtype=torch.long))
 
-    def __getitem__(self, i):
-        return self.__getitems__([i])[0]
+    def __getitem__(self, pair):
+        return self.__getitems__([pair])[0]
 
 
 def _as_drawn(batch):
@@ -631,6 +635,7 @@ class Batches:
             raise ValueError(f"{len(labels)} labels for {len(source)} images")
         # Preloaded labels sit where the images do, so that one index picks both.
         self.labels = labels.to(source.device) if labels is not None and self.preloaded else labels
+        self.draws = None  # a latent run's workers, started once for every epoch (epoch)
 
     def __len__(self):
         return len(self.source)
@@ -638,12 +643,12 @@ class Batches:
     def batches_per_epoch(self):
         return len(self.source) // (self.batch_size * self.world_size)
 
-    def _loader(self, dataset, batches, collate, epoch):
-        """A DataLoader of `batches` (index tensors) of `dataset` through the workers, pinned on CUDA, its workers'
+    def _loader(self, dataset, sampler, collate, epoch, persistent=False):
+        """A DataLoader of `sampler`'s batches of `dataset` through the workers, pinned on CUDA, its workers'
         seeds from a generator of its own (loader_generator)."""
-        return torch.utils.data.DataLoader(dataset, batch_sampler=_IndexBatches(batches), num_workers=self.num_workers,
+        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers,
                                            collate_fn=collate, pin_memory=self.device.type == "cuda",
-                                           persistent_workers=False, generator=loader_generator(self.seed, epoch))  # fmt: skip
+                                           persistent_workers=persistent, generator=loader_generator(self.seed, epoch))  # fmt: skip
 
     def epoch(self, epoch, start=0):
         """The epoch's batches from batch index `start` on."""
@@ -652,8 +657,12 @@ class Batches:
         if self.drawn:  # a latent run's: each image's latent drawn for this epoch (latents.LatentDataset)
             if self.num_workers and batches:
                 # Drawn ahead by worker processes, batch for batch the same as in this process (_EpochDraws);
-                # forked, they share the cache's array.
-                draws = self._loader(_EpochDraws(self.source, epoch), batches, _as_drawn, epoch)
+                # forked, they share the cache's array. Started once: workers forked anew each epoch kept the
+                # first step of every epoch waiting for them (a draw needs no random state for them to keep).
+                if self.draws is None:
+                    self.draws = self._loader(_EpochDraws(self.source), _IndexBatches([], epoch), _as_drawn, 0, persistent=True)
+                self.draws.batch_sampler.batches, self.draws.batch_sampler.epoch = batches, epoch
+                draws = iter(self.draws)
             else:
                 self.source.set_epoch(epoch)
                 draws = map(self.source.batch, batches)
@@ -683,7 +692,7 @@ class Batches:
             if failure is not None:
                 raise ConfigError(failure)
             return
-        loader = self._loader(self.source, batches, _collate_decoded, epoch)
+        loader = self._loader(self.source, _IndexBatches(batches), _collate_decoded, epoch)
         for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)
             if images is None:

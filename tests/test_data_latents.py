@@ -152,8 +152,10 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
     drawn = {epoch: list(here.epoch(epoch)) for epoch in (0, 1)}  # this process' dataset is left at epoch 1
     in_here, batch = [], dataset.batch
     dataset.batch = lambda indices: in_here.append(indices) or batch(indices)  # a forked worker counts in its copy
+    workers = []
     for epoch in (0, 1):
         got = list(ahead.epoch(epoch))
+        workers.append([w.pid for w in ahead.draws._iterator._workers])
         assert len(got) == 3
         for (z, y), (same_z, same_y), index in zip(got, drawn[epoch], data.epoch_batches(12, 4, 3, epoch), strict=True):
             assert torch.equal(z, same_z) and torch.equal(y, same_y) and torch.equal(y, labels[index])
@@ -161,3 +163,5 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
     resumed = list(ahead.epoch(1, start=2))
     assert len(resumed) == 1 and torch.equal(resumed[0][0], drawn[1][2][0])
     assert in_here == []  # every batch drawn by the workers
+    # started once: the same two workers drew every epoch (forked anew, each epoch's first step waited for them)
+    assert len(workers[0]) == 2 and workers[0] == workers[1] == [w.pid for w in ahead.draws._iterator._workers]
