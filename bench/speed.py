@@ -839,6 +839,8 @@ def _batch_sizes(text):
 
 
 # the ladder's flags for config.SPEED_SETTINGS, the settings its rows vary and train.py does not.
+# The ladder's own flags (with SETTING_FLAGS): --sweep and --quality do not read them.
+LADDER_FLAGS = ("batch_sizes", "variants", "steps", "warmup", "compile_workers", "compile_scope")
 SETTING_FLAGS = dict(
     channels_last="channels_last (NHWC) weights and activations (train.py: off, on with fused_norm)",
     cudnn_benchmark="cudnn.benchmark (train.py: on with a CUDA GPU)",
@@ -899,13 +901,16 @@ def parse_args(argv=None):
     # the flags typed (abbreviated too): argparse gives a default only to a name the namespace lacks
     unset = object()
     typed = vars(p.parse_args(argv, argparse.Namespace(**{a.dest: unset for a in p._actions})))
-    # each command's own flags, typed for another, which would leave them unread; the sweeps' --train_args is
-    # the quality ladder's too
-    args.unread = {f"--{a.dest}": command for command, group in groups.items() for a in group._group_actions
-                   if typed[a.dest] is not unset and f"--{a.dest}" != command}  # fmt: skip
-    if args.sweep or args.quality:
-        args.unread.pop("--train_args", None)
-    args.unread = {flag: command for flag, command in args.unread.items() if not getattr(args, command[2:])}
+    # which commands read each flag (the others: every command), so that one typed for another is refused, not
+    # left unread; the sweep says itself that --batch_sizes and --variants are the ladder's
+    readers = {f"--{a.dest}": ("the ladder",) for a in p._actions if a.dest in (*LADDER_FLAGS, *SETTING_FLAGS)}
+    readers |= {f"--{a.dest}": (command,) for command, group in groups.items() for a in group._group_actions
+                if f"--{a.dest}" != command}  # fmt: skip
+    readers |= {"--workload": ("the ladder", "--sweep"), "--train_args": ("--sweep", "--quality")}
+    args.running = "--sweep" if args.sweep else "--quality" if args.quality else "the ladder"
+    args.unread = {flag: commands for flag, commands in readers.items() if typed[flag[2:]] is not unset
+                   and args.running not in commands
+                   and not (args.running == "--sweep" and flag in ("--batch_sizes", "--variants"))}  # fmt: skip
     args.train_settings = {name: getattr(args, name) for name in (*SETTING_FLAGS, "compile_scope") if getattr(args, name) is not None}
     return args
 
@@ -946,14 +951,17 @@ def validate(args):
 
 
 def refuse_unread(args):
-    """One command at a time (the ladder, --sweep or --quality), and no flag of another's, which it would not read."""
-    if args.sweep and args.quality:
-        raise ConfigError("--sweep and --quality are two commands: give one")
-    for flag, command in args.unread.items():
-        if args.sweep or args.quality:
-            raise ConfigError(f"{flag} is {command}'s, and {'--sweep' if args.sweep else '--quality'} does not read it: leave it out")
-        add = f"--sweep NAME ({', '.join(sweep.SWEEPS)})" if command == "--sweep" else "--quality"
-        raise ConfigError(f"{flag} is {command}'s, and the ladder does not read it: add {add}, or leave it out")
+    """One command at a time (the ladder, --sweep, --quality or --redraw), and no flag of another's, which it
+    would not read."""
+    given = [flag for flag in ("--sweep", "--quality", "--redraw") if getattr(args, flag[2:])]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} are two commands: give one")
+    for flag, commands in args.unread.items():
+        owner = " and ".join(f"{c}'s" for c in commands)
+        if args.running != "the ladder":
+            raise ConfigError(f"{flag} is {owner}, and {args.running} does not read it: leave it out")
+        add = " or ".join(f"--sweep NAME ({', '.join(sweep.SWEEPS)})" if c == "--sweep" else c for c in commands)
+        raise ConfigError(f"{flag} is {owner}, and the ladder does not read it: add {add}, or leave it out")
 
 
 def main(args):

@@ -378,6 +378,10 @@ BAD_INPUTS = [
     (["--quality", "--sweep_epochs", "3"], "--sweep_epochs is --sweep's, and --quality does not read it: leave it out"),
     (["--sweep", "batch_size", "--quality_images", "64"], "--quality_images is --quality's, and --sweep does not"),
     (["--sweep", "batch_size", "--quality"], "--sweep and --quality are two commands: give one"),
+    (["--quality", "--redraw", "{file}"], "--quality and --redraw are two commands: give one"),
+    (["--train_args=--seed 1"], "--train_args is --sweep's and --quality's, and the ladder does not read it: add --sweep"),
+    (["--quality", "--steps", "3"], "--steps is the ladder's, and --quality does not read it: leave it out"),
+    (["--sweep", "batch_size", "--channels_last"], "--channels_last is the ladder's, and --sweep does not read it"),
     (["--output", "{file}"], "cannot write to --output"),
     (["--redraw", "{file}"], "not the JSON of a python -m bench run"),
 ]
