@@ -839,8 +839,6 @@ def _batch_sizes(text):
 
 
 # the ladder's flags for config.SPEED_SETTINGS, the settings its rows vary and train.py does not.
-# The ladder's own flags (with SETTING_FLAGS): --sweep and --quality do not read them.
-LADDER_FLAGS = ("batch_sizes", "variants", "steps", "warmup", "compile_workers", "compile_scope")
 SETTING_FLAGS = dict(
     channels_last="channels_last (NHWC) weights and activations (train.py: off, on with fused_norm)",
     cudnn_benchmark="cudnn.benchmark (train.py: on with a CUDA GPU)",
@@ -849,6 +847,8 @@ SETTING_FLAGS = dict(
     fused_norm="fused_norm.py's NHWC GroupNorm+SiLU kernels; needs a CUDA GPU and channels_last (train.py: off)",
 )
 assert set(SETTING_FLAGS) == set(config.SPEED_SETTINGS)
+# The ladder's own flags (with SETTING_FLAGS): --sweep and --quality do not read them.
+LADDER_FLAGS = ("batch_sizes", "variants", "steps", "warmup", "compile_workers", "compile_scope")
 
 
 def parse_args(argv=None):
