@@ -6,7 +6,8 @@ Rows come from runs.tsv (name, exit status, start and end as epoch seconds, budg
 run's numbers come from its run.json: the median step, img/s, MFU, the mode its step ran in, the
 compile and the time to its first step (from launch: imports, data, model and the compile; the notes
 give the three longest parts of its startup, run.json's startup_s, and its checkpoints' seconds the
-steps waited and then beside them, checkpoint_times_s). A diffusers run's come from its
+steps waited and then beside them, checkpoint_times_s, and the mean milliseconds of each part of its steps,
+time_breakdown_s). A diffusers run's come from its
 progress bar: the rate of its last whole epoch after the first. A speed-ladder run's (python -m bench)
 from its JSON: its last row that ran (its first call as the compile), the others in the notes. The
 reference DiT step's (bench/dit_reference.py) from the run.json it writes, as a train.py run's.
@@ -18,6 +19,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+# profiling.STEP_PHASES (which imports torch; this runs without it): the parts of a step in run.json's time_breakdown_s
+STEP_PHASES = ("data", "forward", "backward", "optimizer", "ema", "step")
 COLUMNS = ("run", "exit", "wall s", "mode", "ms/step", "img/s", "MFU", "compile s", "1st step s", "peak GiB", "notes")
 
 
@@ -48,6 +51,9 @@ def train_numbers(pack, row):
         wall = f" of {run['train_wall_s']:.1f} s training" if run.get("train_wall_s") else ""  # the host copy's A/B: the whole
         notes.append(f"{len(times)} checkpoint(s), {copied} from a host copy: the steps waited {sum(t['waited'] for t in times):.1f} s{wall}, "
                      f"then {sum(t['beside'] for t in times):.1f} s beside training")  # fmt: skip
+    if run.get("time_breakdown_s") and run.get("steps"):  # where a step's time went, on average (CUDA events)
+        per_step = {k: 1000 * run["time_breakdown_s"].get(k, 0) / run["steps"] for k in STEP_PHASES}
+        notes.append("per step " + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items() if v) + " ms (mean)")
     step = run.get("median_step_time_s")
     return {
         "mode": run.get("step_compile_mode"),

@@ -113,9 +113,16 @@ def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
     startup = dict(imports=4.0, accelerate=0.5, data=9.5, network=3.0, step=0.01)  # train.py's startup_s
     run = json.loads((pack / "dit-default-cold.run.json").read_text())
     flushes = [dict(step=100, waited=0.5, beside=7.5, copied=True), dict(step=120, waited=4.5, beside=7.0, copied=False)]
-    (pack / "dit-default-cold.run.json").write_text(json.dumps(run | dict(startup_s=startup, checkpoint_times_s=flushes, train_wall_s=80.0)))
+    breakdown = dict(data=1.5, forward=4.3, backward=9.2, optimizer=1.25, ema=0.75, step=0.0, compile=84.7)
+    (pack / "dit-default-cold.run.json").write_text(json.dumps(run | dict(startup_s=startup, checkpoint_times_s=flushes, train_wall_s=80.0,
+                                                                          time_breakdown_s=breakdown, steps=125)))  # fmt: skip
     summary = pack_summary.summarize(tmp_path, "dit")
     assert "dit-default-cold: 2.00x the reference step" in summary.splitlines()
     # a train.py run's notes say how long it took to be ready to train, and its longest parts
     assert "ready in 17.0 s: data 9.5, imports 4.0, network 3.0" in summary
+    # and where its steps' time went, per step (the compile is not a step's)
+    assert "per step data 12.0, forward 34.4, backward 73.6, optimizer 10.0, ema 6.0 ms (mean)" in summary
+    import profiling
+
+    assert pack_summary.STEP_PHASES == profiling.STEP_PHASES
     assert "2 checkpoint(s), 1 from a host copy: the steps waited 5.0 s of 80.0 s training, then 14.5 s beside training" in summary
