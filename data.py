@@ -15,13 +15,16 @@ the epoch (`epoch_batches`), so a resumed run starts mid-epoch without
 decoding the batches it skips.
 """
 
+import atexit
 import copy
 import hashlib
 import logging
 import math
 import operator
 import os
+import signal
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -570,6 +573,39 @@ def loader_generator(seed, epoch):
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch) + 7)
 
 
+# The iterators of every DataLoader with workers that Batches made and has not ended (stop_workers).
+_WITH_WORKERS = weakref.WeakSet()
+
+
+def _ignore_stop_signals(worker_id):
+    """A DataLoader worker's first act: SIGTERM and SIGINT are the main process's to act on. A cluster that
+    preempts a job signals every one of its processes, and a terminal's Ctrl-C goes to the whole process group:
+    a worker that died of it made the main process fail at its next batch ("DataLoader worker ... is killed by
+    signal: Terminated") before it had saved the step's checkpoint. The main process ends its workers itself
+    (stop_workers); a worker whose main process died notices within seconds and ends (torch's watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _with_workers(loader):
+    """iter(loader), ended by stop_workers if it still runs then."""
+    iterator = iter(loader)
+    if loader.num_workers:
+        _WITH_WORKERS.add(iterator)
+    return iterator
+
+
+def stop_workers():
+    """End the workers of every DataLoader Batches made (train.main's last act, and any process's at exit: they
+    ignore SIGTERM, which multiprocessing's own exit sends them before it waits for them)."""
+    for iterator in list(_WITH_WORKERS):
+        iterator._shutdown_workers()  # what the iterator does at its end and when deleted
+    _WITH_WORKERS.clear()
+
+
+atexit.register(stop_workers)  # after multiprocessing's exit handler, so run before it
+
+
 class _IndexBatches(torch.utils.data.Sampler):
     """The index lists of `batches`; with `epoch`, each index as (epoch, index): what _EpochDraws takes."""
 
@@ -648,7 +684,8 @@ class Batches:
         seeds from a generator of its own (loader_generator)."""
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers,
                                            collate_fn=collate, pin_memory=self.device.type == "cuda",
-                                           persistent_workers=persistent, generator=loader_generator(self.seed, epoch))  # fmt: skip
+                                           persistent_workers=persistent, generator=loader_generator(self.seed, epoch),
+                                           worker_init_fn=_ignore_stop_signals)  # fmt: skip
 
     def epoch(self, epoch, start=0):
         """The epoch's batches from batch index `start` on."""
@@ -662,7 +699,7 @@ class Batches:
                 if self.draws is None:
                     self.draws = self._loader(_EpochDraws(self.source), _IndexBatches([], epoch), _as_drawn, 0, persistent=True)
                 self.draws.batch_sampler.batches, self.draws.batch_sampler.epoch = batches, epoch
-                draws = iter(self.draws)
+                draws = _with_workers(self.draws)
             else:
                 self.source.set_epoch(epoch)
                 draws = map(self.source.batch, batches)
@@ -692,7 +729,7 @@ class Batches:
             if failure is not None:
                 raise ConfigError(failure)
             return
-        loader = self._loader(self.source, _IndexBatches(batches), _collate_decoded, epoch)
+        loader = _with_workers(self._loader(self.source, _IndexBatches(batches), _collate_decoded, epoch))
         for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)
             if images is None:

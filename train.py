@@ -70,6 +70,7 @@ def main(args):
             args = resolve(args)
             return describe(args) if args.dry_run else train(args)
     finally:
+        data.stop_workers()  # the DataLoader workers, which leave SIGTERM and SIGINT to this process
         checkpoint.RunLock.release_all()
         end_process_group()
 

@@ -1,9 +1,12 @@
+import sys
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 import data
+from conftest import ROOT
 from errors import ConfigError
 
 
@@ -263,3 +266,31 @@ def test_a_batch_of_only_unreadable_images_stops_preloaded_data_as_streamed(tmp_
         outcomes.append(got)
     preloaded, streamed = outcomes
     assert len(preloaded) == len(streamed) == 3 and all(torch.equal(a, b) for a, b in zip(preloaded, streamed))
+
+
+STREAM_AND_EXIT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import data
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((3, 8, 8), i, dtype=torch.uint8), None
+
+batches = data.Batches(Items(), 4, 0, torch.device("cpu"), num_workers=2).epoch(0)
+next(batches)
+print("exiting mid-epoch")
+"""
+
+
+def test_a_process_that_exits_mid_epoch_ends_its_workers_which_ignore_sigterm(tmp_path):
+    """DataLoader workers leave SIGTERM to the main process (data._ignore_stop_signals); multiprocessing's exit
+    sends them SIGTERM and waits: data.stop_workers, at exit, ends them first, or the process would never end."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", STREAM_AND_EXIT.format(root=str(ROOT))], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "exiting mid-epoch", done.stderr[-2000:]

@@ -416,3 +416,30 @@ def test_a_file_in_the_latent_caches_place_is_one_line_before_any_encode(tmp_pat
     says = refused(tmp_path / "run", capsys, "--max_train_steps", 1, "--vae", vae)
     assert says == (f"train.py: error: ${latents.CACHE_ENV} {tmp_path / 'a_file' / 'cache'}: {tmp_path / 'a_file'} "
                     f"is a file, not a folder; choose another ${latents.CACHE_ENV}")  # fmt: skip
+
+
+def test_a_stop_signal_to_every_process_of_the_job_saves_the_checkpoint_with_draw_workers(tmp_path, vae, monkeypatch, capsys):
+    """A cluster's preemption sends SIGTERM to every process of the job (a terminal's Ctrl-C, SIGINT, to the
+    whole process group): the draw workers died of it and the main process failed at its next batch ("DataLoader
+    worker ... is killed by signal: Terminated") before saving. The workers leave it to the main process, which
+    saves the step's checkpoint, exits 143 and ends them."""
+    import multiprocessing
+    import os
+    import signal
+    import subprocess
+
+    done = flops.StepTimer.step_done
+
+    def step_done(self):
+        done(self)
+        if self.steps_seen == 3:  # the job's processes signalled by another (a worker takes its parent's as a stop)
+            subprocess.run(["kill", "-TERM", *(str(w.pid) for w in multiprocessing.active_children())], check=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(flops.StepTimer, "step_done", step_done)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        train_latents(out, vae, "--dataloader_num_workers", 2, "--max_train_steps", 40, "--save_images_epochs", 100)
+    assert stopped.value.code == 143, capsys.readouterr().err[-2000:]
+    assert (out / "checkpoints" / "checkpoint-3").is_dir() and "stopped by SIGTERM at step 3" in capsys.readouterr().out
+    assert multiprocessing.active_children() == []  # its workers ended with it (data.stop_workers)
