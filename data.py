@@ -580,8 +580,8 @@ _WITH_WORKERS = weakref.WeakSet()
 def _ignore_stop_signals(worker_id):
     """A DataLoader worker's first act: SIGTERM and SIGINT are the main process's to act on. A cluster that
     preempts a job signals every one of its processes, and a terminal's Ctrl-C goes to the whole process group:
-    a worker that died of it made the main process fail at its next batch ("DataLoader worker ... is killed by
-    signal: Terminated") before it had saved the step's checkpoint. The main process ends its workers itself
+    a worker that died of it made the main process fail at once ("DataLoader worker ... is killed by signal:
+    Terminated", raised by torch's SIGCHLD handler) before it had saved the step's checkpoint. The main process ends its workers itself
     (stop_workers); a worker whose main process died notices within seconds and ends (torch's watchdog)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
