@@ -459,8 +459,9 @@ def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_re
     from tqdm.auto import tqdm
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                                         collate_fn=_collate_decoded, generator=loader_generator(0, 0))  # fmt: skip
+    loader = _with_workers(torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                                       collate_fn=_collate_decoded, generator=loader_generator(0, 0),
+                                                       worker_init_fn=_ignore_stop_signals))  # fmt: skip
     found = False
     # position 0: a bar left open (a generator an error stopped, its frame kept by the traceback) would push it down
     with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False, position=0) as bar:
@@ -573,7 +574,7 @@ def loader_generator(seed, epoch):
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch) + 7)
 
 
-# The iterators of every DataLoader with workers that Batches made and has not ended (stop_workers).
+# The iterators of every DataLoader with workers this project made and has not ended (stop_workers).
 _WITH_WORKERS = weakref.WeakSet()
 
 
@@ -596,7 +597,7 @@ def _with_workers(loader):
 
 
 def stop_workers():
-    """End the workers of every DataLoader Batches made (train.main's last act, and any process's at exit: they
+    """End the workers of every DataLoader made through _with_workers (train.main's last act, and any process's at exit: they
     ignore SIGTERM, which multiprocessing's own exit sends them before it waits for them)."""
     for iterator in list(_WITH_WORKERS):
         iterator._shutdown_workers()  # what the iterator does at its end and when deleted

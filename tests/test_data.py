@@ -282,6 +282,17 @@ class Items(torch.utils.data.Dataset):
 
 batches = data.Batches(Items(), 4, 0, torch.device("cpu"), num_workers=2).epoch(0)
 next(batches)
+if {signalled}:  # the decode before training and FID's reference: workers a group's SIGTERM reaches too
+    import multiprocessing, subprocess, metrics
+    decoding = data._decoding(Items(), 2, False, None, 4, True)
+    references = metrics.uint8_batches(Items(), 4, num_workers=2)
+    next(decoding), next(references)
+    subprocess.run(["kill", "-TERM", *(str(w.pid) for w in multiprocessing.active_children())], check=True)
+    import time
+    time.sleep(1)
+    assert len(list(decoding)) == 15 and len(list(references)) == 15  # they read on
+    decoding, references = data._decoding(Items(), 2, False, None, 4, True), metrics.uint8_batches(Items(), 4, num_workers=2)
+    next(decoding), next(references)  # and these are left running, to be ended at exit
 print("exiting mid-epoch")
 """
 
@@ -291,6 +302,16 @@ def test_a_process_that_exits_mid_epoch_ends_its_workers_which_ignore_sigterm(tm
     sends them SIGTERM and waits: data.stop_workers, at exit, ends them first, or the process would never end."""
     import subprocess
 
-    done = subprocess.run([sys.executable, "-c", STREAM_AND_EXIT.format(root=str(ROOT))], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", STREAM_AND_EXIT.format(root=str(ROOT), signalled=False)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "exiting mid-epoch", done.stderr[-2000:]
+
+
+def test_the_decoders_before_training_and_fids_reference_read_on_through_a_groups_sigterm(tmp_path):
+    """data._decoding (preloading, the latent encode) and metrics.uint8_batches (FID's reference, inside
+    training's evaluation): their workers, signalled by another process, read on; one left running ends at exit."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", STREAM_AND_EXIT.format(root=str(ROOT), signalled=True)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "exiting mid-epoch", done.stderr[-2000:]
