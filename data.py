@@ -459,9 +459,8 @@ def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_re
     from tqdm.auto import tqdm
 
     unreadable = Unreadable(strict=True) if unreadable is None else unreadable
-    loader = _with_workers(torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                                                       collate_fn=_collate_decoded, generator=loader_generator(0, 0),
-                                                       worker_init_fn=_ignore_stop_signals))  # fmt: skip
+    loader = iterate(torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                                 collate_fn=_collate_decoded, generator=loader_generator(0, 0)))  # fmt: skip
     found = False
     # position 0: a bar left open (a generator an error stopped, its frame kept by the traceback) would push it down
     with tqdm(total=len(dataset), desc="decoding images", unit="img", disable=not progress, leave=False, position=0) as bar:
@@ -574,7 +573,7 @@ def loader_generator(seed, epoch):
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch) + 7)
 
 
-# The iterators of every DataLoader with workers this project made and has not ended (stop_workers).
+# The iterators with workers of every DataLoader `iterate` started and stop_workers has not ended.
 _WITH_WORKERS = weakref.WeakSet()
 
 
@@ -588,17 +587,20 @@ def _ignore_stop_signals(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _with_workers(loader):
-    """iter(loader), ended by stop_workers if it still runs then."""
+def iterate(loader):
+    """iter(loader) for every DataLoader this project makes: its workers leave SIGTERM and SIGINT to this process
+    (_ignore_stop_signals), and stop_workers ends them if they still run then."""
+    if not loader.num_workers:
+        return iter(loader)
+    loader.worker_init_fn = _ignore_stop_signals  # read as the workers start (a persistent loader's: once)
     iterator = iter(loader)
-    if loader.num_workers:
-        _WITH_WORKERS.add(iterator)
+    _WITH_WORKERS.add(iterator)
     return iterator
 
 
 def stop_workers():
-    """End the workers of every DataLoader made through _with_workers (train.main's last act, and any process's at exit: they
-    ignore SIGTERM, which multiprocessing's own exit sends them before it waits for them)."""
+    """End the workers of every DataLoader iterated through `iterate` (train.main's last act, and any process's at
+    exit: they ignore SIGTERM, which multiprocessing's own exit sends them before it waits for them)."""
     for iterator in list(_WITH_WORKERS):
         iterator._shutdown_workers()  # what the iterator does at its end and when deleted
     _WITH_WORKERS.clear()
@@ -685,8 +687,7 @@ class Batches:
         seeds from a generator of its own (loader_generator)."""
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers,
                                            collate_fn=collate, pin_memory=self.device.type == "cuda",
-                                           persistent_workers=persistent, generator=loader_generator(self.seed, epoch),
-                                           worker_init_fn=_ignore_stop_signals)  # fmt: skip
+                                           persistent_workers=persistent, generator=loader_generator(self.seed, epoch))  # fmt: skip
 
     def epoch(self, epoch, start=0):
         """The epoch's batches from batch index `start` on."""
@@ -700,7 +701,7 @@ class Batches:
                 if self.draws is None:
                     self.draws = self._loader(_EpochDraws(self.source), _IndexBatches([], epoch), _as_drawn, 0, persistent=True)
                 self.draws.batch_sampler.batches, self.draws.batch_sampler.epoch = batches, epoch
-                draws = _with_workers(self.draws)
+                draws = iterate(self.draws)
             else:
                 self.source.set_epoch(epoch)
                 draws = map(self.source.batch, batches)
@@ -730,7 +731,7 @@ class Batches:
             if failure is not None:
                 raise ConfigError(failure)
             return
-        loader = _with_workers(self._loader(self.source, _IndexBatches(batches), _collate_decoded, epoch))
+        loader = iterate(self._loader(self.source, _IndexBatches(batches), _collate_decoded, epoch))
         for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)
             if images is None:

@@ -118,8 +118,7 @@ def uint8_batches(images, batch_size, num_workers=0):
             yield images[start : start + batch_size]
         return
     unreadable = data.Unreadable()
-    loader = data._with_workers(torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers,
-                                                            collate_fn=data._collate, worker_init_fn=data._ignore_stop_signals))  # fmt: skip
+    loader = data.iterate(torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers, collate_fn=data._collate))
     for batch, errors in loader:
         unreadable.report(errors)
         if batch is not None:

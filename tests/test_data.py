@@ -315,3 +315,19 @@ def test_the_decoders_before_training_and_fids_reference_read_on_through_a_group
     done = subprocess.run([sys.executable, "-c", STREAM_AND_EXIT.format(root=str(ROOT), signalled=True)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "exiting mid-epoch", done.stderr[-2000:]
+
+
+def test_stop_workers_passes_over_a_loader_read_in_this_process():
+    """data.iterate registers only a loader with workers: one read in this process has none to end."""
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return torch.full((3, 8, 8), i, dtype=torch.uint8), None
+
+    batches = data.Batches(Items(), 4, 0, torch.device("cpu"), num_workers=0).epoch(0)
+    next(batches)  # left mid-epoch, as a stopped run leaves it
+    data.stop_workers()
+    assert len(list(batches)) == 3
