@@ -131,6 +131,29 @@ def test_resume_is_bit_identical(tmp_path, vae, capsys):
             assert all(torch.equal(x, y) for x, y in zip(a_ema["shadow_params"], b_ema["shadow_params"]))
 
 
+def test_a_run_stopped_while_encoding_encodes_only_the_rest_when_run_again(tmp_path, vae, capsys, monkeypatch):
+    """Ctrl-C in the encode's second piece of three: one line, exit 130; the same command again reuses the first."""
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    write, pieces = latents._write_piece, []
+
+    def interrupted(*args):
+        pieces.append(args[3].name)
+        if len(pieces) == 2:
+            raise KeyboardInterrupt
+        return write(*args)
+
+    flags = ["--shapes_num_images", 160, "--max_train_steps", 1, "--save_images_epochs", 100]
+    with monkeypatch.context() as m:
+        m.setattr(latents, "_write_piece", interrupted)
+        with pytest.raises(SystemExit) as stopped:
+            train_latents(tmp_path / "run", vae, *flags)
+    assert stopped.value.code == 130 and visible(capsys.readouterr().err) == ["train.py: interrupted: stopped without saving"]
+    train_latents(tmp_path / "run", vae, *flags)
+    out = capsys.readouterr().out
+    assert "encoded 96 images to latents in" in out and ", and reused 64 that an interrupted encode" in out, out
+    assert pieces == [latents._piece_name(a, b) for a, b in ((0, 64), (64, 128))]  # the first run's: one kept
+
+
 def refused(out, capsys, *flags):
     """train.py's one-line refusal (exit code 2) of `flags` on `out`: the line."""
     with pytest.raises(SystemExit) as stopped:

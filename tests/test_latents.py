@@ -317,7 +317,7 @@ def test_a_failed_or_killed_encode_leaves_no_cache_that_is_read(tmp_path, kl_fol
         with pytest.raises(OSError):
             run(failing)
     left = list(folder.parent.iterdir())
-    assert len(left) == 1 and left[0].name.startswith(f".{folder.name}.tmp-") and (left[0] / "latents.npy").is_file()
+    assert len(left) == 1 and left[0].name.startswith(f".{folder.name}.tmp-") and any(left[0].glob("*.npy"))
     calls = vae.encode_calls
     cache = run(lambda: batches(x))
     assert vae.encode_calls == calls + 3 and cache.num_images == 10  # encoded afresh
@@ -350,6 +350,181 @@ def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
     cache = encode(vae, images(), tmp_path)
     assert vae.encode_calls == 3 and cache.num_images == 10
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [cache.path.name]
+
+
+def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the_rest(tmp_path, kl_folder):
+    """A real SIGKILL in the third piece of four: the next encode decodes and encodes the rest alone, and its
+    cache is the uninterrupted encode's bit for bit; a torn piece is encoded again."""
+    x, labels, cache_root = images(200), torch.arange(200) % 3, tmp_path / "cache"
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        torch.set_num_threads(1)
+        sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / "tests")!r})
+        import latents
+        from test_latents import images, ranged
+        latents.PIECE_IMAGES = 64
+        vae = latents.load_vae({str(kl_folder)!r})
+        x, labels = images(200), torch.arange(200) % 3
+        def killed(start, stop):
+            if start >= 128:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return ranged(x, labels, left_out={{5}})(start, stop)
+        key = latents.cache_key(dict(name="toy"), vae, {SIZE})
+        latents.cached_latents(vae, killed, key, root={str(cache_root)!r}, num_images=200, progress=False)
+        """
+    )
+    done = forked.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    vae = count_encodes(latents.load_vae(kl_folder))
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    partial = latents._partial(latents.cache_folder(key, cache_root))
+    assert sorted(p.name for p in partial.glob("piece-*[0-9].npy")) == [latents._piece_name(0, 64), latents._piece_name(64, 128)]
+
+    calls, lines = [], []
+
+    def counted(start, stop):
+        calls.append((start, stop))
+        return ranged(x, labels, left_out={5})(start, stop)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(latents, "PIECE_IMAGES", 64)
+        cache = latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False, log=lines.append)
+        assert calls == [(128, 192), (192, 200)] and vae.encode_calls == 2
+        (line,) = lines
+        assert line.startswith("encoded 72 images to latents") and ", and reused 127 that an interrupted encode" in line
+        assert cache.meta["ranks"][0]["kept"] == 127 and cache.meta["images_per_second"] == 72 / cache.encode_seconds
+        assert [p.name for p in cache_root.iterdir()] == [cache.path.name]  # the pieces and the dead build: gone
+        whole = latents.cached_latents(vae, ranged(x, labels, left_out={5}), key, root=tmp_path / "whole",
+                                       num_images=200, progress=False, log=print)  # fmt: skip
+        assert (cache.path / "latents.npy").read_bytes() == (whole.path / "latents.npy").read_bytes()
+        assert torch.equal(cache.labels, whole.labels) and cache.stats == whole.stats
+
+        # A piece cut short (not one this module wrote whole) is encoded again, and the others reused.
+        shutil.rmtree(cache.path)
+        calls.clear()
+        with m.context() as fail:
+            fail.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+            with pytest.raises(OSError, match="disk full"):
+                latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False)
+        piece = partial / latents._piece_name(64, 128)
+        piece.write_bytes(piece.read_bytes()[:-4])
+        calls.clear()
+        again = latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False, log=print)
+        assert calls == [(64, 128)] and again.meta["ranks"][0]["kept"] == 135  # 199 images less the 64 of [64, 128)
+        assert (again.path / "latents.npy").read_bytes() == (whole.path / "latents.npy").read_bytes()
+
+
+def test_a_dataset_of_unreadable_images_only_is_a_one_line_error_in_pieces_too(tmp_path, kl_folder, monkeypatch):
+    vae = latents.load_vae(kl_folder)
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)  # no call sees the whole dataset (--on_fault skip left all out)
+    one_line_error(lambda: latents.cached_latents(vae, ranged(images(100), left_out=range(100)), key, root=tmp_path,
+                                                  num_images=100, progress=False), "none of the dataset's images")  # fmt: skip
+
+
+def test_an_encode_says_what_pieces_of_other_keys_the_cache_root_holds(tmp_path, kl_folder):
+    vae = latents.load_vae(kl_folder)
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    for name in ("0123abcd", "4567cdef"):  # an encode of a dataset whose files changed since, and another's
+        (tmp_path / f".{name}.partial").mkdir()
+        with open(tmp_path / f".{name}.partial" / latents._piece_name(0, 64), "wb") as f:
+            f.truncate(2**29)  # sparse: its size without the writing
+    latents._partial(latents.cache_folder(key, tmp_path)).mkdir()  # this key's own (from an earlier try)
+    lines = []
+    latents.cached_latents(vae, ranged(images(10)), key, root=tmp_path, num_images=10, progress=False, log=lines.append)
+    assert lines[0] == (
+        f"latents: {tmp_path} holds the pieces of 2 interrupted encode(s) of other datasets or VAEs (1.00 GiB: "
+        ".0123abcd.partial, .4567cdef.partial), kept for their next start: remove them if those runs will not come again"
+    )
+    assert lines[1].startswith("encoded 10 images") and len(lines) == 2
+    assert (tmp_path / ".0123abcd.partial").is_dir()  # kept: the user's to remove
+
+
+def test_a_piece_is_read_only_when_written_whole_and_where_a_decode_batch_begins(tmp_path):
+    piece = tmp_path / latents._piece_name(0, 64)
+    with open(piece, "wb") as f:
+        f.write(latents._npy_header((3, 2, 2, 4, 2, 2)))
+        f.write(np.zeros((3, 2, 2, 4, 2, 2), "<f4").tobytes())
+    np.save(latents._labels_file(piece), np.arange(3))
+    assert latents._piece_info(piece) == dict(images=3, shape=[2, 2, 4, 2, 2], latents_bytes=256 + 3 * 64 * 4,
+                                              labels_bytes=latents._labels_file(piece).stat().st_size)  # fmt: skip
+    np.save(latents._labels_file(piece), np.arange(2))
+    assert latents._piece_info(piece) is None  # labels of another count
+    latents._labels_file(piece).unlink()
+    assert latents._piece_info(piece)["labels_bytes"] == 0
+    for foreign in (np.zeros((3, 2), "<f8"), np.zeros((3, 2), "<f4").T):  # another dtype, Fortran order
+        np.save(piece, foreign)
+        assert latents._piece_info(piece) is None
+    header = latents._npy_header((3, 2))
+    for foreign in (latents._npy_header((3, 2), ">f4"), header.replace(b"False", b"True ")):  # the size of a piece
+        piece.write_bytes(foreign + bytes(24))
+        assert latents._piece_info(piece) is None
+    piece.write_bytes(header + bytes(24))
+    assert latents._piece_info(piece)["images"] == 3
+    piece.write_bytes(latents._npy_header(()) + bytes(4))  # one number, no rows
+    assert latents._piece_info(piece) is None
+    with open(piece, "wb") as f:  # another version of the format
+        np.lib.format.write_array(f, np.zeros((3, 2), "<f4"), version=(2, 0))
+    assert latents._piece_info(piece) is None
+    piece.write_bytes(b"not a piece")
+    assert latents._piece_info(piece) is None
+    with open(piece, "wb") as f:  # a piece of no images (a range of unreadable items only)
+        f.write(latents._npy_header((0,)))
+    assert latents._piece_info(piece) == dict(images=0, shape=None, latents_bytes=256, labels_bytes=0)
+
+    for a, b in ((0, 64), (64, 100), (32, 64), (128, 200), (192, 256), (64, 128)):
+        (tmp_path / latents._piece_name(a, b)).touch()
+    (tmp_path / "piece-64-128.npy").touch()  # not a name this module writes
+    # in [64, 200): begins on a batch and ends on one or at the range's end
+    assert sorted(latents._kept_pieces(tmp_path, 64, 200)) == [(64, 128), (128, 200)]
+    assert latents._kept_pieces(tmp_path / "none", 0, 200) == []
+
+
+def test_the_plan_reuses_kept_pieces_and_cuts_the_rest_at_piece_boundaries(monkeypatch):
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 128)
+    assert latents._plan(64, 400, []) == [(64, 128, False), (128, 256, False), (256, 384, False), (384, 400, False)]
+    assert latents._plan(0, 400, [(128, 256), (192, 256), (320, 384)]) == [
+        (0, 128, False), (128, 256, True), (256, 320, False), (320, 384, True), (384, 400, False)]  # fmt: skip
+    assert latents._plan(0, 100, [(0, 100)]) == [(0, 100, True)]
+    assert latents._plan(5, 5, []) == []
+
+
+def test_a_filesystem_without_hard_links_encodes_and_keeps_nothing(tmp_path, kl_folder, monkeypatch):
+    vae = latents.load_vae(kl_folder)
+    x = images(70)
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    monkeypatch.setattr(latents.os, "link", lambda *a: (_ for _ in ()).throw(OSError(95, "Operation not supported")))
+    monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):  # encoded whole, then kept from publishing
+        latents.cached_latents(vae, ranged(x), key, root=tmp_path, num_images=70, progress=False, log=print)
+    assert list(latents._partial(latents.cache_folder(key, tmp_path)).iterdir()) == []
+
+
+def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_encoded(tmp_path, kl_folder, monkeypatch):
+    """Another job published the key and removed the pieces just after this one listed them."""
+    vae = latents.load_vae(kl_folder)
+    x, root = images(70), tmp_path / "cache"
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    fail = latents._publish
+    monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        latents.cached_latents(vae, ranged(x), key, root=root, num_images=70, progress=False, log=print)
+    monkeypatch.setattr(latents, "_publish", fail)
+    partial, listed = latents._partial(latents.cache_folder(key, root)), latents._kept_pieces
+    assert len(listed(partial, 0, 70)) == 2
+
+    def then_removed(*a):
+        found = listed(*a)
+        shutil.rmtree(partial)
+        return found
+
+    monkeypatch.setattr(latents, "_kept_pieces", then_removed)
+    lines = []
+    cache = latents.cached_latents(vae, ranged(x), key, root=root, num_images=70, progress=False, log=lines.append)
+    assert cache.num_images == 70 and lines[0].startswith("encoded 70 images") and "reused" not in lines[0]
 
 
 # --- normalisation, decoding, draws -----------------------------------------------------------
@@ -496,7 +671,7 @@ def test_images_of_start_and_stop_encode_as_the_whole_dataset_does_on_one_proces
     assert (whole.path / "latents.npy").read_bytes() == (shared.path / "latents.npy").read_bytes()
     assert torch.equal(shared.labels, labels) and shared.stats == whole.stats
     assert shared.meta["ranks"] == [dict(rank=0, host=shared.meta["ranks"][0]["host"], device="cpu", start=0, stop=70,
-                                         images=70, seconds=shared.meta["ranks"][0]["seconds"])]  # fmt: skip
+                                         images=70, seconds=shared.meta["ranks"][0]["seconds"], kept=0)]  # fmt: skip
     one_line_error(lambda: latents.cached_latents(vae, ranged(x), key, root=tmp_path / "c", progress=False),
                    "images(start, stop)", "num_images")  # fmt: skip
 

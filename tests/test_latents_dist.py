@@ -132,9 +132,12 @@ def worker(spec):
         def failing(start, stop):
             if rank == 1:
                 raise ValueError("an image that cannot be decoded")
-            return ranged(x, labels)(start, stop)
+            return ranged(x, labels, left_out={LEFT_OUT})(start, stop)
 
         run("failure", out / "shared", dataset="failing", images=failing)
+        results["after_failure"] = {p.name: sorted(q.name for q in p.iterdir()) for p in (out / "shared").iterdir()}
+        run("other", out / "shared", dataset="other")  # another key's encode: told of the failed one's pieces
+        run("resumed", out / "shared", dataset="failing")  # rank 0's share was encoded before rank 1 failed
         results["listing"] = {p.name: sorted(q.name for q in p.iterdir()) for p in out.iterdir() if p.is_dir()}
         dist.destroy_process_group()
     else:  # two independent runs (no process group) race to publish one key
@@ -176,8 +179,8 @@ def test_each_process_encodes_its_share(two_processes):
     for r, result in enumerate(ranks):
         shared = result["shared"]
         assert shared["meta"]["ranks"] == [
-            dict(rank=0, host=socket.gethostname(), device="cpu", start=0, stop=128, images=128, seconds=shared["meta"]["ranks"][0]["seconds"]),
-            dict(rank=1, host=socket.gethostname(), device="cpu", start=128, stop=200, images=71, seconds=shared["meta"]["ranks"][1]["seconds"]),
+            dict(rank=0, host=socket.gethostname(), device="cpu", start=0, stop=128, images=128, seconds=shared["meta"]["ranks"][0]["seconds"], kept=0),
+            dict(rank=1, host=socket.gethostname(), device="cpu", start=128, stop=200, images=71, seconds=shared["meta"]["ranks"][1]["seconds"], kept=0),
         ]  # fmt: skip
         assert shared["encodes"] == 2  # its own two batches of 64 (both flips in one call), not the other's
         summary, encoded = shared["lines"]
@@ -192,7 +195,7 @@ def test_the_assembled_cache_is_the_one_process_cache_bit_for_bit(two_processes)
     reference, ranks, _ = two_processes
     expected = (reference.path / latents.LATENTS_FILE).read_bytes()
     for result in ranks:
-        for scenario in ("shared", "nodes"):
+        for scenario in ("shared", "nodes", "resumed"):
             path = Path(result[scenario]["path"])
             assert (path / latents.LATENTS_FILE).read_bytes() == expected, scenario
             assert (path / latents.LABELS_FILE).read_bytes() == (reference.path / latents.LABELS_FILE).read_bytes()
@@ -220,7 +223,26 @@ def test_two_nodes_each_end_with_the_full_cache_and_a_second_call_encodes_nothin
         assert "reusing the cache" in result["again"]["lines"][0]
         # nothing left behind: no share, marker or temporary folder
         assert result["listing"][f"node{r}"] == [paths[r].name]
-    assert sorted(ranks[0]["listing"]["shared"]) == [Path(ranks[0]["shared"]["path"]).name]
+    caches = {Path(ranks[0][scenario]["path"]).name for scenario in ("shared", "other", "resumed")}
+    assert sorted(ranks[0]["listing"]["shared"]) == sorted(caches)  # the pieces of the failed encode: gone with it
+
+
+def test_a_failed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the_rest(two_processes):
+    _, ranks, _ = two_processes
+    failing = Path(ranks[0]["resumed"]["path"]).name
+    kept = ranks[0]["after_failure"][f".{failing}.partial"]  # rank 0's share was done when rank 1 failed
+    assert kept == ["piece-000000000000-000000000128-labels.npy", "piece-000000000000-000000000128.npy"]
+    for result in ranks:
+        assert result["other"]["lines"][0].startswith(f"latents: {Path(result['other']['path']).parent} holds the pieces "
+                                                      f"of 1 interrupted encode(s) of other datasets or VAEs (0.00 GiB: .{failing}.partial)")  # fmt: skip
+    assert [r["resumed"]["encodes"] for r in ranks] == [0, 2]  # rank 0 reused its share, rank 1 encoded its own
+    for result in ranks:
+        summary, encoded = result["resumed"]["lines"]
+        assert "rank 0 items [0, 128): 128 images in" in summary and "(128 of them reused)" in summary
+        assert "rank 1 items [128, 200): 71 images in" in summary and "reused" not in summary.split("rank 1")[1]
+        assert encoded.startswith("encoded 71 images to latents"), encoded
+        assert ", and reused 128 that an interrupted encode of this key had encoded; cached in" in encoded
+        assert [m["kept"] for m in result["resumed"]["meta"]["ranks"]] == [128, 0]
 
 
 def test_a_share_that_fails_fails_every_process_at_once(two_processes):
