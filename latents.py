@@ -609,8 +609,8 @@ def _write_piece(vae, batches, key, file, bar):
 # Dataset items a piece of an encode. Each piece is encoded by one images(start, stop) call into the build folder
 # and, once complete, hard-linked into the key's .NAME.partial folder; an encode of the key that starts again (a
 # preempted job's next start) reuses every piece kept there that lies in its share. The most an encode loses is a
-# piece a process (at 512px, ~20 images/s: ~7 minutes). Each call starts the decode's DataLoader afresh (0.16-0.18 s
-# to its first batch with 2-4 workers on this project's 2-core machine): ~0.7% of a piece at 300 images/s.
+# piece a process (at 512px, ~20 images/s: ~7 minutes). Each call starts the decode's DataLoader afresh (0.15-0.3 s
+# to its first batch with 2-4 workers on a 2-core machine, docs/latents.md): ~1% of a piece at 300 images/s.
 PIECE_IMAGES = 8192
 _PIECE = re.compile(r"piece-(\d{12})-(\d{12})\.npy")
 
