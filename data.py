@@ -644,6 +644,31 @@ class _EpochDraws(torch.utils.data.Dataset):
         return self.__getitems__([pair])[0]
 
 
+def _item_seed(seed, epoch, index):
+    """The seed of item `index`'s random transform (its random crop) in `epoch`."""
+    return ((int(seed) * 1_000_003 + int(epoch)) * 1_000_000_007 + int(index)) & (2**63 - 1)
+
+
+class _EpochItems(torch.utils.data.Dataset):
+    """A streamed dataset for a DataLoader that serves every epoch: items are (epoch, index) pairs, each decoded
+    with torch's CPU generator seeded by _item_seed, so that its random crop depends on (seed, epoch, index)
+    alone: the same whichever worker (or this process) decodes it and wherever the epoch starts (a resume), and
+    the workers keep no random state between epochs. The generator's state is put back after each item: in this
+    process the training draws from it."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, pair):
+        epoch, index = pair
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(_item_seed(self.seed, epoch, index))  # not CUDA's (torch.manual_seed)
+            return self.dataset[index]
+
+
 def _as_drawn(batch):
     """A DataLoader's collate_fn for _EpochDraws: the batch is drawn whole already."""
     return batch
@@ -674,7 +699,7 @@ class Batches:
             raise ValueError(f"{len(labels)} labels for {len(source)} images")
         # Preloaded labels sit where the images do, so that one index picks both.
         self.labels = labels.to(source.device) if labels is not None and self.preloaded else labels
-        self.draws = None  # a latent run's workers, started once for every epoch (epoch)
+        self.loader = None  # streamed images' or a latent run's draws' DataLoader, made once for every epoch
 
     def __len__(self):
         return len(self.source)
@@ -689,6 +714,15 @@ class Batches:
                                            collate_fn=collate, pin_memory=self.device.type == "cuda",
                                            persistent_workers=persistent, generator=loader_generator(self.seed, epoch))  # fmt: skip
 
+    def _epoch_loader(self, dataset, collate, batches, epoch):
+        """The batches of `dataset` (whose items are (epoch, index) pairs) through the one DataLoader of every
+        epoch, made at the first: its workers start once (forked anew each epoch, they kept its first step
+        waiting: 0.15-0.3 s a start here) and keep nothing random (each item's draw or crop is its own)."""
+        if self.loader is None:
+            self.loader = self._loader(dataset, _IndexBatches([], epoch), collate, 0, persistent=self.num_workers > 0)
+        self.loader.batch_sampler.batches, self.loader.batch_sampler.epoch = batches, epoch
+        return iterate(self.loader)
+
     def epoch(self, epoch, start=0):
         """The epoch's batches from batch index `start` on."""
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
@@ -696,12 +730,8 @@ class Batches:
         if self.drawn:  # a latent run's: each image's latent drawn for this epoch (latents.LatentDataset)
             if self.num_workers and batches:
                 # Drawn ahead by worker processes, batch for batch the same as in this process (_EpochDraws);
-                # forked, they share the cache's array. Started once: workers forked anew each epoch kept the
-                # first step of every epoch waiting for them (a draw needs no random state for them to keep).
-                if self.draws is None:
-                    self.draws = self._loader(_EpochDraws(self.source), _IndexBatches([], epoch), _as_drawn, 0, persistent=True)
-                self.draws.batch_sampler.batches, self.draws.batch_sampler.epoch = batches, epoch
-                draws = iterate(self.draws)
+                # forked, they share the cache's array.
+                draws = self._epoch_loader(_EpochDraws(self.source), _as_drawn, batches, epoch)
             else:
                 self.source.set_epoch(epoch)
                 draws = map(self.source.batch, batches)
@@ -731,7 +761,7 @@ class Batches:
             if failure is not None:
                 raise ConfigError(failure)
             return
-        loader = iterate(self._loader(self.source, _IndexBatches(batches), _collate_decoded, epoch))
+        loader = self._epoch_loader(_EpochItems(self.source, self.seed), _collate_decoded, batches, epoch)
         for index, (images, errors, decoded) in zip(batches, loader):
             self.unreadable.report(errors)
             if images is None:

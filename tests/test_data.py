@@ -165,6 +165,31 @@ def test_streamed_batches_equal_preloaded_ones(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(streamed, preloaded))
 
 
+def test_streamed_random_crops_depend_on_seed_epoch_and_index_alone_and_the_workers_start_once(tmp_path):
+    """The same crops through two workers as in this process, and from a resume's mid-epoch start; fresh each
+    epoch; this process's generator left as it was; the same two workers every epoch (forked anew, each epoch's
+    first step waited for them)."""
+    rng = np.random.default_rng(0)
+    for i in range(12):  # 24x16 noise: 17 crops of 16x16 to choose from, each different
+        Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)).save(tmp_path / f"{i:02d}.png")
+    dataset = data.open_dataset(str(tmp_path), image_size=16, center_crop=False)
+    cpu = torch.device("cpu")
+    here, ahead = data.Batches(dataset, 4, 0, cpu), data.Batches(dataset, 4, 0, cpu, num_workers=2)
+    state = torch.get_rng_state()
+    epochs = {epoch: list(here.epoch(epoch)) for epoch in (0, 1)}
+    assert torch.equal(torch.get_rng_state(), state)  # the training draws from it in this process
+    workers = []
+    for epoch in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(ahead.epoch(epoch), epochs[epoch], strict=True))
+        workers.append([w.pid for w in ahead.loader._iterator._workers])
+    assert len(workers[0]) == 2 and workers[0] == workers[1]
+    resumed = list(ahead.epoch(1, start=1))
+    assert len(resumed) == 2 and all(torch.equal(a, b) for a, b in zip(resumed, epochs[1][1:]))
+    crops = [{int(i): image for b, index in zip(epochs[e], data.epoch_batches(12, 4, 0, e)) for i, image in zip(index, b)}
+             for e in (0, 1)]  # fmt: skip
+    assert sum(not torch.equal(crops[0][i], crops[1][i]) for i in range(12)) >= 10  # drawn afresh each epoch
+
+
 def test_a_streamed_batch_with_an_unreadable_image_keeps_its_size_and_its_labels(tmp_path):
     """A captured or compiled step needs every batch at the full size: the unreadable image's place
     goes to a readable one of its batch, with that image's label, the same way every time."""

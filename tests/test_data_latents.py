@@ -155,7 +155,7 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
     workers = []
     for epoch in (0, 1):
         got = list(ahead.epoch(epoch))
-        workers.append([w.pid for w in ahead.draws._iterator._workers])
+        workers.append([w.pid for w in ahead.loader._iterator._workers])
         assert len(got) == 3
         for (z, y), (same_z, same_y), index in zip(got, drawn[epoch], data.epoch_batches(12, 4, 3, epoch), strict=True):
             assert torch.equal(z, same_z) and torch.equal(y, same_y) and torch.equal(y, labels[index])
@@ -164,4 +164,4 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
     assert len(resumed) == 1 and torch.equal(resumed[0][0], drawn[1][2][0])
     assert in_here == []  # every batch drawn by the workers
     # started once: the same two workers drew every epoch (forked anew, each epoch's first step waited for them)
-    assert len(workers[0]) == 2 and workers[0] == workers[1] == [w.pid for w in ahead.draws._iterator._workers]
+    assert len(workers[0]) == 2 and workers[0] == workers[1] == [w.pid for w in ahead.loader._iterator._workers]
