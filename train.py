@@ -98,9 +98,13 @@ def train(args):
                 meter.step_done(losses)
                 run.after_step(meter, signals)  # checkpoint, stop signals
             meter.epoch_done(epoch, run.whole_epoch(epoch))
-            run.after_epoch(epoch, meter)  # sample grid, evaluation
+            run.after_epoch(epoch, meter, signals)  # sample grid, evaluation; stop signals
     run.finish(meter)  # the pipeline and run.json
     return run.config
+
+
+class _Abandoned(Exception):
+    """The main process's work between steps (an evaluation's samples), left for a stop signal."""
 
 
 # --- what the run is -----------------------------------------------------------------
@@ -499,29 +503,38 @@ class Run:
         if self.stop_requested(signals):
             self.stop_for_signal(signals, meter)
 
-    def after_epoch(self, epoch, meter):
+    def after_epoch(self, epoch, meter, signals):
+        """The grid and the evaluation due after `epoch`. A stop signal that comes meanwhile (an evaluation of
+        --eval_num_samples may take hours, a preemption's grace period a minute) leaves what is left of them
+        undone, at the next batch of samples, and the step is kept in a checkpoint as after a step."""
         args, last = self.args, self.step >= self.total_steps
+        unless_stopped = lambda work: None if signals.requested else work()  # noqa: E731  (the main process's)
         if epoch % args.save_images_epochs == 0 or last:
             with meter.paused("sampling"):
-                self.on_main_process(lambda: self.write_samples(epoch))
+                self.on_main_process(lambda: unless_stopped(lambda: self.write_samples(epoch)))
         if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last):
             with meter.paused("evaluation"):
-                self.on_main_process(lambda: self.evaluate(epoch))
+                self.on_main_process(lambda: unless_stopped(lambda: self.evaluate(epoch, signals)))
         if self.vae is not None:
             self.vae.to("cpu")  # decoded: its memory back to training
         if last:  # the last checkpoint's flush went on beside the grid; what is left of it, timed
             with meter.paused("checkpointing"):
                 self.flushed(meter)
+        if self.stop_requested(signals, now=True):
+            self.stop_for_signal(signals, meter)
 
     # --- what happens between steps ---
 
     def on_main_process(self, work):
         """`work()` on the main process while the others wait. If it fails, every process
-        stops (the main one with its error), rather than the others waiting forever."""
+        stops (the main one with its error), rather than the others waiting forever; work left for a
+        stop signal (_Abandoned) is no failure."""
         error = None
         if self.is_main:
             try:
                 work()
+            except _Abandoned:
+                pass
             except (RunError, ConfigError) as e:
                 error = e
         self.stop_together(error, 1)  # also the barrier
@@ -570,18 +583,23 @@ class Run:
         except OSError as e:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 
-    def evaluate(self, epoch):
+    def evaluate(self, epoch, signals):
         """FID/KID of the EMA weights (main process) at each --guidance_scale; the best
-        pipeline by FID (at its best scale) goes to best/."""
+        pipeline by FID (at its best scale) goes to best/. A stop signal abandons it at the next batch."""
         args, network = self.args, self.averaged_network()
         counts = self.config["class_counts"]  # a conditional run: labels drawn as in the data
         labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
 
         def batches_for(w):
-            return sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples,
-                                           metrics.fid_batch_size(args.eval_batch_size), args.seed,
-                                           args.num_inference_steps, self.accelerator.autocast, labels, w, self.guide,
-                                           self.decode)  # fmt: skip
+            batches = sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples,
+                                              metrics.fid_batch_size(args.eval_batch_size), args.seed,
+                                              args.num_inference_steps, self.accelerator.autocast, labels, w,
+                                              self.guide, self.decode)  # fmt: skip
+            for batch in batches:
+                if signals.requested:
+                    self.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
+                    raise _Abandoned
+                yield batch
 
         sampler = getattr(self.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731
@@ -635,13 +653,13 @@ class Run:
             meter.write(f"saved {path} (the steps waited {flush.waited_s:.1f} s for {held}; {rest} in {flush.beside_s:.1f} s "
                         f"more, beside training{note})")  # fmt: skip
 
-    def stop_requested(self, signals):
+    def stop_requested(self, signals, now=False):
         """Whether to stop now. Processes must agree, or one would wait in save_state for
-        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps,
-        and all stop if a signal reached any of them."""
+        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps (and where
+        `now`: every process asks at the same point), and all stop if a signal reached any of them."""
         if self.world == 1:
             return signals.requested
-        if self.step % STOP_CHECK_STEPS:
+        if self.step % STOP_CHECK_STEPS and not now:
             return False
         totals = self.accelerator.reduce(torch.tensor(signals.tally(), device=self.device), reduction="sum")
         return signals.agree(totals.tolist())

@@ -924,8 +924,9 @@ def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, co
     """`copy`: the signalled run's checkpoints, and the resumed run's, written from a host copy beside training
     (bench/checkpoint_copy.py copy); the uninterrupted run's as train.py writes them."""
     stop_at, total = 2 * train.STOP_CHECK_STEPS, 2 * train.STOP_CHECK_STEPS + 2
-    # 24 images, 8 a step: 3 steps an epoch, so step 20 is mid-epoch; checkpoints only when stopping and at the end
-    common = ["--shapes_num_images", 24, "--max_train_steps", total, "--checkpointing_steps", 100, "--logger", "none"]
+    # 192 images, 8 a step: 24 steps an epoch, so step 20 is mid-epoch and no epoch's end (where the processes
+    # agree too) comes between the signals and it; checkpoints only when stopping and at the end
+    common = ["--shapes_num_images", 192, "--max_train_steps", total, "--checkpointing_steps", 100, "--logger", "none"]
     straight, out = tmp_path / "straight", tmp_path / "run"
     ports = free_ports(2)  # the uninterrupted run trains beside the signalled one
     reference = start_two_ranks(flags(straight, *common), port=ports[0])
@@ -964,6 +965,7 @@ def test_a_process_no_signal_reached_stops_with_the_others_for_theirs(others, he
     assert signals.requested is stops and (signals.exit_code if stops else None) == code
     run.step += 1  # between checks: no stop, whatever the signals
     assert train.Run.stop_requested(run, signals) is False
+    assert train.Run.stop_requested(run, signals, now=True) is stops  # where every process asks at once (an epoch's end)
 
 
 def test_a_pipeline_that_could_not_be_saved_is_saved_by_running_again(tmp_path, monkeypatch, capsys, straight):
@@ -1073,7 +1075,7 @@ def test_at_a_stop_every_process_waits_until_the_main_one_has_published_the_chec
     """SIGTERM to rank 1 alone: it must not exit while rank 0 still writes, or a launcher (torchrun) would kill
     rank 0 mid-write, 30 s after rank 1 has gone, and the checkpoint would be lost."""
     out = tmp_path / "run"
-    stop_at = train.STOP_CHECK_STEPS
+    stop_at = 4  # the first epoch's end (32 images, 8 a step), where the processes agree, as at every STOP_CHECK_STEPS
     script = SLOW_DISK_AT_THE_STOP.format(root=str(ROOT), steps=(10**6, 1))
     ranks = Ranks(start_two_ranks(flags(out, "--max_train_steps", 3 * stop_at, "--checkpointing_steps", 10**4), script))
     assert ranks.codes == [143, 143], ranks

@@ -1,5 +1,7 @@
 import json
 import math
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -218,6 +220,42 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     embedded.clear()
     run(out, "--max_train_steps", 2, "--eval_every_epochs", 1, "--eval_num_samples", 6, "--overwrite_output_dir", "--fid_weights", weights)
     assert sum(embedded) == 6
+
+
+@pytest.mark.parametrize("during", ["grid", "evaluation"])
+def test_a_stop_signal_during_the_grid_or_an_evaluation_leaves_it_and_keeps_the_step(tmp_path, monkeypatch, capsys, during):
+    """SIGTERM while the epoch's grid or its FID samples are drawn (an evaluation may take hours, a preemption's
+    grace a minute): no batch of samples after it, the step saved, exit 143; the same command goes on."""
+    import sample
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    monkeypatch.setattr(metrics, "FID_BATCH_SIZE", 2)
+    weights = tmp_path / "inception.pth"
+    weights.touch()
+    generated, generate = [], sample.generate
+    signal_at = 1 if during == "grid" else 2  # epoch 0's grid is the first call, its evaluation's batches next
+
+    def signalled(*args, **kwargs):
+        generated.append(1)
+        if len(generated) == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(sample, "generate", signalled)
+    out, flags = tmp_path / "run", ("--max_train_steps", 6, "--eval_every_epochs", 1, "--eval_num_samples", 6,
+                                    "--fid_weights", weights)  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        run(out, *flags)
+    assert stopped.value.code == 143 and len(generated) == signal_at  # nothing drawn after the signal
+    stdout = capsys.readouterr().out
+    assert ("the evaluation after epoch 0 is left unfinished, for SIGTERM" in stdout) == (during == "evaluation")
+    assert "stopped by SIGTERM at step 2: saved" in stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert (out / "samples" / "0000.png").is_file() and not (out / "eval_results.json").exists()
+    monkeypatch.setattr(sample, "generate", generate)
+    run(out, *flags)  # the same command: on from step 2, the evaluations of epochs 1 and 2
+    assert "resumed from" in capsys.readouterr().out
+    assert [r["step"] for r in json.loads((out / "eval_results.json").read_text())] == [4, 6]
 
 
 def test_best_holds_the_weights_of_the_evaluation_that_won(tmp_path, monkeypatch):
