@@ -513,10 +513,12 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
 
 
 def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inference_steps, autocast=contextlib.nullcontext,
-                     labels=None, guidance_scale=1.0, guide=None, decode=None):  # fmt: skip
-    """Yield uint8 batches of `num_images` images in all; image i depends only on (seed, i) (and its label)."""
+                     labels=None, guidance_scale=1.0, guide=None, decode=None, shard=(0, 1)):  # fmt: skip
+    """Yield uint8 batches of `num_images` images in all; image i depends only on (seed, i) (and its label).
+    `shard` (rank, world): batches rank, rank + world, ... of them alone (one process's of several)."""
     seeds = image_seeds(seed, num_images)
-    for start in range(0, num_images, batch_size):
+    rank, world = shard
+    for start in range(rank * batch_size, num_images, world * batch_size):
         part = None if labels is None else labels[start : start + batch_size]
         yield generate(unet, scheduler, seeds[start : start + batch_size], num_inference_steps, autocast, part,
                        guidance_scale, guide, decode)  # fmt: skip

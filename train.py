@@ -28,6 +28,7 @@ import errors  # noqa: I001 (first: the standard library only)
 if __name__ == "__main__":  # a Ctrl-C in the seconds torch and diffusers take to import: one line, not their traceback
     errors.quit_on_ctrl_c("train.py")
 
+import collections
 import contextlib
 import json
 import math
@@ -181,10 +182,10 @@ PRELOADED = (torch.Tensor, data.PreloadedImages)
 
 # With several processes, how long a process may wait in a collective, set explicitly (torch's defaults: NCCL 10
 # minutes, gloo 30). STEP_WAIT: the default group's, that of the steps, a checkpoint's save and the starting line, each
-# far under it. MAIN_WORK_WAIT: while the main process works between steps and the others wait (grids, FID/KID and
-# its reference statistics, the pipeline), in a gloo group of its own: FID over 50,000 samples of a large network on
-# one GPU takes hours, and the wait fires only when the main process hangs (one that dies ends it at once). A latent
-# run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
+# far under it. MAIN_WORK_WAIT: while the main process works between steps and the others wait (grids, FID/KID's
+# reference statistics, the pipeline; an evaluation's samples, a share each, gathered to it), in a gloo group of its
+# own: FID over 50,000 samples of a large network on one GPU takes hours, and the wait fires only when a process hangs
+# (one that dies ends it at once). A latent run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
 STEP_WAIT = timedelta(minutes=15)
 MAIN_WORK_WAIT = timedelta(hours=12)
 
@@ -513,8 +514,8 @@ class Run:
             with meter.paused("sampling"):
                 self.on_main_process(lambda: unless_stopped(lambda: self.write_samples(epoch)))
         if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last):
-            with meter.paused("evaluation"):
-                self.on_main_process(lambda: unless_stopped(lambda: self.evaluate(epoch, signals)))
+            with meter.paused("evaluation"):  # every process generates a share of the samples
+                self.on_main_process(lambda: self.evaluate(epoch, signals), everywhere=True)
         if self.vae is not None:
             self.vae.to("cpu")  # decoded: its memory back to training
         if last:  # the last checkpoint's flush went on beside the grid; what is left of it, timed
@@ -525,12 +526,12 @@ class Run:
 
     # --- what happens between steps ---
 
-    def on_main_process(self, work):
-        """`work()` on the main process while the others wait. If it fails, every process
-        stops (the main one with its error), rather than the others waiting forever; work left for a
-        stop signal (_Abandoned) is no failure."""
+    def on_main_process(self, work, everywhere=False):
+        """`work()` on the main process while the others wait (`everywhere`: on every process). If it fails,
+        every process stops (the one it failed on with its error), rather than the others waiting forever;
+        work left for a stop signal (_Abandoned) is no failure."""
         error = None
-        if self.is_main:
+        if self.is_main or everywhere:
             try:
                 work()
             except _Abandoned:
@@ -584,22 +585,25 @@ class Run:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 
     def evaluate(self, epoch, signals):
-        """FID/KID of the EMA weights (main process) at each --guidance_scale; the best
-        pipeline by FID (at its best scale) goes to best/. A stop signal abandons it at the next batch."""
+        """FID/KID of the EMA weights at each --guidance_scale, on every process: each generates every
+        world-th batch of the samples and the main process embeds them all, in image order (the batches one
+        process generates), scores them, and puts the best pipeline by FID (at its best scale) in best/. A
+        stop signal on any process abandons it at the next batch."""
         args, network = self.args, self.averaged_network()
         counts = self.config["class_counts"]  # a conditional run: labels drawn as in the data
         labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
+        batch_size = metrics.fid_batch_size(args.eval_batch_size)
 
         def batches_for(w):
-            batches = sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples,
-                                              metrics.fid_batch_size(args.eval_batch_size), args.seed,
-                                              args.num_inference_steps, self.accelerator.autocast, labels, w,
-                                              self.guide, self.decode)  # fmt: skip
-            for batch in batches:
-                if signals.requested:
-                    self.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
-                    raise _Abandoned
-                yield batch
+            mine = sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples, batch_size,
+                                           args.seed, args.num_inference_steps, self.accelerator.autocast, labels, w,
+                                           self.guide, self.decode, shard=(self.accelerator.process_index, self.world))  # fmt: skip
+            return self.gathered_samples(mine, args.eval_num_samples, batch_size, signals, epoch)
+
+        if not self.is_main:  # its share of each scale's samples, sent to the main process
+            for w in args.guidance_scale:
+                collections.deque(batches_for(w), maxlen=0)
+            return
 
         sampler = getattr(self.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731
@@ -612,6 +616,29 @@ class Run:
         best = " (best so far: saved to best/)" if result["best"] else ""
         scale = f"best guidance scale {result['guidance_scale']:g}: " if "scales" in result else ""
         self.meter.write(f"{at} | {scale}{metrics.format_scores(result)}{best}")
+
+    def gathered_samples(self, mine, num_images, batch_size, signals, epoch):
+        """The main process's view of an evaluation's samples, batch by batch in image order: every process's
+        batches (`mine`: batches rank, rank + world, ... of `batch_size`) gathered to it round by round (the
+        others' view: nothing; their part is to send). Before each round the processes agree on a stop."""
+        batches, rank, size = -(-num_images // batch_size), self.accelerator.process_index, self.args.image_size
+        mine = iter(mine)
+        for first in range(0, batches, self.world):  # a round: batches first .. first + world - 1
+            if self.stop_requested(signals, now=True):
+                self.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
+                raise _Abandoned
+            batch = next(mine) if first + rank < batches else None
+            if self.world == 1:
+                yield batch
+                continue
+            padded = torch.zeros(batch_size, 3, size, size, dtype=torch.uint8)  # the last batch may be short, or none
+            if batch is not None:
+                padded[: len(batch)] = batch
+            parts = [torch.empty_like(padded) for _ in range(self.world)] if self.is_main else None
+            torch.distributed.gather(padded, parts, dst=0, group=self.main_work_group)
+            for k in range(self.world if self.is_main else 0):
+                if first + k < batches:
+                    yield parts[k][: min(batch_size, num_images - (first + k) * batch_size)]
 
     def skipped(self):
         return self.skipped_before + self.guard.count()

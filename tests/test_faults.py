@@ -844,6 +844,52 @@ train.main(train.parse_args(sys.argv[1:]))
 """
 
 
+# FID with a stand-in for Inception; each rank records the evaluation's batches it generates and rank 0 those it
+# embeds (per call: the reference's, then the evaluation's), each as (images, their sum).
+SHARED_EVALUATION = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import metrics, sample, train
+from test_metrics import TinyFeatures
+metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
+metrics.FID_BATCH_SIZE = 2
+made, embedded, generate_batches, embed = [], [], sample.generate_batches, metrics.embed
+def recorded(batches, into):
+    for batch in batches:
+        into.append([len(batch), int(batch.long().sum())])
+        yield batch
+sample.generate_batches = lambda *a, **k: recorded(generate_batches(*a, **k), made)
+def embedding(extractor, batches, device):
+    embedded.append([])
+    return embed(extractor, recorded(batches, embedded[-1]), device)
+metrics.embed = embedding
+try:
+    train.main(train.parse_args(sys.argv[1:]))
+finally:
+    out = sys.argv[sys.argv.index("--output_dir") + 1]
+    with open(os.path.join(out, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump(dict(made=made, embedded=embedded), f)
+"""
+
+
+def test_an_evaluation_generates_a_share_of_its_samples_on_each_process(tmp_path):
+    """5 samples in batches of 2: rank 0 generates batches 0 and 2 (the last, of 1 image), rank 1 batch 1; rank 0
+    embeds the three in image order (the batches one process generates), and scores 5 images."""
+    out = tmp_path / "run"
+    (tmp_path / "inception.pth").touch()
+    script = SHARED_EVALUATION.format(root=str(ROOT), tests=str(ROOT / "tests"))
+    argv = flags(out, "--eval_every_epochs", 100, "--eval_num_samples", 5, "--fid_weights", tmp_path / "inception.pth")
+    ranks = Ranks(start_two_ranks(argv, script))
+    assert ranks.codes == [0, 0], ranks
+    zero, one = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert [n for n, _ in zero["made"]] == [2, 1] and [n for n, _ in one["made"]] == [2]
+    assert zero["embedded"][-1] == [zero["made"][0], one["made"][0], zero["made"][1]]  # in image order
+    assert one["embedded"] == []  # the main process embeds and scores
+    (result,) = json.loads((out / "eval_results.json").read_text())
+    assert result["num_images"] == 5 and result["step"] == 6
+
+
 # The steps' group waits STEP_WAIT (here 6 s) and no longer; rank 0 draws its grid for 10 s while rank 1 waits
 # (the ranks meet at every step, so rank 1 waits all of it: 4 s past the steps' timeout).
 SLOW_GRID = """

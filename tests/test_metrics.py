@@ -248,7 +248,7 @@ def test_a_stop_signal_during_the_grid_or_an_evaluation_leaves_it_and_keeps_the_
         run(out, *flags)
     assert stopped.value.code == 143 and len(generated) == signal_at  # nothing drawn after the signal
     stdout = capsys.readouterr().out
-    assert ("the evaluation after epoch 0 is left unfinished, for SIGTERM" in stdout) == (during == "evaluation")
+    assert "the evaluation after epoch 0 is left unfinished, for SIGTERM" in stdout
     assert "stopped by SIGTERM at step 2: saved" in stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
     assert (out / "samples" / "0000.png").is_file() and not (out / "eval_results.json").exists()
