@@ -577,6 +577,9 @@ def loader_generator(seed, epoch):
 _WITH_WORKERS = weakref.WeakSet()
 
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 def _ignore_stop_signals(worker_id):
     """A DataLoader worker's first act: SIGTERM and SIGINT are the main process's to act on. A cluster that
     preempts a job signals every one of its processes, and a terminal's Ctrl-C goes to the whole process group:
@@ -584,7 +587,7 @@ def _ignore_stop_signals(worker_id):
     Terminated", raised by torch's SIGCHLD handler) before it had saved the step's checkpoint. The main process ends its workers itself
     (stop_workers); a worker whose main process died notices within seconds and ends (torch's watchdog)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # one that came since the fork (blocked: iterate) is discarded
 
 
 def iterate(loader):
@@ -593,7 +596,13 @@ def iterate(loader):
     if not loader.num_workers:
         return iter(loader)
     loader.worker_init_fn = _ignore_stop_signals  # read as the workers start (a persistent loader's: once)
-    iterator = iter(loader)
+    # Blocked while the workers are forked (they inherit the mask): a signal between a worker's fork and its
+    # _ignore_stop_signals would kill it; here it waits until the workers are started, then is this process's.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        iterator = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     _WITH_WORKERS.add(iterator)
     return iterator
 

@@ -342,6 +342,25 @@ def test_the_decoders_before_training_and_fids_reference_read_on_through_a_group
     assert done.returncode == 0 and done.stdout.strip() == "exiting mid-epoch", done.stderr[-2000:]
 
 
+def test_a_signal_between_a_workers_fork_and_its_start_is_not_its_death(monkeypatch):
+    """A group's SIGTERM that reaches a worker before it has set its signals (an epoch's start) waits, blocked
+    since the fork, and is discarded once the worker ignores it; this process's own mask is as it was."""
+    import os
+    import signal
+
+    ignore = data._ignore_stop_signals
+
+    def signalled_first(worker_id):
+        os.kill(os.getpid(), signal.SIGTERM)
+        ignore(worker_id)
+
+    monkeypatch.setattr(data, "_ignore_stop_signals", signalled_first)
+    items = [(torch.full((3, 2, 2), i, dtype=torch.uint8), None) for i in range(8)]
+    loader = torch.utils.data.DataLoader(items, batch_size=2, num_workers=2, collate_fn=data._collate_decoded)
+    assert len(list(data.iterate(loader))) == 4
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
 def test_stop_workers_passes_over_a_loader_read_in_this_process():
     """data.iterate registers only a loader with workers: one read in this process has none to end."""
 
