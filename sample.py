@@ -38,7 +38,9 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -524,6 +526,30 @@ def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inferenc
                        guidance_scale, guide, decode)  # fmt: skip
 
 
+def gathered(mine, num_images, batch_size, image_size, rank=0, world=1, group=None, before_round=None):
+    """The main process's view of every process's batches of `num_images` images, in image order: each process's
+    `mine` (batches rank, rank + world, ... of `batch_size`: generate_batches' shard) gathered to rank 0 round by
+    round through `group` (gloo: CPU tensors; the last batch may be short, a process may have none in the last
+    round); the others' view: nothing (their part is to send). `before_round()`, on every process before each round:
+    where the processes agree on a stop."""
+    batches, mine = -(-num_images // batch_size), iter(mine)
+    for first in range(0, batches, world):  # a round: batches first .. first + world - 1
+        if before_round is not None:
+            before_round()
+        batch = next(mine) if first + rank < batches else None
+        if world == 1:
+            yield batch
+            continue
+        padded = torch.zeros(batch_size, 3, image_size, image_size, dtype=torch.uint8)
+        if batch is not None:
+            padded[: len(batch)] = batch
+        parts = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
+        torch.distributed.gather(padded, parts, dst=0, group=group)
+        for k in range(world if rank == 0 else 0):
+            if first + k < batches:
+                yield parts[k][: min(batch_size, num_images - (first + k) * batch_size)]
+
+
 def save_grid(images, path):
     """uint8 images (N, 3, S, S) as one PNG, in a square-ish grid."""
     from torchvision.utils import make_grid, save_image
@@ -675,7 +701,42 @@ def main(args):
         return run(validate(args))
 
 
+# How long a process of a launch by torchrun or accelerate launch waits for the others (its slowest batch, rank 0's
+# reference statistics): hours at FID-50k's scale, and it fires only when a process hangs (one that dies ends it).
+PROCESS_WAIT = timedelta(hours=12)
+
+
+def processes(args):
+    """(rank, world, group) of a launch by torchrun or `accelerate launch` (WORLD_SIZE > 1): a gloo process group
+    that carries the images to rank 0, each process on its own GPU (cuda:LOCAL_RANK); (0, 1, None) otherwise.
+    Every process has validated its flags before any joins (--output is looked at before rank 0 writes to it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=PROCESS_WAIT)
+    args.device = device_of_process(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), world, dist.group.WORLD
+
+
+def device_of_process(device, local_rank):
+    """A launched process's device: its own GPU, cuda:LOCAL_RANK, for `cuda` (the default on a GPU machine); a
+    device named in full, or the CPU, as given."""
+    return f"cuda:{local_rank}" if device == "cuda" else device
+
+
 def run(args):
+    rank, world, group = processes(args)
+    try:
+        return _run(args, rank, world, group)
+    finally:
+        if group is not None:
+            torch.distributed.destroy_process_group()
+
+
+def _run(args, rank, world, group):
     run_dir = Path(args.run_dir)
     source = RunDir(run_dir)
     config = source.config
@@ -714,43 +775,63 @@ def run(args):
     if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):
         raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "
                           "no classes, so give --guide RUN (a weaker run or checkpoint) or drop --guidance_scale")  # fmt: skip
-    # The Inception weights and the reference statistics before any sampling: a missing file fails now.
-    evaluation = None
-    if args.fid:
-        image_size = source.get("image_size") if decode is not None else image_shape(unet)[-1]
-        evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_size)
+    # The Inception weights and the reference statistics before any sampling (rank 0's): a missing file fails now.
+    evaluation, failed = None, [None]
+    image_size = source.get("image_size") if decode is not None else image_shape(unet)[-1]
+    if args.fid and rank == 0:
+        try:
+            evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_size)
+        except ConfigError as e:
+            failed = [str(e)]
+            if group is None:
+                raise
+    if group is not None:
+        torch.distributed.broadcast_object_list(failed, src=0, group=group)
+        if failed[0] is not None:  # said by rank 0
+            raise ConfigError(failed[0]) if rank == 0 else SystemExit(2)
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
+    quiet = rank != 0  # rank 0 says what all did
 
     base = dict(
         run=str(run_dir), num_images=args.num_images, seed=args.seed, sampler=sampler_name,
         num_inference_steps=steps, ema=ema, guide=args.guide,
     )  # fmt: skip
-    results = []
+    results, writes = [], output is not None and len(args.guidance_scales) == 1
+
+    def written(batches):  # this process's batches (every world-th), each image saved as it comes
+        for k, images in enumerate(batches):
+            start = (rank + k * world) * args.batch_size
+            for i, image in enumerate(images if writes else ()):
+                save_png(image, output / f"{start + i:06d}.png")
+            yield images
+
     for w in args.guidance_scales:
         grid, done = [], 0
-        batches = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
-                                   labels=labels, guidance_scale=w, guide=guide, decode=decode)  # fmt: skip
-        for images in batches:
+        mine = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
+                                labels=labels, guidance_scale=w, guide=guide, decode=decode, shard=(rank, world))  # fmt: skip
+        for images in gathered(written(mine), args.num_images, args.batch_size, image_size, rank, world, group):
             if evaluation is not None:
                 evaluation.add(images, None if labels is None else labels[done : done + len(images)])
-            if output is not None and len(args.guidance_scales) == 1:
-                for i, image in enumerate(images):
-                    save_png(image, output / f"{done + i:06d}.png")
+            if writes:
                 grid.extend(images[: max(0, GRID_IMAGES - len(grid))])
             done += len(images)
             print(f"generated {done}/{args.num_images}", end="\r", file=sys.stderr)
+        if quiet:
+            continue
         print(file=sys.stderr)
         result = dict(base, guidance_scale=w)
         if grid:
             save_grid(torch.stack(grid), output / "grid.png")
-            print(f"wrote {args.num_images} images and grid.png to {output}")
+            print(f"wrote {args.num_images} images and grid.png to {output}" + (f" ({world} processes)" if world > 1 else ""))
         if evaluation is not None:
             result |= evaluation.result()
             guided = len(args.guidance_scales) > 1 or w != 1 or guide is not None
             print(f"guidance scale {w:g}: " * guided + metrics.format_scores(result))
         results.append(result)
+    if quiet:
+        return None
     if evaluation is None:
         return results[0]
     best = metrics.lowest_fid(results)

@@ -618,27 +618,16 @@ class Run:
         self.meter.write(f"{at} | {scale}{metrics.format_scores(result)}{best}")
 
     def gathered_samples(self, mine, num_images, batch_size, signals, epoch):
-        """The main process's view of an evaluation's samples, batch by batch in image order: every process's
-        batches (`mine`: batches rank, rank + world, ... of `batch_size`) gathered to it round by round (the
-        others' view: nothing; their part is to send). Before each round the processes agree on a stop."""
-        batches, rank, size = -(-num_images // batch_size), self.accelerator.process_index, self.args.image_size
-        mine = iter(mine)
-        for first in range(0, batches, self.world):  # a round: batches first .. first + world - 1
+        """An evaluation's samples, every process's share gathered to the main process (sample.gathered), the
+        processes agreeing on a stop signal before each round of batches."""
+
+        def unless_stopped():
             if self.stop_requested(signals, now=True):
                 self.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
                 raise _Abandoned
-            batch = next(mine) if first + rank < batches else None
-            if self.world == 1:
-                yield batch
-                continue
-            padded = torch.zeros(batch_size, 3, size, size, dtype=torch.uint8)  # the last batch may be short, or none
-            if batch is not None:
-                padded[: len(batch)] = batch
-            parts = [torch.empty_like(padded) for _ in range(self.world)] if self.is_main else None
-            torch.distributed.gather(padded, parts, dst=0, group=self.main_work_group)
-            for k in range(self.world if self.is_main else 0):
-                if first + k < batches:
-                    yield parts[k][: min(batch_size, num_images - (first + k) * batch_size)]
+
+        return sample.gathered(mine, num_images, batch_size, self.args.image_size, self.accelerator.process_index,
+                               self.world, self.main_work_group, unless_stopped)  # fmt: skip
 
     def skipped(self):
         return self.skipped_before + self.guard.count()

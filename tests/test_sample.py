@@ -219,6 +219,50 @@ def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, caps
     assert f"FID {result['fid']:.3f} | KID" in capsys.readouterr().out
 
 
+# sample.py as a rank of a launch (test_faults.start_two_ranks' environment), with the stand-in for Inception.
+SAMPLE_RANK = """
+import sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import metrics, sample
+from test_metrics import TinyFeatures
+metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
+try:
+    sample.main(sample.parse_args([a for a in sys.argv[1:] if a != "--cpu"]))  # start_two_ranks' --cpu is train.py's
+finally:
+    import torch.distributed
+    print("process group left:", torch.distributed.is_initialized())
+"""
+
+
+def test_two_processes_write_the_images_grid_and_scores_one_process_does(tiny_run, tmp_path, monkeypatch):
+    """torchrun or accelerate launch: each process generates every other batch and writes its images; rank 0
+    gathers them for the grid and FID. 5 images in batches of 2: the same files and scores, bit for bit."""
+    import metrics
+    from test_faults import Ranks, start_two_ranks
+    from test_metrics import TinyFeatures
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    flags = [tiny_run, "--fid", "--num_images", 5, "--batch_size", 2, "--num_inference_steps", 2, "--fid_weights", "inception.pth"]
+    sample_main(*flags, "--output", tmp_path / "one")
+    script = SAMPLE_RANK.format(root=str(ROOT), tests=str(ROOT / "tests"))
+    ranks = Ranks(start_two_ranks([*flags, "--output", tmp_path / "two"], script))
+    assert ranks.codes == [0, 0], ranks
+    one, two = pngs(tmp_path / "one"), pngs(tmp_path / "two")
+    assert sorted(two) == [f"{i:06d}.png" for i in range(5)] + ["grid.png"] and one == two
+    assert (tmp_path / "one" / "fid.json").read_text() == (tmp_path / "two" / "fid.json").read_text()
+    assert "wrote 5 images and grid.png to" in ranks.out0 and "(2 processes)" in ranks.out0
+    assert ranks.out1 == "process group left: False\n" and ranks.err1 == ""  # rank 0 says what both did
+    assert "process group left: False" in ranks.out0
+
+    # rank 0's reference cannot be made: its one line, and the other process stops with it, silent
+    ranks = Ranks(start_two_ranks([*flags, "--dataset", tmp_path / "none", "--output", tmp_path / "three"], script))
+    assert ranks.codes == [2, 2], ranks
+    assert ranks.err0.count("\n") == 1 and "sample.py: " in ranks.err0 and "none" in ranks.err0 and ranks.err1 == ""
+    assert sample.device_of_process("cuda", 3) == "cuda:3" and sample.device_of_process("cuda:1", 3) == "cuda:1"
+    assert sample.device_of_process("cpu", 3) == "cpu"
+
+
 def test_ctrl_c_is_one_line_and_exit_130_while_importing_and_while_sampling(tiny_run, tmp_path, monkeypatch, capsys):
     process = subprocess.Popen([sys.executable, "sample.py", str(tiny_run), "--output", str(tmp_path / "x")], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
