@@ -692,7 +692,7 @@ def _link(src, folder):
 def _others_pieces(final, log):
     """Say what pieces of interrupted encodes of other keys `final`'s cache root holds: a dataset whose files
     changed since (fixed, or added to) is another key, and its old pieces are left for the user to remove."""
-    folders = sorted(p for p in final.parent.glob(".*.partial") if p.name != _partial(final).name and p.is_dir())
+    folders = sorted(p for p in final.parent.glob(".*.partial") if p.name != _partial(final).name and any(p.glob("piece-*")))
     size = 0
     for file in (f for folder in folders for f in folder.iterdir()):
         with contextlib.suppress(OSError):  # removed meanwhile: that encode finished
