@@ -619,14 +619,12 @@ atexit.register(stop_workers)  # after multiprocessing's exit handler, so run be
 
 
 class _IndexBatches(torch.utils.data.Sampler):
-    """The index lists of `batches`; with `epoch`, each index as (epoch, index): what _EpochDraws takes."""
+    """The index lists of `batches`, each index as (epoch, index): what _EpochDraws and _EpochItems take."""
 
-    def __init__(self, batches, epoch=None):
+    def __init__(self, batches, epoch):
         self.batches, self.epoch = batches, epoch
 
     def __iter__(self):
-        if self.epoch is None:
-            return iter(b.tolist() for b in self.batches)
         return iter([(self.epoch, i) for i in b.tolist()] for b in self.batches)
 
     def __len__(self):
@@ -716,19 +714,17 @@ class Batches:
     def batches_per_epoch(self):
         return len(self.source) // (self.batch_size * self.world_size)
 
-    def _loader(self, dataset, sampler, collate, epoch, persistent=False):
-        """A DataLoader of `sampler`'s batches of `dataset` through the workers, pinned on CUDA, its workers'
-        seeds from a generator of its own (loader_generator)."""
-        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                                           collate_fn=collate, pin_memory=self.device.type == "cuda",
-                                           persistent_workers=persistent, generator=loader_generator(self.seed, epoch))  # fmt: skip
-
     def _epoch_loader(self, dataset, collate, batches, epoch):
         """The batches of `dataset` (whose items are (epoch, index) pairs) through the one DataLoader of every
         epoch, made at the first: its workers start once (forked anew each epoch, they kept its first step
-        waiting: 0.15-0.3 s a start here) and keep nothing random (each item's draw or crop is its own)."""
+        waiting: 0.15-0.3 s a start here) and keep nothing random (each item's draw or crop is its own); pinned
+        on CUDA; their base seeds from a generator of its own (loader_generator), not the global one."""
         if self.loader is None:
-            self.loader = self._loader(dataset, _IndexBatches([], epoch), collate, 0, persistent=self.num_workers > 0)
+            self.loader = torch.utils.data.DataLoader(
+                dataset, batch_sampler=_IndexBatches([], epoch), num_workers=self.num_workers, collate_fn=collate,
+                pin_memory=self.device.type == "cuda", persistent_workers=self.num_workers > 0,
+                generator=loader_generator(self.seed, 0),
+            )  # fmt: skip
         self.loader.batch_sampler.batches, self.loader.batch_sampler.epoch = batches, epoch
         return iterate(self.loader)
 

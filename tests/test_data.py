@@ -363,15 +363,8 @@ def test_a_signal_between_a_workers_fork_and_its_start_is_not_its_death(monkeypa
 
 def test_stop_workers_passes_over_a_loader_read_in_this_process():
     """data.iterate registers only a loader with workers: one read in this process has none to end."""
-
-    class Items(torch.utils.data.Dataset):
-        def __len__(self):
-            return 16
-
-        def __getitem__(self, i):
-            return torch.full((3, 8, 8), i, dtype=torch.uint8), None
-
-    batches = data.Batches(Items(), 4, 0, torch.device("cpu"), num_workers=0).epoch(0)
+    items = [(torch.full((3, 8, 8), i, dtype=torch.uint8), None) for i in range(16)]
+    batches = data.Batches(items, 4, 0, torch.device("cpu"), num_workers=0).epoch(0)
     next(batches)  # left mid-epoch, as a stopped run leaves it
     data.stop_workers()
     assert len(list(batches)) == 3
