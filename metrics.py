@@ -19,6 +19,9 @@ Weights: `--fid_weights PATH`, else torch's hub cache, else a download from
 is trained or sampled.
 """
 
+import argparse
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -44,6 +47,7 @@ KID_MAX_IMAGES = 10_000
 KID_SUBSET_SIZE = 1000
 KID_SUBSETS = 100
 REFERENCE_FILE = "fid_reference.pt"
+REFERENCE_CACHE_ENV = "DDPM_TRAIN_FID_CACHE"  # the folder of the statistics every run shares (reference_root)
 # A training run's FID samples and embeds max(this, --eval_batch_size) images at a time (fid_batch_size).
 FID_BATCH_SIZE = 64
 RESULTS_FILE = "eval_results.json"
@@ -113,33 +117,52 @@ def extractor_for(options, image_size, fid_weights=None, device="cpu", log=print
 def uint8_batches(images, batch_size, num_workers=0):
     """uint8 batches from a (N, 3, S, S) tensor or from a dataset of such images; an image that
     cannot be decoded is left out with a warning, as training skips it."""
+    return (batch for batch, _ in indexed_batches(images, batch_size, num_workers))
+
+
+def indexed_batches(images, batch_size, num_workers=0):
+    """uint8_batches' batches, each with the indices in `images` of the images it holds (LongTensor)."""
     if isinstance(images, torch.Tensor):
         for start in range(0, len(images), batch_size):
-            yield images[start : start + batch_size]
+            batch = images[start : start + batch_size]
+            yield batch, torch.arange(start, start + len(batch))
         return
     unreadable = data.Unreadable()
-    loader = data.iterate(torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers, collate_fn=data._collate))
-    for batch, errors in loader:
+    loader = torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers, collate_fn=data._collate_decoded)
+    start = 0
+    for batch, errors, decoded in data.iterate(loader):
         unreadable.report(errors)
         if batch is not None:
-            yield batch
+            yield batch, torch.arange(start, start + len(decoded))[decoded]
+        start += len(decoded)
 
 
-@torch.no_grad()
-def embed(extractor, batches, device):
-    """Features (N, D) in float64 on the CPU of every uint8 batch.
+@contextlib.contextmanager
+def _no_tf32():
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def embedded(extractor, indexed, device):
+    """(features (B, D) in float64 on `device`, indices) of each (uint8 batch, indices) of `indexed`.
 
     TF32 is off while the extractor runs, so the features (and the FID) do not
     depend on whether training allowed it.
     """
     extractor = extractor.to(device).eval()
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        parts = [extractor(batch.to(device)).double().cpu() for batch in batches]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-    return torch.cat(parts)
+    for batch, index in indexed:
+        with torch.no_grad(), _no_tf32():
+            features = extractor(batch.to(device)).double()
+        yield features, index
+
+
+def embed(extractor, batches, device):
+    """Features (N, D) in float64 on the CPU of every uint8 batch."""
+    return torch.cat([features.cpu() for features, _ in embedded(extractor, ((b, None) for b in batches), device)])
 
 
 # --- the metrics ---------------------------------------------------------------------
@@ -174,33 +197,48 @@ class Reference:
 
     @classmethod
     def from_features(cls, features, key):
-        if len(features) < 2:
-            raise ConfigError(f"FID needs at least 2 reference images (the dataset has {len(features)})")
-        fid = _fid_metric(features.shape[1])
-        fid.update(features, real=True)
-        state = {name: getattr(fid, name).clone() for name in cls.FID_STATES}
-        # A fixed random subset, so that KID does not see only the dataset's first files.
-        keep = torch.randperm(len(features), generator=torch.Generator().manual_seed(0))[:KID_MAX_IMAGES]
-        return cls(state, features[keep.sort().values].float(), key)
+        """The statistics of the reference images' `features` (N, D)."""
+        statistics = _Statistics(len(features))
+        statistics.add(features, torch.arange(len(features)))
+        return statistics.reference(key)
+
+    @classmethod
+    def of_images(cls, images, extractor, device, batch_size, key, num_workers=0):
+        """The statistics of `images` (a uint8 tensor or a dataset), embedded batch by batch: what is held is
+        FID's sums (D x D) and KID's subset, not every image's features (21 GB for ImageNet's 1.28M)."""
+        statistics = _Statistics(len(images))
+        for features, index in embedded(extractor, indexed_batches(images, batch_size, num_workers), device):
+            statistics.add(features, index)
+        return statistics.reference(key)
 
     @property
     def num_images(self):
         return int(self.fid_state["real_features_num_samples"])
 
     def save(self, path):
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(dict(key=self.key, fid_state=self.fid_state, kid_features=self.kid_features), tmp)
-        os.replace(tmp, path)
+        """Written whole or not at all, also when two runs write the same file at once (a file each, renamed)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+        try:
+            torch.save(dict(key=self.key, fid_state=self.fid_state, kid_features=self.kid_features), tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, path, key):
-        """The cached reference at `path` if it was computed for `key`, else None."""
+    def load(cls, path, key, ignore=()):
+        """The cached reference at `path` if it was computed for `key` (its entries named in `ignore` aside),
+        else None; also None for a file that cannot be read as one (it is computed again)."""
         if not path.is_file():
             return None
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if saved["key"] != key:
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            found = cls(saved["fid_state"], saved["kid_features"], saved["key"])
+        except Exception as e:
+            warnings.warn(f"{path} cannot be read as FID reference statistics ({type(e).__name__}): computing them again")
             return None
-        return cls(saved["fid_state"], saved["kid_features"], saved["key"])
+        same = {k: v for k, v in found.key.items() if k not in ignore} == {k: v for k, v in key.items() if k not in ignore}
+        return found if same else None
 
     def scores(self, features, device="cpu"):
         """{'fid', 'kid_mean', 'kid_std'} of generated-image `features` (N, D) against this reference.
@@ -233,29 +271,95 @@ class Reference:
         return dict(fid=float(fid.compute()), kid_mean=float(kid_mean), kid_std=float(kid_std))
 
 
+class _Statistics:
+    """Reference statistics made a batch at a time: FID's sums over every image, and the features of KID's
+    subset, a fixed random one of the `num_images` items (so that KID does not see only the dataset's first
+    files), kept by the images' indices: the same subset however the images come in batches. The subset's
+    rows are one tensor, filled in place: a list of each batch's few rows grew the heap with the dataset
+    (fragments between the batches' features: 1.1 GB more at 100k images)."""
+
+    def __init__(self, num_images):
+        self.keep = torch.zeros(num_images, dtype=torch.bool)
+        self.keep[torch.randperm(num_images, generator=torch.Generator().manual_seed(0))[:KID_MAX_IMAGES]] = True
+        self.row = self.keep.cumsum(0) - 1  # item i's row in the subset, if kept
+        self.fid, self.kid, self.filled = None, None, torch.zeros(int(self.keep.sum()), dtype=torch.bool)
+
+    def add(self, features, index):
+        """`features` (B, D) of the images of indices `index` (B,)."""
+        if self.fid is None:
+            self.fid = _fid_metric(features.shape[1]).to(features.device)
+            self.kid = torch.empty(len(self.filled), features.shape[1])
+        self.fid.update(features.double(), real=True)
+        kept = self.keep[index]
+        if kept.any():
+            rows = self.row[index[kept]]
+            self.kid[rows] = features[kept.to(features.device)].float().cpu()
+            self.filled[rows] = True
+
+    def reference(self, key):
+        found = 0 if self.fid is None else int(self.fid.real_features_num_samples)
+        if found < 2:
+            raise ConfigError(f"FID needs at least 2 reference images (the dataset has {found})")
+        state = {name: getattr(self.fid, name).clone().cpu() for name in Reference.FID_STATES}
+        return Reference(state, self.kid[self.filled], key)  # less the kept items that did not decode
+
+
+def reference_root():
+    """Where the reference statistics of every run are shared: $DDPM_TRAIN_FID_CACHE, else
+    $XDG_CACHE_HOME/ddpm-train/fid, else ~/.cache/ddpm-train/fid (beside the latent caches)."""
+    if os.environ.get(REFERENCE_CACHE_ENV):
+        return Path(os.environ[REFERENCE_CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddpm-train" / "fid"
+
+
+def shared_reference_path(key):
+    """The file of `key`'s statistics in reference_root(): named by a hash of the key."""
+    return reference_root() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.pt"
+
+
 def cached_reference(folder, key, get_images, extractor, device, batch_size, num_workers=0, log=print):
-    """The reference statistics of `get_images()`, read from folder/fid_reference.pt when made for `key`."""
-    path = Path(folder) / REFERENCE_FILE
+    """The reference statistics of `get_images()` for `key`: read from folder/fid_reference.pt, else from the
+    cache every run shares (shared_reference_path; copied into the folder), else computed and written to both,
+    so that the next run on the same images reads them."""
+    path, shared = Path(folder) / REFERENCE_FILE, shared_reference_path(key)
     reference = Reference.load(path, key)
     if reference is not None:
         return reference
-    images = get_images()
-    log(f"computing FID reference statistics of {len(images)} images (once: cached in {path})")
-    features = embed(extractor, uint8_batches(images, batch_size, num_workers), device)
-    reference = Reference.from_features(features, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    reference = Reference.load(shared, key)
+    if reference is not None:
+        log(f"FID reference statistics of {reference.num_images} images read from {shared} (an earlier run's)")
+    else:
+        images = get_images()
+        log(f"computing FID reference statistics of {len(images)} images (once: cached in {shared} for every run)")
+        reference = Reference.of_images(images, extractor, device, batch_size, key, num_workers)
+        try:
+            reference.save(shared)
+        except OSError as e:
+            log(f"warning: cannot write {shared} ({type(e).__name__}): the next run computes them again; "
+                f"${REFERENCE_CACHE_ENV} sets another folder")  # fmt: skip
     reference.save(path)
     return reference
 
 
-def reference_key(options, image_size, extractor_name):
-    """What the reference statistics depend on: the dataset options, the size, the network."""
+def reference_key(options, image_size, extractor_name, contents=None):
+    """What the reference statistics depend on: the dataset options, the size, the network, and `contents`:
+    what the dataset holds (dataset_contents), so that images added, removed or changed are not scored
+    against statistics of the images that were there before."""
     key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column")}
     key["center_crop"] = center_crop(options)
     if options.get("dataset") == data.BUILTIN:
         key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"),
                     class_conditional=bool(options.get("class_conditional")))  # one shape per image when conditional
-    return key | dict(image_size=image_size, extractor=extractor_name)
+    return key | dict(image_size=image_size, extractor=extractor_name, contents=contents)
+
+
+def dataset_contents(options, image_size):
+    """What the images `options` name hold (data.dataset_identity: the files' names, sizes and modification
+    times, or a `datasets` dataset's fingerprint), read without decoding an image; None for the built-in
+    shapes, which their seed and count say."""
+    if options.get("dataset") == data.BUILTIN:
+        return None
+    return data.dataset_identity(argparse.Namespace(**options), reference_images(options, image_size))
 
 
 def score(reference, extractor, extractor_name, features, device="cpu", labels=None):
@@ -353,7 +457,8 @@ class TrainingEvaluator:
     def prepare_reference(self, get_images):
         """Reference statistics of the training images `get_images()` returns (called only when they are not
         computed yet: a latent run's images are then decoded, once; then read from the run folder)."""
-        key = reference_key(vars(self.args), self.args.image_size, self.extractor_name)
+        options, size = vars(self.args), self.args.image_size
+        key = reference_key(options, size, self.extractor_name, dataset_contents(options, size))
         self.reference = cached_reference(
             self.output_dir, key, get_images, self.extractor, self.device, fid_batch_size(self.args.eval_batch_size),
             self.args.dataloader_num_workers, self.log,
@@ -416,10 +521,15 @@ class SampleEvaluation:
             )  # fmt: skip
         self.device = args.device
         self.extractor, self.extractor_name = extractor_for(options, image_size, args.fid_weights, self.device, log)
-        self.reference = cached_reference(
-            run_folder or run_dir, reference_key(options, image_size, self.extractor_name),
-            lambda: reference_images(options, image_size), self.extractor, self.device, args.batch_size, log=log,
-        )  # fmt: skip
+        folder, key = Path(run_folder or run_dir), reference_key(options, image_size, self.extractor_name)
+        # The run's own training set: the statistics cached while it trained are of the images it trained on,
+        # whatever its folder holds now (or whether this machine has it).
+        self.reference = Reference.load(folder / REFERENCE_FILE, key, ignore=("contents",)) if args.dataset is None else None
+        if self.reference is None:
+            key["contents"] = dataset_contents(options, image_size)
+            self.reference = cached_reference(
+                folder, key, lambda: reference_images(options, image_size), self.extractor, self.device, args.batch_size, log=log,
+            )  # fmt: skip
         self.parts = []
 
     def add(self, images, labels=None):

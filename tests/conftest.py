@@ -40,6 +40,15 @@ def _fresh_accelerate_state():
     GradientState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def _fid_cache(tmp_path_factory, monkeypatch):
+    """FID's reference statistics shared between runs (metrics.reference_root) in a folder of each test's own:
+    no test reads another's or the user's (~/.cache/ddpm-train/fid); the processes a test starts inherit it."""
+    import metrics
+
+    monkeypatch.setenv(metrics.REFERENCE_CACHE_ENV, str(tmp_path_factory.mktemp("fid-cache")))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shape_scorer_dir(tmp_path_factory):
     """The shape scorers of this run, each trained at most once, in a folder of the run's own: no

@@ -1,7 +1,9 @@
+import argparse
 import json
 import math
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,6 +101,92 @@ def test_the_reference_key_reads_crops_from_augment_or_an_older_runs_center_crop
     assert centred == metrics.reference_key(old, 16, "x") and centred["center_crop"] is True
     cropped = metrics.reference_key(dict(now, augment="flip,crop"), 16, "x")
     assert cropped == metrics.reference_key(dict(old, center_crop=False), 16, "x") != centred
+
+
+def folder_options(folder):
+    return dict(dataset=str(folder), dataset_config=None, split="train", image_column=None, augment="none")
+
+
+def test_reference_statistics_are_shared_between_runs_and_recomputed_when_the_images_change(tmp_path):
+    """A second run on the same images reads the statistics the first computed (the shared cache, copied into
+    its folder); an image added to the folder makes them again."""
+    options, calls, lines = folder_options(image_folder(tmp_path / "images", 5)), [], []
+
+    def reference(run):
+        key = metrics.reference_key(options, 8, "tiny", metrics.dataset_contents(options, 8))
+        get_images = lambda: calls.append(run) or metrics.reference_images(options, 8)  # noqa: E731
+        return metrics.cached_reference(tmp_path / run, key, get_images, TinyFeatures(), "cpu", 2, log=lines.append)
+
+    first, second = reference("a"), reference("b")
+    assert calls == ["a"] and first.num_images == second.num_images == 5
+    assert "computing" in lines[0] and "read from" in lines[1] and (tmp_path / "b" / metrics.REFERENCE_FILE).is_file()
+    assert torch.equal(first.fid_state["real_features_cov_sum"], second.fid_state["real_features_cov_sum"])
+    image_folder(tmp_path / "images", 6)
+    assert reference("b").num_images == 6 and calls == ["a", "b"]
+
+
+def test_a_shared_cache_that_cannot_be_written_is_a_warning_and_the_run_folder_keeps_its_statistics(images, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(metrics.REFERENCE_CACHE_ENV, str(tmp_path / "file" / "fid"))  # below a file: no folder there
+    lines = []
+    metrics.cached_reference(tmp_path / "run", {"dataset": "a"}, lambda: images, TinyFeatures(), "cpu", 64, log=lines.append)
+    assert lines[-1].startswith("warning: cannot write") and metrics.REFERENCE_CACHE_ENV in lines[-1]
+    assert metrics.Reference.load(tmp_path / "run" / metrics.REFERENCE_FILE, {"dataset": "a"}).num_images == len(images)
+
+
+def test_an_unreadable_reference_file_is_computed_again_and_a_failed_write_leaves_no_file(images, tmp_path, monkeypatch):
+    path = tmp_path / metrics.REFERENCE_FILE
+    path.write_bytes(b"not a torch file")
+    with pytest.warns(UserWarning, match="cannot be read as FID reference statistics"):
+        reference = metrics.cached_reference(tmp_path, {"dataset": "a"}, lambda: images, TinyFeatures(), "cpu", 64, log=print)
+    assert metrics.Reference.load(path, {"dataset": "a"}).num_images == reference.num_images == len(images)
+
+    def torn(state, file):  # a write that fails half way (a full disk)
+        Path(file).write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", torn)
+    with pytest.raises(OSError):
+        reference.save(tmp_path / "other.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [metrics.REFERENCE_FILE]
+
+
+def test_statistics_made_batch_by_batch_are_those_of_all_features_at_once(tmp_path, monkeypatch, capsys):
+    """Reference.of_images holds FID's sums and KID's subset, never every feature: the same statistics as
+    from_features on the readable images' features, whatever the batches, an unreadable image left out."""
+    monkeypatch.setattr(metrics, "KID_MAX_IMAGES", 4)  # a subset of the 7 items
+    folder = image_folder(tmp_path / "images", 6)
+    (folder / "03b.png").write_bytes(b"not a png")  # item 4 of 7, in sorted order
+    dataset = data.open_dataset(str(folder), 8)
+    readable = torch.stack([image for image, _ in (dataset[i] for i in range(len(dataset))) if image is not None])
+    keep = torch.randperm(7, generator=torch.Generator().manual_seed(0))[:4].sort().values  # of the 7 items
+    features = features_of(readable, 6)
+    made = [metrics.Reference.of_images(dataset, TinyFeatures(), "cpu", batch, key={}) for batch in (2, 3, 7)]
+    for reference in made:
+        assert reference.num_images == 6
+        for name, value in metrics.Reference.from_features(features, key={}).fid_state.items():
+            torch.testing.assert_close(reference.fid_state[name], value, rtol=1e-6, atol=1e-6)  # float32 features
+        # KID's subset: the kept items that decoded, by their index among the 7
+        expected = [i - (i > 4) for i in keep.tolist() if i != 4]
+        torch.testing.assert_close(reference.kid_features, features[expected].float(), rtol=1e-6, atol=1e-6)
+    assert "03b.png" in capsys.readouterr().err
+
+
+def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_on(tmp_path, monkeypatch):
+    """A run's own training set: its folder's statistics, though the images changed since; --dataset naming
+    the folder: the images there now."""
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    folder = image_folder(tmp_path / "images", 5)
+    run = tmp_path / "run"
+    run.mkdir()
+    args = argparse.Namespace(dataset=None, dataset_config=None, split=None, image_column=None, fid_weights="w",
+                              device="cpu", batch_size=2)  # fmt: skip
+    quiet = dict(log=lambda _: None)
+    assert metrics.SampleEvaluation(run, run, folder_options(folder), args, 8, **quiet).reference.num_images == 5
+    (folder / "00.png").unlink()
+    assert metrics.SampleEvaluation(run, run, folder_options(folder), args, 8, **quiet).reference.num_images == 5
+    named = argparse.Namespace(**vars(args) | dict(dataset=str(folder)))
+    assert metrics.SampleEvaluation(run, run, folder_options(folder), named, 8, **quiet).reference.num_images == 4
 
 
 def test_best_checkpoint_keeps_the_lowest_fid_and_remembers_it(tmp_path):
@@ -222,6 +310,17 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     assert sum(embedded) == 6
 
 
+def test_a_runs_reference_statistics_are_keyed_by_what_its_folder_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    (tmp_path / "inception.pth").touch()
+    out, images = tmp_path / "run", image_folder(tmp_path / "images")
+    run(out, "--dataset", images, "--max_train_steps", 1, "--eval_every_epochs", 1, "--eval_num_samples", 2,
+        "--fid_weights", tmp_path / "inception.pth")  # fmt: skip
+    key = torch.load(out / metrics.REFERENCE_FILE, weights_only=True)["key"]
+    assert key["contents"]["files"] == 16 and key["contents"]["folder"] == str(images.resolve())
+    assert metrics.shared_reference_path(key).is_file()
+
+
 @pytest.mark.parametrize("during", ["grid", "evaluation"])
 def test_a_stop_signal_during_the_grid_or_an_evaluation_leaves_it_and_keeps_the_step(tmp_path, monkeypatch, capsys, during):
     """SIGTERM while the epoch's grid or its FID samples are drawn (an evaluation may take hours, a preemption's
@@ -286,7 +385,7 @@ def test_best_holds_the_weights_of_the_evaluation_that_won(tmp_path, monkeypatch
 def image_folder(folder, n=16, size=16):
     from PIL import Image
 
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     for i, image in enumerate(data.make_shapes(n, size)):
         Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i:02d}.png")
     return folder
