@@ -206,10 +206,7 @@ class Reference:
     def of_images(cls, images, extractor, device, batch_size, key, num_workers=0):
         """The statistics of `images` (a uint8 tensor or a dataset), embedded batch by batch: what is held is
         FID's sums (D x D) and KID's subset, not every image's features (21 GB for ImageNet's 1.28M)."""
-        statistics = _Statistics(len(images))
-        for features, index in embedded(extractor, indexed_batches(images, batch_size, num_workers), device):
-            statistics.add(features, index)
-        return statistics.reference(key)
+        return statistics_of_share(images, extractor, device, batch_size, num_workers).reference(key)
 
     @property
     def num_images(self):
@@ -284,11 +281,14 @@ class _Statistics:
         self.row = self.keep.cumsum(0) - 1  # item i's row in the subset, if kept
         self.fid, self.kid, self.filled = None, None, torch.zeros(int(self.keep.sum()), dtype=torch.bool)
 
+    def _allocate(self, num_features, device):
+        if self.fid is None:
+            self.fid = _fid_metric(num_features).to(device)
+            self.kid = torch.zeros(len(self.filled), num_features)
+
     def add(self, features, index):
         """`features` (B, D) of the images of indices `index` (B,)."""
-        if self.fid is None:
-            self.fid = _fid_metric(features.shape[1]).to(features.device)
-            self.kid = torch.empty(len(self.filled), features.shape[1])
+        self._allocate(features.shape[1], features.device)
         self.fid.update(features.double(), real=True)
         kept = self.keep[index]
         if kept.any():
@@ -296,12 +296,44 @@ class _Statistics:
             self.kid[rows] = features[kept.to(features.device)].float().cpu()
             self.filled[rows] = True
 
+    def sum_to_first(self, group):
+        """Every process's statistics (of its share of the images) summed into rank 0's through `group` (gloo:
+        CPU tensors): FID's sums, and KID's rows, each filled by the one process whose share held its image."""
+        dist = torch.distributed
+        width = torch.tensor(0 if self.kid is None else self.kid.shape[1])
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)  # 0 where a share had no readable image
+        self._allocate(int(width), "cpu")
+        for name in Reference.FID_STATES:
+            value = getattr(self.fid, name)
+            total = value.cpu()
+            dist.reduce(total, dst=0, group=group)
+            setattr(self.fid, name, total.to(value.device))
+        filled = self.filled.to(torch.uint8)
+        dist.reduce(self.kid, dst=0, group=group)
+        dist.reduce(filled, dst=0, group=group)
+        self.filled = filled.bool()
+
     def reference(self, key):
         found = 0 if self.fid is None else int(self.fid.real_features_num_samples)
         if found < 2:
             raise ConfigError(f"FID needs at least 2 reference images (the dataset has {found})")
         state = {name: getattr(self.fid, name).clone().cpu() for name in Reference.FID_STATES}
         return Reference(state, self.kid[self.filled], key)  # less the kept items that did not decode
+
+
+def statistics_of_share(images, extractor, device, batch_size, num_workers=0, rank=0, world=1, group=None):
+    """The reference statistics (_Statistics) of share `rank` of `world` of `images` (contiguous), summed over the
+    processes into rank 0's through `group` when `world` > 1: every process embeds its share, and rank 0's
+    `.reference(key)` is that of all the images, as one process makes it (to float64 rounding)."""
+    statistics = _Statistics(len(images))
+    start, stop = len(images) * rank // world, len(images) * (rank + 1) // world
+    if (start, stop) != (0, len(images)):
+        images = images[start:stop] if isinstance(images, torch.Tensor) else torch.utils.data.Subset(images, range(start, stop))
+    for features, index in embedded(extractor, indexed_batches(images, batch_size, num_workers), device):
+        statistics.add(features, index + start)
+    if world > 1:
+        statistics.sum_to_first(group)
+    return statistics
 
 
 def reference_root():
@@ -321,23 +353,41 @@ def cached_reference(folder, key, get_images, extractor, device, batch_size, num
     """The reference statistics of `get_images()` for `key`: read from folder/fid_reference.pt, else from the
     cache every run shares (shared_reference_path; copied into the folder), else computed and written to both,
     so that the next run on the same images reads them."""
+    reference = found_reference(folder, key, log)
+    if reference is None:
+        images = get_images()
+        log(computing_line(len(images), key))
+        reference = kept_reference(Reference.of_images(images, extractor, device, batch_size, key, num_workers), folder, log)
+    return reference
+
+
+def found_reference(folder, key, log=print):
+    """The statistics of `key` from folder/fid_reference.pt, else from the cache every run shares (then copied
+    into the folder), else None."""
     path, shared = Path(folder) / REFERENCE_FILE, shared_reference_path(key)
     reference = Reference.load(path, key)
-    if reference is not None:
-        return reference
-    reference = Reference.load(shared, key)
-    if reference is not None:
-        log(f"FID reference statistics of {reference.num_images} images read from {shared} (an earlier run's)")
-    else:
-        images = get_images()
-        log(f"computing FID reference statistics of {len(images)} images (once: cached in {shared} for every run)")
-        reference = Reference.of_images(images, extractor, device, batch_size, key, num_workers)
-        try:
-            reference.save(shared)
-        except OSError as e:
-            log(f"warning: cannot write {shared} ({type(e).__name__}): the next run computes them again; "
-                f"${REFERENCE_CACHE_ENV} sets another folder")  # fmt: skip
-    reference.save(path)
+    if reference is None:
+        reference = Reference.load(shared, key)
+        if reference is not None:
+            log(f"FID reference statistics of {reference.num_images} images read from {shared} (an earlier run's)")
+            reference.save(path)
+    return reference
+
+
+def computing_line(num_images, key, processes=1):
+    on = f" on {processes} processes" if processes > 1 else ""
+    return f"computing FID reference statistics of {num_images} images{on} (once: cached in {shared_reference_path(key)} for every run)"
+
+
+def kept_reference(reference, folder, log=print):
+    """`reference`, written to the cache every run shares (a warning where it cannot be) and to folder/fid_reference.pt."""
+    shared = shared_reference_path(reference.key)
+    try:
+        reference.save(shared)
+    except OSError as e:
+        log(f"warning: cannot write {shared} ({type(e).__name__}): the next run computes them again; "
+            f"${REFERENCE_CACHE_ENV} sets another folder")  # fmt: skip
+    reference.save(Path(folder) / REFERENCE_FILE)
     return reference
 
 
@@ -454,15 +504,18 @@ class TrainingEvaluator:
         self.best = BestCheckpoint(self.output_dir / "best")
         self.reference = None
 
-    def prepare_reference(self, get_images):
-        """Reference statistics of the training images `get_images()` returns (called only when they are not
-        computed yet: a latent run's images are then decoded, once; then read from the run folder)."""
+    def find_reference(self):
+        """Whether the training set's statistics were made before (by this run or another: found_reference);
+        they are then `self.reference`."""
         options, size = vars(self.args), self.args.image_size
-        key = reference_key(options, size, self.extractor_name, dataset_contents(options, size))
-        self.reference = cached_reference(
-            self.output_dir, key, get_images, self.extractor, self.device, fid_batch_size(self.args.eval_batch_size),
-            self.args.dataloader_num_workers, self.log,
-        )  # fmt: skip
+        self.reference_key = reference_key(options, size, self.extractor_name, dataset_contents(options, size))
+        self.reference = found_reference(self.output_dir, self.reference_key, self.log)
+        return self.reference is not None
+
+    def keep_reference(self, statistics):
+        """The training set's statistics from `statistics` (_Statistics: this process's, or every process's
+        summed into it), kept (kept_reference)."""
+        self.reference = kept_reference(statistics.reference(self.reference_key), self.output_dir, self.log)
 
     def evaluate(self, batches_for, scales, sampler, num_inference_steps, epoch, step, save_pipeline, labels=None):
         """Score the uint8 batches `batches_for(w)` generates (--eval_num_samples images) at each guidance

@@ -276,9 +276,8 @@ class Run:
         self.config |= dict(num_classes=self.num_classes, class_names=class_names, flow_sigmas=self.flow_sigmas,
                             class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
-        if args.eval_every_epochs:  # the reference statistics (a latent run's: its images, decoded; once, then cached)
-            self.on_main_process(lambda: self.evaluator.prepare_reference(
-                lambda: metrics.reference_images(vars(args), args.image_size) if args.vae else images))  # fmt: skip
+        if args.eval_every_epochs:
+            self._prepare_reference(images)
             self.startup.mark("FID's reference")
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
         if isinstance(images, PRELOADED) and self.device.type == "cuda":
@@ -304,6 +303,39 @@ class Run:
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             self._announce()
+
+    def _prepare_reference(self, images):
+        """FID's reference statistics of the training images (`images`; a latent run's decoded from the dataset):
+        read where an earlier run (or this one, before a resume) left them (metrics.found_reference), else made
+        by every process embedding its share of the images (the shape scorer's on the built-in shapes: the main
+        process's alone), summed to the main process, which keeps them for every later run."""
+        args, evaluator = self.args, self.evaluator
+        found = [True]
+        self.on_main_process(lambda: found.__setitem__(0, evaluator.find_reference()))
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(found, src=0, group=self.main_work_group)
+        if found[0]:
+            return
+        shared = self.world > 1 and not metrics.uses_shape_score(vars(args), args.fid_weights)
+        world, work = (self.world, dict(everywhere=True)) if shared else (1, {})
+        ready = [None, None]  # this process's (images, extractor): an error in either stops every process here
+
+        def prepare():
+            extractor = evaluator.extractor if self.is_main else metrics.extractor_for(vars(args), args.image_size, args.fid_weights)[0]
+            ready[:] = metrics.reference_images(vars(args), args.image_size) if args.vae else images, extractor
+            if self.is_main:
+                self.accelerator.print(metrics.computing_line(len(ready[0]), evaluator.reference_key, world))
+
+        self.on_main_process(prepare, **work)
+        statistics = [None]
+        rank = self.accelerator.process_index if shared else 0
+
+        def embed():  # a share each, summed to the main process in the group that waits long enough for it
+            statistics[0] = metrics.statistics_of_share(*ready, self.device, metrics.fid_batch_size(args.eval_batch_size),
+                                                        args.dataloader_num_workers, rank, world, self.main_work_group)  # fmt: skip
+
+        self.on_main_process(embed, **work)
+        self.on_main_process(lambda: evaluator.keep_reference(statistics[0]))
 
     def _choose_start(self, class_names, resume_from):
         """The checkpoint to continue from (resume.choose_start), checked against what the run is before

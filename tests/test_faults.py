@@ -845,7 +845,7 @@ train.main(train.parse_args(sys.argv[1:]))
 
 
 # FID with a stand-in for Inception; each rank records the evaluation's batches it generates and rank 0 those it
-# embeds (per call: the reference's, then the evaluation's), each as (images, their sum).
+# embeds (per call), each as (images, their sum), and the indices of the reference images each embeds.
 SHARED_EVALUATION = """
 import json, os, sys
 sys.path.insert(0, {root!r})
@@ -864,18 +864,27 @@ def embedding(extractor, batches, device):
     embedded.append([])
     return embed(extractor, recorded(batches, embedded[-1]), device)
 metrics.embed = embedding
+reference, add = [], metrics._Statistics.add
+def adding(self, features, index):
+    reference.extend(index.tolist())
+    add(self, features, index)
+metrics._Statistics.add = adding
 try:
     train.main(train.parse_args(sys.argv[1:]))
 finally:
     out = sys.argv[sys.argv.index("--output_dir") + 1]
     with open(os.path.join(out, "rank" + os.environ["RANK"] + ".json"), "w") as f:
-        json.dump(dict(made=made, embedded=embedded), f)
+        json.dump(dict(made=made, embedded=embedded, reference=reference), f)
 """
 
 
 def test_an_evaluation_generates_a_share_of_its_samples_on_each_process(tmp_path):
     """5 samples in batches of 2: rank 0 generates batches 0 and 2 (the last, of 1 image), rank 1 batch 1; rank 0
-    embeds the three in image order (the batches one process generates), and scores 5 images."""
+    embeds the three in image order (the batches one process generates), and scores 5 images. The reference
+    statistics: each rank embeds half the 32 training images, rank 0 keeps the sum, as one process makes it."""
+    import metrics
+    from test_metrics import TinyFeatures
+
     out = tmp_path / "run"
     (tmp_path / "inception.pth").touch()
     script = SHARED_EVALUATION.format(root=str(ROOT), tests=str(ROOT / "tests"))
@@ -888,6 +897,41 @@ def test_an_evaluation_generates_a_share_of_its_samples_on_each_process(tmp_path
     assert one["embedded"] == []  # the main process embeds and scores
     (result,) = json.loads((out / "eval_results.json").read_text())
     assert result["num_images"] == 5 and result["step"] == 6
+    assert zero["reference"] == list(range(16)) and one["reference"] == list(range(16, 32))
+    saved = torch.load(out / metrics.REFERENCE_FILE, weights_only=True)
+    alone = metrics.Reference.of_images(data.builtin_images(32, 16, 0)[0], TinyFeatures(), "cpu", 2, key={})
+    assert int(saved["fid_state"]["real_features_num_samples"]) == 32
+    for name, value in alone.fid_state.items():
+        torch.testing.assert_close(saved["fid_state"][name], value, rtol=1e-12, atol=1e-12)
+    assert torch.equal(saved["kid_features"], alone.kid_features)
+
+
+# Rank 1 cannot load the network that embeds the reference images (its node has no weights file, say).
+NO_EXTRACTOR_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import metrics, train
+from errors import ConfigError
+from test_metrics import TinyFeatures
+metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
+if os.environ["RANK"] == "1":
+    def missing(*args, **kwargs):
+        raise ConfigError("no Inception weights on this node")
+    metrics.extractor_for = missing
+train.main(train.parse_args(sys.argv[1:]))
+"""
+
+
+def test_a_process_that_cannot_embed_its_share_of_the_reference_stops_every_process(tmp_path):
+    """Rather than rank 0 embed its share and wait for rank 1's sums for MAIN_WORK_WAIT (12 hours)."""
+    out = tmp_path / "run"
+    (tmp_path / "inception.pth").touch()
+    argv = flags(out, "--eval_every_epochs", 100, "--eval_num_samples", 2, "--fid_weights", tmp_path / "inception.pth")
+    ranks = Ranks(start_two_ranks(argv, NO_EXTRACTOR_ON_RANK_1.format(root=str(ROOT), tests=str(ROOT / "tests"))), timeout=120)
+    assert ranks.codes == [1, 2], ranks
+    assert ranks.err1.strip().splitlines()[-1] == "train.py: error: no Inception weights on this node"
+    assert not (out / "checkpoints").exists()
 
 
 # The steps' group waits STEP_WAIT (here 6 s) and no longer; rank 0 draws its grid for 10 s while rank 1 waits

@@ -172,6 +172,17 @@ def test_statistics_made_batch_by_batch_are_those_of_all_features_at_once(tmp_pa
     assert "03b.png" in capsys.readouterr().err
 
 
+def test_statistics_summed_over_processes_of_which_none_read_an_image_are_one_line(tmp_path):
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        statistics = metrics._Statistics(4)
+        statistics.sum_to_first(None)
+    finally:
+        torch.distributed.destroy_process_group()
+    with pytest.raises(ConfigError, match="FID needs at least 2 reference images"):
+        statistics.reference({})
+
+
 def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_on(tmp_path, monkeypatch):
     """A run's own training set: its folder's statistics, though the images changed since; --dataset naming
     the folder: the images there now."""
