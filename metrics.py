@@ -556,34 +556,28 @@ class SampleEvaluation:
     """`sample.py --fid`: collects the generated images' features, scores them at the end.
 
     The reference defaults to the run's training set, whose statistics train.py
-    cached in the run folder when it evaluated during training.
+    cached in the run folder when it evaluated during training. Statistics
+    found nowhere are `None` until `keep_reference` is given them (sample.py
+    makes them: a share on each process).
     """
 
     def __init__(self, run_dir, run_folder, run_config, args, image_size, log=print):
         """`run_folder` and `run_config`: the training run `run_dir` belongs to, and its
         train_config.json (None for a bare pipeline folder)."""
-        run_dir = Path(run_dir)
-        if args.dataset is None and run_folder is None:
-            raise ConfigError(f"{run_dir} has no train_config.json to take the training set from: pass --dataset")
-        if args.dataset is None:
-            options = run_config  # the training set, loaded as it was for training
-        else:
-            options = dict(
-                dataset=args.dataset, dataset_config=args.dataset_config, split=args.split or "train",
-                image_column=args.image_column, augment="none", shapes_num_images=2048, seed=0,
-            )  # fmt: skip
-        self.device = args.device
-        self.extractor, self.extractor_name = extractor_for(options, image_size, args.fid_weights, self.device, log)
-        folder, key = Path(run_folder or run_dir), reference_key(options, image_size, self.extractor_name)
+        self.options, self.device, self.log = reference_options(run_dir, run_folder, run_config, args), args.device, log
+        self.extractor, self.extractor_name = extractor_for(self.options, image_size, args.fid_weights, self.device, log)
+        self.folder, self.key = Path(run_folder or run_dir), reference_key(self.options, image_size, self.extractor_name)
         # The run's own training set: the statistics cached while it trained are of the images it trained on,
         # whatever its folder holds now (or whether this machine has it).
-        self.reference = Reference.load(folder / REFERENCE_FILE, key, ignore=("contents",)) if args.dataset is None else None
+        self.reference = Reference.load(self.folder / REFERENCE_FILE, self.key, ignore=("contents",)) if args.dataset is None else None
         if self.reference is None:
-            key["contents"] = dataset_contents(options, image_size)
-            self.reference = cached_reference(
-                folder, key, lambda: reference_images(options, image_size), self.extractor, self.device, args.batch_size, log=log,
-            )  # fmt: skip
+            self.key["contents"] = dataset_contents(self.options, image_size)
+            self.reference = found_reference(self.folder, self.key, log)
         self.parts = []
+
+    def keep_reference(self, statistics):
+        """The reference statistics from `statistics` (_Statistics, summed over the processes), kept (kept_reference)."""
+        self.reference = kept_reference(statistics.reference(self.key), self.folder, self.log)
 
     def add(self, images, labels=None):
         self.parts.append((embed(self.extractor, [images], self.device), labels))
@@ -595,6 +589,19 @@ class SampleEvaluation:
         self.parts = []
         scores = score(self.reference, self.extractor, self.extractor_name, features, self.device, labels)
         return scores | dict(reference_images=self.reference.num_images)
+
+
+def reference_options(run_dir, run_folder, run_config, args):
+    """The dataset flags of sample.py --fid's reference images: the run's training set (`run_config`, its
+    train_config.json), else --dataset's (with --dataset_config, --split, --image_column)."""
+    if args.dataset is None and run_folder is None:
+        raise ConfigError(f"{run_dir} has no train_config.json to take the training set from: pass --dataset")
+    if args.dataset is None:
+        return run_config  # the training set, loaded as it was for training
+    return dict(
+        dataset=args.dataset, dataset_config=args.dataset_config, split=args.split or "train",
+        image_column=args.image_column, augment="none", shapes_num_images=2048, seed=0,
+    )  # fmt: skip
 
 
 def center_crop(options):

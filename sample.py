@@ -776,19 +776,23 @@ def _run(args, rank, world, group):
         raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "
                           "no classes, so give --guide RUN (a weaker run or checkpoint) or drop --guidance_scale")  # fmt: skip
     # The Inception weights and the reference statistics before any sampling (rank 0's): a missing file fails now.
-    evaluation, failed = None, [None]
+    evaluation, failed = None, [None, False]  # rank 0's error, whether the statistics are to be made
     image_size = source.get("image_size") if decode is not None else image_shape(unet)[-1]
     if args.fid and rank == 0:
         try:
             evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_size)
+            failed[1] = evaluation.reference is None
         except ConfigError as e:
-            failed = [str(e)]
+            failed[0] = str(e)
             if group is None:
                 raise
     if group is not None:
         torch.distributed.broadcast_object_list(failed, src=0, group=group)
         if failed[0] is not None:  # said by rank 0
             raise ConfigError(failed[0]) if rank == 0 else SystemExit(2)
+    if failed[1]:
+        make_reference(evaluation, metrics.reference_options(run_dir, source.folder, config, args), args, image_size,
+                       rank, world, group)  # fmt: skip
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
@@ -841,6 +845,44 @@ def _run(args, rank, world, group):
     if output is not None:
         (output / "fid.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def make_reference(evaluation, options, args, image_size, rank, world, group):
+    """The reference statistics that rank 0's `evaluation` found nowhere, made: every process embeds its share of
+    the images (`options`' at `image_size`; on the built-in shapes the shape scorer's, rank 0's alone), summed
+    to rank 0, which keeps them. A process's error stops every process (together)."""
+    if metrics.uses_shape_score(options, args.fid_weights):
+        world, group = 1, None
+        if rank != 0:
+            return
+
+    def ready():
+        extractor = evaluation.extractor if rank == 0 else metrics.extractor_for(options, image_size, args.fid_weights)[0]
+        return metrics.reference_images(options, image_size), extractor
+
+    images, extractor = together(ready, world, group)
+    if rank == 0:
+        print(metrics.computing_line(len(images), evaluation.key, world))
+    statistics = metrics.statistics_of_share(images, extractor, args.device, args.batch_size, 0, rank, world, group)
+    together(lambda: rank == 0 and evaluation.keep_reference(statistics), world, group)
+
+
+def together(work, world, group):
+    """work() on every process of `group`; where it fails on any, every process stops: that one with its error,
+    the others with exit code 2 and nothing said."""
+    error, result = None, None
+    try:
+        result = work()
+    except ConfigError as e:
+        error = e
+    if world > 1:
+        errors = [None] * world
+        torch.distributed.all_gather_object(errors, None if error is None else str(error), group=group)
+        if error is None and any(errors):
+            raise SystemExit(2)
+    if error is not None:
+        raise error
+    return result
 
 
 def save_png(image, path):

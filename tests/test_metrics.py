@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import data
 import metrics
 import rundir
+import sample
 import train
 from conftest import ROOT
 from errors import ConfigError
@@ -192,12 +193,17 @@ def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_o
     run.mkdir()
     args = argparse.Namespace(dataset=None, dataset_config=None, split=None, image_column=None, fid_weights="w",
                               device="cpu", batch_size=2)  # fmt: skip
-    quiet = dict(log=lambda _: None)
-    assert metrics.SampleEvaluation(run, run, folder_options(folder), args, 8, **quiet).reference.num_images == 5
+
+    def reference(args):  # sample.py's: found, else made
+        evaluation = metrics.SampleEvaluation(run, run, folder_options(folder), args, 8, log=lambda _: None)
+        if evaluation.reference is None:
+            sample.make_reference(evaluation, evaluation.options, args, 8, 0, 1, None)
+        return evaluation.reference.num_images
+
+    assert reference(args) == 5
     (folder / "00.png").unlink()
-    assert metrics.SampleEvaluation(run, run, folder_options(folder), args, 8, **quiet).reference.num_images == 5
-    named = argparse.Namespace(**vars(args) | dict(dataset=str(folder)))
-    assert metrics.SampleEvaluation(run, run, folder_options(folder), named, 8, **quiet).reference.num_images == 4
+    assert reference(args) == 5
+    assert reference(argparse.Namespace(**vars(args) | dict(dataset=str(folder)))) == 4
 
 
 def test_best_checkpoint_keeps_the_lowest_fid_and_remembers_it(tmp_path):

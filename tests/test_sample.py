@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -245,16 +246,34 @@ def test_two_processes_write_the_images_grid_and_scores_one_process_does(tiny_ru
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
     flags = [tiny_run, "--fid", "--num_images", 5, "--batch_size", 2, "--num_inference_steps", 2, "--fid_weights", "inception.pth"]
     sample_main(*flags, "--output", tmp_path / "one")
+    # the training set's statistics found nowhere: made again, a share on each process
+    (tiny_run / metrics.REFERENCE_FILE).unlink()
+    shutil.rmtree(os.environ[metrics.REFERENCE_CACHE_ENV])
     script = SAMPLE_RANK.format(root=str(ROOT), tests=str(ROOT / "tests"))
     ranks = Ranks(start_two_ranks([*flags, "--output", tmp_path / "two"], script))
     assert ranks.codes == [0, 0], ranks
+    assert "computing FID reference statistics of 32 images on 2 processes" in ranks.out0
     one, two = pngs(tmp_path / "one"), pngs(tmp_path / "two")
     assert sorted(two) == [f"{i:06d}.png" for i in range(5)] + ["grid.png"] and one == two
-    assert (tmp_path / "one" / "fid.json").read_text() == (tmp_path / "two" / "fid.json").read_text()
+    one, two = (json.loads((tmp_path / run / "fid.json").read_text()) for run in ("one", "two"))
+    assert two == pytest.approx(one, rel=1e-9) and two["reference_images"] == 32  # the sums' order: float64 rounding
     assert "wrote 5 images and grid.png to" in ranks.out0 and "(2 processes)" in ranks.out0
     assert ranks.out1 == "process group left: False\n" and ranks.err1 == ""  # rank 0 says what both did
     assert "process group left: False" in ranks.out0
 
+    # rank 1 cannot load the network for its share of the statistics: its one line, rank 0 stops with it, silent
+    (tiny_run / metrics.REFERENCE_FILE).unlink()
+    shutil.rmtree(os.environ[metrics.REFERENCE_CACHE_ENV])
+    no_network = script.replace("try:", """import os
+from errors import ConfigError
+if os.environ["RANK"] == "1":
+    def missing(*args, **kwargs):
+        raise ConfigError("no Inception weights on this node")
+    metrics.extractor_for = missing
+try:""", 1)
+    ranks = Ranks(start_two_ranks([*flags, "--output", tmp_path / "four"], no_network), timeout=120)
+    assert ranks.codes == [2, 2], ranks
+    assert ranks.err1.strip().splitlines()[-1] == "sample.py: error: no Inception weights on this node" and ranks.err0 == ""
     # rank 0's reference cannot be made: its one line, and the other process stops with it, silent
     ranks = Ranks(start_two_ranks([*flags, "--dataset", tmp_path / "none", "--output", tmp_path / "three"], script))
     assert ranks.codes == [2, 2], ranks
