@@ -370,8 +370,21 @@ def found_reference(folder, key, log=print):
         reference = Reference.load(shared, key)
         if reference is not None:
             log(f"FID reference statistics of {reference.num_images} images read from {shared} (an earlier run's)")
-            reference.save(path)
+            _linked_or_saved(reference, shared, path)
     return reference
+
+
+def _linked_or_saved(reference, source, path):
+    """`reference` (read from the file `source`) at `path`: a hard link to `source` (no second ~110 MB on disk for
+    each run of a sweep; it stays when the shared cache is cleared), else a copy (another filesystem)."""
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        reference.save(path)
+        return
+    os.replace(tmp, path)
 
 
 def computing_line(num_images, key, processes=1):

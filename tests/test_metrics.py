@@ -1,4 +1,5 @@
 import argparse
+import errno
 import json
 import math
 import os
@@ -108,7 +109,7 @@ def folder_options(folder):
     return dict(dataset=str(folder), dataset_config=None, split="train", image_column=None, augment="none")
 
 
-def test_reference_statistics_are_shared_between_runs_and_recomputed_when_the_images_change(tmp_path):
+def test_reference_statistics_are_shared_between_runs_and_recomputed_when_the_images_change(tmp_path, monkeypatch):
     """A second run on the same images reads the statistics the first computed (the shared cache, copied into
     its folder); an image added to the folder makes them again."""
     options, calls, lines = folder_options(image_folder(tmp_path / "images", 5)), [], []
@@ -122,8 +123,21 @@ def test_reference_statistics_are_shared_between_runs_and_recomputed_when_the_im
     assert calls == ["a"] and first.num_images == second.num_images == 5
     assert "computing" in lines[0] and "read from" in lines[1] and (tmp_path / "b" / metrics.REFERENCE_FILE).is_file()
     assert torch.equal(first.fid_state["real_features_cov_sum"], second.fid_state["real_features_cov_sum"])
+    shared = metrics.shared_reference_path(first.key)
+    assert (tmp_path / "b" / metrics.REFERENCE_FILE).stat().st_ino == shared.stat().st_ino  # a hard link, not a copy
     image_folder(tmp_path / "images", 6)
-    assert reference("b").num_images == 6 and calls == ["a", "b"]
+    again = reference("b")
+    assert again.num_images == 6 and calls == ["a", "b"]
+
+    def no_links(src, dst):  # the run folder on another filesystem
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert reference("c").num_images == 6 and calls == ["a", "b"] and "read from" in lines[-1]  # a copy
+    copy, shared = tmp_path / "c" / metrics.REFERENCE_FILE, metrics.shared_reference_path(again.key)
+    assert torch.equal(metrics.Reference.load(copy, again.key).kid_features, again.kid_features)
+    assert copy.stat().st_ino != shared.stat().st_ino
+    assert sorted(p.name for p in copy.parent.iterdir()) == [metrics.REFERENCE_FILE]
 
 
 def test_a_shared_cache_that_cannot_be_written_is_a_warning_and_the_run_folder_keeps_its_statistics(images, tmp_path, monkeypatch):
