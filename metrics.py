@@ -393,14 +393,17 @@ def computing_line(num_images, key, processes=1):
 
 
 def kept_reference(reference, folder, log=print):
-    """`reference`, written to the cache every run shares (a warning where it cannot be) and to folder/fid_reference.pt."""
-    shared = shared_reference_path(reference.key)
+    """`reference`, written to the cache every run shares (a warning where it cannot be) and linked (else written)
+    to folder/fid_reference.pt."""
+    shared, path = shared_reference_path(reference.key), Path(folder) / REFERENCE_FILE
     try:
         reference.save(shared)
     except OSError as e:
         log(f"warning: cannot write {shared} ({type(e).__name__}): the next run computes them again; "
             f"${REFERENCE_CACHE_ENV} sets another folder")  # fmt: skip
-    reference.save(Path(folder) / REFERENCE_FILE)
+        reference.save(path)
+    else:
+        _linked_or_saved(reference, shared, path)
     return reference
 
 

@@ -121,6 +121,7 @@ def test_reference_statistics_are_shared_between_runs_and_recomputed_when_the_im
 
     first, second = reference("a"), reference("b")
     assert calls == ["a"] and first.num_images == second.num_images == 5
+    assert (tmp_path / "a" / metrics.REFERENCE_FILE).stat().st_nlink == 3  # one file: the shared one, a's and b's
     assert "computing" in lines[0] and "read from" in lines[1] and (tmp_path / "b" / metrics.REFERENCE_FILE).is_file()
     assert torch.equal(first.fid_state["real_features_cov_sum"], second.fid_state["real_features_cov_sum"])
     shared = metrics.shared_reference_path(first.key)
