@@ -351,8 +351,8 @@ def shared_reference_path(key):
 
 def cached_reference(folder, key, get_images, extractor, device, batch_size, num_workers=0, log=print):
     """The reference statistics of `get_images()` for `key`: read from folder/fid_reference.pt, else from the
-    cache every run shares (shared_reference_path; copied into the folder), else computed and written to both,
-    so that the next run on the same images reads them."""
+    cache every run shares (shared_reference_path; linked into the folder), else computed and kept in both
+    (kept_reference), so that the next run on the same images reads them: one process's way."""
     reference = found_reference(folder, key, log)
     if reference is None:
         images = get_images()
@@ -362,7 +362,7 @@ def cached_reference(folder, key, get_images, extractor, device, batch_size, num
 
 
 def found_reference(folder, key, log=print):
-    """The statistics of `key` from folder/fid_reference.pt, else from the cache every run shares (then copied
+    """The statistics of `key` from folder/fid_reference.pt, else from the cache every run shares (then linked
     into the folder), else None."""
     path, shared = Path(folder) / REFERENCE_FILE, shared_reference_path(key)
     reference = Reference.load(path, key)
