@@ -873,6 +873,9 @@ def open_run_dataset(args):
 # --- a latent run's images --------------------------------------------------------
 
 
+LABELLING = ("class_conditional", "label_column")  # what images_to_encode's identity holds beyond the images'
+
+
 def images_to_encode(args, unreadable):
     """A latent run's images, not decoded yet: (identity, images, count, class_names).
 
@@ -885,7 +888,7 @@ def images_to_encode(args, unreadable):
     the encoding): when `start` is a multiple of 64, the very batches of 64 that the whole pass gives
     for those items. A range of unreadable images only gives no batch; the whole dataset unreadable
     is an error."""
-    labelled = dict(class_conditional=bool(args.class_conditional), label_column=label_column_of(args))
+    labelled = dict(class_conditional=bool(args.class_conditional), label_column=label_column_of(args))  # LABELLING
     if args.dataset == BUILTIN:
         _check_builtin_labels(args)
         count = args.shapes_num_images

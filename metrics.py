@@ -520,11 +520,12 @@ class TrainingEvaluator:
         self.best = BestCheckpoint(self.output_dir / "best")
         self.reference = None
 
-    def find_reference(self):
+    def find_reference(self, contents=None):
         """Whether the training set's statistics were made before (by this run or another: found_reference);
-        they are then `self.reference`."""
+        they are then `self.reference`. `contents`: dataset_contents' answer where the caller has it, else None."""
         options, size = vars(self.args), self.args.image_size
-        self.reference_key = reference_key(options, size, self.extractor_name, dataset_contents(options, size))
+        contents = dataset_contents(options, size) if contents is None else contents
+        self.reference_key = reference_key(options, size, self.extractor_name, contents)
         self.reference = found_reference(self.output_dir, self.reference_key, self.log)
         return self.reference is not None
 

@@ -282,6 +282,19 @@ def test_a_class_conditional_latent_run_samples_by_class_with_guidance_and_fid(t
     assert not np.array_equal(circles[0], squares[0]) and np.array_equal(circles[0], by_class("circle", "again")[0])
 
 
+def test_a_latent_runs_fid_statistics_are_keyed_by_what_its_folder_holds_as_sample_py_keys_them(tmp_path, vae, monkeypatch):
+    import metrics
+    from test_metrics import TinyFeatures, folder_options, image_folder
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    (tmp_path / "w.pth").touch()
+    out, images = tmp_path / "run", image_folder(tmp_path / "images")
+    train_latents(out, vae, "--dataset", images, "--max_train_steps", 1, "--eval_every_epochs", 1, "--eval_num_samples", 2,
+                  "--fid_weights", tmp_path / "w.pth")  # fmt: skip
+    key = torch.load(out / metrics.REFERENCE_FILE, weights_only=True)["key"]
+    assert key["contents"] == metrics.dataset_contents(folder_options(images), 16) and key["contents"]["files"] == 16
+
+
 def test_edm_with_an_edm2_preset_on_latents_normalised_by_the_data(tmp_path, vae):
     out = tmp_path / "run"
     train_latents(out, f"{vae},dataset", "--model", "edm2tiny", "--max_train_steps", 2)

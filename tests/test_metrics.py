@@ -342,14 +342,16 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     assert sum(embedded) == 6
 
 
-def test_a_runs_reference_statistics_are_keyed_by_what_its_folder_holds(tmp_path, monkeypatch):
+@pytest.mark.parametrize("preload", ["--preload_data", "--no-preload_data"])
+def test_a_runs_reference_statistics_are_keyed_by_what_its_folder_holds_as_sample_py_keys_them(tmp_path, monkeypatch, preload):
+    """Preloaded (the folder opened again for what it holds) or streamed (read from the dataset the run streams)."""
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
     (tmp_path / "inception.pth").touch()
     out, images = tmp_path / "run", image_folder(tmp_path / "images")
-    run(out, "--dataset", images, "--max_train_steps", 1, "--eval_every_epochs", 1, "--eval_num_samples", 2,
+    run(out, "--dataset", images, preload, "--max_train_steps", 1, "--eval_every_epochs", 1, "--eval_num_samples", 2,
         "--fid_weights", tmp_path / "inception.pth")  # fmt: skip
     key = torch.load(out / metrics.REFERENCE_FILE, weights_only=True)["key"]
-    assert key["contents"]["files"] == 16 and key["contents"]["folder"] == str(images.resolve())
+    assert key["contents"] == metrics.dataset_contents(folder_options(images), 16) and key["contents"]["files"] == 16
     assert metrics.shared_reference_path(key).is_file()
 
 
