@@ -238,34 +238,77 @@ class Reference:
         return found if same else None
 
     def scores(self, features, device="cpu"):
-        """{'fid', 'kid_mean', 'kid_std'} of generated-image `features` (N, D) against this reference.
+        """{'fid', 'kid_mean', 'kid_std'} of generated-image `features` (N, D) against this reference."""
+        generated = Generated()
+        generated.add(features.to(device))
+        return generated.scores(self, device)
+
+
+class Generated:
+    """Generated images' features taken a batch at a time (`add`), scored against a Reference at the end: what
+    is held is FID's sums of them, the first KID_MAX_IMAGES features for KID and, with the shape scorer, each
+    image's validity and kind, never every feature (800 MB in float64 at FID-50k)."""
+
+    def __init__(self, scorer=None):
+        self.scorer, self.fid, self.kid, self.num_kid = scorer, None, [], 0
+        self.valid, self.kinds, self.labels = [], [], []
+
+    def add(self, features, labels=None):
+        """`features` (B, D) of B generated images, and the labels they were asked for (a conditional run's)."""
+        if self.fid is None:
+            self.fid = _fid_metric(features.shape[1]).to(features.device)
+        self.fid.update(features.double(), real=False)
+        if self.num_kid < KID_MAX_IMAGES:
+            self.kid.append(features[: KID_MAX_IMAGES - self.num_kid].float().cpu())
+            self.num_kid += len(self.kid[-1])
+        if self.scorer is not None:
+            with torch.no_grad():
+                scorer = self.scorer.to(features.device)
+                self.valid.append(scorer.valid(features).cpu())
+                if labels is not None:
+                    self.kinds.append(scorer.single_kind(features).cpu())
+                    self.labels.append(labels.cpu())
+
+    def scores(self, reference, device="cpu"):
+        """{'fid', 'kid_mean', 'kid_std'} of the images added, against `reference`; with the shape scorer also
+        `valid_fraction`, and with labels `class_match` and `class_match_chance` (score).
 
         Computed on `device`: KID's kernels are a few TFLOP at 10k images, a GPU's work.
         """
         from torchmetrics.image.kid import KernelInceptionDistance
 
-        if len(features) < 2:
-            raise ConfigError(f"FID needs at least 2 generated images (got {len(features)})")
-        fid = _fid_metric(features.shape[1]).to(device)
-        for name, value in self.fid_state.items():
+        count = 0 if self.fid is None else int(self.fid.fake_features_num_samples)
+        if count < 2:
+            raise ConfigError(f"FID needs at least 2 generated images (got {count})")
+        fid = self.fid.to(device)
+        for name, value in reference.fid_state.items():
             setattr(fid, name, value.clone().to(device))
-        fid.update(features.double().to(device), real=False)
-
-        fake = features[:KID_MAX_IMAGES].float()
-        subset = min(KID_SUBSET_SIZE, len(fake), len(self.kid_features))
+        fake = torch.cat(self.kid)
+        subset = min(KID_SUBSET_SIZE, len(fake), len(reference.kid_features))
         with warnings.catch_warnings():  # that KID keeps every feature is why KID_MAX_IMAGES exists
             warnings.filterwarnings("ignore", "Metric `Kernel Inception Distance` will save all extracted features")
             kid = KernelInceptionDistance(
-                feature=_Precomputed(features.shape[1]), subsets=KID_SUBSETS, subset_size=subset, sync_on_compute=False
+                feature=_Precomputed(fake.shape[1]), subsets=KID_SUBSETS, subset_size=subset, sync_on_compute=False
             )
-        kid.update(self.kid_features.to(device), real=True)
+        kid.update(reference.kid_features.to(device), real=True)
         kid.update(fake.to(device), real=False)
         # KID draws its subsets with the global RNG: a private, seeded one keeps the
         # score reproducible and leaves the training's random stream untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             kid_mean, kid_std = kid.compute()
-        return dict(fid=float(fid.compute()), kid_mean=float(kid_mean), kid_std=float(kid_std))
+        result = dict(fid=float(fid.compute()), kid_mean=float(kid_mean), kid_std=float(kid_std))
+        if self.valid:
+            result["valid_fraction"] = float(torch.cat(self.valid).float().mean())
+        if self.kinds:
+            kinds, labels = torch.cat(self.kinds), torch.cat(self.labels)
+            result["class_match"] = float((kinds == labels).float().mean())
+            result["class_match_chance"] = chance_match(kinds, labels)
+        return result
+
+    @property
+    def num_images(self):
+        return 0 if self.fid is None else int(self.fid.fake_features_num_samples)
 
 
 class _Statistics:
@@ -434,16 +477,14 @@ def score(reference, extractor, extractor_name, features, device="cpu", labels=N
     and with the `labels` the images were asked for (a conditional run on the built-in shapes,
     whose label is the kind of its one shape), `class_match`: the share recognised as showing
     that kind and no other."""
-    result = reference.scores(features, device) | dict(extractor=extractor_name)
-    if isinstance(extractor, shapescore.ShapeScorer):
-        with torch.no_grad():
-            scorer, features = extractor.to(device), features.to(device)
-            result["valid_fraction"] = float(scorer.valid(features).float().mean())
-            if labels is not None:
-                kinds, labels = scorer.single_kind(features).cpu(), labels.cpu()
-                result["class_match"] = float((kinds == labels).float().mean())
-                result["class_match_chance"] = chance_match(kinds, labels)
-    return result
+    generated = generated_by(extractor)
+    generated.add(features.to(device), labels)
+    return generated.scores(reference, device) | dict(extractor=extractor_name)
+
+
+def generated_by(extractor):
+    """An empty Generated for features of `extractor`: the shape scorer's also scored by it."""
+    return Generated(extractor if isinstance(extractor, shapescore.ShapeScorer) else None)
 
 
 def lowest_fid(results):
@@ -544,9 +585,12 @@ class TrainingEvaluator:
         """
         scores = []
         for w in scales:
-            features = embed(self.extractor, batches_for(w), self.device)
-            found = score(self.reference, self.extractor, self.extractor_name, features, self.device, labels)
-            scores.append(dict(guidance_scale=w, **found, num_images=len(features)))
+            generated, done = generated_by(self.extractor), 0
+            for features, _ in embedded(self.extractor, ((batch, None) for batch in batches_for(w)), self.device):
+                generated.add(features, None if labels is None else labels[done : done + len(features)])
+                done += len(features)
+            found = generated.scores(self.reference, self.device) | dict(extractor=self.extractor_name)
+            scores.append(dict(guidance_scale=w, **found, num_images=generated.num_images))
         best = lowest_fid(scores)
         result = dict(
             epoch=epoch, step=step, **best,
@@ -590,21 +634,20 @@ class SampleEvaluation:
         if self.reference is None:
             self.key["contents"] = dataset_contents(self.options, image_size)
             self.reference = found_reference(self.folder, self.key, log)
-        self.parts = []
+        self.generated = generated_by(self.extractor)
 
     def keep_reference(self, statistics):
         """The reference statistics from `statistics` (_Statistics, summed over the processes), kept (kept_reference)."""
         self.reference = kept_reference(statistics.reference(self.key), self.folder, self.log)
 
     def add(self, images, labels=None):
-        self.parts.append((embed(self.extractor, [images], self.device), labels))
+        for features, _ in embedded(self.extractor, [(images, None)], self.device):
+            self.generated.add(features, labels)
 
     def result(self):
         """The scores of the images added since the last result."""
-        features = torch.cat([f for f, _ in self.parts])
-        labels = None if self.parts[0][1] is None else torch.cat([l for _, l in self.parts])
-        self.parts = []
-        scores = score(self.reference, self.extractor, self.extractor_name, features, self.device, labels)
+        generated, self.generated = self.generated, generated_by(self.extractor)
+        scores = generated.scores(self.reference, self.device) | dict(extractor=self.extractor_name)
         return scores | dict(reference_images=self.reference.num_images)
 
 

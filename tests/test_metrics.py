@@ -76,6 +76,41 @@ def test_scores_do_not_depend_on_the_batch_size(images, monkeypatch):
         assert a[name] == pytest.approx(b[name], rel=1e-4), name
 
 
+def test_generated_images_scored_a_batch_at_a_time_score_as_all_at_once(images, monkeypatch, shape_scorer, tmp_path):
+    """Generated holds FID's sums, KID's first KID_MAX_IMAGES features and the shape scorer's answers, not every
+    feature: batches of 7 score as the 96 images at once (the KID cut inside a batch; labels kept with theirs)."""
+    monkeypatch.setattr(metrics, "KID_MAX_IMAGES", 50)
+    monkeypatch.setattr(metrics, "KID_SUBSET_SIZE", 20)
+    reference = metrics.Reference.from_features(features_of(images[:96], 32), key={})
+    fake = features_of(images[96:], 32)
+    generated = metrics.Generated()
+    for part in fake.split(7):
+        generated.add(part)
+    assert generated.num_images == 96 and sum(len(k) for k in generated.kid) == 50
+    whole, parts = reference.scores(fake), generated.scores(reference)
+    assert parts == pytest.approx(whole, rel=1e-9) and whole["kid_std"] > 0
+
+    shapes, kinds, _ = data.builtin_images(40, 16, 3, class_conditional=True)
+    labels = torch.cat([kinds[:20], kinds[20:].roll(1)])  # half asked for another kind than each shows
+    features = metrics.embed(shape_scorer, [shapes], "cpu")
+    shapes_reference = metrics.Reference.from_features(features, key={})
+    at_once = metrics.score(shapes_reference, shape_scorer, "s", features, labels=labels)
+    generated = metrics.generated_by(shape_scorer)
+    for part, asked in zip(features.split(6), labels.split(6)):
+        generated.add(part, asked)
+    batched = generated.scores(shapes_reference) | dict(extractor="s")
+    assert batched == pytest.approx(at_once, rel=1e-9) and 0 < at_once["class_match"] < 1
+
+    # a training run's evaluation: its batches of samples, each with its labels
+    evaluator = object.__new__(metrics.TrainingEvaluator)  # its scorer, reference and folder, no run's flags
+    evaluator.extractor, evaluator.extractor_name, evaluator.device = shape_scorer, "s", "cpu"
+    evaluator.reference, evaluator.output_dir = shapes_reference, tmp_path
+    evaluator.best = metrics.BestCheckpoint(tmp_path / "best")
+    result = evaluator.evaluate(lambda w: shapes.split(6), [1.0], "euler", 2, 1, 2, lambda folder: None, labels=labels)
+    assert {k: result[k] for k in at_once} == pytest.approx(at_once, rel=1e-5) and result["num_images"] == 40  # embedded by 6
+    assert result["class_match"] == at_once["class_match"]
+
+
 def test_reference_statistics_are_computed_once_and_recomputed_for_other_data(images, tmp_path):
     calls = []
 
@@ -398,8 +433,8 @@ def test_best_holds_the_weights_of_the_evaluation_that_won(tmp_path, monkeypatch
     import sample
 
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
-    fids, real_score = iter([3.0, 1.0, 2.0]), metrics.score
-    monkeypatch.setattr(metrics, "score", lambda *args, **kwargs: {**real_score(*args, **kwargs), "fid": next(fids)})
+    fids, real_scores = iter([3.0, 1.0, 2.0]), metrics.Generated.scores
+    monkeypatch.setattr(metrics.Generated, "scores", lambda *args, **kwargs: {**real_scores(*args, **kwargs), "fid": next(fids)})
     weights = tmp_path / "inception.pth"
     weights.touch()
     out = tmp_path / "run"
