@@ -854,16 +854,21 @@ import metrics, sample, train
 from test_metrics import TinyFeatures
 metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
 metrics.FID_BATCH_SIZE = 2
-made, embedded, generate_batches, embed = [], [], sample.generate_batches, metrics.embed
+made, embedded, generate_batches, embed = [], [], sample.generate_batches, metrics.embedded
 def recorded(batches, into):
     for batch in batches:
         into.append([len(batch), int(batch.long().sum())])
         yield batch
 sample.generate_batches = lambda *a, **k: recorded(generate_batches(*a, **k), made)
-def embedding(extractor, batches, device):
+def generated(indexed, into):  # the generated images' batches: those without indices (the reference's have them)
+    for batch, index in indexed:
+        if index is None:
+            into.append([len(batch), int(batch.long().sum())])
+        yield batch, index
+def embedding(extractor, indexed, device):
     embedded.append([])
-    return embed(extractor, recorded(batches, embedded[-1]), device)
-metrics.embed = embedding
+    return embed(extractor, generated(indexed, embedded[-1]), device)
+metrics.embedded = embedding
 reference, add = [], metrics._Statistics.add
 def adding(self, features, index):
     reference.extend(index.tolist())
@@ -894,7 +899,7 @@ def test_an_evaluation_generates_a_share_of_its_samples_on_each_process(tmp_path
     zero, one = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert [n for n, _ in zero["made"]] == [2, 1] and [n for n, _ in one["made"]] == [2]
     assert zero["embedded"][-1] == [zero["made"][0], one["made"][0], zero["made"][1]]  # in image order
-    assert one["embedded"] == []  # the main process embeds and scores
+    assert not any(one["embedded"])  # the main process embeds the samples and scores
     (result,) = json.loads((out / "eval_results.json").read_text())
     assert result["num_images"] == 5 and result["step"] == 6
     assert zero["reference"] == list(range(16)) and one["reference"] == list(range(16, 32))
