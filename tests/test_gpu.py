@@ -191,3 +191,23 @@ def test_a_checkpoints_host_copy_of_the_gpu_state_is_pinned_and_complete_when_it
     copied = checkpoint.HostCopy().copy(state)
     state["w"].add_(1.0)  # the next step, queued behind the copy
     assert copied["w"].is_pinned() and torch.equal(copied["w"], expected)
+
+
+def test_fids_statistics_made_and_scored_on_the_gpu_are_the_cpus():
+    """The reference's sums and the generated images' on the device (where train.py and sample.py make them),
+    KID's rows and the scores back on the host: what the CPU makes, to the features' float32 rounding."""
+    import data
+    import metrics
+    from test_metrics import TinyFeatures
+
+    images = data.make_shapes(64, 16, seed=1)
+    scores = {}
+    for device in ("cpu", "cuda"):
+        statistics = metrics.statistics_of_share(images[:40], TinyFeatures(), device, 8)
+        reference = statistics.reference({})
+        assert all(value.device.type == "cpu" for value in reference.fid_state.values())
+        generated = metrics.Generated()
+        for features, _ in metrics.embedded(TinyFeatures(), ((b, None) for b in images[40:].split(8)), device):
+            generated.add(features)
+        scores[device] = generated.scores(reference, device)
+    assert scores["cuda"] == pytest.approx(scores["cpu"], rel=1e-4)
