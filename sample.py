@@ -775,7 +775,8 @@ def _run(args, rank, world, group):
     if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):
         raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "
                           "no classes, so give --guide RUN (a weaker run or checkpoint) or drop --guidance_scale")  # fmt: skip
-    # The Inception weights and the reference statistics before any sampling (rank 0's): a missing file fails now.
+    # The Inception weights and the reference statistics before any sampling: rank 0 loads the network (a missing
+    # file fails now) and looks for them; found nowhere, every process makes its share (make_reference).
     evaluation, failed = None, [None, False]  # rank 0's error, whether the statistics are to be made
     image_size = source.get("image_size") if decode is not None else image_shape(unet)[-1]
     if args.fid and rank == 0:
