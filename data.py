@@ -888,7 +888,7 @@ def images_to_encode(args, unreadable):
     the encoding): when `start` is a multiple of 64, the very batches of 64 that the whole pass gives
     for those items. A range of unreadable images only gives no batch; the whole dataset unreadable
     is an error."""
-    labelled = dict(class_conditional=bool(args.class_conditional), label_column=label_column_of(args))  # LABELLING
+    labelled = dict(zip(LABELLING, (bool(args.class_conditional), label_column_of(args))))
     if args.dataset == BUILTIN:
         _check_builtin_labels(args)
         count = args.shapes_num_images

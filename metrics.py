@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import data
+import latents
 import shapescore
 from errors import ConfigError
 
@@ -215,7 +216,7 @@ class Reference:
     def save(self, path):
         """Written whole or not at all, also when two runs write the same file at once (a file each, renamed)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+        tmp = latents._temporary(path)
         try:
             torch.save(dict(key=self.key, fid_state=self.fid_state, kid_features=self.kid_features), tmp)
             os.replace(tmp, path)
@@ -277,9 +278,8 @@ class Generated:
         """
         from torchmetrics.image.kid import KernelInceptionDistance
 
-        count = 0 if self.fid is None else int(self.fid.fake_features_num_samples)
-        if count < 2:
-            raise ConfigError(f"FID needs at least 2 generated images (got {count})")
+        if self.num_images < 2:
+            raise ConfigError(f"FID needs at least 2 generated images (got {self.num_images})")
         fid = self.fid.to(device)
         for name, value in reference.fid_state.items():
             setattr(fid, name, value.clone().to(device))
@@ -420,7 +420,7 @@ def found_reference(folder, key, log=print):
 def _linked_or_saved(reference, source, path):
     """`reference` (read from the file `source`) at `path`: a hard link to `source` (no second ~110 MB on disk for
     each run of a sweep; it stays when the shared cache is cleared), else a copy (another filesystem)."""
-    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    tmp = latents._temporary(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(source, tmp)

@@ -243,6 +243,7 @@ class Run:
         # a latent run's encoded to latents, or read from their cache.
         self.unreadable = data.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
         self.decode, self.latents, self.latent_space = None, None, None  # a latent run's: latents -> images, records
+        self.dataset_contents = None  # a latent run's: what its images hold (data.dataset_identity), for FID's key
         self.vae = None  # a latent run's VAE: on the CPU but while grids and FID samples are decoded
         resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
         if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
@@ -372,7 +373,7 @@ class Run:
         kind = args.latent_normalization
         self.latent_space = latents.latent_space(key["vae"]["encoder_sha256"],
                                                  dict(kind=kind) | (latents.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
-        # what the images hold, for FID's reference statistics: read once here, not again (seconds a 100k files)
+        # read once here, not again for FID's reference statistics (seconds a 100k files)
         self.dataset_contents = None if args.dataset == data.BUILTIN else {k: v for k, v in identity.items() if k not in data.LABELLING}
         return dict(vae=vae, images=images, count=count, class_names=class_names, key=key)
 
