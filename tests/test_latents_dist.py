@@ -135,6 +135,7 @@ def worker(spec):
             return ranged(x, labels, left_out={LEFT_OUT})(start, stop)
 
         run("failure", out / "shared", dataset="failing", images=failing)
+        dist.barrier()  # each process has removed its temporary folder (a listing meanwhile could race its removal)
         results["after_failure"] = {p.name: sorted(q.name for q in p.iterdir()) for p in (out / "shared").iterdir()}
         run("other", out / "shared", dataset="other")  # another key's encode: told of the failed one's pieces
         run("resumed", out / "shared", dataset="failing")  # rank 0's share was encoded before rank 1 failed
