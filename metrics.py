@@ -28,7 +28,7 @@ import os
 import shutil
 import socket
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 
@@ -406,15 +406,20 @@ def cached_reference(folder, key, get_images, extractor, device, batch_size, num
 
 def found_reference(folder, key, log=print):
     """The statistics of `key` from folder/fid_reference.pt, else from the cache every run shares (then linked
-    into the folder), else None."""
-    path, shared = Path(folder) / REFERENCE_FILE, shared_reference_path(key)
-    reference = Reference.load(path, key)
+    into the folder), else None. `folder` None: the shared cache alone."""
+    path, shared = _run_file(folder), shared_reference_path(key)
+    reference = Reference.load(path, key) if path else None
     if reference is None:
         reference = Reference.load(shared, key)
         if reference is not None:
             log(f"FID reference statistics of {reference.num_images} images read from {shared} (an earlier run's)")
-            _linked_or_saved(reference, shared, path)
+            if path:
+                _linked_or_saved(reference, shared, path)
     return reference
+
+
+def _run_file(folder):
+    return None if folder is None else Path(folder) / REFERENCE_FILE
 
 
 def _linked_or_saved(reference, source, path):
@@ -437,16 +442,18 @@ def computing_line(num_images, key, processes=1):
 
 def kept_reference(reference, folder, log=print):
     """`reference`, written to the cache every run shares (a warning where it cannot be) and linked (else written)
-    to folder/fid_reference.pt."""
-    shared, path = shared_reference_path(reference.key), Path(folder) / REFERENCE_FILE
+    to folder/fid_reference.pt (`folder` None: the shared cache alone)."""
+    shared, path = shared_reference_path(reference.key), _run_file(folder)
     try:
         reference.save(shared)
     except OSError as e:
         log(f"warning: cannot write {shared} ({type(e).__name__}): the next run computes them again; "
             f"${REFERENCE_CACHE_ENV} sets another folder")  # fmt: skip
-        reference.save(path)
+        if path:
+            reference.save(path)
     else:
-        _linked_or_saved(reference, shared, path)
+        if path:
+            _linked_or_saved(reference, shared, path)
     return reference
 
 
@@ -455,6 +462,9 @@ def reference_key(options, image_size, extractor_name, contents=None):
     what the dataset holds (dataset_contents), so that images added, removed or changed are not scored
     against statistics of the images that were there before."""
     key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column")}
+    folder = Path(key["dataset"]).expanduser() if key["dataset"] else None
+    if folder is not None and folder.is_dir():  # one folder given as relative, absolute or through a link: one key
+        key["dataset"] = str(folder.resolve())
     key["center_crop"] = center_crop(options)
     if options.get("dataset") == data.BUILTIN:
         key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"),
@@ -629,12 +639,24 @@ class SampleEvaluation:
         self.extractor, self.extractor_name = extractor_for(self.options, image_size, args.fid_weights, self.device, log)
         self.folder, self.key = Path(run_folder or run_dir), reference_key(self.options, image_size, self.extractor_name)
         # The run's own training set: the statistics cached while it trained are of the images it trained on,
-        # whatever its folder holds now (or whether this machine has it).
-        self.reference = Reference.load(self.folder / REFERENCE_FILE, self.key, ignore=("contents",)) if args.dataset is None else None
+        # whatever its folder holds now, whether this machine has it, or where it is seen from. Another
+        # --dataset's statistics stay out of the run's folder (in the shared cache alone).
+        self.reference = self._own_reference() if args.dataset is None else None
+        if args.dataset is not None:
+            self.folder = None
         if self.reference is None:
             self.key["contents"] = dataset_contents(self.options, image_size)
             self.reference = found_reference(self.folder, self.key, log)
         self.generated = generated_by(self.extractor)
+
+    def _own_reference(self):
+        """The run folder's statistics of its training set: its name as train.py resolved it (reference_key), or as
+        given, relative, and seen from another directory or machine, where it does not resolve to the same folder."""
+        found = Reference.load(self.folder / REFERENCE_FILE, self.key, ignore=("contents", "dataset"))
+        given = PurePath(self.key["dataset"])
+        if found is None or found.key["dataset"] == self.key["dataset"]:
+            return found
+        return found if not given.is_absolute() and PurePath(found.key["dataset"]).parts[-len(given.parts) :] == given.parts else None
 
     def keep_reference(self, statistics):
         """The reference statistics from `statistics` (_Statistics, summed over the processes), kept (kept_reference)."""

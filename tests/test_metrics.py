@@ -235,17 +235,19 @@ def test_statistics_summed_over_processes_of_which_none_read_an_image_are_one_li
 
 
 def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_on(tmp_path, monkeypatch):
-    """A run's own training set: its folder's statistics, though the images changed since; --dataset naming
-    the folder: the images there now."""
+    """A run's own training set (here trained on the relative `images`): its folder's statistics, though the
+    images changed since, or seen from a directory without them; --dataset naming the folder: the images there
+    now, kept out of the run's folder; another folder of that name: its own statistics."""
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
     folder = image_folder(tmp_path / "images", 5)
     run = tmp_path / "run"
     run.mkdir()
+    monkeypatch.chdir(tmp_path)
     args = argparse.Namespace(dataset=None, dataset_config=None, split=None, image_column=None, fid_weights="w",
                               device="cpu", batch_size=2)  # fmt: skip
 
     def reference(args):  # sample.py's: found, else made
-        evaluation = metrics.SampleEvaluation(run, run, folder_options(folder), args, 8, log=lambda _: None)
+        evaluation = metrics.SampleEvaluation(run, run, folder_options("images"), args, 8, log=lambda _: None)
         if evaluation.reference is None:
             sample.make_reference(evaluation, evaluation.options, args, 8, 0, 1, None)
         return evaluation.reference.num_images
@@ -254,6 +256,20 @@ def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_o
     (folder / "00.png").unlink()
     assert reference(args) == 5
     assert reference(argparse.Namespace(**vars(args) | dict(dataset=str(folder)))) == 4
+    assert reference(args) == 5  # the run's folder still holds its own
+    monkeypatch.chdir(run)  # no `images` here
+    assert reference(args) == 5
+    monkeypatch.chdir(image_folder(tmp_path / "other" / "images", 3).parent)
+    assert reference(args) == 3
+
+
+def test_a_folder_given_relative_absolute_or_through_a_link_has_one_key(tmp_path, monkeypatch):
+    images = image_folder(tmp_path / "images", 2)
+    (tmp_path / "link").symlink_to(images)
+    monkeypatch.chdir(tmp_path)
+    keys = [metrics.reference_key(folder_options(name), 8, "x") for name in ("images", images, "link", "./images/")]
+    assert all(key == keys[0] for key in keys) and keys[0]["dataset"] == str(images.resolve())
+    assert metrics.reference_key(folder_options("org/name"), 8, "x")["dataset"] == "org/name"  # a Hub id as given
 
 
 def test_best_checkpoint_keeps_the_lowest_fid_and_remembers_it(tmp_path):

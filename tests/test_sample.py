@@ -256,7 +256,8 @@ def test_two_processes_write_the_images_grid_and_scores_one_process_does(tiny_ru
     one, two = pngs(tmp_path / "one"), pngs(tmp_path / "two")
     assert sorted(two) == [f"{i:06d}.png" for i in range(5)] + ["grid.png"] and one == two
     one, two = (json.loads((tmp_path / run / "fid.json").read_text()) for run in ("one", "two"))
-    assert two == pytest.approx(one, rel=1e-9) and two["reference_images"] == 32  # the sums' order: float64 rounding
+    # the sums' order, and KID's float32 features: a last-bit difference (1e-7 relative) seen once in the suite
+    assert two == pytest.approx(one, rel=1e-6) and two["reference_images"] == 32
     assert "wrote 5 images and grid.png to" in ranks.out0 and "(2 processes)" in ranks.out0
     assert ranks.out1 == "process group left: False\n" and ranks.err1 == ""  # rank 0 says what both did
     assert "process group left: False" in ranks.out0
