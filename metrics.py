@@ -472,13 +472,14 @@ def reference_key(options, image_size, extractor_name, contents=None):
     return key | dict(image_size=image_size, extractor=extractor_name, contents=contents)
 
 
-def dataset_contents(options, image_size):
+def dataset_contents(options, image_size, images=None):
     """What the images `options` name hold (data.dataset_identity: the files' names, sizes and modification
     times, or a `datasets` dataset's fingerprint), read without decoding an image; None for the built-in
-    shapes, which their seed and count say."""
+    shapes, which their seed and count say. `images`: reference_images' answer, where the caller has it."""
     if options.get("dataset") == data.BUILTIN:
         return None
-    return data.dataset_identity(argparse.Namespace(**options), reference_images(options, image_size))
+    images = reference_images(options, image_size) if images is None else images
+    return data.dataset_identity(argparse.Namespace(**options), images)
 
 
 def score(reference, extractor, extractor_name, features, device="cpu", labels=None):
@@ -644,8 +645,11 @@ class SampleEvaluation:
         self.reference = self._own_reference() if args.dataset is None else None
         if args.dataset is not None:
             self.folder = None
+        self.images = None  # a dataset's images, opened once: for the key, and to embed on a miss
         if self.reference is None:
-            self.key["contents"] = dataset_contents(self.options, image_size)
+            if self.options.get("dataset") != data.BUILTIN:
+                self.images = reference_images(self.options, image_size)
+            self.key["contents"] = dataset_contents(self.options, image_size, self.images)
             self.reference = found_reference(self.folder, self.key, log)
         self.generated = generated_by(self.extractor)
 

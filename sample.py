@@ -858,8 +858,10 @@ def make_reference(evaluation, options, args, image_size, rank, world, group):
             return
 
     def ready():
-        extractor = evaluation.extractor if rank == 0 else metrics.extractor_for(options, image_size, args.fid_weights)[0]
-        return metrics.reference_images(options, image_size), extractor
+        if rank == 0:
+            images = evaluation.images  # opened for the statistics' key
+            return metrics.reference_images(options, image_size) if images is None else images, evaluation.extractor
+        return metrics.reference_images(options, image_size), metrics.extractor_for(options, image_size, args.fid_weights)[0]
 
     images, extractor = together(ready, world, group)
     if rank == 0:

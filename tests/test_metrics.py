@@ -255,7 +255,10 @@ def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_o
     assert reference(args) == 5
     (folder / "00.png").unlink()
     assert reference(args) == 5
+    opened, open_images = [], metrics.reference_images
+    monkeypatch.setattr(metrics, "reference_images", lambda *a: opened.append(a) or open_images(*a))
     assert reference(argparse.Namespace(**vars(args) | dict(dataset=str(folder)))) == 4
+    assert len(opened) == 1  # the folder listed once: for the statistics' key, then embedded
     assert reference(args) == 5  # the run's folder still holds its own
     monkeypatch.chdir(run)  # no `images` here
     assert reference(args) == 5
