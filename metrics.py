@@ -462,7 +462,7 @@ def reference_key(options, image_size, extractor_name, contents=None):
     what the dataset holds (dataset_contents), so that images added, removed or changed are not scored
     against statistics of the images that were there before."""
     key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column")}
-    folder = Path(key["dataset"]).expanduser() if key["dataset"] else None
+    folder = Path(key["dataset"]).expanduser() if key["dataset"] not in (None, data.BUILTIN) else None
     if folder is not None and folder.is_dir():  # one folder given as relative, absolute or through a link: one key
         key["dataset"] = str(folder.resolve())
     key["center_crop"] = center_crop(options)

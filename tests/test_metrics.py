@@ -273,6 +273,8 @@ def test_a_folder_given_relative_absolute_or_through_a_link_has_one_key(tmp_path
     keys = [metrics.reference_key(folder_options(name), 8, "x") for name in ("images", images, "link", "./images/")]
     assert all(key == keys[0] for key in keys) and keys[0]["dataset"] == str(images.resolve())
     assert metrics.reference_key(folder_options("org/name"), 8, "x")["dataset"] == "org/name"  # a Hub id as given
+    (tmp_path / "shapes").mkdir()
+    assert metrics.reference_key(folder_options("shapes"), 8, "x")["dataset"] == "shapes"  # the built-in set, not a folder
 
 
 def test_best_checkpoint_keeps_the_lowest_fid_and_remembers_it(tmp_path):
