@@ -82,6 +82,7 @@ def end_process_group():
     the process aborts ("terminate called without an active exception", SIGABRT)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _MAIN_WORK.clear()  # its threads end now, while the interpreter is whole
 
 
 def train(args):
@@ -188,6 +189,11 @@ PRELOADED = (torch.Tensor, data.PreloadedImages)
 # (one that dies ends it at once). A latent run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
 STEP_WAIT = timedelta(minutes=15)
 MAIN_WORK_WAIT = timedelta(hours=12)
+# That group is held here, not by the Run, which lives on in reference cycles after main returns: a group still
+# referenced after destroy_process_group keeps its gloo threads into the interpreter's shutdown, where tearing
+# them down can abort the process (SIGABRT, "terminate called without an active exception"; pytorch PR 179291).
+# end_process_group drops it.
+_MAIN_WORK = {}
 
 # With several processes, how often they agree on whether a signal asked them to stop.
 STOP_CHECK_STEPS = 10
@@ -228,9 +234,9 @@ class Run:
         )
         self.device, self.world = accelerator.device, accelerator.num_processes
         self.is_main = accelerator.is_main_process
-        self.main_work_group = None  # the others' wait for the main process's work between steps (MAIN_WORK_WAIT)
+        _MAIN_WORK.clear()
         if self.world > 1:
-            self.main_work_group = torch.distributed.new_group(backend="gloo", timeout=MAIN_WORK_WAIT)
+            _MAIN_WORK["group"] = torch.distributed.new_group(backend="gloo", timeout=MAIN_WORK_WAIT)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
         self.evaluator = None
@@ -304,6 +310,11 @@ class Run:
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             self._announce()
+
+    @property
+    def main_work_group(self):
+        """The group in which the others wait for the main process's work between steps (_MAIN_WORK); None on one process."""
+        return _MAIN_WORK.get("group")
 
     def _prepare_reference(self, images):
         """FID's reference statistics of the training images (`images`; a latent run's decoded from the dataset):

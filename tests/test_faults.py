@@ -719,12 +719,15 @@ TWO_PROCESSES = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gp
 # train.py with every step timed (its timing_warmup_steps, a config.SETTINGS that no flag sets, is 0
 # instead of 5), as `run` does in this process: a run resumed for 4 steps still reports its throughput.
 TRAIN_TIMING_EVERY_STEP = """
-import sys
+import sys, weakref
 sys.path.insert(0, {root!r})
-import train
+import torch.distributed, train
+made, new_group = [], torch.distributed.new_group
+torch.distributed.new_group = lambda *a, **k: made.append(weakref.ref(new_group(*a, **k))) or made[-1]()
 args = train.parse_args(sys.argv[1:])
 args.timing_warmup_steps = 0
 train.main(args)
+print("process groups made:", len(made), "alive after main:", sum(group() is not None for group in made))
 """
 
 
@@ -765,6 +768,9 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     writers = {f.name.split(".")[-2] for f in (out / "logs").rglob("events.out.tfevents.*")}  # the writing pids
     assert len(writers) == 2  # one per run: rank 0 only
     assert "per device x 2" in second.out0
+    # the groups' gloo threads end with main, not in the interpreter's shutdown (train._MAIN_WORK)
+    for out in (second.out0, second.out1):
+        assert "process groups made: 1 alive after main: 0" in out, out[-500:]
 
 
 def start_two_ranks(argv, script=None, port=None):
