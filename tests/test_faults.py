@@ -846,7 +846,15 @@ def step_done(self):
     if self.steps_seen == at:
         os.kill(os.getpid(), signal.SIGTERM)
 flops.StepTimer.step_done = step_done
-train.main(train.parse_args(sys.argv[1:]))
+import weakref, torch.distributed
+made, new_group = [], torch.distributed.new_group
+torch.distributed.new_group = lambda *a, **k: made.append(weakref.ref(new_group(*a, **k))) or made[-1]()
+try:
+    train.main(train.parse_args(sys.argv[1:]))
+except SystemExit as stop:
+    code = stop.code
+print("process groups made:", len(made), "alive after main:", sum(group() is not None for group in made))
+sys.exit(code)
 """
 
 
@@ -1038,6 +1046,8 @@ def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, co
     assert signalled.codes == [143, 143], signalled
     assert f"stopped by SIGTERM at step {stop_at}" in signalled.out0, signalled  # not at 11 nor 13: together
     assert checkpoints(out) == [f"checkpoint-{stop_at}"], signalled
+    for rank_out in (signalled.out0, signalled.out1):  # a stop's exit code kept: no group left to abort the exit
+        assert "process groups made: 1 alive after main: 0" in rank_out, rank_out[-500:]
     assert reference.codes == [0, 0], reference
 
     again = prelude + TRAIN_TIMING_EVERY_STEP.format(root=str(ROOT)) if copy else None
