@@ -95,8 +95,11 @@ that key removes such leftovers of dead processes of this host (the HOST in the 
 An encode goes by pieces of PIECE_IMAGES items (one images(start, stop) call each, when `images` takes a
 range); each complete piece is hard-linked into .NAME.partial beside the cache, and an encode of the key that
 starts again (after a kill, a preemption, a failure) reuses those that lie in its share and encodes the rest, the
-same bits (pieces begin where decode batches do). The folder goes when the cache is published; the pieces of
-another key (a dataset changed since) stay, named in one line by each encode, for the user to remove.
+same bits (pieces begin where decode batches do). The folder goes when the cache is published (renamed aside, then
+removed); the pieces of another key (a dataset changed since) stay, named in one line by each encode, for the user
+to remove. Encodes of one key at once (runs of a sweep started together) share the pieces: each claims a piece before
+it encodes it (_Claims), skips the pieces others hold and links them once complete; a one-process encode whose key
+another publishes meanwhile stops and reads that cache.
 A valid published cache is never deleted: a process that finds the final folder there when it
 publishes reads it, and where it is a valid cache of the key (another run encoded it at the same time)
 keeps it, discards its own and reads that one. Only an invalid or mismatched folder is replaced, and
@@ -148,6 +151,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -620,6 +624,17 @@ def _partial(final):
     return final.parent / f".{final.name}.partial"
 
 
+def _remove_pieces(partial):
+    """The pieces of a published cache, no longer needed: renamed aside first, so that an encode beside this one
+    sees them all or none (a piece gone from a folder still there it would encode again), then removed."""
+    aside = _temporary(partial)
+    try:
+        os.rename(partial, aside)
+    except OSError:
+        return  # none (a filesystem without hard links), or removed by another publisher
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _piece_name(a, b):
     return f"piece-{a:012d}-{b:012d}.npy"
 
@@ -705,7 +720,83 @@ def _others_pieces(final, log):
         )
 
 
-def _encode_share(vae, images, start, stop, key, tmp, partial, progress):
+# --- two encodes of one key at once: they share its pieces --------------------------------------------------------
+
+# Runs started together on a new dataset (a sweep) encode the same key. Each process claims a piece before it encodes
+# it (.claim-PIECE in .NAME.partial, made with O_EXCL, holding its host, PID and a token), skips the pieces another
+# live encode has claimed, and links them once they are complete: two jobs take turns piece by piece instead of each
+# encoding everything. A claim is a dead encode's when its process is gone (this host, its PID namespace) or it has not
+# been touched for CLAIM_STALE_S, timed by this process's own clock (a live encode touches its claims every
+# CLAIM_BEAT_S from a thread of its own, whatever its batches take): its piece is then claimed anew and encoded.
+CLAIM_BEAT_S = 20.0
+CLAIM_STALE_S = 120.0
+CLAIM_POLL_S = 2.0  # how often an encode that waits for other encodes' pieces looks for them
+
+
+class _Claims:
+    """The pieces this encode has claimed in `partial`, touched every CLAIM_BEAT_S until `close`, which releases them."""
+
+    def __init__(self, partial):
+        self.partial, self.held, self.seen = partial, set(), {}
+        self.mark = f"{_host()} {os.getpid()} {uuid.uuid4().hex[:8]}\n"
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="latent piece claims", daemon=True)
+        self.thread.start()
+
+    def _beat(self):
+        while not self.stopped.wait(CLAIM_BEAT_S):
+            for path in list(self.held):
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+
+    def take(self, name):
+        """Claim the piece `name`: True, else False (another live encode holds it). Where `partial` takes no claims
+        (gone: another job published the cache) the piece is this encode's alone: True."""
+        path = self.partial / f".claim-{name}"
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if not self._dead(path):
+                    return False
+                path.unlink(missing_ok=True)  # a dead encode's: claimed anew
+                continue
+            except OSError:
+                return True
+            with os.fdopen(fd, "w") as f:
+                f.write(self.mark)
+            self.held.add(path)
+            return True
+        return False
+
+    def _dead(self, path):
+        try:
+            stat, words = path.stat(), path.read_text().split()
+        except OSError:
+            return False  # released meanwhile: its piece is complete, or free at the next look
+        if len(words) == 3 and words[0] == _host() and words[1].isdigit() and not _alive(int(words[1])):
+            return True
+        touched, since = self.seen.get(path, (None, None))
+        if touched != stat.st_mtime_ns:
+            self.seen[path] = (stat.st_mtime_ns, time.monotonic())
+            return False
+        return time.monotonic() - since > CLAIM_STALE_S
+
+    def release(self, name):
+        path = self.partial / f".claim-{name}"
+        if path in self.held:
+            self.held.discard(path)
+            path.unlink(missing_ok=True)
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join()
+        for path in self.held:
+            path.unlink(missing_ok=True)
+        self.held.clear()
+
+
+def _encode_share(vae, images, start, stop, key, tmp, partial, progress, published=None):
     """Encode items [start, stop) of `images(start, stop)` into pieces in `tmp`, each kept in `partial` once
     complete, the pieces `partial` already keeps linked instead of encoded (None: `images` takes no range, one piece
     of everything, nothing kept). A dict of the images, their shape (F, K, C, h, w) (None when none), the seconds,
@@ -714,26 +805,29 @@ def _encode_share(vae, images, start, stop, key, tmp, partial, progress):
 
     if partial is not None:
         partial.mkdir(exist_ok=True)
-        plan = _plan(start, stop, _kept_pieces(partial, start, stop))
+        todo = [(a, b) for a, b, _ in _plan(start, stop, _kept_pieces(partial, start, stop))]
     else:
-        plan = [(None, None, False)]
+        todo = [(None, None)]
     pieces, began = [], time.perf_counter()
-    with tqdm(
-        total=stop - start if partial is not None else stop, desc="encoding latents", unit="img",
-        disable=not progress, leave=False, file=sys.stderr,
-    ) as bar:  # fmt: skip
-        for a, b, kept in plan:
-            file = tmp / (_piece_name(a, b) if partial is not None else "piece-all.npy")
-            # another job may have published the cache and removed `partial` since it was listed: encode the piece
-            piece = _piece_info(partial / file.name) if kept else None
-            if piece is not None and _link(partial / file.name, tmp):
-                bar.update(piece["images"])
-            else:
-                kept, piece = False, _write_piece(vae, images(a, b) if partial is not None else _batches(images, 0, None),
-                                                  key, file, bar)  # fmt: skip
-                if partial is not None:
-                    _link(file, partial)  # best effort: a filesystem without hard links keeps nothing
-            pieces.append(dict(piece, file=file.name, kept=kept))
+    claims = _Claims(partial) if partial is not None else None
+    try:
+        with tqdm(
+            total=stop - start if partial is not None else stop, desc="encoding latents", unit="img",
+            disable=not progress, leave=False, file=sys.stderr,
+        ) as bar:  # fmt: skip
+            while todo:
+                held = []
+                for a, b in todo:
+                    if not _piece_of(vae, images, a, b, key, tmp, partial, claims, bar, pieces, published):
+                        held.append((a, b))
+                if held:  # pieces other encodes have claimed: linked once complete, or taken over from a dead one
+                    bar.set_description("encoding latents (waiting for pieces another encode of this key holds)")
+                    time.sleep(CLAIM_POLL_S)
+                todo = held
+    finally:
+        if claims is not None:
+            claims.close()
+    pieces.sort(key=lambda p: p["file"])  # in item order (the names' 12 digits), however they were taken
     seconds = time.perf_counter() - began
     full = [p for p in pieces if p["images"]]
     if len({tuple(p["shape"]) for p in full}) > 1:
@@ -742,6 +836,41 @@ def _encode_share(vae, images, start, stop, key, tmp, partial, progress):
         raise ValueError("some pieces came with labels, some without")
     return dict(images=sum(p["images"] for p in pieces), shape=full[0]["shape"] if full else None, seconds=seconds,
                 kept=sum(p["images"] for p in pieces if p["kept"]), pieces=pieces)  # fmt: skip
+
+
+class _PublishedMeanwhile(Exception):
+    """Another encode of the key published the cache (and removed its pieces) while this one encoded."""
+
+
+def _piece_of(vae, images, a, b, key, tmp, partial, claims, bar, pieces, published=None):
+    """Items [a, b) into `tmp` as a piece, appended to `pieces`: linked from `partial` where another encode (an
+    interrupted one, or one beside this) left it complete, else encoded where this encode can claim it (kept in
+    `partial` once complete); False where another live encode holds it. `published()`: whether the cache is
+    there, asked where `partial` has gone (_PublishedMeanwhile: this encode is not needed)."""
+    file = tmp / (_piece_name(a, b) if partial is not None else "piece-all.npy")
+    # listed at the start or completed since; another job may have published the cache and removed `partial`
+    piece = _piece_info(partial / file.name) if partial is not None else None
+    if piece is not None and _link(partial / file.name, tmp):
+        bar.update(piece["images"])
+        pieces.append(dict(piece, file=file.name, kept=True))
+        return True
+    if claims is not None and not claims.take(file.name):
+        return False
+    if claims is not None:
+        piece = _piece_info(partial / file.name)  # completed by its claimer between the look above and the claim
+        if piece is not None and _link(partial / file.name, tmp):
+            claims.release(file.name)
+            bar.update(piece["images"])
+            pieces.append(dict(piece, file=file.name, kept=True))
+            return True
+        if published is not None and not partial.is_dir() and published():
+            raise _PublishedMeanwhile()
+    piece = _write_piece(vae, images(a, b) if partial is not None else _batches(images, 0, None), key, file, bar)
+    if partial is not None:
+        _link(file, partial)  # best effort: a filesystem without hard links keeps nothing
+        claims.release(file.name)
+    pieces.append(dict(piece, file=file.name, kept=False))
+    return True
 
 
 def _labels_file(file):
@@ -858,7 +987,8 @@ def _encoded_line(meta, key, final, kept):
     return (
         f"encoded {count - reused} images to latents in {seconds:.1f} s ({(count - reused) / max(seconds, 1e-9):.1f} "
         f"images/s{', both flips' if key['flips'] else ''}, on {meta['encode_device']})"
-        + (f", and reused {reused} that an interrupted encode of this key had encoded" if reused else "")
+        + (f", and reused {reused} that another encode of this key had encoded (interrupted, or beside this one)"
+           if reused else "")
         + f"; cached in {final}"
         + (" (another process published this key first: reading its cache)" if kept else "")
     )
@@ -892,7 +1022,14 @@ def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_im
     _IN_PROGRESS.add(str(tmp))
     partial = _partial(final) if _takes_range(images) else None
     try:
-        share = _encode_share(vae, images, 0, num_images, key, tmp, partial, progress)
+        try:
+            share = _encode_share(vae, images, 0, num_images, key, tmp, partial, progress,
+                                  published=lambda: _read(final, key, max_gib) is not None)  # fmt: skip
+        except _PublishedMeanwhile:
+            cache = _read(final, key, max_gib)
+            log(f"latents: another process published this key's cache while this one encoded its pieces: reading "
+                f"{final} ({cache.num_images} images)")  # fmt: skip
+            return cache
         mine = dict(rank=0, host=socket.gethostname(), device=str(next(vae.parameters()).device), start=0,
                     stop=share["images"] if num_images is None else int(num_images), images=share["images"],
                     seconds=share["seconds"], kept=share["kept"])  # fmt: skip
@@ -900,7 +1037,7 @@ def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_im
         meta = _finish(vae, key, tmp, [mine])
         cache, ours = _publish(tmp, final, key, max_gib)
         if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)  # the cache is there: its pieces are no longer needed
+            _remove_pieces(partial)
     finally:
         _IN_PROGRESS.discard(str(tmp))
         if tmp.exists():
@@ -1066,7 +1203,7 @@ def _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, gr
             ranks = [{k: m[k] for k in fields} for m in everyone]
             outcome["meta"] = _finish(vae, key, tmp, ranks)  # this job's encode, told even if another's cache is kept
             cache, ours = _publish(tmp, final, key, max_gib)
-            shutil.rmtree(_partial(final), ignore_errors=True)  # the cache is there: its pieces are no longer needed
+            _remove_pieces(_partial(final))
             outcome["kept"] = not ours
         except Exception as e:
             failure, outcome["error"] = e, _error(e)

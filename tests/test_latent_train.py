@@ -150,7 +150,7 @@ def test_a_run_stopped_while_encoding_encodes_only_the_rest_when_run_again(tmp_p
     assert stopped.value.code == 130 and visible(capsys.readouterr().err) == ["train.py: interrupted: stopped without saving"]
     train_latents(tmp_path / "run", vae, *flags)
     out = capsys.readouterr().out
-    assert "encoded 96 images to latents in" in out and ", and reused 64 that an interrupted encode" in out, out
+    assert "encoded 96 images to latents in" in out and ", and reused 64 that another encode of this key had encoded (interrupted" in out, out
     assert pieces == [latents._piece_name(a, b) for a, b in ((0, 64), (64, 128))]  # the first run's: one kept
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -392,7 +393,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
         cache = latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False, log=lines.append)
         assert calls == [(128, 192), (192, 200)] and vae.encode_calls == 2
         (line,) = lines
-        assert line.startswith("encoded 72 images to latents") and ", and reused 127 that an interrupted encode" in line
+        assert line.startswith("encoded 72 images to latents") and ", and reused 127 that another encode of this key had encoded (interrupted" in line
         assert cache.meta["ranks"][0]["kept"] == 127 and cache.meta["images_per_second"] == 72 / cache.encode_seconds
         assert [p.name for p in cache_root.iterdir()] == [cache.path.name]  # the pieces and the dead build: gone
         whole = latents.cached_latents(vae, ranged(x, labels, left_out={5}), key, root=tmp_path / "whole",
@@ -407,6 +408,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
             fail.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
             with pytest.raises(OSError, match="disk full"):
                 latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False)
+        assert not list(partial.glob(".claim-*"))  # the failed encode's claims released: the next takes its pieces
         piece = partial / latents._piece_name(64, 128)
         piece.write_bytes(piece.read_bytes()[:-4])
         calls.clear()
@@ -526,6 +528,83 @@ def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_enco
     lines = []
     cache = latents.cached_latents(vae, ranged(x), key, root=root, num_images=70, progress=False, log=lines.append)
     assert cache.num_images == 70 and lines[0].startswith("encoded 70 images") and "reused" not in lines[0]
+
+
+def test_a_piece_claimed_by_a_dead_encode_is_taken_and_a_live_ones_is_not(tmp_path, monkeypatch):
+    """Dead: its process gone (this host), or its claim untouched for CLAIM_STALE_S by this process's clock; a
+    claim this encode holds is touched every CLAIM_BEAT_S, and released at the end."""
+    monkeypatch.setattr(latents, "CLAIM_STALE_S", 0.3)
+    monkeypatch.setattr(latents, "CLAIM_BEAT_S", 0.05)
+    claims = latents._Claims(tmp_path)
+    try:
+        (tmp_path / ".claim-a").write_text(f"{latents._host()} {dead_pid()} token\n")
+        assert claims.take("a")
+        elsewhere = tmp_path / ".claim-b"
+        elsewhere.write_text("another-host 1 token\n")
+        assert not claims.take("b")
+        time.sleep(0.2)
+        os.utime(elsewhere, ns=(time.time_ns(), time.time_ns() + 10**9))  # its encode touched it: alive
+        assert not claims.take("b")
+        time.sleep(0.2)
+        assert not claims.take("b")
+        time.sleep(0.2)
+        assert claims.take("b")  # untouched for 0.4 s
+        held = (tmp_path / ".claim-a").stat().st_mtime_ns
+        time.sleep(0.2)
+        assert (tmp_path / ".claim-a").stat().st_mtime_ns != held  # touched by the encode's thread
+    finally:
+        claims.close()
+    assert not list(tmp_path.glob(".claim-*"))
+
+
+def test_an_encode_whose_key_another_publishes_meanwhile_stops_and_reads_that_cache(tmp_path, kl_folder, monkeypatch):
+    """Two runs of a sweep encoding one key: the other published (and removed the pieces) after this one's second
+    piece; this one encodes no more and reads the published cache."""
+    vae = count_encodes(latents.load_vae(kl_folder))
+    x, root = images(200), tmp_path / "cache"
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    theirs = latents.cached_latents(vae, ranged(x), key, root=tmp_path / "theirs", num_images=200, progress=False)
+    final = latents.cache_folder(key, root)
+
+    def published_during_the_second_piece(start, stop):
+        if start == 64:
+            shutil.copytree(theirs.path, final)
+            shutil.rmtree(latents._partial(final))
+        return ranged(x)(start, stop)
+
+    lines, vae.encode_calls = [], 0
+    cache = latents.cached_latents(vae, published_during_the_second_piece, key, root=root, num_images=200,
+                                   progress=False, log=lines.append)  # fmt: skip
+    assert vae.encode_calls == 2 and lines == [f"latents: another process published this key's cache while this one "
+                                               f"encoded its pieces: reading {final} (200 images)"]  # fmt: skip
+    assert cache.path == final and (final / "latents.npy").read_bytes() == (theirs.path / "latents.npy").read_bytes()
+    assert [p.name for p in root.iterdir()] == [final.name]  # its build removed
+
+
+def test_a_piece_completed_between_the_look_and_the_claim_is_linked_not_encoded(tmp_path, kl_folder, monkeypatch):
+    """Its claimer linked it and released its claim just before this encode claimed it."""
+    vae = count_encodes(latents.load_vae(kl_folder))
+    x, root = images(130), tmp_path / "cache"
+    key = latents.cache_key(dict(name="toy"), vae, SIZE)
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    publish = latents._publish
+    monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        latents.cached_latents(vae, ranged(x), key, root=root, num_images=130, progress=False)
+    monkeypatch.setattr(latents, "_publish", publish)
+    partial = latents._partial(latents.cache_folder(key, root))
+    done = partial.rename(tmp_path / "done")
+    take = latents._Claims.take
+
+    def completed_first(claims, name):
+        shutil.copy(done / name, partial / name)  # the other encode's piece, complete
+        return take(claims, name)
+
+    monkeypatch.setattr(latents._Claims, "take", completed_first)
+    vae.encode_calls = 0
+    cache = latents.cached_latents(vae, ranged(x), key, root=root, num_images=130, progress=False, log=print)
+    assert vae.encode_calls == 0 and cache.num_images == 130
 
 
 # --- normalisation, decoding, draws -----------------------------------------------------------

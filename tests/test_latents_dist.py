@@ -141,16 +141,20 @@ def worker(spec):
         run("resumed", out / "shared", dataset="failing")  # rank 0's share was encoded before rank 1 failed
         results["listing"] = {p.name: sorted(q.name for q in p.iterdir()) for p in out.iterdir() if p.is_dir()}
         dist.destroy_process_group()
-    else:  # two independent runs (no process group) race to publish one key
+    else:  # two independent runs (no process group) encode one key at once, and race to publish it
         race = out / "race"
         race.mkdir(exist_ok=True)
+        latents.PIECE_IMAGES, latents.CLAIM_POLL_S = 64, 0.01  # 4 pieces, each one batch; the other's looked for often
+        first = [True]
 
         def together(start, stop):
-            file_barrier(race, "encoding", rank, world)  # both missed the cache: both encode at once
+            if first[0]:  # both missed the cache and each holds a piece before either encodes one
+                first[0] = False
+                file_barrier(race, "encoding", rank, world)
             return ranged(x, labels)(start, stop)
 
         cache = run("race", out / "cache", images=together, max_gib=0.0)
-        file_barrier(race, "published", rank, world)  # both have published (or kept the other's)
+        file_barrier(race, "published", rank, world)  # both have published (or kept or read the other's)
         if cache is not None:
             results["race"]["inode_after"] = os.stat(cache.path / latents.LATENTS_FILE).st_ino
             results["race"]["sum"] = float(np.asarray(cache.array, dtype=np.float64).sum())  # the memory map still reads
@@ -242,7 +246,7 @@ def test_a_failed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
         assert "rank 0 items [0, 128): 128 images in" in summary and "(128 of them reused)" in summary
         assert "rank 1 items [128, 200): 71 images in" in summary and "reused" not in summary.split("rank 1")[1]
         assert encoded.startswith("encoded 71 images to latents"), encoded
-        assert ", and reused 128 that an interrupted encode of this key had encoded; cached in" in encoded
+        assert ", and reused 128 that another encode of this key had encoded (interrupted, or beside this one); cached in" in encoded
         assert [m["kept"] for m in result["resumed"]["meta"]["ranks"]] == [128, 0]
 
 
@@ -263,10 +267,11 @@ def test_independent_runs_racing_to_publish_one_key_both_read_a_cache_never_remo
     for result in ranks:
         race = result["race"]
         assert "error" not in race, race
-        assert race["encodes"] == 4 and race["memmapped"]  # both missed the cache and encoded all 200 (4 batches)
+        assert race["encodes"] >= 1 and race["memmapped"]  # each encoded a piece of the 4 (a batch each)
         assert race["inode_after"] == race["inode"]  # the cache it read was never replaced under it
+    assert ranks[0]["race"]["encodes"] + ranks[1]["race"]["encodes"] == 4  # each piece once: claimed, then linked
     assert ranks[0]["race"]["inode"] == ranks[1]["race"]["inode"]  # both read the one published first
     assert ranks[0]["race"]["sum"] == ranks[1]["race"]["sum"]
-    kept = [r for r in ranks if "another process published this key first" in r["race"]["lines"][-1]]
+    kept = [r for r in ranks if "another process published this key" in r["race"]["lines"][-1]]
     assert len(kept) == 1
     assert ranks[0]["listing"] == [Path(ranks[0]["race"]["path"]).name]  # the loser's folder discarded
