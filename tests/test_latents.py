@@ -505,18 +505,23 @@ def test_a_filesystem_without_hard_links_encodes_and_keeps_nothing(tmp_path, kl_
     assert list(latents._partial(latents.cache_folder(key, tmp_path)).iterdir()) == []
 
 
+def pieces_of_a_failed_publish(vae, x, key, root, monkeypatch):
+    """The .NAME.partial of `x` encoded in pieces of 64 whose publishing failed (PIECE_IMAGES stays 64)."""
+    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    publish = latents._publish
+    monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        latents.cached_latents(vae, ranged(x), key, root=root, num_images=len(x), progress=False)
+    monkeypatch.setattr(latents, "_publish", publish)
+    return latents._partial(latents.cache_folder(key, root))
+
+
 def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_encoded(tmp_path, kl_folder, monkeypatch):
     """Another job published the key and removed the pieces just after this one listed them."""
     vae = latents.load_vae(kl_folder)
     x, root = images(70), tmp_path / "cache"
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
-    fail = latents._publish
-    monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError):
-        latents.cached_latents(vae, ranged(x), key, root=root, num_images=70, progress=False, log=print)
-    monkeypatch.setattr(latents, "_publish", fail)
-    partial, listed = latents._partial(latents.cache_folder(key, root)), latents._kept_pieces
+    partial, listed = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch), latents._kept_pieces
     assert len(listed(partial, 0, 70)) == 2
 
     def then_removed(*a):
@@ -587,13 +592,7 @@ def test_a_piece_completed_between_the_look_and_the_claim_is_linked_not_encoded(
     vae = count_encodes(latents.load_vae(kl_folder))
     x, root = images(130), tmp_path / "cache"
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
-    publish = latents._publish
-    monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError):
-        latents.cached_latents(vae, ranged(x), key, root=root, num_images=130, progress=False)
-    monkeypatch.setattr(latents, "_publish", publish)
-    partial = latents._partial(latents.cache_folder(key, root))
+    partial = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch)
     done = partial.rename(tmp_path / "done")
     take = latents._Claims.take
 
