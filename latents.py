@@ -488,18 +488,20 @@ def _temporary(final, host=None, pid=None, token=None):
 
 
 def _remove_leftovers(final):
-    """Remove temporary folders of this key left by dead processes of this host (a killed encode). The host in
-    the name must be this host exactly: `node1` leaves `node1-b`'s and `node10`'s folders alone, and another
-    container's of the same name (another PID namespace: its PIDs are not this one's)."""
-    host, prefix = _host(), f".{final.name}.tmp-"
-    for tmp in final.parent.glob(f"{prefix}*"):
-        parts = tmp.name[len(prefix) :].rsplit("-", 2)  # HOST-PID-TOKEN (HOST may hold dashes)
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-            continue  # another host's (a shared filesystem): it may be writing
-        pid = int(parts[1])
-        if str(tmp) in _IN_PROGRESS or (pid != os.getpid() and _alive(pid)):
-            continue
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Remove temporary folders of this key left by dead processes of this host (a killed encode, or a publisher
+    killed while it removed the pieces it had renamed aside). The host in the name must be this host exactly:
+    `node1` leaves `node1-b`'s and `node10`'s folders alone, and another container's of the same name (another PID
+    namespace: its PIDs are not this one's)."""
+    host = _host()
+    for prefix in (f".{final.name}.tmp-", f".{_partial(final).name}.tmp-"):
+        for tmp in final.parent.glob(f"{prefix}*"):
+            parts = tmp.name[len(prefix) :].rsplit("-", 2)  # HOST-PID-TOKEN (HOST may hold dashes)
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+                continue  # another host's (a shared filesystem): it may be writing
+            pid = int(parts[1])
+            if str(tmp) in _IN_PROGRESS or (pid != os.getpid() and _alive(pid)):
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def shares(num_images, world_size):
@@ -845,8 +847,8 @@ class _PublishedMeanwhile(Exception):
 def _piece_of(vae, images, a, b, key, tmp, partial, claims, bar, pieces, published=None):
     """Items [a, b) into `tmp` as a piece, appended to `pieces`: linked from `partial` where another encode (an
     interrupted one, or one beside this) left it complete, else encoded where this encode can claim it (kept in
-    `partial` once complete); False where another live encode holds it. `published()`: whether the cache is
-    there, asked where `partial` has gone (_PublishedMeanwhile: this encode is not needed)."""
+    `partial` once complete); False where another live encode holds it. `published()`: the cache, where it is
+    there, asked where `partial` has gone (_PublishedMeanwhile with it: this encode is not needed)."""
     file = tmp / (_piece_name(a, b) if partial is not None else "piece-all.npy")
     # listed at the start or completed since; another job may have published the cache and removed `partial`
     piece = _piece_info(partial / file.name) if partial is not None else None
@@ -863,8 +865,9 @@ def _piece_of(vae, images, a, b, key, tmp, partial, claims, bar, pieces, publish
             bar.update(piece["images"])
             pieces.append(dict(piece, file=file.name, kept=True))
             return True
-        if published is not None and not partial.is_dir() and published():
-            raise _PublishedMeanwhile()
+        cache = published() if published is not None and not partial.is_dir() else None
+        if cache is not None:
+            raise _PublishedMeanwhile(cache)
     piece = _write_piece(vae, images(a, b) if partial is not None else _batches(images, 0, None), key, file, bar)
     if partial is not None:
         _link(file, partial)  # best effort: a filesystem without hard links keeps nothing
@@ -1024,9 +1027,9 @@ def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_im
     try:
         try:
             share = _encode_share(vae, images, 0, num_images, key, tmp, partial, progress,
-                                  published=lambda: _read(final, key, max_gib) is not None)  # fmt: skip
-        except _PublishedMeanwhile:
-            cache = _read(final, key, max_gib)
+                                  published=lambda: _read(final, key, max_gib))  # fmt: skip
+        except _PublishedMeanwhile as published:
+            cache = published.args[0]
             log(f"latents: another process published this key's cache while this one encoded its pieces: reading "
                 f"{final} ({cache.num_images} images)")  # fmt: skip
             return cache

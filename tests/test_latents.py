@@ -815,14 +815,15 @@ def test_leftovers_are_removed_for_this_host_exactly(tmp_path, monkeypatch):
     hosts = (here, "node1-b" + here[5:], "node10" + here[5:], "xnode1" + here[5:], "node1~1")
     names = {host: tmp_path / f".abc.tmp-{host}-{pid}-0123abcd" for host in hosts}
     alive = tmp_path / f".abc.tmp-{here}-{os.getpid()}-fedc0000"
-    for folder in (*names.values(), alive):
+    pieces = tmp_path / f"..abc.partial.tmp-{here}-{pid}-0123abcd"  # renamed aside by a publisher killed removing them
+    for folder in (*names.values(), alive, pieces):
         folder.mkdir()
     latents._IN_PROGRESS.add(str(alive))
     try:
         latents._remove_leftovers(final)
     finally:
         latents._IN_PROGRESS.discard(str(alive))
-    assert not names[here].exists()  # this host's, its process dead
+    assert not names[here].exists() and not pieces.exists()  # this host's, its process dead
     assert all(names[host].exists() for host in hosts[1:])  # other hosts', and another container's of the same name
     assert alive.exists()  # being written
     monkeypatch.setattr(latents.socket, "gethostname", lambda: "node1-b")
