@@ -732,7 +732,7 @@ def _others_pieces(final, log):
 # CLAIM_BEAT_S from a thread of its own, whatever its batches take): its piece is then claimed anew and encoded.
 CLAIM_BEAT_S = 20.0
 CLAIM_STALE_S = 120.0
-CLAIM_POLL_S = 2.0  # how often an encode that waits for other encodes' pieces looks for them
+CLAIM_POLL_S = 0.5  # how often an encode that waits for other encodes' pieces looks for them
 
 
 class _Claims:
