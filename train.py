@@ -89,7 +89,11 @@ def train(args):
     """Build the run, then loop: the next batch, the step, and whatever falls due after it."""
     run = Run(args)  # data, network, objective, optimizer, EMA; resumed where a checkpoint is
     meter = Meter(run)  # step times, where the time went, the profiler, the printed lines
-    train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
+    try:
+        train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
+    except BaseException:
+        meter.progress.close()  # its bar, not left drawn beside the error's one line
+        raise
     meter.profile_when_steady(train_step)  # --profile records steps after those that compile or capture it
     with checkpoint.StopSignals() as signals, meter, run.published_on_error():
         for epoch in run.epochs():
@@ -334,6 +338,15 @@ class Run:
             torch.distributed.broadcast_object_list(found, src=0, group=self.main_work_group)
         if found[0]:
             return
+        try:
+            self._make_reference(images)
+        finally:
+            if self.is_main:
+                evaluator.release()  # made and kept, or failed: another run may make them
+
+    def _make_reference(self, images):
+        """The statistics _prepare_reference found nowhere, made on every process and kept by the main process."""
+        args, evaluator = self.args, self.evaluator
         shared = self.world > 1 and not metrics.uses_shape_score(vars(args), args.fid_weights)
         world, work = (self.world, dict(everywhere=True)) if shared else (1, {})
         ready = [None, None]  # this process's (images, extractor): an error in either stops every process here

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import tqdm
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -1274,5 +1275,7 @@ def test_a_second_ctrl_c_inside_the_stops_own_output_is_one_line_too(tmp_path, m
 
     send_at_step(monkeypatch, 2, signal.SIGINT)
     monkeypatch.setattr(train.Meter, "write", write_interrupted)
+    bars = set(tqdm.tqdm._instances)
     assert exit_code(tmp_path / "run") == 130
     assert capsys.readouterr().err.endswith("train.py: interrupted: stopped without saving\n")
+    assert not set(tqdm.tqdm._instances) - bars  # the steps bar closed, though the stop came before the training loop
