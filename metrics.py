@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import socket
+import time
 import warnings
 from pathlib import Path, PurePath
 
@@ -418,6 +419,36 @@ def found_reference(folder, key, log=print):
     return reference
 
 
+def claimed_reference(folder, key, log=print):
+    """found_reference's statistics, else this run's claim to make them: (reference, None), or (None, claims) where
+    it makes them (claims.close() once they are kept, or on failure). Runs started together on new images (a sweep)
+    make them once: a run that finds another live run's claim (latents._Claims, in the shared cache) waits for its
+    statistics, and makes them itself if that run dies."""
+    shared, claims, said = shared_reference_path(key), None, False
+    while True:
+        reference = found_reference(folder, key, log)
+        if reference is not None:
+            if claims is not None:
+                claims.close()
+            return reference, None
+        if claims is not None and claims.held:
+            return None, claims  # claimed, and looked again: not made by the claimer just before
+        if claims is None:
+            try:
+                shared.parent.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return None, None  # an unwritable shared folder (kept_reference warns): nothing to share
+            claims = latents._Claims(shared.parent)
+        if claims.take(shared.name):
+            if not claims.held:
+                return None, claims  # a folder that takes no claims
+            continue
+        if not said:
+            log(f"waiting for another run making the FID reference statistics of these images ({shared})")
+            said = True
+        time.sleep(latents.CLAIM_POLL_S)
+
+
 def _run_file(folder):
     return None if folder is None else Path(folder) / REFERENCE_FILE
 
@@ -570,7 +601,7 @@ class TrainingEvaluator:
         self.args, self.output_dir, self.device, self.log = args, Path(output_dir), device, log
         self.extractor, self.extractor_name = extractor_for(vars(args), args.image_size, args.fid_weights, device, log)
         self.best = BestCheckpoint(self.output_dir / "best")
-        self.reference = None
+        self.reference, self.claims = None, None  # claims: to make the statistics (claimed_reference)
 
     def find_reference(self, contents=None):
         """Whether the training set's statistics were made before (by this run or another: found_reference);
@@ -578,13 +609,19 @@ class TrainingEvaluator:
         options, size = vars(self.args), self.args.image_size
         contents = dataset_contents(options, size) if contents is None else contents
         self.reference_key = reference_key(options, size, self.extractor_name, contents)
-        self.reference = found_reference(self.output_dir, self.reference_key, self.log)
+        self.reference, self.claims = claimed_reference(self.output_dir, self.reference_key, self.log)
         return self.reference is not None
 
     def keep_reference(self, statistics):
         """The training set's statistics from `statistics` (_Statistics: this process's, or every process's
         summed into it), kept (kept_reference)."""
         self.reference = kept_reference(statistics.reference(self.reference_key), self.output_dir, self.log)
+
+    def release(self):
+        """Give up the claim to make the statistics (claimed_reference), made or not: another run may make them."""
+        if self.claims is not None:
+            self.claims.close()
+            self.claims = None
 
     def evaluate(self, batches_for, scales, sampler, num_inference_steps, epoch, step, save_pipeline, labels=None):
         """Score the uint8 batches `batches_for(w)` generates (--eval_num_samples images) at each guidance
@@ -645,12 +682,12 @@ class SampleEvaluation:
         self.reference = self._own_reference() if args.dataset is None else None
         if args.dataset is not None:
             self.folder = None
-        self.images = None  # a dataset's images, opened once: for the key, and to embed on a miss
+        self.images, self.claims = None, None  # a dataset's images, opened once: for the key, and to embed on a miss
         if self.reference is None:
             if self.options.get("dataset") != data.BUILTIN:
                 self.images = reference_images(self.options, image_size)
             self.key["contents"] = dataset_contents(self.options, image_size, self.images)
-            self.reference = found_reference(self.folder, self.key, log)
+            self.reference, self.claims = claimed_reference(self.folder, self.key, log)
         self.generated = generated_by(self.extractor)
 
     def _own_reference(self):
@@ -665,6 +702,8 @@ class SampleEvaluation:
     def keep_reference(self, statistics):
         """The reference statistics from `statistics` (_Statistics, summed over the processes), kept (kept_reference)."""
         self.reference = kept_reference(statistics.reference(self.key), self.folder, self.log)
+
+    release = TrainingEvaluator.release
 
     def add(self, images, labels=None):
         for features, _ in embedded(self.extractor, [(images, None)], self.device):

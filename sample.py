@@ -863,11 +863,15 @@ def make_reference(evaluation, options, args, image_size, rank, world, group):
             return metrics.reference_images(options, image_size) if images is None else images, evaluation.extractor
         return metrics.reference_images(options, image_size), metrics.extractor_for(options, image_size, args.fid_weights)[0]
 
-    images, extractor = together(ready, world, group)
-    if rank == 0:
-        print(metrics.computing_line(len(images), evaluation.key, world))
-    statistics = metrics.statistics_of_share(images, extractor, args.device, args.batch_size, 0, rank, world, group)
-    together(lambda: rank == 0 and evaluation.keep_reference(statistics), world, group)
+    try:
+        images, extractor = together(ready, world, group)
+        if rank == 0:
+            print(metrics.computing_line(len(images), evaluation.key, world))
+        statistics = metrics.statistics_of_share(images, extractor, args.device, args.batch_size, 0, rank, world, group)
+        together(lambda: rank == 0 and evaluation.keep_reference(statistics), world, group)
+    finally:
+        if rank == 0:
+            evaluation.release()  # made and kept, or failed: another run may make them
 
 
 def together(work, world, group):

@@ -27,6 +27,7 @@ import checkpoint
 import data
 import flops
 import forked
+import metrics
 import model as models
 import rundir
 import train
@@ -952,6 +953,7 @@ def test_a_process_that_cannot_embed_its_share_of_the_reference_stops_every_proc
     assert ranks.codes == [1, 2], ranks
     assert ranks.err1.strip().splitlines()[-1] == "train.py: error: no Inception weights on this node"
     assert not (out / "checkpoints").exists()
+    assert not list(Path(os.environ[metrics.REFERENCE_CACHE_ENV]).glob(".claim-*"))  # rank 0's claim to make them: given up
 
 
 # The steps' group waits STEP_WAIT (here 6 s) and no longer; rank 0 draws its grid for 10 s while rank 1 waits

@@ -266,6 +266,39 @@ def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_o
     assert reference(args) == 3
 
 
+def test_runs_started_together_make_the_statistics_once(tmp_path, monkeypatch):
+    """A run that finds another live run's claim waits, then reads the statistics that run kept; a dead run's
+    claim (its process gone) is taken at once, and given up with close()."""
+    import latents
+    from test_latents import dead_pid
+
+    options = folder_options(image_folder(tmp_path / "images", 4))
+    key = metrics.reference_key(options, 8, "tiny", metrics.dataset_contents(options, 8))
+    shared, lines = metrics.shared_reference_path(key), []
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    other = latents._Claims(shared.parent)
+    assert other.take(shared.name)
+
+    def other_run_keeps_them(seconds):  # while this run waits
+        made = metrics.Reference.of_images(metrics.reference_images(options, 8), TinyFeatures(), "cpu", 2, key)
+        metrics.kept_reference(made, tmp_path / "other", log=print)
+        other.close()
+
+    monkeypatch.setattr(metrics.time, "sleep", other_run_keeps_them)
+    reference, claims = metrics.claimed_reference(tmp_path / "run", key, log=lines.append)
+    assert claims is None and reference.num_images == 4 and len(lines) == 2
+    assert lines[0] == f"waiting for another run making the FID reference statistics of these images ({shared})"
+    assert "read from" in lines[1]
+
+    shared.unlink()
+    claim = shared.parent / f".claim-{shared.name}"
+    claim.write_text(f"{latents._host()} {dead_pid()} token\n")
+    reference, claims = metrics.claimed_reference(tmp_path / "run2", key, log=lines.append)
+    assert reference is None and claims.held and claim.read_text() == claims.mark and len(lines) == 2  # no wait
+    claims.close()
+    assert not claim.exists()
+
+
 def test_a_folder_given_relative_absolute_or_through_a_link_has_one_key(tmp_path, monkeypatch):
     images = image_folder(tmp_path / "images", 2)
     (tmp_path / "link").symlink_to(images)

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -275,6 +276,7 @@ try:""", 1)
     ranks = Ranks(start_two_ranks([*flags, "--output", tmp_path / "four"], no_network), timeout=120)
     assert ranks.codes == [2, 2], ranks
     assert ranks.err1.strip().splitlines()[-1] == "sample.py: error: no Inception weights on this node" and ranks.err0 == ""
+    assert not list(Path(os.environ[metrics.REFERENCE_CACHE_ENV]).glob(".claim-*"))  # rank 0's claim to make them: given up
     # rank 0's reference cannot be made: its one line, and the other process stops with it, silent
     ranks = Ranks(start_two_ranks([*flags, "--dataset", tmp_path / "none", "--output", tmp_path / "three"], script))
     assert ranks.codes == [2, 2], ranks
