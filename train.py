@@ -322,9 +322,10 @@ class Run:
 
     def _prepare_reference(self, images):
         """FID's reference statistics of the training images (`images`; a latent run's decoded from the dataset):
-        read where an earlier run (or this one, before a resume) left them (metrics.found_reference), else made
-        by every process embedding its share of the images (the shape scorer's on the built-in shapes: the main
-        process's alone), summed to the main process, which keeps them for every later run."""
+        read where an earlier run (or this one, before a resume) left them, or waited for where another run is making
+        them (metrics.claimed_reference), else made by every process embedding its share of the images (the shape
+        scorer's on the built-in shapes: the main process's alone), summed to the main process, which keeps them
+        for every later run."""
         args, evaluator = self.args, self.evaluator
         found = [True]
 
@@ -334,12 +335,11 @@ class Run:
             found[0] = evaluator.find_reference(contents)
 
         self.on_main_process(find)
-        if self.world > 1:
-            torch.distributed.broadcast_object_list(found, src=0, group=self.main_work_group)
-        if found[0]:
-            return
         try:
-            self._make_reference(images)
+            if self.world > 1:
+                torch.distributed.broadcast_object_list(found, src=0, group=self.main_work_group)
+            if not found[0]:
+                self._make_reference(images)
         finally:
             if self.is_main:
                 evaluator.release()  # made and kept, or failed: another run may make them
