@@ -850,20 +850,22 @@ def _piece_of(vae, images, a, b, key, tmp, partial, claims, bar, pieces, publish
     `partial` once complete); False where another live encode holds it. `published()`: the cache, where it is
     there, asked where `partial` has gone (_PublishedMeanwhile with it: this encode is not needed)."""
     file = tmp / (_piece_name(a, b) if partial is not None else "piece-all.npy")
-    # listed at the start or completed since; another job may have published the cache and removed `partial`
-    piece = _piece_info(partial / file.name) if partial is not None else None
-    if piece is not None and _link(partial / file.name, tmp):
+
+    def linked():  # complete in `partial`: linked, not encoded (another job may have published and removed `partial`)
+        piece = _piece_info(partial / file.name) if partial is not None else None
+        if piece is None or not _link(partial / file.name, tmp):
+            return False
         bar.update(piece["images"])
         pieces.append(dict(piece, file=file.name, kept=True))
+        return True
+
+    if linked():  # listed at the start, or completed since
         return True
     if claims is not None and not claims.take(file.name):
         return False
     if claims is not None:
-        piece = _piece_info(partial / file.name)  # completed by its claimer between the look above and the claim
-        if piece is not None and _link(partial / file.name, tmp):
+        if linked():  # completed by its claimer between the look above and the claim
             claims.release(file.name)
-            bar.update(piece["images"])
-            pieces.append(dict(piece, file=file.name, kept=True))
             return True
         cache = published() if published is not None and not partial.is_dir() else None
         if cache is not None:
