@@ -525,7 +525,8 @@ def build_parser(prog="train.py", source=""):
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
     flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
          "to keep the GPU busy, else default (the rule and its measurements: step.py); torch.compile's modes; "
-         "step-graph: the whole step (forward, backward, optimizer, EMA) in one CUDA graph (default: auto on a CUDA "
+         "step-graph: the whole step (forward, backward, optimizer, EMA) in one CUDA graph; eager-graph: the same "
+         "around the eager network, nothing compiled (default: auto on a CUDA "
          "GPU, else off; python -m bench measures the other speed settings)", choices=("off", *steps.COMPILE_MODES))  # fmt: skip
 
     o = p.add_argument_group("outputs")

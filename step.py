@@ -16,8 +16,12 @@ How it runs on a GPU is `--compile_mode`:
   clipping, the optimizer and the EMA captured together in one CUDA graph
   (`StepGraph`); what must change between steps (the learning rate, the EMA
   decay) is written into device tensors before each replay.
+- `eager-graph`: nothing compiled; the eager step (forward, backward,
+  clipping, the optimizer and the EMA) captured in one CUDA graph as
+  `step-graph` captures it. No compile to wait for, and no launch gaps: for a
+  short run of a launch-bound step.
 - `auto` (the default on a CUDA GPU; elsewhere `off`, eager): picks one of
-  these by `choose_compile_mode`, a rule taken from measurements, and says why.
+  these by `plan_compile`, a rule taken from measurements, and says why.
 """
 
 import contextlib
@@ -40,9 +44,15 @@ from errors import ConfigError, RunError, error_line
 
 # What --compile_mode accepts; the torch.compile modes pass through unchanged.
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-COMPILE_MODES = ("auto", *TORCH_COMPILE_MODES, "step-graph")
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "step-graph")
+STEP_GRAPH_MODES = ("step-graph", "eager-graph")  # StepGraph captures the whole step, around the compiled network or not
+COMPILE_MODES = ("auto", *TORCH_COMPILE_MODES, *STEP_GRAPH_MODES)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", *STEP_GRAPH_MODES)
 INDUCTOR_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile makes the graphs (and may skip some)
+
+
+def compiles(mode):
+    """Whether a step mode (None, "off" or "eager": eager) runs the network through torch.compile."""
+    return mode not in (None, "off", "eager", "eager-graph")
 
 # Below this many FLOPs per micro-batch and process, a step is bound by kernel
 # launches rather than by the GPU, and CUDA graphs pay: a UNet step launches tens of
@@ -159,6 +169,11 @@ EAGER_MFU = {"dit": 0.246, "unet": 0.116, "edm2": 0.116}
 EAGER_LAUNCH_FLOOR_S = {"dit": 0.02, "unet": 0.1, "edm2": 0.1}
 SAVED_SHARE = {"dit": 0.32, "unet": 0.40, "edm2": 0.40}
 SAVED_SHARE_CUDA_GRAPHS = 0.8  # a launch-bound step replayed as CUDA graphs
+# The eager step replayed as one CUDA graph (`eager-graph`) keeps the eager kernels and loses the launch gaps
+# between them: the eager step's time without its launch-bound floor, after EAGER_GRAPH_CAPTURE_S of warm-up
+# steps and capture. Predicted, not yet measured: ddpm32's eager step on a GPU never was (issue 67).
+EAGER_GRAPH_MFU = dict(EAGER_MFU)
+EAGER_GRAPH_CAPTURE_S = 5
 CPU_EAGER_FLOPS = {"dit": 150e9, "unet": 80e9, "edm2": 80e9}
 CPU_SAVED_SHARE = {"dit": 0.19, "unet": 0.0, "edm2": 0.0}
 
@@ -199,9 +214,9 @@ def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
     return eager_s * CPU_SAVED_SHARE[family]
 
 
-def compile_pays(total_steps, saving_s, compile_s):
-    """Whether a run of `total_steps` steps, each `saving_s` faster compiled, repays a compile of `compile_s`."""
-    return saving_s is None or not total_steps or total_steps * saving_s > compile_s
+def predicted_graph_s(family, flops_per_step, peak_flops):
+    """The eager step's seconds replayed as one CUDA graph (`eager-graph`), predicted on a GPU of `peak_flops`."""
+    return flops_per_step / (peak_flops * EAGER_GRAPH_MFU[family])
 
 
 def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps=None, peak_flops=None, remembered=None):
@@ -224,14 +239,26 @@ def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps
     scope, scope_why = choose_compile_scope(args, device, total_steps, compiled_s,
                                             {scope: seconds for scope, (seconds, _) in predicted.items()}, mode)  # fmt: skip
     compile_s, cache = predicted[scope]
-    if args.compile_mode == "auto":
-        if not compile_pays(total_steps, saving_s, compile_s):
-            return CompilePlan(None, scope, (
-                f"auto: eager: compiling ({mode}, {SCOPE_WORDS[scope]}) would take about {compile_s:.0f} s ({cache}), more than "
-                f"it saves in this run's {total_steps:,} steps (about {saving_s * total_steps:.0f} s, "
-                f"{saving_s * 1e3:.3g} ms a step); --compile_mode {mode} compiles anyway"))  # fmt: skip
-        if saving_s is not None and total_steps:
-            why += f"; compile about {compile_s:.0f} s ({cache}), saves about {saving_s * total_steps:.0f} s in {total_steps:,} steps"
+    if mode == "eager-graph":
+        return CompilePlan(mode, "whole", why)  # nothing is compiled
+    if args.compile_mode != "auto" or saving_s is None or not total_steps:
+        return CompilePlan(mode, scope, f"{why}; {scope_why}")
+    # auto, for a run of known length: whichever of eager, the eager step captured and compiling ends it soonest
+    seconds = {None: total_steps * eager_s, mode: compile_s + total_steps * compiled_s}
+    if device.type == "cuda" and not graph_blockers(args, device, num_processes):
+        seconds["eager-graph"] = EAGER_GRAPH_CAPTURE_S + total_steps * predicted_graph_s(family, per_step, peak_flops)
+    best = min(seconds, key=seconds.get)
+    compiling = f"compiling ({mode}, {SCOPE_WORDS[scope]}) would take about {compile_s:.0f} s ({cache})"
+    if best == "eager-graph":
+        return CompilePlan(best, "whole", (
+            f"auto: eager-graph (the eager step captured in one CUDA graph, about {seconds[best]:.0f} s for this run's "
+            f"{total_steps:,} steps against {seconds[mode]:.0f} s compiled and {seconds[None]:.0f} s eager): {compiling}; "
+            f"--compile_mode {mode} compiles anyway"))  # fmt: skip
+    if best is None:
+        return CompilePlan(None, scope, (
+            f"auto: eager: {compiling}, more than it saves in this run's {total_steps:,} steps (about "
+            f"{saving_s * total_steps:.0f} s, {saving_s * 1e3:.3g} ms a step); --compile_mode {mode} compiles anyway"))  # fmt: skip
+    why += f"; compile about {compile_s:.0f} s ({cache}), saves about {saving_s * total_steps:.0f} s in {total_steps:,} steps"
     return CompilePlan(mode, scope, f"{why}; {scope_why}")
 
 
@@ -260,7 +287,7 @@ def start_compile_workers(device, compile_mode):
     time: with regional compilation that can be the whole forward graph's kernels. torch's own call
     (`maybe_warm_pool`, as vLLM makes it before its first compile), which TORCH_WARM_POOL=0 turns off; the
     CPU's kernels are C++, not compiled by these workers. True where it started them."""
-    if device.type != "cuda" or compile_mode in ("eager", "off"):
+    if device.type != "cuda" or not compiles(compile_mode):
         return False
     try:
         from torch._inductor.async_compile import maybe_warm_pool
@@ -283,9 +310,9 @@ def compile_network(model, mode, force_layout=False, scope="whole"):
     never changes within a run, and dynamic shapes would give up kernels
     specialised to it. `step-graph` compiles in the default mode: the
     capture of the whole step is StepGraph's. `force_layout`: see
-    `inductor_settings`.
+    `inductor_settings`. `eager-graph` compiles nothing: StepGraph captures the eager network.
     """
-    if mode is None:
+    if not compiles(mode):
         return model
     profiling.quiet_known_compile_warnings()
     inductor_settings(force_layout)
@@ -530,7 +557,7 @@ class StepGraph:
         expected, got = shapes(self.static_batches), shapes(micro_batches)
         if got != expected:
             raise RunError(
-                f"--compile_mode step-graph captured the step for micro-batch tensors of shapes {expected} and was "
+                f"the step's CUDA graph was captured for micro-batch tensors of shapes {expected} and was "
                 f"given {got}: every batch must have the full --train_batch_size"
             )
 
@@ -636,8 +663,8 @@ class GraphEMA:
 
 
 def build_step(step, mode, device):
-    """`step` as the run calls it: wrapped in a StepGraph for --compile_mode step-graph."""
-    if mode == "step-graph":
+    """`step` as the run calls it: wrapped in a StepGraph for --compile_mode step-graph and eager-graph."""
+    if mode in STEP_GRAPH_MODES:
         return StepGraph(step, capture=device.type == "cuda")
     return step
 
@@ -645,6 +672,7 @@ def build_step(step, mode, device):
 # The mode to try when compiling or capturing the step in a mode raises (None: eager).
 FALLBACK = {
     "step-graph": "reduce-overhead",
+    "eager-graph": None,
     "reduce-overhead": "default",
     "max-autotune": "default",
     "max-autotune-no-cudagraphs": "default",
@@ -667,7 +695,7 @@ class FastStep:
     the call may have touched (the random generators, the gradients, the EMA's
     step count: the weights and the optimizer change only at its end), rebuilds
     the step in the next mode (step-graph -> reduce-overhead -> default ->
-    eager), says so in one line through `say` and runs the call again, so
+    eager; eager-graph -> eager), says so in one line through `say` and runs the call again, so
     training goes on from the same state. Later exceptions are the run's own.
     `fallbacks` and `graph_skips` are what run.json records.
 

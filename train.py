@@ -515,7 +515,7 @@ class Run:
         # on a CPU the host memory free now (a container's limit included; None where unknown)
         capacity = torch.cuda.get_device_properties(self.device).total_memory if cuda else checkpoint.available_memory() or None
         self.accelerator.print(memory.plan_line(self.memory, capacity, "this GPU" if cuda else "this machine's free memory",
-                                                compiled=config["step_compile_mode"] != "eager"))  # fmt: skip
+                                                compiled=steps.compiles(config["step_compile_mode"])))  # fmt: skip
         full = checkpoint.disk_warning(self.output_dir, self.memory.state, self.step, self.total_steps,
                                        args.checkpointing_steps, args.checkpoints_total_limit)  # fmt: skip
         if full:
@@ -531,7 +531,7 @@ class Run:
                                mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
                                null_label=models.null_label(self.num_classes))  # fmt: skip
         fast = steps.FastStep(step, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
-        if mode is not None and self.step < self.total_steps:
+        if steps.compiles(mode) and self.step < self.total_steps:
             loaded = steps.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
             if loaded:
                 self.accelerator.print(loaded)
@@ -831,7 +831,7 @@ class Meter:
         self.started_at = profiling.now_iso()
         self.epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
         self.compile_s = self.compile_phases = None  # seconds the first, compiling step took, and where they went
-        self.compiles = run.config["step_compile_mode"] != "eager"
+        self.compiles = steps.compiles(run.config["step_compile_mode"])
         self.trained = False  # whether this process took a step
         self.progress = tqdm(total=run.total_steps, initial=run.step, disable=not run.accelerator.is_local_main_process,
                              desc="steps")  # fmt: skip

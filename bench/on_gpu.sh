@@ -2,8 +2,11 @@
 # One part of the GPU evidence, sized for one call of a lent GPU machine (8 minutes on a freshly
 # started one, cold compiles included), packed into two files:
 #
-#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, ref128, adm64, fused, dit or cold; FOLDER: $OUT, else bench/results/gpu
+#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, graphs, ref128, adm64, fused, dit or cold; FOLDER: $OUT, else bench/results/gpu
 #
+#   graphs  the launch-bound step captured without compiling (--compile_mode eager-graph, issue 67): its CUDA tests,
+#           the speed ladder's eager and eager_graph rows for ddpm32 (batch 128, the GPU bare run's step) and adm64
+#           (batch 32), then the GPU bare run with --compile_mode eager-graph to its end, and its shape score
 #   tests   the CUDA tests by node id, then the bare `python train.py` and its shape score
 #   ref128  128px, batch 64, on 4,096 JPEGs written here: train.py's default cold, the same command
 #           warm, diffusers' train_unconditional.py on the same folder (the yardstick), --compile_mode step-graph
@@ -54,8 +57,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case $part in tests | ref128 | adm64 | fused | dit | cold) ;; *)
-  echo "usage: bash bench/on_gpu.sh tests|ref128|adm64|fused|dit|cold [FOLDER]" >&2
+case $part in tests | graphs | ref128 | adm64 | fused | dit | cold) ;; *)
+  echo "usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold [FOLDER]" >&2
   exit 2
   ;;
 esac
@@ -220,6 +223,12 @@ print(f"wrote {n} JPEGs of {side}px to {folder}")
 EOF
 }
 
+shape_fd() {  # shape_fd NAME: the shape score of run NAME's saved model (the built-in shapes), where it saved one
+  if [[ -f $work/runs/$1/model_index.json ]]; then
+    run_within "$1-shape-fd" 50 "$python" sample.py "$work/runs/$1" --fid --num_images $((cpu ? 8 : 256)) --batch_size 64
+  fi
+}
+
 # What each workload's runs share; the CPU mode swaps every one for a 2-step tiny run. The benchmark
 # runs log nowhere and save no checkpoint but the last; the bare run is the bare command.
 timing=(--logger none --checkpointing_steps 100000)
@@ -229,6 +238,9 @@ if ((cpu)); then
   ref128=("${timing[@]}" "${tiny[@]}" --logging_steps 1)
   adm64=("${ref128[@]}")
   bare=("${tiny[@]}" --shapes_num_images 16)
+  eager_graph=() # CUDA graphs need a CUDA GPU: the CPU mode's bare run stays eager
+  graph_ladder=(--variants eager,eager_graph --steps 2 --warmup 1)
+  graph_workloads=(tiny tiny)
   fused=(--steps 2 --warmup 1)
   fused_workloads=(tiny tiny)
   sides=(16 16)
@@ -248,6 +260,9 @@ else
   ref128=("${timing[@]}" --image_size 128 --train_batch_size 64 --max_train_steps 200 --logging_steps 50 --compile_mode default)
   adm64=("${timing[@]}" --image_size 64 --train_batch_size 32 --max_train_steps 400 --logging_steps 100 --compile_mode reduce-overhead)
   bare=()
+  eager_graph=(--compile_mode eager-graph)
+  graph_ladder=(--variants eager,eager_graph --steps 50 --warmup 5)
+  graph_workloads=(ddpm32 adm64)
   fused=(--steps 30 --warmup 5)
   fused_workloads=(ref128 adm64)
   sides=(256 64)
@@ -291,9 +306,23 @@ tests)
       tests/test_memory.py::test_on_a_gpu_decoding_a_grid_allocates_its_activations_not_a_benchmark_workspace
   fi
   train_run bare 240 "${bare[@]}"
-  if [[ -f $work/runs/bare/model_index.json ]]; then
-    run_within bare-shape-fd 50 "$python" sample.py "$work/runs/bare" --fid --num_images $((cpu ? 8 : 256)) --batch_size 64
+  shape_fd bare
+  ;;
+graphs)
+  # The captured eager step's CUDA tests first (a wrong capture would make the timings meaningless), then the ladder's
+  # eager and eager_graph rows (the GPU bare run's step eager was never measured on a GPU), then the bare run.
+  if ((cpu)); then
+    echo "== CPU mode: the CUDA tests are not run" | tee "$pack/graphs-tests.log"
+    printf 'graphs-tests\tCPU mode\t0\t0\t0\n' >> "$work/runs.tsv"
+  else
+    run_within graphs-tests 90 "$python" -m pytest -p no:cacheprovider -p no:logging -n 0 -q -rA --tb=short \
+      "tests/test_gpu.py::test_the_captured_bf16_step_compiled_or_not_trains_as_the_eager_one[eager-graph]" \
+      tests/test_step.py::test_the_captured_step_trains_as_the_eager_step_on_a_gpu
   fi
+  bench_run ddpm32-graph-ladder 90 "${graph_ladder[@]}" --workload "${graph_workloads[0]}"
+  bench_run adm64-graph-ladder 60 "${graph_ladder[@]}" --workload "${graph_workloads[1]}"
+  train_run bare-eager-graph 220 "${bare[@]}" "${eager_graph[@]}"
+  shape_fd bare-eager-graph
   ;;
 ref128)
   make_folder "$work/data128" $images "${sides[0]}"
@@ -318,14 +347,14 @@ fused)
   bench_run adm64-fused 220 "${fused[@]}" --workload "${fused_workloads[1]}" --variants train_default,fused_norm
   ;;
 dit)
-  # The ladder's rows first (issue 48's), each checked against the fp32 eager step and each compiling each repeated
-  # block once: regional (the first compile in the call's cache: cold), then each attention kernel (traced
-  # anew, and keyed apart in the compile caches): the whole network's compiles filled the ladder's budget twice before fp8 finished (record
-  # 2026-11-27-h100-regional-memory). Then train.py's default step on latents (--vae: each image encoded once, the latents normalised
-  # by the data's own mean and std, as a VAE of random weights has no scaling factor worth the name) in caches of
-  # its own, so that its compile (the scope auto picks) is cold too.
+  # train.py's default step on latents first (issue 67 ranks its cold start above the ladder's rows): --vae, each image
+  # encoded once, the latents normalised by the data's own mean and std, as a VAE of random weights has no scaling
+  # factor worth the name; in caches of its own, so that its compile (the scope auto picks) is cold. Then the ladder's
+  # rows (issue 48's), each checked against the fp32 eager step and each compiling each repeated block once: regional
+  # (the first compile in the call's cache: cold), then each attention kernel (traced anew, and keyed apart in the
+  # compile caches): the whole network's compiles filled the ladder's budget twice before fp8 finished (record
+  # 2026-11-27-h100-regional-memory).
   export DDPM_TRAIN_LATENT_CACHE=$work/latents # the call's own latent cache (latents.cache_root), encoded cold
-  bench_run dit-ladder 300 "${dit_ladder[@]}"
   make_folder "$work/data256" $dit_images "$(((cpu)) && echo 16 || echo 256)"
   make_vae "$work/vae" "$dit_vae"
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \
@@ -340,6 +369,7 @@ dit)
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \
     train_run dit-profile 90 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}" --max_train_steps 12 \
     --profile operators
+  bench_run dit-ladder 300 "${dit_ladder[@]}"
   reference_run dit-reference 60 "${dit_reference[@]}"
   bench_run dit-autotune 200 "${dit_autotune[@]}"
   ;;

@@ -342,20 +342,27 @@ DIT_PREDICTED_MS = dict(eager=140, compiled=115, train_default=115)
 # predicted within 3% of the whole network compiled (the `compiled` row's H100 step, BENCHMARKS.md), written down
 # before measuring.
 DIT_PREDICTED_MS["regional"] = 131
+# The eager step replayed as one CUDA graph: a DiT's eager step is bound by its kernels, not their launches, so no
+# faster than eager (the H100's eager row, 187 ms); ddpm32's at batch 128 as step.EAGER_GRAPH_MFU predicts it
+# (4.78 TFLOP at 11.6% of an H100's bf16 peak), written down before measuring.
+EAGER_GRAPH_PREDICTED_MS = dict(dit=187, ddpm32=42)
 
 
 def train_compile_variants(**given):
     """train.py's step (train_default's settings) eager, compiled whole and compiled regionally (each repeated
-    block once): --compile_mode off, and default with each compile_scope."""
+    block once): --compile_mode off, and default with each compile_scope; and captured whole around the eager
+    network (--compile_mode eager-graph)."""
     rows = []
-    for name, mode, scope in (("eager", "off", None), ("compiled", "default", "whole"), ("regional", "default", "regional")):
+    for name, mode, scope in (("eager", "off", None), ("compiled", "default", "whole"), ("regional", "default", "regional"),
+                              ("eager_graph", "eager-graph", None)):  # fmt: skip
         also = "".join(f", {k}={v}" for k, v in given.items())
         how = f"--compile_mode {mode}" + (f", compile_scope {scope}" if scope else "")
         changed = f"train.py's step {name} ({how}{also}; not a rung: train_default's settings but the compile)"
         settings = train_settings("--compile_mode", mode, **given)
         settings["compile_scope"] = scope or settings["compile_scope"]
-        rows.append(dict(name=name, changed=changed, settings=settings,
-                         predicted_ms=dict(dit=DIT_PREDICTED_MS[name]), cuda_only=None))  # fmt: skip
+        predicted = EAGER_GRAPH_PREDICTED_MS if name == "eager_graph" else dict(dit=DIT_PREDICTED_MS[name])
+        rows.append(dict(name=name, changed=changed, settings=settings, predicted_ms=predicted,
+                         cuda_only="CUDA graphs need a CUDA device" if mode == "eager-graph" else None))  # fmt: skip
     return rows
 
 

@@ -33,10 +33,11 @@ def wired_step(mode, nan_scale=None):
     return steps.FastStep(step, mode, CUDA), unet, ema, guard
 
 
-def test_the_captured_compiled_bf16_step_trains_as_the_eager_one():
+@pytest.mark.parametrize("graph_mode", ["step-graph", "eager-graph"])
+def test_the_captured_bf16_step_compiled_or_not_trains_as_the_eager_one(graph_mode):
     images = [b.to(CUDA) for b in batches(6)]
     results = []
-    for mode in (None, "step-graph"):
+    for mode in (None, graph_mode):
         fast, unet, ema, guard = wired_step(mode)
         start = [p.detach().clone() for p in unet.parameters()]
         torch.manual_seed(123)

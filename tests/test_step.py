@@ -142,6 +142,36 @@ def test_the_graph_split_trains_as_the_plain_step(ema_kind):
     assert float(lr1) == pytest.approx(lr0) and t1 == t0 == 5
 
 
+def test_eager_graph_runs_the_uncompiled_network_in_the_graph_split_and_falls_back_to_eager(monkeypatch):
+    """--compile_mode eager-graph: StepGraph around the network itself (nothing compiled), training as the eager
+    step; a capture that raises (its 4th call, after 3 warm-up steps) falls back to eager from the same state."""
+    images = batches(6)
+    results = []
+    for mode, fail in ((None, False), ("eager-graph", False), ("eager-graph", True)):
+        unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+        said = []
+        fast = steps.FastStep(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
+                              mode, CPU, say=said.append)  # fmt: skip
+        if mode:
+            assert isinstance(fast.current, steps.StepGraph) and fast.current.step.net is unet
+        if fail:
+            def capture(micro_batches):
+                torch.randn(100)
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+            monkeypatch.setattr(fast.current, "_prepare", capture)
+        torch.manual_seed(123)
+        losses = torch.stack([fast([b])[0] for b in images])
+        results.append((losses, [p.detach().clone() for p in unet.parameters()], fast.mode, said))
+    (l0, p0, _, _), (l1, p1, mode1, said1), (l2, p2, mode2, said2) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    assert_same_change(p1, p0, [p.detach() for p in tiny_parts()[0].parameters()], rel=1e-4)
+    assert mode1 == "eager-graph" and not said1
+    assert torch.equal(l2, l0) and all(torch.equal(a, b) for a, b in zip(p2, p0))
+    assert mode2 is None and said2 == ["--compile_mode eager-graph failed (RuntimeError: operation not permitted when "
+                                       "stream is capturing); falling back to eager"]  # fmt: skip
+
+
 def test_a_batch_that_does_not_fit_the_graphs_buffers_is_a_run_error():
     """After the warm-up the step's shapes are fixed: a smaller batch is one line naming the shapes."""
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
@@ -458,7 +488,8 @@ def test_compile_workers_start_early_on_a_gpu_whose_step_may_compile_and_not_els
     assert steps.start_compile_workers(cuda, "auto") and steps.start_compile_workers(cuda, "default")
     assert len(started) == 2
     assert not steps.start_compile_workers(cpu, "default") and not steps.start_compile_workers(cuda, "eager")
-    assert not steps.start_compile_workers(cuda, "off") and len(started) == 2
+    assert not steps.start_compile_workers(cuda, "off") and not steps.start_compile_workers(cuda, "eager-graph")
+    assert len(started) == 2
 
     def cannot_start():
         raise OSError("[Errno 11] Resource temporarily unavailable")
@@ -544,6 +575,28 @@ def test_auto_compiles_only_where_the_run_repays_the_compile(changes, total_step
     assert plan.mode == mode and words in plan.why, plan.why
     if mode is None and "auto" in plan.why:  # the line gives both numbers
         assert "more than it saves in this run's 120 steps (about 7 s, 59.9 ms a step)" in plan.why
+
+
+DDPM32_TFLOP = 4.78e12  # the GPU bare run's step: ddpm32 at batch 128
+
+
+@pytest.mark.parametrize(
+    "changes, processes, total_steps, mode, words",
+    [
+        # the GPU bare run: 3,072 steps; the eager step captured ends it before a 100 s compile would repay itself
+        ({}, 1, 3_072, "eager-graph", "auto: eager-graph (the eager step captured in one CUDA graph, about 133 s for "
+         "this run's 3,072 steps against 161 s compiled and 307 s eager): compiling (reduce-overhead, the whole "
+         "network) would take about 100 s (cold cache)"),
+        ({}, 1, 100_000, "reduce-overhead", "saves about 8000 s in 100,000 steps"),  # a long run repays the compile
+        ({}, 2, 3_072, "default", "2 processes"),  # nothing can be captured: compiled, as before
+        ({"compile_mode": "eager-graph"}, 1, 100_000, "eager-graph", "--compile_mode eager-graph"),  # asked for
+    ],
+)
+def test_auto_captures_the_eager_step_where_compiling_would_not_repay_itself(changes, processes, total_steps, mode, words):
+    plan = steps.plan_compile(plan_flags(model="ddpm32", **changes), CUDA, processes, DDPM32_TFLOP, total_steps, H100_BF16,
+                              lambda mode, scope: None)  # fmt: skip
+    assert plan.mode == mode and words in plan.why, plan.why
+    assert plan.scope == "whole"
 
 
 def test_a_unets_step_on_a_gpu_compiles_its_whole_network_however_short_the_run():
