@@ -495,6 +495,9 @@ def c_noise_scale_for(net):
 
     Both embed DDPM's t in [0, 1000) with the same sinusoids, so both get the scale; EDM2's
     networks (and any other network) take c_noise = ln(σ)/4 itself into their Fourier features.
+    Training asks it once, of the bare network, when the objective is built (training.build):
+    the step calls the network through wrappers this function does not look through
+    (step.RegionalNetwork).
     """
     return UNET_C_NOISE_SCALE if isinstance(unwrapped(net), (UNet2DModel, DiT)) else 1.0
 
@@ -525,6 +528,10 @@ class EDMObjective(torch.nn.Module):
     weighting 'edm':         λ(σ) ‖D - y‖²             (EDM eq. 2 with Table 1's λ)
     weighting 'uncertainty': λ(σ) / e^u(σ) ‖D - y‖² + u(σ)   (EDM2 eq. 21)
 
+    `c_noise_scale`: what c_noise is multiplied by before the network takes it, c_noise_scale_for(network)
+    of the bare network (UNET_C_NOISE_SCALE for a UNet2DModel or a DiT, 1 for EDM2's networks). It is
+    decided when the objective is built, not from the wrapper the step calls the network through.
+
     u(σ) is a magnitude-preserving Fourier-feature head on c_noise = ln(σ)/4, as
     NVlabs/edm2's Precond.logvar_fourier/logvar_linear; its optimum is
     e^u = λ(σ) E‖D - y‖²: it learns the loss's level at each σ and divides it out,
@@ -539,7 +546,7 @@ class EDMObjective(torch.nn.Module):
     """
 
     def __init__(
-        self, P_mean=P_MEAN, P_std=P_STD, sigma_data=SIGMA_DATA, weighting="uncertainty", c_noise_scale=None,
+        self, P_mean=P_MEAN, P_std=P_STD, sigma_data=SIGMA_DATA, weighting="uncertainty", c_noise_scale=1.0,
         logvar_channels=128,
     ):  # fmt: skip
         super().__init__()
@@ -550,7 +557,7 @@ class EDMObjective(torch.nn.Module):
         if not sigma_data > 0:
             raise ConfigError(f"sigma_data must be positive (got {sigma_data})")
         self.P_mean, self.P_std, self.sigma_data, self.weighting = P_mean, P_std, sigma_data, weighting
-        self.c_noise_scale = c_noise_scale  # None: c_noise_scale_for(net) at each call
+        self.c_noise_scale = c_noise_scale  # c_noise_scale_for(the bare network), chosen once by whoever builds this
         if weighting == "uncertainty":  # EDM2's magnitude-preserving pieces (edm2.py)
             self.logvar_fourier = edm2.MPFourier(logvar_channels)
             self.logvar_linear = edm2.MPConv(logvar_channels, 1, kernel=())
@@ -576,8 +583,8 @@ class EDMObjective(torch.nn.Module):
     def loss_at(self, net, x0, sigma, noise):
         """The loss at given σ (one per image) and unit noise `noise` (scaled by σ here)."""
         x0, sigma = x0.float(), sigma.float().flatten()
-        scale = c_noise_scale_for(net) if self.c_noise_scale is None else self.c_noise_scale
-        denoised = edm_precondition(net, x0 + noise.float() * sigma.view(-1, 1, 1, 1), sigma, self.sigma_data, scale)
+        noisy = x0 + noise.float() * sigma.view(-1, 1, 1, 1)
+        denoised = edm_precondition(net, noisy, sigma, self.sigma_data, self.c_noise_scale)
         per_image = ((denoised - x0) ** 2).mean(dim=tuple(range(1, x0.ndim)))
         if self.weighting == "edm":
             return (self.weight(sigma) * per_image).mean()
@@ -645,13 +652,18 @@ class FlowObjective(torch.nn.Module):
     σ is drawn logit-normal(P_mean, P_std) (SD3's default (0, 1)), or uniform in [0, 1) with
     `timestep_sampling="uniform"` (SiT's), then shifted by `shift` (shift_sigmas), as the
     sampler's schedule is. Drawn on x0's device, so the step needs no host sync.
+
+    `c_noise`: the network takes an EDM2 network's c_noise = logit(σ)/4 instead of t = 1000 σ
+    (flow_timestep). It is takes_c_noise(network) of the bare network, decided when the objective
+    is built, not from the wrapper the step calls the network through.
     """
 
-    def __init__(self, shift=1.0, timestep_sampling="lognormal", P_mean=FLOW_P_MEAN, P_std=FLOW_P_STD):
+    def __init__(self, shift=1.0, timestep_sampling="lognormal", P_mean=FLOW_P_MEAN, P_std=FLOW_P_STD, c_noise=False):
         super().__init__()
         if timestep_sampling not in TIMESTEP_SAMPLINGS:
             raise ConfigError(f"unknown --timestep_sampling '{timestep_sampling}': choose {' or '.join(TIMESTEP_SAMPLINGS)}")
         self.shift, self.timestep_sampling, self.P_mean, self.P_std = shift, timestep_sampling, P_mean, P_std
+        self.c_noise = c_noise
 
     def sigmas(self, n, device):
         if self.timestep_sampling == "uniform":
@@ -670,7 +682,7 @@ class FlowObjective(torch.nn.Module):
         """The loss at given σ (one per image) and noise."""
         x0, noise, sigma = x0.float(), noise.float(), sigma.float().flatten()
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        prediction = net((1 - s) * x0 + s * noise, flow_timestep(net, sigma), return_dict=False)[0]
+        prediction = net((1 - s) * x0 + s * noise, flow_timestep(sigma, self.c_noise), return_dict=False)[0]
         return F.mse_loss(prediction.float(), noise - x0)
 
 
@@ -694,10 +706,16 @@ def saves_pipeline(config):
 FLOW_SIGMA_EDGE = 1e-4
 
 
-def flow_timestep(net, sigma):
-    """What `net` takes for a flow noise level σ: t = 1000 σ (a UNet2DModel, as FlowMatchEulerDiscreteScheduler
-    gives it), or an EDM2 network's c_noise = logit(σ) / 4."""
-    if isinstance(unwrapped(net), EDM2UNet):
+def takes_c_noise(network):
+    """Whether `network`, the bare network as built, takes EDM2's c_noise = ln(σ_EDM)/4 as its time input
+    (an EDM2 network) rather than a timestep on DDPM's scale of 0 to 1000 (a UNet2DModel or a DiT)."""
+    return isinstance(network, EDM2UNet)
+
+
+def flow_timestep(sigma, c_noise=False):
+    """What a network takes for a flow noise level σ: t = 1000 σ, as FlowMatchEulerDiscreteScheduler gives a
+    UNet2DModel or a DiT; with `c_noise` (an EDM2 network, takes_c_noise), c_noise = logit(σ) / 4."""
+    if c_noise:
         sigma = sigma.clamp(FLOW_SIGMA_EDGE, 1 - FLOW_SIGMA_EDGE)
         return (sigma / (1 - sigma)).log() / 4
     return sigma * NUM_TRAIN_TIMESTEPS
@@ -712,7 +730,7 @@ class FlowTime(torch.nn.Module):
 
     def forward(self, x, t, return_dict=False, **kwargs):
         sigma = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(-1) / NUM_TRAIN_TIMESTEPS
-        return self.net(x, flow_timestep(self.net, sigma.expand(len(x))), return_dict=False, **kwargs)
+        return self.net(x, flow_timestep(sigma.expand(len(x)), c_noise=True), return_dict=False, **kwargs)
 
 
 def flow_sigma_distribution(args):

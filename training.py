@@ -58,10 +58,14 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     else:
         noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
                                                       args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
+    # The network's time input is decided here, from the bare network: the step calls it through wrappers
+    # (torch.compile's, DDP's, step.RegionalNetwork) that the objective is not to look through.
     if args.objective == "edm":
-        objective = models.EDMObjective(*args.P_mean_std, args.sigma_data, args.loss_weighting)
+        objective = models.EDMObjective(*args.P_mean_std, args.sigma_data, args.loss_weighting,
+                                        c_noise_scale=models.c_noise_scale_for(network))  # fmt: skip
     elif models.objective_kind(args.objective) == "flow":
-        objective = models.FlowObjective(models.flow_shift(args.objective), args.timestep_sampling, *args.P_mean_std)
+        objective = models.FlowObjective(models.flow_shift(args.objective), args.timestep_sampling, *args.P_mean_std,
+                                         c_noise=models.takes_c_noise(network))  # fmt: skip
     else:
         objective = models.ddpm_objective(noise_scheduler, args)
     objective.to(device)

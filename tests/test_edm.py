@@ -202,7 +202,7 @@ def test_sigma_is_drawn_log_normal():
 def test_tiny_unet_trains_with_the_objective_and_samples_with_heun():
     torch.manual_seed(0)
     unet = models.build_unet("tiny", 16)
-    objective = models.EDMObjective()
+    objective = models.EDMObjective(c_noise_scale=models.c_noise_scale_for(unet))
     head = [p.clone() for p in objective.parameters()]
     optimizer = torch.optim.AdamW([*unet.parameters(), *objective.parameters()], lr=2e-3)
     x0 = torch.rand(8, 3, 16, 16) * 2 - 1

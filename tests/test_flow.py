@@ -319,7 +319,8 @@ def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path
     sigma = torch.tensor([0.0, 0.5, 1 - 1 / 81, 1.0])
     network = models.build_unet("edm2tiny", 16)
     assert isinstance(network, EDM2UNet)
-    c_noise = models.flow_timestep(network, sigma)
+    assert models.takes_c_noise(network)
+    c_noise = models.flow_timestep(sigma, c_noise=True)
     assert torch.isfinite(c_noise).all() and c_noise[1] == 0 and c_noise[2].item() == pytest.approx(np.log(80) / 4)
     out = tmp_path / "run"
     train(out, "--model", "edm2tiny", "--objective", "flow", "--max_train_steps", 4, "--save_images_epochs", 1)

@@ -1,0 +1,113 @@
+"""The time input a network receives in training is the one sampling gives it at the same noise level, for
+every objective, network family and compile scope (eager, whole, regional).
+
+The objective is built as train.py builds it (training.build), and the step calls the network through a
+wrapper: torch.compile's for the whole network, step.RegionalNetwork for its blocks. Sampling calls the bare
+network (sample.generate with the run's own sampler). A forward pre-hook on the bare network records what it
+gets both ways. Compiling uses Dynamo's eager backend: the graphs are traced as Inductor's would be, in a
+fraction of the time, and the wrappers are the ones the step uses.
+"""
+
+import pytest
+import torch
+
+import config
+import model as models
+import sample
+import step as steps
+import training
+
+FAMILIES = {"unet": "tiny", "edm2": "edm2tiny", "dit": "dit-tiny"}  # the smallest preset of each
+SCOPES = ("eager", "whole", "regional")
+SAMPLING_STEPS = 2
+# EDM2's networks train with EDM or flow only (config refuses --objective ddpm for them).
+CASES = [(o, f) for o in models.OBJECTIVES for f in FAMILIES if not (o == "ddpm" and f == "edm2")]
+
+
+class TimeInputs:
+    """A forward pre-hook on the bare network: the time input of each call (its second argument), flattened."""
+
+    def __init__(self, network):
+        self.seen = []
+        self.handle = network.register_forward_pre_hook(self.record)
+
+    def record(self, module, args):
+        self.seen.append(torch.as_tensor(args[1]).detach().clone().float().flatten())  # net(x, t, ...) everywhere
+
+    def take(self):
+        seen, self.seen = self.seen, []
+        return seen
+
+
+@pytest.fixture(scope="module")
+def networks():
+    """One network of each family with its recorder, and its wrappers by compile scope, built once."""
+    torch.compiler.reset()
+    real = torch.compile
+
+    def traced(fn, mode=None, dynamic=None):
+        return real(fn, backend="eager", dynamic=dynamic)
+
+    built = {}
+    with pytest.MonkeyPatch.context() as m:  # RegionalNetwork compiles each block, when built, with torch.compile
+        m.setattr(steps.torch, "compile", traced)
+        for family, preset in FAMILIES.items():
+            torch.manual_seed(0)
+            network = models.build_unet(preset, 16)
+            wrapped = {"eager": network, "whole": real(network, backend="eager", dynamic=False),
+                       "regional": steps.RegionalNetwork(network)}  # fmt: skip
+            built[family] = network, TimeInputs(network), wrapped
+    yield built
+    for _, recorder, _ in built.values():
+        recorder.handle.remove()
+    torch.compiler.reset()
+
+
+def run_pieces(objective, preset):
+    """The objective and the grids' sampler that training.build makes for a CPU run of `preset` at 16px
+    (EDM's sampler without churn, so that the network sees the schedule's own σ)."""
+    argv = ["--model", preset, "--image_size", "16", "--objective", objective, "--cpu", "--compile_mode", "off"]
+    args = config.resolve(config.parse_args([*argv, "--churn", "0"]))
+    return training.build(args, total_steps=1, lr_ref_steps=1)  # EDM2's inverse_sqrt schedule needs one
+
+
+def sampled(network, recorder, scheduler):
+    """The noise levels the sampler steps through and what the network received at each, in order."""
+    network.eval()
+    sample.generate(network, scheduler, sample.image_seeds(0, 1), SAMPLING_STEPS)
+    received = []
+    for t in recorder.take():  # one time input for the batch per call; EDM's Heun calls twice at a level
+        assert torch.equal(t, t[:1].expand_as(t))
+        if not received or received[-1] != t[0]:
+            received.append(t[0])
+    if isinstance(scheduler, sample.EDMHeunSampler):
+        levels = sample.karras_sigmas(SAMPLING_STEPS, scheduler.sigma_min, scheduler.sigma_max, scheduler.rho)[:-1]
+    elif sample.is_flow_sampler(scheduler):
+        levels = scheduler.timesteps.double() / models.NUM_TRAIN_TIMESTEPS  # the samplers give t = 1000 σ
+    else:
+        levels = scheduler.timesteps  # DDPM's noise level is its timestep
+    return levels, torch.stack(received)
+
+
+def trained(objective, net, recorder, levels, image_shape):
+    """What the network receives when the objective's loss is taken through `net` at these noise levels."""
+    x0 = torch.zeros(len(levels), *image_shape)
+    if isinstance(objective, models.DDPMObjective):
+        objective.timesteps = lambda n, device: levels.long()
+        objective.loss(net, x0)
+    else:
+        objective.loss_at(net, x0, levels.float(), torch.randn_like(x0))
+    (t,) = recorder.take()
+    return t
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("objective_name,family", CASES)
+def test_training_gives_the_network_the_time_input_sampling_gives_it(networks, objective_name, family, scope):
+    """The objective's call through the step's wrapper gives the bare network what the run's sampler gives it."""
+    network, recorder, wrapped = networks[family]
+    pieces = run_pieces(objective_name, FAMILIES[family])
+    levels, at_sampling = sampled(network, recorder, pieces.sampling_scheduler)
+    network.train()
+    at_training = trained(pieces.objective, wrapped[scope], recorder, levels, sample.image_shape(network))
+    torch.testing.assert_close(at_training, at_sampling, rtol=1e-5, atol=1e-5)
