@@ -170,9 +170,13 @@ EAGER_LAUNCH_FLOOR_S = {"dit": 0.02, "unet": 0.1, "edm2": 0.1}
 SAVED_SHARE = {"dit": 0.32, "unet": 0.40, "edm2": 0.40}
 SAVED_SHARE_CUDA_GRAPHS = 0.8  # a launch-bound step replayed as CUDA graphs
 # The eager step replayed as one CUDA graph (`eager-graph`) keeps the eager kernels and loses the launch gaps
-# between them: the eager step's time without its launch-bound floor, after EAGER_GRAPH_CAPTURE_S of warm-up
-# steps and capture. Predicted, not yet measured: ddpm32's eager step on a GPU never was (issue 67).
-EAGER_GRAPH_MFU = dict(EAGER_MFU)
+# between them: FLOPs / (peak * EAGER_GRAPH_MFU) plus a floor for its many small kernels, after
+# EAGER_GRAPH_CAPTURE_S of warm-up steps and capture. The UNet's two numbers solve an H200's two rows
+# (BENCHMARKS.md, the eager step captured: ddpm32 at batch 128, 4.78 TFLOP, 45.2 ms; adm64 at batch 32,
+# 1.47 TFLOP, 23.4 ms); its warm-up steps took 3.9 s in the bare run. A DiT's step is bound by its kernels
+# eager (24.6% MFU, no floor), so a graph saves it nothing; EDM2's is not measured: the UNet's.
+EAGER_GRAPH_MFU = {"dit": EAGER_MFU["dit"], "unet": 0.153, "edm2": 0.153}
+EAGER_GRAPH_FLOOR_S = {"dit": 0.0, "unet": 0.0137, "edm2": 0.0137}
 EAGER_GRAPH_CAPTURE_S = 5
 CPU_EAGER_FLOPS = {"dit": 150e9, "unet": 80e9, "edm2": 80e9}
 CPU_SAVED_SHARE = {"dit": 0.19, "unet": 0.0, "edm2": 0.0}
@@ -215,8 +219,10 @@ def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
 
 
 def predicted_graph_s(family, flops_per_step, peak_flops):
-    """The eager step's seconds replayed as one CUDA graph (`eager-graph`), predicted on a GPU of `peak_flops`."""
-    return flops_per_step / (peak_flops * EAGER_GRAPH_MFU[family])
+    """The eager step's seconds replayed as one CUDA graph (`eager-graph`), predicted on a GPU of `peak_flops`:
+    no less than the eager step's kernels take (a graph removes the gaps between launches, not the kernels)."""
+    kernels_s = flops_per_step / (peak_flops * EAGER_MFU[family])
+    return max(kernels_s, flops_per_step / (peak_flops * EAGER_GRAPH_MFU[family]) + EAGER_GRAPH_FLOOR_S[family])
 
 
 def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps=None, peak_flops=None, remembered=None):

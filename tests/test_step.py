@@ -584,7 +584,7 @@ DDPM32_TFLOP = 4.78e12  # the GPU bare run's step: ddpm32 at batch 128
     "changes, processes, total_steps, mode, words",
     [
         # the GPU bare run: 3,072 steps; the eager step captured ends it before a 100 s compile would repay itself
-        ({}, 1, 3_072, "eager-graph", "auto: eager-graph (the eager step captured in one CUDA graph, about 133 s for "
+        ({}, 1, 3_072, "eager-graph", "auto: eager-graph (the eager step captured in one CUDA graph, about 144 s for "
          "this run's 3,072 steps against 161 s compiled and 307 s eager): compiling (reduce-overhead, the whole "
          "network) would take about 100 s (cold cache)"),
         ({}, 1, 100_000, "reduce-overhead", "saves about 8000 s in 100,000 steps"),  # a long run repays the compile
