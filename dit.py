@@ -7,7 +7,8 @@ diffusers' model is the paper's network but for two things, both changed here:
     the same module, so XL/2 has the paper's 674,834,720 trainable parameters, not
     749,826,464. A saved `DiT` holds one copy per block, all equal, so that
     `DiTTransformer2DModel.from_pretrained(run)` loads it and computes the same outputs;
-    `DiT.from_pretrained` ties them again.
+    `DiT.from_pretrained` ties them again. Its state dict (a checkpoint's) holds the tied
+    embedder once, under block 0's names, and loading fills it in for the other blocks.
   - each block's embedder drops labels at random while training (class_dropout_prob 0.1,
     independently per block). Here label dropout is done once per image in the training
     loop (train.py's label_dropout, the null label = num_classes, as DiT's own code), so the
@@ -42,6 +43,9 @@ class DiT(DiTTransformer2DModel):
     # The blocks compiled once and reused (regional compilation, step.RegionalNetwork); diffusers 0.42.1
     # leaves DiTTransformer2DModel's list empty.
     _repeated_blocks = ("BasicTransformerBlock",)
+    # A saved network's embedders of the blocks after the first (all equal to block 0's) are not in the state
+    # dict, which holds the tied one once (_tied_held_once): from_pretrained loads block 0's and says nothing
+    _keys_to_ignore_on_load_unexpected = (r"^transformer_blocks\.[1-9][0-9]*\.norm1\.emb\.",)
 
     @register_to_config
     def __init__(
@@ -64,12 +68,20 @@ class DiT(DiTTransformer2DModel):
         )  # fmt: skip
         self.register_to_config(num_classes=num_classes, num_embeds_ada_norm=max(num_classes, 1))
         self._tie()
+        self.register_state_dict_post_hook(_tied_held_once)
+        self.register_load_state_dict_pre_hook(_tied_filled_in)
 
     def _tie(self):
         shared = self.transformer_blocks[0].norm1.emb
         shared.class_embedder.dropout_prob = 0.0  # train.py drops labels, once per image
         for block in self.transformer_blocks[1:]:
             block.norm1.emb = shared
+
+    def _tied_blocks(self, prefix):
+        """The state dict's name of each block after the first whose embedder is the first block's."""
+        shared = self.transformer_blocks[0].norm1.emb
+        return [f"{prefix}transformer_blocks.{i}.norm1.emb." for i, block in enumerate(self.transformer_blocks)
+                if i > 0 and block.norm1.emb is shared]  # fmt: skip
 
     def forward(self, sample, timestep, class_labels=None, return_dict=True, **kwargs):
         timestep = torch.as_tensor(timestep, device=sample.device)
@@ -100,6 +112,24 @@ class DiT(DiTTransformer2DModel):
         net = super().from_pretrained(*args, **kwargs)
         net._tie()  # the loader may have replaced the tied module's tensors one block at a time
         return net
+
+
+def _tied_held_once(net, state, prefix, metadata):
+    """state_dict's hook: the tied embedder's tensors under block 0's names only, so that accelerate's
+    safetensors save has no shared tensors to remove (and no warning to print)."""
+    for tied in net._tied_blocks(prefix):
+        for name in [name for name in state if name.startswith(tied)]:
+            del state[name]
+
+
+def _tied_filled_in(net, state, prefix, *args):
+    """load_state_dict's hook: a tied block's embedder missing from `state` (held once, under block 0's
+    names) is given block 0's tensors. A state with every block's (a saved network) loads as it is."""
+    first = f"{prefix}transformer_blocks.0.norm1.emb."
+    shared = {name[len(first):]: tensor for name, tensor in state.items() if name.startswith(first)}
+    for tied in net._tied_blocks(prefix):
+        for name, tensor in shared.items():
+            state.setdefault(tied + name, tensor)
 
 
 def build(size, patch, sample_size, in_channels=3, out_channels=None, num_classes=0):

@@ -2,6 +2,7 @@
 image in the loop, diffusers loading, and every objective and path at a tiny size."""
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import checkpoint
 import dit
 import model as models
 import sample
@@ -142,17 +144,30 @@ def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, mo
     assert exit_info.value.code == 2
 
 
-def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):
-    """The shared embedder's tensors are one in the checkpoint (safetensors keeps one of tensors that share
-    memory) and one again after loading."""
+def test_a_dit_run_resumes_bit_identically(tmp_path, capsys, monkeypatch):
+    """The shared embedder's tensors are one in the checkpoint (the state dict holds them once) and one
+    module again after loading."""
+    from accelerate import Accelerator
+
     flags = [*DIT, "--max_train_steps", 4, "--checkpointing_steps", 2, "--train_batch_size", 4, "--class_conditional"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, *flags)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2")
     capsys.readouterr()
+    tied_after_loading = []
+    load_state = Accelerator.load_state
+
+    def loading(accelerator, *args, **kwargs):
+        result = load_state(accelerator, *args, **kwargs)
+        blocks = accelerator.unwrap_model(accelerator._models[0]).transformer_blocks
+        tied_after_loading.append(all(block.norm1.emb is blocks[0].norm1.emb for block in blocks))
+        return result
+
+    monkeypatch.setattr(Accelerator, "load_state", loading)
     train(resumed, *flags)
     assert f"resumed from {resumed / 'checkpoints' / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+    assert tied_after_loading == [True]
     for part in ("checkpoints/checkpoint-4", "unet"):
         a, _ = tensors_of(straight / part)
         b, _ = tensors_of(resumed / part)
@@ -162,6 +177,28 @@ def test_a_dit_run_resumes_bit_identically(tmp_path, capsys):
     assert stored == {"model.safetensors:transformer_blocks.0"}, stored  # one copy, not one per block
     saved = models.load_network(resumed / "unet")
     assert saved.transformer_blocks[1].norm1.emb is saved.transformer_blocks[0].norm1.emb
+
+
+@pytest.mark.parametrize("host_copy", [False, True])
+def test_a_dit_checkpoint_is_saved_without_accelerate_s_shared_tensor_warning(tmp_path, caplog, host_copy):
+    """accelerate's safetensors save removes tensors that share memory and warns that it did; a DiT's state
+    dict holds its tied embedder once, so nothing is removed or said, whether save_state writes the
+    checkpoint whole or a thread writes it from its host copy. It loads back tied, with the saved weights."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    net = accelerator.prepare(tiny_net())
+    saved = {name: p.clone() for name, p in net.named_parameters()}
+    with caplog.at_level(logging.WARNING):
+        folder = checkpoint.save(accelerator, tmp_path, 1, {}, host=checkpoint.HostCopy() if host_copy else None).wait()
+    assert not [r.getMessage() for r in caplog.records if "Removed shared tensor" in r.getMessage()]
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    accelerator.load_state(str(folder))
+    blocks = net.transformer_blocks
+    assert all(block.norm1.emb is blocks[0].norm1.emb for block in blocks)
+    assert all(torch.equal(p, saved[name]) for name, p in net.named_parameters())
 
 
 def test_two_processes_train_a_dit_as_one(tmp_path):
