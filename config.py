@@ -11,7 +11,7 @@ so a flag on the command line wins. `resolve` then, before any data loads,
 checks every range, fills what is unset from the model preset (`model.PRESETS`)
 and the machine, and checks the combinations; it is idempotent. Only
 `--compile_mode auto` is left for train.py: it needs the device and the FLOPs
-of a step (`step.choose_compile_mode`).
+of a step (`compiling.choose_compile_mode`).
 
 A resolved configuration also holds settings that are not flags (`SETTINGS`:
 what train.py always does; `python -m bench` sets the speed ones on the
@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import checkpoint
+import compiling
 import data
 import ema as posthoc_ema
 import fp8
@@ -45,7 +46,6 @@ import latents
 import metrics
 import model as models
 import sample
-import step as steps
 from errors import ConfigError, OneLineParser
 
 LR_SCHEDULES = (
@@ -129,7 +129,7 @@ SETTINGS = dict(
     # or latents (--vae), 48x fewer values per image at 8x. flops.py counts its cost (HFU).
     gradient_checkpointing=False,
     profile_steps=3, profile_top=15, profile_stack=False,  # --profile: steps recorded, rows of its table, no stacks
-    # What a compiled step compiles: "auto", by the run's length (step.choose_compile_scope); "regional",
+    # What a compiled step compiles: "auto", by the run's length (compiling.choose_compile_scope); "regional",
     # each repeated block once; "whole", the network as one graph. `python -m bench --compile_scope` sets it.
     compile_scope="auto",
 )  # fmt: skip
@@ -269,7 +269,7 @@ REMOVED = {
                                       "or train on latents (--vae)", _always(False), switch=True),
     "timing_warmup_steps": Removed("the timing leaves out the first 5 steps", _dropped),
     "compile_scope": Removed("train.py compiles each repeated block once for a short run, the whole network for a long "
-                             "one (step.choose_compile_scope); " + _BENCH.format("compile_scope whole"), _dropped),
+                             "one (compiling.choose_compile_scope); " + _BENCH.format("compile_scope whole"), _dropped),
     "peak_tflops": Removed("MFU is against flops.py's PEAK_TFLOPS (add a GPU there)", _dropped),
     "profile_steps": Removed("--profile records 3 steps", _dropped),
     "profile_top": Removed("--profile's table has 15 rows", _dropped),
@@ -524,10 +524,10 @@ def build_parser(prog="train.py", source=""):
     flag(t, "seed", "seeds the data, the model and the noise", 0, type=SEEDS)
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
     flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
-         "to keep the GPU busy, else default (the rule and its measurements: step.py); torch.compile's modes; "
+         "to keep the GPU busy, else default (the rule and its measurements: compiling.py); torch.compile's modes; "
          "step-graph: the whole step (forward, backward, optimizer, EMA) in one CUDA graph; eager-graph: the same "
          "around the eager network, nothing compiled (default: auto on a CUDA "
-         "GPU, else off; python -m bench measures the other speed settings)", choices=("off", *steps.COMPILE_MODES))  # fmt: skip
+         "GPU, else off; python -m bench measures the other speed settings)", choices=("off", *compiling.COMPILE_MODES))  # fmt: skip
 
     o = p.add_argument_group("outputs")
     flag(o, "output_dir", "where samples, checkpoints and the model go", "ddpm-output")

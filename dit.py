@@ -40,7 +40,7 @@ def dit_kwargs(size, patch):
 class DiT(DiTTransformer2DModel):
     """DiTTransformer2DModel with one shared embedder, no per-block label dropout, and UNet2DModel's call."""
 
-    # The blocks compiled once and reused (regional compilation, step.RegionalNetwork); diffusers 0.42.1
+    # The blocks compiled once and reused (regional compilation, compiling.RegionalNetwork); diffusers 0.42.1
     # leaves DiTTransformer2DModel's list empty.
     _repeated_blocks = ("BasicTransformerBlock",)
     # A saved network's embedders of the blocks after the first (all equal to block 0's) are not in the state

@@ -276,7 +276,7 @@ class EDM2UNet(ModelMixin, ConfigMixin):
     switches are what config.json records.
     """
 
-    _repeated_blocks = ("Block",)  # compiled once per shape and reused (regional compilation, step.RegionalNetwork)
+    _repeated_blocks = ("Block",)  # compiled once per shape and reused (regional compilation, compiling.RegionalNetwork)
 
     _supports_gradient_checkpointing = True
 

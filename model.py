@@ -267,7 +267,7 @@ def build_unet(name, image_size, device=None, num_classes=0, channels=3):
     return net
 
 
-# The UNet's blocks that regional compilation (step.RegionalNetwork) compiles once per shape: its ResNet
+# The UNet's blocks that regional compilation (compiling.RegionalNetwork) compiles once per shape: its ResNet
 # blocks and attention; the down- and upsamplers, embeddings and the last norm and conv run eager.
 UNET_REPEATED_BLOCKS = ("ResnetBlock2D", "Attention")
 
@@ -497,7 +497,7 @@ def c_noise_scale_for(net):
     networks (and any other network) take c_noise = ln(σ)/4 itself into their Fourier features.
     Training asks it once, of the bare network, when the objective is built (training.build):
     the step calls the network through wrappers this function does not look through
-    (step.RegionalNetwork).
+    (compiling.RegionalNetwork).
     """
     return UNET_C_NOISE_SCALE if isinstance(unwrapped(net), (UNet2DModel, DiT)) else 1.0
 

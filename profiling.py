@@ -151,7 +151,7 @@ class StartupClock:
 
 
 def past_trial_calls(step):
-    """Whether train.py's step (a step.FastStep), asked after a step is done, is past its trial calls.
+    """Whether train.py's step (a compiling.FastStep), asked after a step is done, is past its trial calls.
 
     Those compile the network, warm up and record reduce-overhead's CUDA graph
     trees, or warm up and capture step-graph's whole step (a fallback to

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import compiling
 import data
 import ema as posthoc_ema
 import flops
@@ -90,7 +91,7 @@ def train(args):
     run = Run(args)  # data, network, objective, optimizer, EMA; resumed where a checkpoint is
     meter = Meter(run)  # step times, where the time went, the profiler, the printed lines
     try:
-        train_step = run.build_step(meter)  # compiled or captured on a GPU (step.py)
+        train_step = run.build_step(meter)  # compiled or captured on a GPU (compiling.py)
     except BaseException:
         meter.progress.close()  # its bar, not left drawn beside the error's one line
         raise
@@ -126,8 +127,8 @@ def describe_run(args, device, world, num_images):
     steps_per_epoch = num_images // images_per_step if num_images else None
     total_steps = args.max_train_steps or (args.num_epochs * steps_per_epoch if steps_per_epoch else None)
     peak_flops, _ = flops.describe_peak(device, args.mixed_precision, args.allow_tf32)
-    remembered = lambda mode, scope: steps.remembered_compile_s(steps.compile_key(args, device, mode, scope))  # noqa: E731
-    plan = steps.plan_compile(args, device, world, cost["model_flops"], total_steps, peak_flops, remembered)
+    remembered = lambda mode, scope: compiling.remembered_compile_s(compiling.compile_key(args, device, mode, scope))  # noqa: E731
+    plan = compiling.plan_compile(args, device, world, cost["model_flops"], total_steps, peak_flops, remembered)
     config = dict(
         recorded(args),
         num_processes=world,
@@ -278,7 +279,7 @@ class Run:
             torch.distributed.broadcast_object_list(plan, src=0, group=self.main_work_group)
             self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why = plan
         # Inductor's workers start while the network is built, not at the first compile (none for an eager step)
-        steps.start_compile_workers(self.device, self.config["step_compile_mode"])
+        compiling.start_compile_workers(self.device, self.config["step_compile_mode"])
         self.config["data_path"] = "preloaded" if isinstance(images, PRELOADED) else "latents" if args.vae else "streamed"
         if self.latents is not None:
             self.config |= dict(latents=self.latents, latent_space=self.latent_space)
@@ -515,7 +516,7 @@ class Run:
         # on a CPU the host memory free now (a container's limit included; None where unknown)
         capacity = torch.cuda.get_device_properties(self.device).total_memory if cuda else checkpoint.available_memory() or None
         self.accelerator.print(memory.plan_line(self.memory, capacity, "this GPU" if cuda else "this machine's free memory",
-                                                compiled=steps.compiles(config["step_compile_mode"])))  # fmt: skip
+                                                compiled=compiling.compiles(config["step_compile_mode"])))  # fmt: skip
         full = checkpoint.disk_warning(self.output_dir, self.memory.state, self.step, self.total_steps,
                                        args.checkpointing_steps, args.checkpoints_total_limit)  # fmt: skip
         if full:
@@ -530,9 +531,9 @@ class Run:
                                accelerator=self.accelerator,
                                mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
                                null_label=models.null_label(self.num_classes))  # fmt: skip
-        fast = steps.FastStep(step, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
-        if steps.compiles(mode) and self.step < self.total_steps:
-            loaded = steps.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
+        fast = compiling.FastStep(step, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
+        if compiling.compiles(mode) and self.step < self.total_steps:
+            loaded = compiling.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
             if loaded:
                 self.accelerator.print(loaded)
         self.startup.mark("step")
@@ -831,7 +832,7 @@ class Meter:
         self.started_at = profiling.now_iso()
         self.epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
         self.compile_s = self.compile_phases = None  # seconds the first, compiling step took, and where they went
-        self.compiles = steps.compiles(run.config["step_compile_mode"])
+        self.compiles = compiling.compiles(run.config["step_compile_mode"])
         self.trained = False  # whether this process took a step
         self.progress = tqdm(total=run.total_steps, initial=run.step, disable=not run.accelerator.is_local_main_process,
                              desc="steps")  # fmt: skip
@@ -840,7 +841,7 @@ class Meter:
         self.profiler = self.profile_until = self.profiled_step = None
 
     def profile_when_steady(self, step):
-        """--profile: record `step` (a step.FastStep) once past its trial calls (compile, CUDA graph warm-up,
+        """--profile: record `step` (a compiling.FastStep) once past its trial calls (compile, CUDA graph warm-up,
         recording or capture), so that the steps recorded are steady ones, not those."""
         if self.args.profile:
             self.profiled_step = step
@@ -891,16 +892,16 @@ class Meter:
             yield
             return
         self.write(f"compiling the step ({self.run.config['step_compile_mode']}) ...")
-        clock = steps.FirstStepClock(self.run.device)
+        clock = compiling.FirstStepClock(self.run.device)
         with self.breakdown.pause("compile"), clock.measure():
             yield
         self.compile_s, self.compile_phases = clock.seconds, clock.phases
         if clock.cold:  # what the next run of this step predicts its (then warm) compile from
             config, args = self.run.config, self.run.args
-            steps.remember_compile(steps.compile_key(args, self.run.device, config["step_compile_mode"],
+            compiling.remember_compile(compiling.compile_key(args, self.run.device, config["step_compile_mode"],
                                                      config["step_compile_scope"]), clock.seconds)  # fmt: skip
         cache = self.run.output_dir / COMPILE_CACHE_FILE
-        self.run.on_main_process(lambda: steps.save_compile_artifacts(cache, self.run.device))
+        self.run.on_main_process(lambda: compiling.save_compile_artifacts(cache, self.run.device))
         self.write(clock.line)
 
     @contextlib.contextmanager
@@ -993,7 +994,7 @@ class Meter:
             peak=self.peak_words,
             peak_memory_gib=profiling.peak_memory_gib(self.run.device),
             compile_s=self.compile_s,
-            compile_phases_s=self.compile_phases,  # where the compile went, by torch's timers (step.compile_phases)
+            compile_phases_s=self.compile_phases,  # where the compile went, by torch's timers (compiling.compile_phases)
             startup_s=self.run.startup.parts,  # train.py's start to the loop, by part (the "ready to train" line)
             train_wall_s=wall_s,
             epoch_times_s=self.epoch_times,

@@ -59,7 +59,7 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
         noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
                                                       args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
     # The network's time input is decided here, from the bare network: the step calls it through wrappers
-    # (torch.compile's, DDP's, step.RegionalNetwork) that the objective is not to look through.
+    # (torch.compile's, DDP's, compiling.RegionalNetwork) that the objective is not to look through.
     if args.objective == "edm":
         objective = models.EDMObjective(*args.P_mean_std, args.sigma_data, args.loss_weighting,
                                         c_noise_scale=models.c_noise_scale_for(network))  # fmt: skip

@@ -55,6 +55,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import checkpoint
+import compiling
 import config
 import data
 import flops
@@ -147,7 +148,7 @@ STRICT_FP32 = dict(
     nonfinite_guard=False,
     ema_foreach=False,
     compile_mode=None,
-    force_layout=False,  # Inductor's force_layout_optimization (step.inductor_settings)
+    force_layout=False,  # Inductor's force_layout_optimization (compiling.inductor_settings)
     fused_norm=False,  # fused_norm.py's GroupNorm+SiLU kernels in the UNet
     sdpa_backend=None,  # attention's kernel as torch picks it; else SDPA's backend by name (torch.nn.attention.SDPBackend)
     sync_every=0,
@@ -310,7 +311,7 @@ def train_settings(*argv, **settings):
         ema_foreach=True,  # train.py builds its EMAModel with foreach=True
         compile_mode=None if args.compile_mode == "off" else args.compile_mode,  # auto: per workload (resolve_settings)
         compile_scope=args.compile_scope,  # auto: as train.py picks it for the workload (resolve_settings)
-        force_layout=False,  # step.inductor_settings: no train.py flag sets it
+        force_layout=False,  # compiling.inductor_settings: no train.py flag sets it
         fused_norm=args.fused_norm,
         sdpa_backend=None,  # train.py leaves the choice to torch
         sync_every=args.logging_steps,
@@ -343,7 +344,7 @@ DIT_PREDICTED_MS = dict(eager=140, compiled=115, train_default=115)
 # before measuring.
 DIT_PREDICTED_MS["regional"] = 131
 # The eager step replayed as one CUDA graph: a DiT's eager step is bound by its kernels, not their launches, so no
-# faster than eager (the H100's eager row, 187 ms); ddpm32's at batch 128 as step.EAGER_GRAPH_MFU predicts it
+# faster than eager (the H100's eager row, 187 ms); ddpm32's at batch 128 as compiling.EAGER_GRAPH_MFU predicts it
 # (4.78 TFLOP at 11.6% of an H100's bf16 peak), written down before measuring.
 EAGER_GRAPH_PREDICTED_MS = dict(dit=187, ddpm32=42)
 
@@ -455,7 +456,7 @@ class TrainingStep:
         self.unet, self.objective, self.ema = pieces.network, pieces.objective, pieces.ema
         self.optimizer, self.lr_scheduler = pieces.optimizer, pieces.lr_scheduler
         self.unet.train()
-        self.model = steps.compile_network(self.unet, settings["compile_mode"], force_layout=settings["force_layout"],
+        self.model = compiling.compile_network(self.unet, settings["compile_mode"], force_layout=settings["force_layout"],
                                            scope=settings.get("compile_scope") or "whole")  # the ladder's rows: whole
         # train.py's guard: with a fused AdamW it skips a NaN/inf step on the device.
         self.guard = steps.NonFiniteGuard(self.optimizer, t.on_fault, device) if settings["nonfinite_guard"] else None
@@ -465,7 +466,7 @@ class TrainingStep:
         # graph takes the kernel that is allowed when it is traced
         backend = settings.get("sdpa_backend")
         self.attention = (lambda: sdpa_kernel(getattr(SDPBackend, backend))) if backend else contextlib.nullcontext
-        self.step = steps.build_step(
+        self.step = compiling.build_step(
             steps.TrainStep(self.model, self.unet, self.objective, self.optimizer, self.lr_scheduler, self.ema,
                             self.guard, t.max_grad_norm, data.random_flips(t),
                             autocast=lambda: torch.autocast(**self.autocast)),
@@ -516,7 +517,7 @@ def check_variant(step, settings, inputs, reference, device):
     third call, a graph replay.
     """
     calls = 3 if settings["compile_mode"] in ("reduce-overhead", "max-autotune") else 1
-    before = steps.compile_phase_totals()
+    before = compiling.compile_phase_totals()
     start = time.perf_counter()
     for call in range(calls):
         step.optimizer.zero_grad(set_to_none=True)
@@ -524,7 +525,7 @@ def check_variant(step, settings, inputs, reference, device):
         if call == 0:
             synchronize(device)
             first_call_s = time.perf_counter() - start
-            phases = steps.compile_phases(before, steps.compile_phase_totals())
+            phases = compiling.compile_phases(before, compiling.compile_phase_totals())
     loss = loss.item()
     gradients = flat_gradients(step.unet)
     step.optimizer.zero_grad(set_to_none=True)
@@ -595,7 +596,7 @@ def optimizer_kind(optimizer, device):
 
 
 def uses_cuda_graphs(settings):
-    return settings["compile_mode"] in steps.CUDA_GRAPH_MODES
+    return settings["compile_mode"] in compiling.CUDA_GRAPH_MODES
 
 
 def resolve_settings(settings, workload, batch_size, device):
@@ -603,11 +604,11 @@ def resolve_settings(settings, workload, batch_size, device):
     would pick here (the compile's scope by the workload's network; for auto, the mode as a run of any length)."""
     args = train_defaults(workload)
     if settings.get("compile_scope", "whole") in (None, "auto"):
-        settings = dict(settings, compile_scope=steps.choose_compile_scope(args)[0])
+        settings = dict(settings, compile_scope=compiling.choose_compile_scope(args)[0])
     if settings["compile_mode"] != "auto":
         return settings
     per_image = flops.step_flops(workload["model"], workload["image_size"], 1, channels=channels_of(workload))["model_flops"]
-    mode, _ = steps.choose_compile_mode(args, device, 1, per_image * batch_size)
+    mode, _ = compiling.choose_compile_mode(args, device, 1, per_image * batch_size)
     return dict(settings, compile_mode=mode)
 
 
@@ -789,7 +790,7 @@ def format_group(rows, peak_words):
             lines.append(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}  ({row[3]})")
     for r in rows:  # where a row's 1st call went, by torch's compile timers (nested; all of them in the JSON)
         phases = r.get("compile_phases_s") or {}
-        shown = ", ".join(f"{name} {phases[name]:g}" for name in steps.COMPILE_PHASES_SHOWN if name in phases)
+        shown = ", ".join(f"{name} {phases[name]:g}" for name in compiling.COMPILE_PHASES_SHOWN if name in phases)
         if shown:
             lines.append(f"{r['variant']}'s 1st call, compile timers (s): {shown}")
     return lines
@@ -892,7 +893,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--compile_workers", default="early", choices=("early", "inductor"),
                    help="when Inductor's compile workers start on a GPU: early, at the ladder's start (train.py starts them "
-                        "once it has planned a compiled step: step.start_compile_workers), or when Inductor's first graph "
+                        "once it has planned a compiled step: compiling.start_compile_workers), or when Inductor's first graph "
                         "reaches it, torch's own timing")  # fmt: skip
     s = p.add_argument_group("train.py's step settings that train.py has no flag for (config.SETTINGS): set on the "
                              "train_default row's configuration (default: what train.py runs)")  # fmt: skip
@@ -900,7 +901,7 @@ def parse_args(argv=None):
         s.add_argument(f"--{name}", default=None, action=argparse.BooleanOptionalAction, help=says)
     s.add_argument("--compile_scope", default=None, choices=("whole", "regional"),
                    help="what a compiled step compiles: the network as one graph, or each repeated block once "
-                        "(train.py: by the run's length, step.choose_compile_scope); a DiT's rows (fp8, the "
+                        "(train.py: by the run's length, compiling.choose_compile_scope); a DiT's rows (fp8, the "
                         "attention kernels, max_autotune) take it too, else compile the whole network")  # fmt: skip
     groups = {"--sweep": sweep.add_arguments(p), "--quality": quality.add_arguments(p)}
     args = p.parse_args(argv)
@@ -986,7 +987,7 @@ def main(args):
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.compile_workers == "early":
-        steps.start_compile_workers(device, "default")
+        compiling.start_compile_workers(device, "default")
     env = profiling.environment(device, ["python -m bench", *args.argv])
     lines = []
 

@@ -189,7 +189,7 @@ def test_the_fused_norm_and_force_layout_settings_reach_the_step(fixed_step, mon
 
     init_state, images, inputs, reference = fixed_step
     calls = []
-    monkeypatch.setattr(bench.steps, "compile_network", lambda model, mode, force_layout=False, scope="whole": calls.append((mode, force_layout)) or model)
+    monkeypatch.setattr(bench.compiling, "compile_network", lambda model, mode, force_layout=False, scope="whole": calls.append((mode, force_layout)) or model)
     settings = dict(bench.STRICT_FP32, fused_norm=True, force_layout=True)
     step = bench.TrainingStep(settings, TINY, init_state, images, CPU)
     assert calls == [(None, True)]
@@ -312,12 +312,12 @@ def test_the_batch_sweep_stops_a_variant_at_out_of_memory(tmp_path, monkeypatch)
 
 
 def test_the_ladder_starts_the_compile_workers_early_unless_told_inductors_timing(tmp_path, monkeypatch):
-    """As train.py, the ladder asks for Inductor's compile workers at its start (step.start_compile_workers: on a
+    """As train.py, the ladder asks for Inductor's compile workers at its start (compiling.start_compile_workers: on a
     GPU); --compile_workers inductor leaves them to Inductor, for on_gpu.sh's cold part to compare the two."""
     monkeypatch.setattr(bench, "run_variant", fake_run_variant(99, "reference"))
     monkeypatch.setattr(bench, "reference_step", lambda *args: None)
     calls = []
-    monkeypatch.setattr(bench.steps, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
+    monkeypatch.setattr(bench.compiling, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
     argv = ["--workload", "tiny", "--variants", "reference", "--output", str(tmp_path), "--tag", "w"]
     assert bench.main(bench.parse_args(argv)) == 0 and calls == [("cpu", "default")]
     assert bench.main(bench.parse_args([*argv, "--compile_workers", "inductor"])) == 0 and len(calls) == 1
@@ -581,7 +581,7 @@ def test_a_row_that_pins_another_attention_kernel_traces_its_step_anew(tmp_path,
         phases = row["compile_phases_s"]
         assert 0 < phases["_compile.compile_inner"] <= row["first_call_s"]
         assert list(phases.values()) == sorted(phases.values(), reverse=True)
-    shown = [name for name in bench.steps.COMPILE_PHASES_SHOWN if name in pinned["compile_phases_s"]]
+    shown = [name for name in bench.compiling.COMPILE_PHASES_SHOWN if name in pinned["compile_phases_s"]]
     assert "_compile.compile_inner" in shown and len(shown) > 1
     line = ", ".join(f"{name} {pinned['compile_phases_s'][name]:g}" for name in shown)  # in a compile's order
     assert f"math_attention's 1st call, compile timers (s): {line}\n" in (tmp_path / "kernels.txt").read_text()

@@ -1128,7 +1128,7 @@ train.main(train.parse_args(sys.argv[1:]))
 
 
 def test_every_process_trains_rank_0_s_compile_plan(tmp_path):
-    """Each process plans its compile from its own node's compile record (step.plan_compile); rank 0's plan is the one
+    """Each process plans its compile from its own node's compile record (compiling.plan_compile); rank 0's plan is the one
     they all train with, so that nodes whose caches differ in warmth still compile the same step."""
     ranks = Ranks(start_two_ranks(flags(tmp_path / "run", "--max_train_steps", 1), OWN_PLAN_ON_RANK_1.format(root=str(ROOT))),
                   timeout=120)  # without rank 0's plan the pair did not finish in 300 s: rank 1 compiled alone

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+import compiling
 import step as steps
 from test_step import assert_same_change, batches, shadows, tiny_parts
 from test_train import run, tensors_of
@@ -30,7 +31,7 @@ def wired_step(mode, nan_scale=None):
         objective.loss = lambda net, x0: loss(net, x0) * nan_scale
     guard = steps.NonFiniteGuard(optimizer, "skip", CUDA)
     step = steps.TrainStep(model, model, objective, optimizer, lr_scheduler, ema, guard, 1.0, True, accelerator=accelerator)
-    return steps.FastStep(step, mode, CUDA), unet, ema, guard
+    return compiling.FastStep(step, mode, CUDA), unet, ema, guard
 
 
 @pytest.mark.parametrize("graph_mode", ["step-graph", "eager-graph"])
@@ -95,7 +96,7 @@ def test_the_capture_keeps_no_second_copy_of_the_warm_ups_memory(monkeypatch, re
     optimizer = type(optimizer)(unet.parameters(), lr=1e-3, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     step = steps.TrainStep(unet, unet, objective, optimizer, schedule, None, None, 1.0, True)
-    graph = steps.StepGraph(step, warmup_steps=2)
+    graph = compiling.StepGraph(step, warmup_steps=2)
     images = torch.randint(0, 256, (512, 3, 16, 16), dtype=torch.uint8, device=CUDA)
     for _ in range(2):
         graph([images])
@@ -125,7 +126,7 @@ def test_a_resumed_graph_reads_the_learning_rate_the_schedule_writes(tmp_path):
         optimizer = type(optimizer)(unet.parameters(), lr=1e-3, fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 10)  # falls to 0 at step 10
         step = steps.TrainStep(unet, unet, objective, optimizer, schedule, None, None, 1.0, False)
-        return steps.StepGraph(step, warmup_steps=2), unet, optimizer, schedule
+        return compiling.StepGraph(step, warmup_steps=2), unet, optimizer, schedule
 
     straight, unet_a, _, _ = parts()
     start = [p.detach().clone() for p in unet_a.parameters()]

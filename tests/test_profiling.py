@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
+import compiling
 import profiling
-import step as steps
 import train
 
 TINY = [
@@ -100,7 +100,7 @@ def test_a_run_that_ends_while_profiling_writes_what_it_recorded_and_leaves_no_p
 
 
 class CountedStep:
-    """What step.FastStep needs of a TrainStep to count its calls; it computes nothing."""
+    """What compiling.FastStep needs of a TrainStep to count its calls; it computes nothing."""
 
     def __init__(self):
         self.model, self.ema, self.accelerator = torch.nn.Linear(1, 1), None, None
@@ -121,7 +121,7 @@ def first_recorded_step(fast):
 
 @pytest.mark.parametrize("mode, trial_calls, first", [(None, 0, 3), ("reduce-overhead", 3, 5), ("step-graph", 4, 6)])
 def test_profile_records_no_trial_call_of_the_step(mode, trial_calls, first):
-    fast = steps.FastStep(CountedStep(), mode, torch.device("cpu"))
+    fast = compiling.FastStep(CountedStep(), mode, torch.device("cpu"))
     # reduce-overhead: compile, CUDA graph trees' warm-up and recording; step-graph: 3 warm-up calls, the capture
     assert fast.trial_calls == trial_calls
     fast.current = CountedStep()  # in place of the compiled or captured step: nothing compiles
@@ -129,7 +129,7 @@ def test_profile_records_no_trial_call_of_the_step(mode, trial_calls, first):
 
 
 def test_profile_waits_for_the_trial_calls_of_the_mode_a_step_falls_back_to():
-    fast = steps.FastStep(CountedStep(), "step-graph", torch.device("cpu"), say=lambda line: None)
+    fast = compiling.FastStep(CountedStep(), "step-graph", torch.device("cpu"), say=lambda line: None)
 
     def capture_fails(micro_batches, step_number):
         if step_number == 4:

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import compiling
 import data
 import ema as posthoc_ema
 import model as models
@@ -130,7 +131,7 @@ def test_the_graph_split_trains_as_the_plain_step(ema_kind):
         start = [p.detach().clone() for p in unet.parameters()] + [s.clone() for s in shadows(ema)]
         step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True)
         if graphed:
-            step = steps.StepGraph(step, warmup_steps=2, capture=False)
+            step = compiling.StepGraph(step, warmup_steps=2, capture=False)
         torch.manual_seed(123)
         losses = torch.stack([step([b])[0] for b in images])
         results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)],
@@ -150,10 +151,10 @@ def test_eager_graph_runs_the_uncompiled_network_in_the_graph_split_and_falls_ba
     for mode, fail in ((None, False), ("eager-graph", False), ("eager-graph", True)):
         unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
         said = []
-        fast = steps.FastStep(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
+        fast = compiling.FastStep(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
                               mode, CPU, say=said.append)  # fmt: skip
         if mode:
-            assert isinstance(fast.current, steps.StepGraph) and fast.current.step.net is unet
+            assert isinstance(fast.current, compiling.StepGraph) and fast.current.step.net is unet
         if fail:
             def capture(micro_batches):
                 torch.randn(100)
@@ -175,7 +176,7 @@ def test_eager_graph_runs_the_uncompiled_network_in_the_graph_split_and_falls_ba
 def test_a_batch_that_does_not_fit_the_graphs_buffers_is_a_run_error():
     """After the warm-up the step's shapes are fixed: a smaller batch is one line naming the shapes."""
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
-    step = steps.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
+    step = compiling.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
                            warmup_steps=1, capture=False)  # fmt: skip
     for b in batches(2):  # the warm-up, then the step that makes the static buffers
         step([b])
@@ -196,7 +197,7 @@ def test_the_captured_step_trains_as_the_eager_step_on_a_gpu():
         optimizer = models.prepare_for_training(unet, False, True, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
         lr_scheduler = type(lr_scheduler)(optimizer, lr_scheduler.lr_lambdas[0])
         guard = steps.NonFiniteGuard(optimizer, "skip", cuda)
-        step = steps.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True),
+        step = compiling.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True),
                                warmup_steps=2, capture=capture)  # fmt: skip
         torch.manual_seed(123)
         losses = torch.stack([step([b])[0] for b in images])
@@ -235,15 +236,15 @@ CUDA = torch.device("cuda")
     ],
 )
 def test_auto_picks_cuda_graphs_only_for_launch_bound_steps_that_can_be_captured(args, device, processes, tflop, mode, words):
-    chosen, why = steps.choose_compile_mode(args, device, processes, tflop * 1e12)
+    chosen, why = compiling.choose_compile_mode(args, device, processes, tflop * 1e12)
     assert chosen == mode and words in why
 
 
 def test_asking_for_cuda_graphs_where_they_cannot_be_captured_is_a_config_error():
     with pytest.raises(ConfigError, match="--compile_mode reduce-overhead cannot capture CUDA graphs here: 2 processes"):
-        steps.choose_compile_mode(flags(compile_mode="reduce-overhead"), CUDA, 2, 1e12)
+        compiling.choose_compile_mode(flags(compile_mode="reduce-overhead"), CUDA, 2, 1e12)
     with pytest.raises(ConfigError, match="need a CUDA GPU"):
-        steps.choose_compile_mode(flags(compile_mode="step-graph"), CPU, 1, 1e12)
+        compiling.choose_compile_mode(flags(compile_mode="step-graph"), CPU, 1, 1e12)
 
 
 class SmallNet(torch.nn.Module):
@@ -269,8 +270,8 @@ def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from
         objective = models.DDPMObjective(models.make_noise_scheduler())
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
         lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        step = steps.TrainStep(steps.compile_network(net, mode), net, objective, optimizer, lr_scheduler, None, None, 1.0, True)
-        clock = steps.FirstStepClock(CPU)
+        step = steps.TrainStep(compiling.compile_network(net, mode), net, objective, optimizer, lr_scheduler, None, None, 1.0, True)
+        clock = compiling.FirstStepClock(CPU)
         torch.manual_seed(1)
         with clock.measure():
             first = step([images[0]])[0]
@@ -296,15 +297,15 @@ def test_compile_artifacts_are_saved_and_loaded_only_where_they_can_hit(tmp_path
     net = torch.compile(torch.nn.Linear(4, 4), dynamic=False)
     net(torch.randn(2, 4)).sum().backward()
     path = tmp_path / "compile_cache.bin"
-    assert steps.save_compile_artifacts(path, CPU) and path.stat().st_size > 0
-    assert steps.load_compile_artifacts(path, CPU) == f"loaded compile artifacts from {path}"
-    assert steps.load_compile_artifacts(tmp_path / "missing.bin", CPU) is None
+    assert compiling.save_compile_artifacts(path, CPU) and path.stat().st_size > 0
+    assert compiling.load_compile_artifacts(path, CPU) == f"loaded compile artifacts from {path}"
+    assert compiling.load_compile_artifacts(tmp_path / "missing.bin", CPU) is None
     # another torch version (or GPU) made it: its keys cannot hit here, so it is not "loaded"
     monkeypatch.setattr(torch, "__version__", "2.0.0")
-    line = steps.load_compile_artifacts(path, CPU)
+    line = compiling.load_compile_artifacts(path, CPU)
     assert line.startswith(f"not using {path}: it is from torch ") and "this is torch 2.0.0 on cpu; compiling afresh" in line
     (tmp_path / "garbage.bin").write_bytes(b"not a cache")
-    assert "unknown origin" in steps.load_compile_artifacts(tmp_path / "garbage.bin", CPU)
+    assert "unknown origin" in compiling.load_compile_artifacts(tmp_path / "garbage.bin", CPU)
     torch.compiler.reset()
 
 
@@ -313,11 +314,11 @@ def test_graph_skips_are_read_with_their_reasons():
     from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
 
-    skips = steps.GraphSkips()
+    skips = compiling.GraphSkips()
     log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
     counters["inductor"]["cudagraph_skips"] += 1  # what Inductor does for a graph on a CPU device: no message
     assert skips.close() == ["skipping cudagraphs due to mutated inputs (1 instances)", "reason not logged"]
-    assert steps.GraphSkips().close() == []
+    assert compiling.GraphSkips().close() == []
 
 
 def test_a_failing_mode_falls_back_to_the_next_from_the_same_state(monkeypatch):
@@ -327,7 +328,7 @@ def test_a_failing_mode_falls_back_to_the_next_from_the_same_state(monkeypatch):
     for fail in (False, True):
         unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
         said = []
-        fast = steps.FastStep(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
+        fast = compiling.FastStep(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
                               None, CPU, say=said.append)  # fmt: skip
         if fail:  # as if eager were a compiled mode whose second call fails half-way (after the noise is drawn)
             fast.mode, fast.trial_calls = "reduce-overhead", 3
@@ -341,7 +342,7 @@ def test_a_failing_mode_falls_back_to_the_next_from_the_same_state(monkeypatch):
                 return real(micro_batches, step_number)
 
             monkeypatch.setattr(fast.current, "descend", descend)
-            monkeypatch.setattr(steps, "compile_network", lambda model, mode, scope="whole": model)  # 'default' is eager here
+            monkeypatch.setattr(compiling, "compile_network", lambda model, mode, scope="whole": model)  # 'default' is eager here
         torch.manual_seed(123)
         losses = torch.stack([fast([b])[0] for b in images])
         results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)]))
@@ -366,11 +367,11 @@ def test_with_several_processes_a_failing_mode_is_a_run_error_not_a_fallback(mon
 
         return net
 
-    monkeypatch.setattr(steps, "compile_network", compile_network)
+    monkeypatch.setattr(compiling, "compile_network", compile_network)
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
     step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True)
     said = []
-    fast = steps.FastStep(step, "default", CPU, say=said.append, num_processes=processes)
+    fast = compiling.FastStep(step, "default", CPU, say=said.append, num_processes=processes)
     if processes == 1:
         assert torch.isfinite(fast(batches(1))[0])
         assert fast.mode is None and said == ["--compile_mode default failed (RuntimeError: inductor failed); falling back to eager"]
@@ -381,7 +382,7 @@ def test_with_several_processes_a_failing_mode_is_a_run_error_not_a_fallback(mon
                             "fall back alone: rerun with --compile_mode off")  # fmt: skip
     assert not said and not fast.fallbacks
     step.accelerator = argparse.Namespace(num_processes=2)  # what train.py passes: accelerate's count
-    assert steps.FastStep(step, "default", CPU).num_processes == 2
+    assert compiling.FastStep(step, "default", CPU).num_processes == 2
 
 
 def test_the_bottom_of_an_error_chain_is_named():
@@ -404,7 +405,7 @@ def test_inductor_settings_turn_loop_reindexing_off_only_without_the_coalescing_
     monkeypatch.delenv("TORCHINDUCTOR_FORCE_LAYOUT_OPT", raising=False)
     if hasattr(config, "loop_reindexing_after_fusion"):  # torch 2.11 (the GPU image's) has neither it nor the guard
         monkeypatch.setattr(config, "loop_reindexing_after_fusion", True)
-        steps.inductor_settings()  # this torch has the guard (pytorch PR #191134): left on
+        compiling.inductor_settings()  # this torch has the guard (pytorch PR #191134): left on
         assert hasattr(scheduler.Scheduler, "_reindexing_regresses_memory_coalescing")
         assert config.loop_reindexing_after_fusion and not config.force_layout_optimization
 
@@ -413,18 +414,18 @@ def test_inductor_settings_turn_loop_reindexing_off_only_without_the_coalescing_
 
         monkeypatch.setattr(scheduler, "Scheduler", WithoutTheGuard)
         monkeypatch.setenv("TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION", "1")
-        steps.inductor_settings()  # the user chose: left alone
+        compiling.inductor_settings()  # the user chose: left alone
         assert config.loop_reindexing_after_fusion
         monkeypatch.delenv("TORCHINDUCTOR_LOOP_REINDEXING_AFTER_FUSION")
-        steps.inductor_settings()
+        compiling.inductor_settings()
         assert config.loop_reindexing_after_fusion is False
     else:
-        steps.inductor_settings()  # nothing to turn off, and no error
+        compiling.inductor_settings()  # nothing to turn off, and no error
         assert not hasattr(config, "loop_reindexing_after_fusion")
 
-    steps.inductor_settings(force_layout=True)
+    compiling.inductor_settings(force_layout=True)
     assert config.force_layout_optimization is True
-    steps.inductor_settings()  # process-wide: the next compile without it turns it off again
+    compiling.inductor_settings()  # process-wide: the next compile without it turns it off again
     assert config.force_layout_optimization is False
 
 
@@ -485,29 +486,29 @@ def test_compile_workers_start_early_on_a_gpu_whose_step_may_compile_and_not_els
     started = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert steps.start_compile_workers(cuda, "auto") and steps.start_compile_workers(cuda, "default")
+    assert compiling.start_compile_workers(cuda, "auto") and compiling.start_compile_workers(cuda, "default")
     assert len(started) == 2
-    assert not steps.start_compile_workers(cpu, "default") and not steps.start_compile_workers(cuda, "eager")
-    assert not steps.start_compile_workers(cuda, "off") and not steps.start_compile_workers(cuda, "eager-graph")
+    assert not compiling.start_compile_workers(cpu, "default") and not compiling.start_compile_workers(cuda, "eager")
+    assert not compiling.start_compile_workers(cuda, "off") and not compiling.start_compile_workers(cuda, "eager-graph")
     assert len(started) == 2
 
     def cannot_start():
         raise OSError("[Errno 11] Resource temporarily unavailable")
 
     monkeypatch.setattr(async_compile, "maybe_warm_pool", cannot_start)  # the run goes on: the compile's fallback decides
-    assert not steps.start_compile_workers(cuda, "default")
+    assert not compiling.start_compile_workers(cuda, "default")
 
 
 def test_the_compile_timers_are_read_where_torch_has_them_and_nothing_breaks_where_it_has_not(monkeypatch):
     import torch._dynamo.utils as dynamo_utils
 
     monkeypatch.setitem(dynamo_utils.compilation_time_metrics, "a test's timer", [1.0, 0.5])
-    before = steps.compile_phase_totals()
+    before = compiling.compile_phase_totals()
     assert before["a test's timer"] == 1.5
     dynamo_utils.compilation_time_metrics["a test's timer"].append(0.25)
-    assert steps.compile_phases(before, steps.compile_phase_totals()) == {"a test's timer": 0.25}
+    assert compiling.compile_phases(before, compiling.compile_phase_totals()) == {"a test's timer": 0.25}
     monkeypatch.delattr(dynamo_utils, "compilation_time_metrics")  # a torch without the table: the clock still runs
-    assert steps.compile_phase_totals() == {}
+    assert compiling.compile_phase_totals() == {}
 
 
 def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_eager(monkeypatch):
@@ -519,7 +520,7 @@ def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_e
     same = copy.deepcopy(net)
     x, t = torch.randn(2, 4, 8, 8), torch.tensor([3, 500])
     before = graphs_made()
-    regional = steps.compile_network(net, "default", scope="regional")
+    regional = compiling.compile_network(net, "default", scope="regional")
     regional(x, t).sample.square().mean().backward()
     # 4 blocks, 1 graph: the first block's input, a strided view from the patch embedding, is made dense first
     assert len(regional.blocks) == 4 and graphs_made() - before == 1
@@ -539,10 +540,10 @@ def test_regional_compilation_keeps_a_graph_for_each_of_a_unets_block_shapes(mon
     torch.manual_seed(0)
     net = models.build_unet("small", 32)
     before = graphs_made()
-    steps.compile_network(net, "default", scope="regional")(torch.randn(1, 3, 32, 32), torch.tensor([3])).sample.sum().backward()
+    compiling.compile_network(net, "default", scope="regional")(torch.randn(1, 3, 32, 32), torch.tensor([3])).sample.sum().backward()
     assert graphs_made() - before == 11  # 9 of them ResNet blocks': above Dynamo's default limit of 8 for one function
     with pytest.raises(ConfigError, match="declares no repeated blocks"):
-        steps.compile_network(SmallNet(), "default", scope="regional")
+        compiling.compile_network(SmallNet(), "default", scope="regional")
 
 
 def plan_flags(**changes):
@@ -571,7 +572,7 @@ H100_BF16 = 989.4e12
     ],
 )
 def test_auto_compiles_only_where_the_run_repays_the_compile(changes, total_steps, peak, warm_s, mode, words):
-    plan = steps.plan_compile(plan_flags(**changes), CUDA, 1, 45.56e12, total_steps, peak, lambda mode, scope: warm_s)
+    plan = compiling.plan_compile(plan_flags(**changes), CUDA, 1, 45.56e12, total_steps, peak, lambda mode, scope: warm_s)
     assert plan.mode == mode and words in plan.why, plan.why
     if mode is None and "auto" in plan.why:  # the line gives both numbers
         assert "more than it saves in this run's 120 steps (about 7 s, 59.9 ms a step)" in plan.why
@@ -593,7 +594,7 @@ DDPM32_TFLOP = 4.78e12  # the GPU bare run's step: ddpm32 at batch 128
     ],
 )
 def test_auto_captures_the_eager_step_where_compiling_would_not_repay_itself(changes, processes, total_steps, mode, words):
-    plan = steps.plan_compile(plan_flags(model="ddpm32", **changes), CUDA, processes, DDPM32_TFLOP, total_steps, H100_BF16,
+    plan = compiling.plan_compile(plan_flags(model="ddpm32", **changes), CUDA, processes, DDPM32_TFLOP, total_steps, H100_BF16,
                               lambda mode, scope: None)  # fmt: skip
     assert plan.mode == mode and words in plan.why, plan.why
     assert plan.scope == "whole"
@@ -603,21 +604,21 @@ def test_a_unets_step_on_a_gpu_compiles_its_whole_network_however_short_the_run(
     """On an H100 ddpm32's regional compile was no sooner than its whole one, and its step slower: the prediction
     for a short run weighs the whole network's compile (a CPU's regional compile is still the sooner)."""
     for n, mode in ((100, None), (5_000, "default")):
-        plan = steps.plan_compile(plan_flags(model="ref128"), CUDA, 1, 45.56e12, n, H100_BF16, lambda mode, scope: None)
+        plan = compiling.plan_compile(plan_flags(model="ref128"), CUDA, 1, 45.56e12, n, H100_BF16, lambda mode, scope: None)
         assert plan.mode == mode and plan.scope == "whole", plan
-    assert "compiling (default, the whole network) would take about 100 s" in steps.plan_compile(
+    assert "compiling (default, the whole network) would take about 100 s" in compiling.plan_compile(
         plan_flags(model="ref128"), CUDA, 1, 45.56e12, 100, H100_BF16, lambda mode, scope: None).why
-    assert steps.COLD_COMPILE_S[("cpu", "unet", "regional")] < steps.COLD_COMPILE_S[("cpu", "unet", "whole")]
+    assert compiling.COLD_COMPILE_S[("cpu", "unet", "regional")] < compiling.COLD_COMPILE_S[("cpu", "unet", "whole")]
 
 
 def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is_none(tmp_path):
-    record = tmp_path / "cache" / steps.COMPILE_RECORD_FILE
-    assert steps.remembered_compile_s("a", record) is None
-    steps.remember_compile("a", 84.71, record)
-    steps.remember_compile("a", 9.0, record)  # a warm compile later: the cold figure stays
-    steps.remember_compile("b", 30.0, record)
-    assert steps.remembered_compile_s("a", record) == 84.7 and steps.remembered_compile_s("b", record) == 30.0
+    record = tmp_path / "cache" / compiling.COMPILE_RECORD_FILE
+    assert compiling.remembered_compile_s("a", record) is None
+    compiling.remember_compile("a", 84.71, record)
+    compiling.remember_compile("a", 9.0, record)  # a warm compile later: the cold figure stays
+    compiling.remember_compile("b", 30.0, record)
+    assert compiling.remembered_compile_s("a", record) == 84.7 and compiling.remembered_compile_s("b", record) == 30.0
     record.write_text("{not json")
-    assert steps.remembered_compile_s("a", record) is None
-    steps.remember_compile("c", 5.0, record)  # a damaged record is started again
-    assert steps.remembered_compile_s("c", record) == 5.0
+    assert compiling.remembered_compile_s("a", record) is None
+    compiling.remember_compile("c", 5.0, record)  # a damaged record is started again
+    assert compiling.remembered_compile_s("c", record) == 5.0

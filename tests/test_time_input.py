@@ -2,7 +2,7 @@
 every objective, network family and compile scope (eager, whole, regional).
 
 The objective is built as train.py builds it (training.build), and the step calls the network through a
-wrapper: torch.compile's for the whole network, step.RegionalNetwork for its blocks. Sampling calls the bare
+wrapper: torch.compile's for the whole network, compiling.RegionalNetwork for its blocks. Sampling calls the bare
 network (sample.generate with the run's own sampler). A forward pre-hook on the bare network records what it
 gets both ways. Compiling uses Dynamo's eager backend: the graphs are traced as Inductor's would be, in a
 fraction of the time, and the wrappers are the ones the step uses.
@@ -11,6 +11,7 @@ fraction of the time, and the wrappers are the ones the step uses.
 import pytest
 import torch
 
+import compiling
 import config
 import model as models
 import sample
@@ -55,7 +56,7 @@ def networks():
             torch.manual_seed(0)
             network = models.build_unet(preset, 16)
             wrapped = {"eager": network, "whole": real(network, backend="eager", dynamic=False),
-                       "regional": steps.RegionalNetwork(network)}  # fmt: skip
+                       "regional": compiling.RegionalNetwork(network)}  # fmt: skip
             built[family] = network, TimeInputs(network), wrapped
     yield built
     for _, recorder, _ in built.values():

@@ -16,6 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+import compiling
 import step as steps
 import train
 from conftest import ROOT
@@ -319,18 +320,18 @@ def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache
     cold compile outweighs what 40 steps save,
     so the step is eager and the line says both numbers; with this machine's record of the same step compiled before
     (its graphs in Inductor's cache, TORCHINDUCTOR_CACHE_DIR), the warm compile pays at 40,000 steps, where the cold one does not."""
-    import step as steps
+    import compiling
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setitem(steps.CPU_SAVED_SHARE, "unet", 0.1)  # a prediction for the test: a CPU's UNet gains nothing
+    monkeypatch.setitem(compiling.CPU_SAVED_SHARE, "unet", 0.1)  # a prediction for the test: a CPU's UNet gains nothing
     flags = ["--compile_mode", "auto", "--dry_run"]
     config = run(tmp_path / "short", *flags, "--max_train_steps", 40)
     assert config["step_compile_mode"] == "eager" and config["step_compile_scope"] == "regional"
     assert "step auto: eager: compiling (default, each repeated block once) would take about 78 s (cold cache), " \
            "more than it saves in this run's 40 steps" in capsys.readouterr().out  # fmt: skip
     args = train.parse_args([*TINY, "--compile_mode", "auto"])
-    key = steps.compile_key(config_args(args), torch.device("cpu"), "default", "regional")
-    steps.remember_compile(key, 60.0)  # what the first compile of this step recorded
+    key = compiling.compile_key(config_args(args), torch.device("cpu"), "default", "regional")
+    compiling.remember_compile(key, 60.0)  # what the first compile of this step recorded
     assert run(tmp_path / "warm", *flags, "--max_train_steps", 40000)["step_compile_mode"] == "default"
     assert "compile about 7 s (warm cache)" in capsys.readouterr().out
     assert run(tmp_path / "cold", *flags, "--max_train_steps", 40000, "--train_batch_size", 4)["step_compile_mode"] == "eager"
@@ -339,14 +340,14 @@ def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache
 @pytest.mark.parametrize("planned", ["eager", "default"])
 def test_the_run_starts_the_compile_workers_once_it_has_planned_its_step(tmp_path, monkeypatch, planned):
     """train.py asks for Inductor's compile workers with its device and the planned mode once the plan is made,
-    before the network is built (step.start_compile_workers: on a GPU whose step compiles they start then)."""
+    before the network is built (compiling.start_compile_workers: on a GPU whose step compiles they start then)."""
     calls = []
-    monkeypatch.setattr(steps, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
+    monkeypatch.setattr(compiling, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
     build = train.training.build
     monkeypatch.setattr(train.training, "build", lambda *a, **k: calls.append("network") or build(*a, **k))
     if planned != "eager":  # a plan that compiles, its compile left out: the test's step runs eager
-        monkeypatch.setattr(steps, "plan_compile", lambda *a, **k: steps.CompilePlan(planned, "whole", "a test's plan"))
-        monkeypatch.setattr(steps, "compile_network", lambda model, mode, **k: model)
+        monkeypatch.setattr(compiling, "plan_compile", lambda *a, **k: compiling.CompilePlan(planned, "whole", "a test's plan"))
+        monkeypatch.setattr(compiling, "compile_network", lambda model, mode, **k: model)
     run(tmp_path / "run", "--max_train_steps", 1, "--save_images_epochs", 100, "--compile_mode", "auto")
     assert calls == [("cpu", planned), "network"]
 
