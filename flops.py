@@ -89,7 +89,7 @@ def unet_flops(model_name, image_size, batch_size, gradient_checkpointing=False,
 
 
 def _count_unet_flops(model_name, image_size, batch_size, gradient_checkpointing, channels):
-    unet = models.build_unet(model_name, image_size, device="meta", channels=channels)
+    unet = models.build_network(model_name, image_size, device="meta", channels=channels)
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     x = torch.empty(batch_size, channels, image_size, image_size, device="meta")

@@ -185,7 +185,7 @@ def count_step(model_name, image_size, batch_size, channels=3, precision="no", g
 
 
 def _count_step(model_name, image_size, batch_size, channels, precision, gradient_checkpointing):
-    net = models.build_unet(model_name, image_size, device="meta", channels=channels)
+    net = models.build_network(model_name, image_size, device="meta", channels=channels)
     # fp8: torchao's Float8Linear keeps its input and weight for the backward in the autocast's bf16 and casts to
     # FP8 inside the matmul, so the step holds what a bf16 step holds (fp8.py)
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp8=torch.bfloat16).get(precision)
@@ -356,7 +356,7 @@ STACK_REGIONS = {
     ("sample.py", "generate"): "sampling",
     ("checkpoint.py", "save"): "checkpoint",
     ("ema.py", "make_ema"): "EMA",
-    ("model.py", "build_unet"): "weights",
+    ("model.py", "build_network"): "weights",
     ("step.py", "_backward"): "backward",
     ("step.py", "_clip"): "clipping",
     ("adamw.py", None): "AdamW",

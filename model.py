@@ -242,10 +242,10 @@ def check_image_size(name, image_size, factor=1):
         )
 
 
-def build_unet(name, image_size, device=None, num_classes=0, channels=3):
+def build_network(name, image_size, device=None, num_classes=0, channels=3):
     """A fresh network of preset `name` for square inputs of side `image_size` and `channels`
     channels (3 for images; a latent run's: its VAE's latent channels at its latent size):
-    a UNet2DModel, or an EDM2UNet for the `network="edm2"` presets.
+    a UNet2DModel, an EDM2UNet for the `network="edm2"` presets, or a DiT for the `network="dit"` ones.
 
     `num_classes` > 0: class-conditional, `class_labels` 0..num_classes-1, and
     num_classes itself the null label that classifier-free guidance trains
@@ -275,7 +275,7 @@ UNET_REPEATED_BLOCKS = ("ResnetBlock2D", "Attention")
 def build_run_network(config):
     """A fresh network for a run's train_config.json `config`: at its latent size and channels for a
     latent run (--vae), else at its image size."""
-    return build_unet(config["model"], config.get("latent_size") or config["image_size"],
+    return build_network(config["model"], config.get("latent_size") or config["image_size"],
                       num_classes=config.get("num_classes") or 0, channels=config.get("latent_channels") or 3)  # fmt: skip
 
 
@@ -288,7 +288,7 @@ def num_classes_of(net):
 
 
 def null_label(num_classes):
-    """The label that stands for "no class": the last embedding (build_unet)."""
+    """The label that stands for "no class": the last embedding (build_network)."""
     return num_classes
 
 

@@ -349,7 +349,7 @@ class Run:
         """The statistics _prepare_reference found nowhere, made on every process and kept by the main process."""
         args, evaluator = self.args, self.evaluator
         shared = self.world > 1 and not metrics.uses_shape_score(vars(args), args.fid_weights)
-        world, work = (self.world, dict(everywhere=True)) if shared else (1, {})
+        world, together = (self.world, self.on_every_process) if shared else (1, self.on_main_process)
         ready = [None, None]  # this process's (images, extractor): an error in either stops every process here
 
         def prepare():
@@ -358,7 +358,7 @@ class Run:
             if self.is_main:
                 self.accelerator.print(metrics.computing_line(len(ready[0]), evaluator.reference_key, world))
 
-        self.on_main_process(prepare, **work)
+        together(prepare)
         statistics = [None]
         rank = self.accelerator.process_index if shared else 0
 
@@ -366,7 +366,7 @@ class Run:
             statistics[0] = metrics.statistics_of_share(*ready, self.device, metrics.fid_batch_size(args.eval_batch_size),
                                                         args.dataloader_num_workers, rank, world, self.main_work_group)  # fmt: skip
 
-        self.on_main_process(embed, **work)
+        together(embed)
         self.on_main_process(lambda: evaluator.keep_reference(statistics[0]))
 
     def _choose_start(self, class_names, resume_from):
@@ -581,7 +581,7 @@ class Run:
                 self.on_main_process(lambda: unless_stopped(lambda: self.write_samples(epoch)))
         if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last):
             with meter.paused("evaluation"):  # every process generates a share of the samples
-                self.on_main_process(lambda: self.evaluate(epoch, signals), everywhere=True)
+                self.on_every_process(lambda: self.evaluate(epoch, signals))
         if self.vae is not None:
             self.vae.to("cpu")  # decoded: its memory back to training
         if last:  # the last checkpoint's flush went on beside the grid; what is left of it, timed
@@ -592,12 +592,20 @@ class Run:
 
     # --- what happens between steps ---
 
-    def on_main_process(self, work, everywhere=False):
-        """`work()` on the main process while the others wait (`everywhere`: on every process). If it fails,
-        every process stops (the one it failed on with its error), rather than the others waiting forever;
-        work left for a stop signal (_Abandoned) is no failure."""
+    def on_main_process(self, work):
+        """Runs `work()` on the main process while the others wait (see `_together`)."""
+        self._together(work, self.is_main)
+
+    def on_every_process(self, work):
+        """Runs `work()` on every process, each waiting at the end for the others (see `_together`)."""
+        self._together(work, True)
+
+    def _together(self, work, here):
+        """Runs `work()` where `here` is true, then every process meets. If the work failed on any process,
+        every process stops (the one it failed on with its error) rather than the others waiting forever.
+        Work left for a stop signal (_Abandoned) is no failure."""
         error = None
-        if self.is_main or everywhere:
+        if here:
             try:
                 work()
             except _Abandoned:

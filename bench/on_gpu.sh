@@ -165,7 +165,7 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
     return 0
   fi
   if [[ -n $preset ]] && is_chosen "$name" && (($(left) >= 20)); then  # the preset's UNet as a config file the script reads
-    "$python" -c "import model, sys; model.build_unet(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
+    "$python" -c "import model, sys; model.build_network(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
       "$preset" "$resolution" "$work/unet-$preset"
     config=(--model_config_name_or_path "$work/unet-$preset")
   fi

@@ -658,7 +658,7 @@ def run_workload(name, args, device, peaks, print_line, save):
     """
     workload = WORKLOADS[name]
     torch.manual_seed(args.seed)
-    init_state = models.build_unet(workload["model"], workload["image_size"], channels=channels_of(workload)).state_dict()
+    init_state = models.build_network(workload["model"], workload["image_size"], channels=channels_of(workload)).state_dict()
     variants = [v for v in all_variants(args.train_settings) if v["name"] in args.variants]
     # FLOPs are linear in the batch (tests/test_flops.py checks it): count one image, scale.
     per_image = flops.step_flops(workload["model"], workload["image_size"], 1, channels=channels_of(workload))

@@ -40,7 +40,7 @@ def one_thread():
 def fixed_step():
     """Weights, a uint8 batch, fixed model inputs and the fp32 eager step's loss and gradients on them."""
     torch.manual_seed(0)
-    init_state = models.build_unet(TINY["model"], TINY["image_size"]).state_dict()
+    init_state = models.build_network(TINY["model"], TINY["image_size"]).state_dict()
     images = torch.randint(0, 256, (TINY["batch_size"], 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     inputs = bench.check_inputs(images, 0, CPU)
     reference = bench.reference_step(TINY, init_state, images, inputs, CPU)
@@ -95,7 +95,7 @@ def test_the_check_fails_when_the_step_differs(fixed_step):
 def test_fused_and_foreach_adamw_take_the_same_steps():
     def three_steps(fused):
         torch.manual_seed(0)
-        unet = models.build_unet("tiny", 16)
+        unet = models.build_network("tiny", 16)
         start = torch.cat([p.detach().reshape(-1).clone() for p in unet.parameters()])
         optimizer = models.prepare_for_training(unet, False, fused, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, eps=1e-8)
         g = torch.Generator().manual_seed(1)
@@ -440,7 +440,7 @@ def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys,
     from diffusers import UNet2DModel
 
     saved = UNet2DModel.from_pretrained(str(out / "unet"))
-    assert saved.state_dict().keys() == models.build_unet("tiny", 16).state_dict().keys()
+    assert saved.state_dict().keys() == models.build_network("tiny", 16).state_dict().keys()
     assert (out / "checkpoints" / "checkpoint-2").is_dir()
 
 
@@ -493,7 +493,7 @@ def test_bench_times_a_dit_on_latents(tmp_path, capsys):
     rows = json.loads((tmp_path / "dit.json").read_text())["results"]
     workload = bench.WORKLOADS["dit-tiny"]
     per_image = bench.flops.step_flops("dit-tiny", 8, 1, channels=4)
-    assert per_image["params"] == sum(p.numel() for p in models.build_unet("dit-tiny", 8, channels=4).parameters())
+    assert per_image["params"] == sum(p.numel() for p in models.build_network("dit-tiny", 8, channels=4).parameters())
     assert [r["variant"] for r in rows] == ["eager", "train_default"]
     # the same step on a CPU, its timed steps drawing the same noise: the same mean loss, to the bit
     assert rows[1]["loss_vs_first"] == 0.0 and rows[0]["mean_loss"] == rows[1]["mean_loss"]
@@ -502,7 +502,7 @@ def test_bench_times_a_dit_on_latents(tmp_path, capsys):
         assert (r["channels"], r["flops_per_step"]) == (4, workload["batch_size"] * per_image["model_flops"])
     assert f"dit-tiny: dit-tiny ({per_image['params']:,} parameters) at 8x8x4 latents, batch 4" in capsys.readouterr().out
     # the step's network takes the latents' channels, and the check compares it on latents
-    step = bench.TrainingStep(rows[0]["settings"], workload, models.build_unet("dit-tiny", 8, channels=4).state_dict(),
+    step = bench.TrainingStep(rows[0]["settings"], workload, models.build_network("dit-tiny", 8, channels=4).state_dict(),
                               torch.randn(4, 4, 8, 8), CPU)  # fmt: skip
     assert (step.unet.config.in_channels, step.unet.config.out_channels) == (4, 4)
 
@@ -524,7 +524,7 @@ def test_each_dit_row_is_the_compiled_step_with_one_change():
 def dit_tiny_step(**change):
     workload = bench.WORKLOADS["dit-tiny"]
     settings = dict(next(v for v in VARIANTS if v["name"] == "eager")["settings"], **change)
-    init = models.build_unet("dit-tiny", 8, channels=4).state_dict()
+    init = models.build_network("dit-tiny", 8, channels=4).state_dict()
     return bench.TrainingStep(settings, workload, init, torch.randn(4, 4, 8, 8), CPU), settings, init
 
 

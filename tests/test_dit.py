@@ -231,7 +231,7 @@ def test_diffusers_dit_pipeline_samples_a_saved_1000_class_latent_dit(tmp_path):
     from test_latents import make_kl
 
     torch.manual_seed(0)
-    models.build_unet("dit-tiny", 8, num_classes=1000, channels=4).save_pretrained(tmp_path / "unet")
+    models.build_network("dit-tiny", 8, num_classes=1000, channels=4).save_pretrained(tmp_path / "unet")
     pipeline = DiTPipeline(transformer=DiTTransformer2DModel.from_pretrained(tmp_path / "unet"),
                            vae=AutoencoderKL.from_pretrained(make_kl(tmp_path / "kl")), scheduler=DDIMScheduler())  # fmt: skip
     images = pipeline(class_labels=[3, 999], guidance_scale=1.5, num_inference_steps=2, output_type="np").images

@@ -120,10 +120,10 @@ def test_preconditioning_matches_edm_table_1():
 
 
 def test_c_noise_scale_is_the_objectives_choice_by_network():
-    unet = models.build_unet("tiny", 16)
+    unet = models.build_network("tiny", 16)
     assert models.c_noise_scale_for(unet) == models.UNET_C_NOISE_SCALE
-    assert models.c_noise_scale_for(models.build_unet("dit-tiny", 16)) == models.UNET_C_NOISE_SCALE
-    assert models.c_noise_scale_for(models.build_unet("edm2tiny", 16)) == 1.0
+    assert models.c_noise_scale_for(models.build_network("dit-tiny", 16)) == models.UNET_C_NOISE_SCALE
+    assert models.c_noise_scale_for(models.build_network("edm2tiny", 16)) == 1.0
     assert models.c_noise_scale_for(Recorder(torch.zeros(1))) == 1.0
     net, zeros = Recorder(torch.zeros(2, 3, 4, 4)), torch.zeros(2, 3, 4, 4)
     objective = models.EDMObjective(weighting="edm", c_noise_scale=7.0)
@@ -201,7 +201,7 @@ def test_sigma_is_drawn_log_normal():
 
 def test_tiny_unet_trains_with_the_objective_and_samples_with_heun():
     torch.manual_seed(0)
-    unet = models.build_unet("tiny", 16)
+    unet = models.build_network("tiny", 16)
     objective = models.EDMObjective(c_noise_scale=models.c_noise_scale_for(unet))
     head = [p.clone() for p in objective.parameters()]
     optimizer = torch.optim.AdamW([*unet.parameters(), *objective.parameters()], lr=2e-3)
@@ -235,7 +235,7 @@ def test_tiny_unet_trains_with_the_objective_and_samples_with_heun():
 
 def test_load_network_reads_a_saved_unet(tmp_path):
     torch.manual_seed(0)
-    unet = models.build_unet("tiny", 16)
+    unet = models.build_network("tiny", 16)
     unet.save_pretrained(str(tmp_path / "unet"))
     loaded = models.load_network(tmp_path / "unet")
     assert type(loaded) is type(unet) and not loaded.training

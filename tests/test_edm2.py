@@ -283,7 +283,7 @@ def test_presets_have_the_seeds_cifar10_size():
     # parameters, plus our 128 for the learned weighting's u(sigma).
     counts = {}
     for name in ("edm2c", "edm2e", "edm2g"):
-        net = models.build_unet(name, 32, device="meta")
+        net = models.build_network(name, 32, device="meta")
         assert isinstance(net, EDM2UNet)
         assert net.config.edm2_config == name[-1].upper()
         counts[name] = sum(p.numel() for p in net.parameters())
@@ -291,5 +291,5 @@ def test_presets_have_the_seeds_cifar10_size():
     assert models.size_multiple("edm2g") == 8
     with pytest.raises(ConfigError, match="multiple of 8"):
         models.check_image_size("edm2c", 20)
-    assert models.build_unet("edm2e", 64, device="meta").config.sample_size == 64
+    assert models.build_network("edm2e", 64, device="meta").config.sample_size == 64
 

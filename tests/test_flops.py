@@ -56,7 +56,7 @@ def test_meta_count_equals_a_real_cpu_count_plus_attention():
     name, size, batch = "small", 16, 2
 
     def by_op(device):
-        unet = models.build_unet(name, size, device=device)
+        unet = models.build_network(name, size, device=device)
         x = torch.randn(batch, 3, size, size, device=device)
         t = torch.tensor([3, 500], device=device)
         with FlopCounterMode(display=False) as counter:
@@ -88,7 +88,7 @@ def test_a_network_is_counted_once_per_process(monkeypatch):
     first["params"] = -1  # a caller's change to its copy is its own
     counted = []
     monkeypatch.setattr(flops, "count_flops", lambda fn: counted.append(fn) or 0)
-    assert flops.unet_flops("tiny", 8, 3) == dict(first, params=sum(p.numel() for p in models.build_unet("tiny", 8).parameters()))
+    assert flops.unet_flops("tiny", 8, 3) == dict(first, params=sum(p.numel() for p in models.build_network("tiny", 8).parameters()))
     assert not counted
     assert flops.unet_flops("tiny", 8, 5)["flops_fwd"] == 0 and len(counted) == 2  # forward, forward and backward
 
@@ -242,7 +242,7 @@ def test_a_count_on_cpu_tensors_equals_the_meta_devices(name):
     side, batch = 16, 2
 
     def step(device):
-        net = models.build_unet(name, side, device=device)
+        net = models.build_network(name, side, device=device)
         x, t = torch.randn(batch, 3, side, side, device=device), torch.tensor([3, 500], device=device)
         return lambda: net(x, t).sample.square().mean().backward()
 

@@ -198,7 +198,7 @@ def test_sample_py_samples_a_flow_run_with_each_flow_sampler(flow_run, tmp_path)
 def test_sample_py_refuses_a_flow_sampler_for_a_ddpm_run_in_one_line(tmp_path, capsys, name):
     from diffusers import DDPMPipeline
 
-    DDPMPipeline(unet=models.build_unet("tiny", 16), scheduler=models.make_noise_scheduler()).save_pretrained(tmp_path / "ddpm")
+    DDPMPipeline(unet=models.build_network("tiny", 16), scheduler=models.make_noise_scheduler()).save_pretrained(tmp_path / "ddpm")
     with pytest.raises(SystemExit) as stopped:
         sample.main(sample.parse_args([str(tmp_path / "ddpm"), "--sampler", name, "--output", str(tmp_path / "out")]))
     err = capsys.readouterr().err.strip().splitlines()
@@ -317,7 +317,7 @@ def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path
     from edm2 import EDM2UNet
 
     sigma = torch.tensor([0.0, 0.5, 1 - 1 / 81, 1.0])
-    network = models.build_unet("edm2tiny", 16)
+    network = models.build_network("edm2tiny", 16)
     assert isinstance(network, EDM2UNet)
     assert models.takes_c_noise(network)
     c_noise = models.flow_timestep(sigma, c_noise=True)

@@ -30,7 +30,7 @@ def converted(network):
 
 
 def test_only_the_blocks_attention_and_mlp_layers_train_in_fp8_on_the_same_weights():
-    net = models.build_unet("dit-tiny", 8)
+    net = models.build_network("dit-tiny", 8)
     before = dict(net.named_parameters())
     assert fp8.convert(net) == 12
     per_block = ["attn1.to_k", "attn1.to_out.0", "attn1.to_q", "attn1.to_v", "ff.net.0.proj", "ff.net.2"]
@@ -50,12 +50,12 @@ def test_a_layer_whose_sides_are_not_multiples_of_16_stays_in_bf16():
 
 
 def test_the_sampling_copy_has_no_fp8_layer_and_the_trained_network_keeps_them():
-    net = models.build_unet("dit-tiny", 8)
+    net = models.build_network("dit-tiny", 8)
     fp8.convert(net)
     copy = posthoc_ema.averaged_copy(net, None)
     assert converted(copy) == [] and len(converted(net)) == 12
     x, t = torch.randn(2, 3, 8, 8), torch.tensor([100, 900])
-    reference = models.build_unet("dit-tiny", 8)
+    reference = models.build_network("dit-tiny", 8)
     reference.load_state_dict(copy.state_dict())
     assert torch.equal(copy(x, t).sample, reference.eval()(x, t).sample)
 

@@ -115,7 +115,7 @@ def unet_checks(batch=2):
 
     fused_norm._fwd = counting_fwd
     torch.manual_seed(0)
-    stock = model.build_unet("tiny", 16).double().train().to(memory_format=torch.channels_last)
+    stock = model.build_network("tiny", 16).double().train().to(memory_format=torch.channels_last)
     fused = fused_norm.keep_channels_last(fused_norm.use_fused_norm(copy.deepcopy(stock)))
     x = torch.randn(batch, 3, 16, 16, dtype=torch.float64).to(memory_format=torch.channels_last)
     t = torch.randint(0, 1000, (batch,))
@@ -266,7 +266,7 @@ def test_training_saves_only_channels_last_activations():
     import model
 
     torch.manual_seed(0)
-    unet = model.build_unet("tiny", 16).to(memory_format=torch.channels_last)
+    unet = model.build_network("tiny", 16).to(memory_format=torch.channels_last)
     stock_nchw, _ = nchw_saved_tensors(unet, batch=64)
     # The probe sees diffusers' own NCHW copies (conv_shortcut's input, the upsampled image)...
     assert any("Clone" in s for s in stock_nchw) and any("Upsample" in s for s in stock_nchw), stock_nchw
@@ -347,7 +347,7 @@ def test_cuda_compiled_unet_keeps_channels_last():
     import model
 
     torch.manual_seed(0)
-    unet = model.build_unet("tiny", 16, device="cuda").to(memory_format=torch.channels_last)
+    unet = model.build_network("tiny", 16, device="cuda").to(memory_format=torch.channels_last)
     fused_norm.keep_channels_last(fused_norm.use_fused_norm(unet))
     x = torch.randn(64, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last)
     t = torch.randint(0, 1000, (64,), device="cuda")

@@ -85,7 +85,7 @@ def test_autoguidance_pulls_samples_away_from_the_guide():
 
 def tiny_conditional_unet(num_classes=3):
     torch.manual_seed(0)
-    return models.build_unet("tiny", 16, num_classes=num_classes).eval()
+    return models.build_network("tiny", 16, num_classes=num_classes).eval()
 
 
 def test_ddpm_guidance_one_is_the_conditional_model_and_zero_the_unconditional():
@@ -105,7 +105,7 @@ def test_ddpm_guidance_one_is_the_conditional_model_and_zero_the_unconditional()
 
 def test_the_null_label_of_an_edm2_network_is_the_all_zero_one_hot():
     torch.manual_seed(0)
-    net = models.build_unet("edm2tiny", 16, num_classes=3).eval()
+    net = models.build_network("edm2tiny", 16, num_classes=3).eval()
     x, c_noise = torch.randn(2, 3, 16, 16), torch.zeros(2)
     with torch.no_grad():
         by_index = net(x, c_noise, class_labels=torch.tensor([3, 1]), return_dict=False)[0]
@@ -212,7 +212,7 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
             assert e["guidance_scale"] == min(e["scales"], key=lambda s: s["fid"])["guidance_scale"]
         assert json.loads((straight / "best" / "eval.json").read_text())["fid"] == min(e["fid"] for e in evals)
         assert evals[0]["scales"][0]["fid"] != evals[0]["scales"][1]["fid"]  # the scales did sample differently
-    assert config["params"] == sum(p.numel() for p in models.build_unet("tiny", 16, num_classes=3).parameters())
+    assert config["params"] == sum(p.numel() for p in models.build_network("tiny", 16, num_classes=3).parameters())
     grid = sorted((straight / "samples").glob("*.png"))
     assert grid, "no per-class grid written"
 

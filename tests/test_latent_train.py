@@ -374,7 +374,7 @@ def test_every_preset_builds_for_latents():
     """At 256px, SD's VAE gives 32x32x4 latents: every preset takes them and gives them back."""
     for name in models.PRESETS:
         models.check_image_size(name, 256, 8)
-        net = models.build_unet(name, 32, device="meta", channels=4)
+        net = models.build_network(name, 32, device="meta", channels=4)
         with torch.no_grad():
             out = net(torch.empty(2, 4, 32, 32, device="meta"), torch.zeros(2, device="meta"), return_dict=False)[0]
         assert out.shape == (2, 4, 32, 32), name
@@ -393,7 +393,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("flags, message", BAD_INPUTS.values(), ids=BAD_INPUTS)
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, vae, capsys, flags, message):
     (tmp_path / "empty").mkdir()
-    models.build_unet("tiny", 16).save_pretrained(tmp_path / "unet")
+    models.build_network("tiny", 16).save_pretrained(tmp_path / "unet")
     flags = [f.format(tmp=tmp_path, vae=vae) for f in flags]
     with pytest.raises(SystemExit) as stopped:
         run(tmp_path / "out", *FEW, *flags)

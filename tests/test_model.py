@@ -9,7 +9,7 @@ from errors import ConfigError
 
 
 def param_count(name):
-    unet = models.build_unet(name, models.PRESETS[name]["image_size"], device="meta")
+    unet = models.build_network(name, models.PRESETS[name]["image_size"], device="meta")
     return sum(p.numel() for p in unet.parameters())
 
 
@@ -38,7 +38,7 @@ PARAMS = dict(
     small=1_063_651, tiny=177_427, small_deep=4_527_971, ddpm32=35_746_307, adm64=22_080_323, ref128=113_673_219,
     edm2c=39_509_888, edm2e=39_509_888, edm2g=39_542_685, edm2small=1_257_456, edm2tiny=189_947,
 )  # fmt: skip
-# The DiT presets as build_unet makes them at their image size (RGB in and out, unconditional: one class).
+# The DiT presets as build_network makes them at their image size (RGB in and out, unconditional: one class).
 # Their counts at the paper's configuration are tests/test_dit.py's; docs/dit.md's table states both.
 PARAMS |= {
     "dit-s2": 32_472_204, "dit-s4": 32_499_888, "dit-s8": 32_610_624, "dit-b2": 129_530_124, "dit-b4": 129_585_456,
@@ -88,7 +88,7 @@ def test_image_size_the_model_cannot_take_is_refused_with_the_sizes_it_can():
 @pytest.mark.parametrize("name", list(models.PRESETS))
 def test_every_preset_runs_at_its_own_size(name):
     size = models.PRESETS[name]["image_size"]
-    unet = models.build_unet(name, size, device="meta")
+    unet = models.build_network(name, size, device="meta")
     out = unet(torch.empty(2, 3, size, size, device="meta"), torch.zeros(2, dtype=torch.long, device="meta"))
     assert out.sample.shape == (2, 3, size, size)
 
@@ -127,7 +127,7 @@ def test_ddpm_loss_matches_the_scheduler(prediction_type):
 
 
 def test_ddpm_loss_is_fp32_under_bf16_autocast():
-    unet = models.build_unet("tiny", 16)
+    unet = models.build_network("tiny", 16)
     scheduler = models.make_noise_scheduler()
     clean, noise = torch.rand(2, 3, 16, 16) * 2 - 1, torch.randn(2, 3, 16, 16)
     t = torch.tensor([5, 700])

@@ -25,7 +25,7 @@ from errors import ConfigError
 @pytest.fixture(scope="module")
 def tiny_unet():
     torch.manual_seed(0)
-    return models.build_unet("tiny", 16).eval()
+    return models.build_network("tiny", 16).eval()
 
 
 @pytest.fixture(scope="module")

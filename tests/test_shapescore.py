@@ -266,7 +266,7 @@ def untrained_score(run_dir, scorer, samples):
 
     config = json.loads((run_dir / "train_config.json").read_text())
     torch.manual_seed(config["seed"])
-    network = models.build_unet(config["model"], config["image_size"]).eval()
+    network = models.build_network(config["model"], config["image_size"]).eval()
     scheduler = sample.make_sampler(config["objective"], config["sampler"], models.run_noise_scheduler(config).config)
     batches = sample.generate_batches(network, scheduler, samples, 64, config["seed"], config["num_inference_steps"])
     reference = metrics.Reference.from_features(

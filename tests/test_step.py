@@ -24,7 +24,7 @@ def tiny_parts(seed=0, ema_kind="standard", fused=True):
     from diffusers.training_utils import EMAModel
 
     torch.manual_seed(seed)
-    unet = models.build_unet("tiny", 16)
+    unet = models.build_network("tiny", 16)
     objective = models.DDPMObjective(models.make_noise_scheduler())
     optimizer = models.prepare_for_training(unet, False, fused, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
     lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=10)
@@ -451,7 +451,7 @@ def test_with_several_processes_the_objectives_own_gradients_are_averaged():
             return tensor
 
     torch.manual_seed(0)
-    unet = models.build_unet("tiny", 16)
+    unet = models.build_network("tiny", 16)
     objective = models.EDMObjective(logvar_channels=8)
     optimizer = torch.optim.AdamW([*unet.parameters(), *objective.parameters()], lr=1e-3)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -538,7 +538,7 @@ def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_e
 def test_regional_compilation_keeps_a_graph_for_each_of_a_unets_block_shapes(monkeypatch):
     trace_only(monkeypatch)
     torch.manual_seed(0)
-    net = models.build_unet("small", 32)
+    net = models.build_network("small", 32)
     before = graphs_made()
     compiling.compile_network(net, "default", scope="regional")(torch.randn(1, 3, 32, 32), torch.tensor([3])).sample.sum().backward()
     assert graphs_made() - before == 11  # 9 of them ResNet blocks': above Dynamo's default limit of 8 for one function

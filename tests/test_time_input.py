@@ -54,7 +54,7 @@ def networks():
         m.setattr(steps.torch, "compile", traced)
         for family, preset in FAMILIES.items():
             torch.manual_seed(0)
-            network = models.build_unet(preset, 16)
+            network = models.build_network(preset, 16)
             wrapped = {"eager": network, "whole": real(network, backend="eager", dynamic=False),
                        "regional": compiling.RegionalNetwork(network)}  # fmt: skip
             built[family] = network, TimeInputs(network), wrapped
