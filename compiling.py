@@ -86,19 +86,6 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
 
 # --- how the network is compiled, and whether it pays ----------------------------------
 
-# How much slower a step compiled block by block runs than the whole network compiled as one graph
-# (the glue between blocks stays eager, and no fusion crosses a block's edge), by device type and
-# network family (all positive: choose_compile_scope divides by it). The CPU's from its record
-# (BENCHMARKS.md, Speed on a CPU, regional against whole: DiT the mean of its two models, UNet rounded up);
-# the GPU's from an H100's ladder rows (BENCHMARKS.md, Speed on a GPU: DiT-XL/2's regional row against
-# the whole network's of earlier calls; ddpm32's two scopes in one session, under CUDA graphs, a mode
-# in which train.py compiles the whole network anyway). EDM2's blocks are not measured: the UNet's.
-REGIONAL_STEP_COST = {
-    ("cuda", "dit"): 0.03, ("cuda", "unet"): 0.52, ("cuda", "edm2"): 0.52,
-    ("cpu", "dit"): 0.035, ("cpu", "unet"): 0.14, ("cpu", "edm2"): 0.14,
-}  # fmt: skip
-
-
 SCOPE_WORDS = {"regional": "each repeated block once", "whole": "the whole network"}
 
 
@@ -111,7 +98,7 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
     """("regional" or "whole", why): the `compile_scope` setting where one is given (`python -m bench`
     varies it); the whole network under gradient checkpointing; else by the run's length: each repeated
     block compiled once where that compile's head start (`compile_s`: scope -> predicted seconds) is more
-    than its slower steps (REGIONAL_STEP_COST of `step_s`, the compiled step) cost in `total_steps`
+    than its slower steps (CompileCosts.regional_step_cost of `step_s`, the compiled step) cost in `total_steps`
     steps; the whole network, the faster step, for a long run or one whose length or step is unknown, and
     in a `mode` whose CUDA graphs torch.compile makes (one graph per compiled call: the launches of the glue
     between blocks would stay)."""
@@ -127,7 +114,7 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
     sooner = compile_s["whole"] - compile_s["regional"]
     if sooner <= 0:
         return "whole", "whole network"
-    cost = REGIONAL_STEP_COST[(device.type if device.type == "cuda" else "cpu", network_family(args.model))] * step_s
+    cost = COMPILE_COSTS[network_family(args.model)].regional_step_cost[device_kind(device)] * step_s
     if total_steps * cost < sooner:
         return "regional", (f"each repeated block compiled once ({sooner:.0f} s sooner than the whole network, "
                             f"whose faster step would repay that after {sooner / cost:,.0f} steps)")  # fmt: skip
@@ -135,47 +122,72 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
                      f"{sooner / cost:,.0f} of this run's {total_steps:,} steps)")  # fmt: skip
 
 
-# A cold compile of train.py's step (the first step: forward and backward) in seconds, by device
-# type, network family and scope; a warm one (Inductor's cache holds the graphs) takes
-# WARM_COMPILE_FRACTION of it. Rounded from the records (BENCHMARKS.md: the GPU's whole-network
-# compiles on an H100 and an H200, DiT-XL/2's regional one (one graph for every block) and ddpm32's
-# regional one on an H100; the CPU's whole and regional, one thread, in BENCHMARKS.md's Speed on a CPU).
-# The GPU's regional share of the whole differs from the CPU's in both directions (DiT's far smaller,
-# the UNet's larger: on an H100 ddpm32's regional compile took 1.06 of its whole one, under CUDA graphs),
-# so a UNet's and EDM2's regional compile on a GPU is the whole one times the GPU's measured ratio (EDM2's
-# blocks are not measured: the UNet's), and auto compiles their whole network there.
-COLD_COMPILE_S = {
-    ("cuda", "dit", "whole"): 85, ("cuda", "dit", "regional"): 14,
-    ("cuda", "unet", "whole"): 100, ("cuda", "unet", "regional"): 100 * 1.06,
-    ("cuda", "edm2", "whole"): 100, ("cuda", "edm2", "regional"): 100 * 1.06,
-    ("cpu", "dit", "whole"): 54, ("cpu", "dit", "regional"): 36,
-    ("cpu", "unet", "whole"): 90, ("cpu", "unet", "regional"): 78,
-    ("cpu", "edm2", "whole"): 90, ("cpu", "edm2", "regional"): 78,
+class CompileCosts(NamedTuple):
+    """What compiling one network family's step costs and saves, by which `plan_compile` weighs a compile
+    against the run. Each number is rounded from the records (BENCHMARKS.md), as the comments say."""
+
+    # How much slower a step compiled block by block runs than the whole network compiled as one graph (the
+    # glue between blocks stays eager, and no fusion crosses a block's edge), by device type ("cuda", "cpu");
+    # positive: choose_compile_scope divides by it. The CPU's from its record (Speed on a CPU, regional against
+    # whole: DiT the mean of its two models, the UNet rounded up); the GPU's from an H100's ladder rows
+    # (DiT-XL/2's regional row against the whole network's of earlier calls; ddpm32's two scopes in one
+    # session, under CUDA graphs, a mode in which train.py compiles the whole network anyway).
+    regional_step_cost: dict
+    # A cold compile of train.py's step (the first step: forward and backward) in seconds, by (device type,
+    # scope); a warm one (Inductor's cache holds the graphs) takes WARM_COMPILE_FRACTION of it. The GPU's
+    # whole-network compiles on an H100 and an H200, DiT-XL/2's regional one (one graph for every block) and
+    # ddpm32's regional one on an H100; the CPU's whole and regional, one thread, in Speed on a CPU. The GPU's
+    # regional share of the whole differs from the CPU's in both directions (DiT's far smaller, the UNet's
+    # larger: on an H100 ddpm32's regional compile took 1.06 of its whole one, under CUDA graphs), so a UNet's
+    # regional compile on a GPU is the whole one times that ratio, and auto compiles its whole network there.
+    cold_compile_s: dict
+    # The eager step on a GPU: its time is FLOPs / (peak * eager_mfu), no less than eager_launch_floor_s, and
+    # a compiled mode without CUDA graphs saves saved_share of it (SAVED_SHARE_CUDA_GRAPHS with them); from
+    # the H100's eager and compiled ladder rows (DiT-XL/2's; ref128's and adm64's, whose CUDA graphs set the
+    # launch-bound share, in the first H100 record).
+    eager_mfu: float
+    eager_launch_floor_s: float
+    saved_share: float
+    # The eager step replayed as one CUDA graph (`eager-graph`) keeps the eager kernels and loses the launch
+    # gaps between them: FLOPs / (peak * graph_mfu) plus graph_floor_s for its many small kernels, never less
+    # than the eager kernels' time, after EAGER_GRAPH_CAPTURE_S of warm-up steps and capture. The UNet's two
+    # numbers solve an H200's two rows (the eager step captured: ddpm32 at batch 128, 4.78 TFLOP, 45.2 ms;
+    # adm64 at batch 32, 1.47 TFLOP, 23.4 ms); its warm-up steps took 3.9 s in the bare run. A DiT's step is
+    # bound by its kernels eager (24.6% MFU, no floor), so a graph saves it nothing.
+    graph_mfu: float
+    graph_floor_s: float
+    # On a CPU, which has no peak in flops.py, the eager step's rate on a 2-core CPU takes the place of
+    # peak * MFU (issue 47's DiT-S/2 figures; the bare run's `small`), and compiling saves cpu_saved_share
+    # of it. A UNet's is 0: compiling `tiny` made its step slower in the sweep, so its compile never pays.
+    cpu_eager_flops: float
+    cpu_saved_share: float
+
+
+UNET_COSTS = CompileCosts(
+    regional_step_cost={"cuda": 0.52, "cpu": 0.14},
+    cold_compile_s={("cuda", "whole"): 100, ("cuda", "regional"): 100 * 1.06, ("cpu", "whole"): 90, ("cpu", "regional"): 78},
+    eager_mfu=0.116, eager_launch_floor_s=0.1, saved_share=0.40, graph_mfu=0.153, graph_floor_s=0.0137,
+    cpu_eager_flops=80e9, cpu_saved_share=0.0,
+)  # fmt: skip
+# Each network family's costs (model.PRESETS' "network"). EDM2's blocks and steps are not measured: the UNet's.
+COMPILE_COSTS = {
+    "unet": UNET_COSTS,
+    "edm2": UNET_COSTS,
+    "dit": CompileCosts(
+        regional_step_cost={"cuda": 0.03, "cpu": 0.035},
+        cold_compile_s={("cuda", "whole"): 85, ("cuda", "regional"): 14, ("cpu", "whole"): 54, ("cpu", "regional"): 36},
+        eager_mfu=0.246, eager_launch_floor_s=0.02, saved_share=0.32, graph_mfu=0.246, graph_floor_s=0.0,
+        cpu_eager_flops=150e9, cpu_saved_share=0.19,
+    ),
 }  # fmt: skip
 WARM_COMPILE_FRACTION = 0.11
-
-# What compiling saves: the eager step's MFU on a GPU (its time = FLOPs / (peak * MFU), no less than
-# a launch-bound floor), and the share of the eager step the compiled mode saves, each rounded from the
-# H100's eager and compiled ladder rows (BENCHMARKS.md, Speed on a GPU: DiT-XL/2's; ref128's and adm64's,
-# whose CUDA graphs set the launch-bound share, in the first H100 record). On a CPU, which has no peak in
-# flops.py, the eager step's rate on a 2-core CPU takes the place of peak * MFU (issue 47's DiT-S/2
-# figures; the bare run's `small`, BENCHMARKS.md). A UNet's saving on a CPU is 0: compiling `tiny`
-# made its step slower in the sweep (BENCHMARKS.md, Speed on a CPU), so its compile never pays.
-EAGER_MFU = {"dit": 0.246, "unet": 0.116, "edm2": 0.116}
-EAGER_LAUNCH_FLOOR_S = {"dit": 0.02, "unet": 0.1, "edm2": 0.1}
-SAVED_SHARE = {"dit": 0.32, "unet": 0.40, "edm2": 0.40}
 SAVED_SHARE_CUDA_GRAPHS = 0.8  # a launch-bound step replayed as CUDA graphs
-# The eager step replayed as one CUDA graph (`eager-graph`) keeps the eager kernels and loses the launch gaps
-# between them: FLOPs / (peak * EAGER_GRAPH_MFU) plus a floor for its many small kernels, after
-# EAGER_GRAPH_CAPTURE_S of warm-up steps and capture. The UNet's two numbers solve an H200's two rows
-# (BENCHMARKS.md, the eager step captured: ddpm32 at batch 128, 4.78 TFLOP, 45.2 ms; adm64 at batch 32,
-# 1.47 TFLOP, 23.4 ms); its warm-up steps took 3.9 s in the bare run. A DiT's step is bound by its kernels
-# eager (24.6% MFU, no floor), so a graph saves it nothing; EDM2's is not measured: the UNet's.
-EAGER_GRAPH_MFU = {"dit": EAGER_MFU["dit"], "unet": 0.153, "edm2": 0.153}
-EAGER_GRAPH_FLOOR_S = {"dit": 0.0, "unet": 0.0137, "edm2": 0.0137}
 EAGER_GRAPH_CAPTURE_S = 5
-CPU_EAGER_FLOPS = {"dit": 150e9, "unet": 80e9, "edm2": 80e9}
-CPU_SAVED_SHARE = {"dit": 0.19, "unet": 0.0, "edm2": 0.0}
+
+
+def device_kind(device):
+    """"cuda" or "cpu": the device type the cost tables are measured on."""
+    return "cuda" if device.type == "cuda" else "cpu"
 
 
 class CompilePlan(NamedTuple):
@@ -187,11 +199,11 @@ class CompilePlan(NamedTuple):
 
 
 def predicted_compile_s(device, family, scope, warm_s=None):
-    """(seconds, words): a cold compile's from COLD_COMPILE_S, or this machine's own record of the same
+    """(seconds, words): a cold compile's from CompileCosts.cold_compile_s, or this machine's own record of the same
     graphs (`warm_s`, from `remembered_compile_s`: Inductor's cache holds them)."""
     if warm_s is not None:
         return warm_s * WARM_COMPILE_FRACTION, "warm cache"
-    return COLD_COMPILE_S[(device.type if device.type == "cuda" else "cpu", family, scope)], "cold cache"
+    return COMPILE_COSTS[family].cold_compile_s[(device_kind(device), scope)], "cold cache"
 
 
 def predicted_eager_s(device, family, flops_per_step, peak_flops):
@@ -200,8 +212,9 @@ def predicted_eager_s(device, family, flops_per_step, peak_flops):
     if device.type == "cuda":
         if not peak_flops:
             return None
-        return max(flops_per_step / (peak_flops * EAGER_MFU[family]), EAGER_LAUNCH_FLOOR_S[family])
-    return flops_per_step / CPU_EAGER_FLOPS[family]
+        costs = COMPILE_COSTS[family]
+        return max(flops_per_step / (peak_flops * costs.eager_mfu), costs.eager_launch_floor_s)
+    return flops_per_step / COMPILE_COSTS[family].cpu_eager_flops
 
 
 def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
@@ -210,15 +223,16 @@ def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
     if eager_s is None:
         return None
     if device.type == "cuda":
-        return eager_s * (SAVED_SHARE_CUDA_GRAPHS if mode in CUDA_GRAPH_MODES else SAVED_SHARE[family])
-    return eager_s * CPU_SAVED_SHARE[family]
+        return eager_s * (SAVED_SHARE_CUDA_GRAPHS if mode in CUDA_GRAPH_MODES else COMPILE_COSTS[family].saved_share)
+    return eager_s * COMPILE_COSTS[family].cpu_saved_share
 
 
 def predicted_graph_s(family, flops_per_step, peak_flops):
     """The eager step's seconds replayed as one CUDA graph (`eager-graph`), predicted on a GPU of `peak_flops`:
     no less than the eager step's kernels take (a graph removes the gaps between launches, not the kernels)."""
-    kernels_s = flops_per_step / (peak_flops * EAGER_MFU[family])
-    return max(kernels_s, flops_per_step / (peak_flops * EAGER_GRAPH_MFU[family]) + EAGER_GRAPH_FLOOR_S[family])
+    costs = COMPILE_COSTS[family]
+    kernels_s = flops_per_step / (peak_flops * costs.eager_mfu)
+    return max(kernels_s, flops_per_step / (peak_flops * costs.graph_mfu) + costs.graph_floor_s)
 
 
 def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps=None, peak_flops=None, remembered=None):

@@ -344,7 +344,7 @@ DIT_PREDICTED_MS = dict(eager=140, compiled=115, train_default=115)
 # before measuring.
 DIT_PREDICTED_MS["regional"] = 131
 # The eager step replayed as one CUDA graph: a DiT's eager step is bound by its kernels, not their launches, so no
-# faster than eager (the H100's eager row, 187 ms); ddpm32's at batch 128 as compiling.EAGER_GRAPH_MFU predicts it
+# faster than eager (the H100's eager row, 187 ms); ddpm32's at batch 128 as the UNet's eager MFU predicted it
 # (4.78 TFLOP at 11.6% of an H100's bf16 peak), written down before measuring.
 EAGER_GRAPH_PREDICTED_MS = dict(dit=187, ddpm32=42)
 

@@ -608,7 +608,7 @@ def test_a_unets_step_on_a_gpu_compiles_its_whole_network_however_short_the_run(
         assert plan.mode == mode and plan.scope == "whole", plan
     assert "compiling (default, the whole network) would take about 100 s" in compiling.plan_compile(
         plan_flags(model="ref128"), CUDA, 1, 45.56e12, 100, H100_BF16, lambda mode, scope: None).why
-    assert compiling.COLD_COMPILE_S[("cpu", "unet", "regional")] < compiling.COLD_COMPILE_S[("cpu", "unet", "whole")]
+    assert compiling.UNET_COSTS.cold_compile_s[("cpu", "regional")] < compiling.UNET_COSTS.cold_compile_s[("cpu", "whole")]
 
 
 def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is_none(tmp_path):
@@ -622,3 +622,13 @@ def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is
     assert compiling.remembered_compile_s("a", record) is None
     compiling.remember_compile("c", 5.0, record)  # a damaged record is started again
     assert compiling.remembered_compile_s("c", record) == 5.0
+
+
+def test_every_network_family_has_its_compile_costs_in_one_record():
+    """A family's compile costs live in one CompileCosts record: a preset of a family without one would fail
+    the compile plan with a KeyError."""
+    families = {compiling.network_family(name) for name in models.PRESETS}
+    assert families <= set(compiling.COMPILE_COSTS), families - set(compiling.COMPILE_COSTS)
+    for costs in compiling.COMPILE_COSTS.values():
+        assert set(costs.cold_compile_s) == {(d, s) for d in ("cuda", "cpu") for s in ("whole", "regional")}
+        assert set(costs.regional_step_cost) == {"cuda", "cpu"} and min(costs.regional_step_cost.values()) > 0

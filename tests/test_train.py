@@ -323,7 +323,7 @@ def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache
     import compiling
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setitem(compiling.CPU_SAVED_SHARE, "unet", 0.1)  # a prediction for the test: a CPU's UNet gains nothing
+    monkeypatch.setitem(compiling.COMPILE_COSTS, "unet", compiling.UNET_COSTS._replace(cpu_saved_share=0.1))  # a prediction for the test: a CPU's UNet gains nothing
     flags = ["--compile_mode", "auto", "--dry_run"]
     config = run(tmp_path / "short", *flags, "--max_train_steps", 40)
     assert config["step_compile_mode"] == "eager" and config["step_compile_scope"] == "regional"
