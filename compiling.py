@@ -89,11 +89,6 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
 SCOPE_WORDS = {"regional": "each repeated block once", "whole": "the whole network"}
 
 
-def network_family(model_name):
-    """'dit', 'edm2' or 'unet' (diffusers' UNet2DModel) for a preset."""
-    return models.PRESETS[model_name].get("network", "unet")
-
-
 def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compile_s=None, mode=None):
     """("regional" or "whole", why): the `compile_scope` setting where one is given (`python -m bench`
     varies it); the whole network under gradient checkpointing; else by the run's length: each repeated
@@ -114,7 +109,7 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
     sooner = compile_s["whole"] - compile_s["regional"]
     if sooner <= 0:
         return "whole", "whole network"
-    cost = COMPILE_COSTS[network_family(args.model)].regional_step_cost[device_kind(device)] * step_s
+    cost = COMPILE_COSTS[models.family_name(args.model)].regional_step_cost[device_kind(device)] * step_s
     if total_steps * cost < sooner:
         return "regional", (f"each repeated block compiled once ({sooner:.0f} s sooner than the whole network, "
                             f"whose faster step would repay that after {sooner / cost:,.0f} steps)")  # fmt: skip
@@ -169,7 +164,7 @@ UNET_COSTS = CompileCosts(
     eager_mfu=0.116, eager_launch_floor_s=0.1, saved_share=0.40, graph_mfu=0.153, graph_floor_s=0.0137,
     cpu_eager_flops=80e9, cpu_saved_share=0.0,
 )  # fmt: skip
-# Each network family's costs (model.PRESETS' "network"). EDM2's blocks and steps are not measured: the UNet's.
+# Each network family's costs (model.FAMILIES). EDM2's blocks and steps are not measured: the UNet's.
 COMPILE_COSTS = {
     "unet": UNET_COSTS,
     "edm2": UNET_COSTS,
@@ -245,7 +240,7 @@ def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps
     mode, why = choose_compile_mode(args, device, num_processes, flops_per_micro_batch)
     if mode is None:
         return CompilePlan(None, "whole", why)
-    family = network_family(args.model)
+    family = models.family_name(args.model)
     predicted = {scope: predicted_compile_s(device, family, scope, remembered and remembered(mode, scope))
                  for scope in ("whole", "regional")}  # fmt: skip
     per_step = flops_per_micro_batch * args.gradient_accumulation_steps

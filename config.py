@@ -79,18 +79,14 @@ GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_
                     learning_rate=2e-4, ema="none", **SMALL["ddpm"])  # fmt: skip
 CPU_SHAPES_NUM_IMAGES = 2048
 
-# The objective a preset trains without --objective, by its network: flow matching for diffusers' UNets
-# and the DiTs (it beat the presets' DDPM on real photos at two seeds: BENCHMARKS.md, Real images),
-# EDM for EDM2's networks. On the built-in shapes a UNet trains DDPM instead (default_objective): there
-# DDPM scored better at two seeds and its grid shows clean one-coloured shapes where flow's shows
-# blobs in gradients of colour (the bare run's grid). A resumed run keeps the objective it recorded
-# (resume.keep_recorded_objective).
-DEFAULT_OBJECTIVE = {"unet": "flow", "dit": "flow", "edm2": "edm"}
-
-
-def default_objective(family, dataset):
-    """The objective a run of a `family` network on `dataset` trains without --objective."""
-    return "ddpm" if family == "unet" and dataset == data.BUILTIN else DEFAULT_OBJECTIVE[family]
+def default_objective(model_name, dataset):
+    """The objective a run of preset `model_name` on `dataset` trains without --objective: its family's
+    (model.Family.default_objective), except that on the built-in shapes a UNet trains DDPM: there DDPM
+    scored better at two seeds and its grid shows clean one-coloured shapes where flow's shows blobs in
+    gradients of colour (the bare run's grid). A resumed run keeps the objective it recorded
+    (resume.keep_recorded_objective)."""
+    family = models.family_name(model_name)
+    return "ddpm" if family == "unet" and dataset == data.BUILTIN else models.FAMILIES[family].default_objective
 
 # What a run's train_config.json holds beside its flags: facts of the run (the
 # data, the machine, the FLOPs), recomputed by every run, and the --config it was
@@ -796,10 +792,10 @@ def _fill_from_preset(args):
     args.model = models.resolve_model_name(args.model, network_size(args))
     models.check_image_size(args.model, args.image_size, args.image_size // network_size(args))
     preset = models.PRESETS[args.model]
-    edm2_network = preset.get("network") == "edm2"
+    edm2_network = models.family_name(args.model) == "edm2"
     defaulted = args.objective is None
     if defaulted:
-        args.objective = default_objective(preset.get("network", "unet"), args.dataset)
+        args.objective = default_objective(args.model, args.dataset)
     if edm2_network and args.objective == "ddpm":
         raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm or flow: "
                           "drop --objective ddpm")  # fmt: skip

@@ -10,6 +10,7 @@ what each one costs.
 import json
 import math
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +60,9 @@ def _edm2(config, dropout):
 
 
 # name -> description, the image size it was made for, the learning rate
-# config.resolve fills in unless --learning_rate is given, and the network's kwargs:
-# `unet` for UNet2DModel, or `network="edm2"` and `edm2` for EDM2UNet. Optional:
+# config.resolve fills in unless --learning_rate is given, the network's family (`network`: a
+# key of FAMILIES, "unet" without it) and its kwargs under the family's name (`unet` for
+# UNet2DModel, `edm2` for EDM2UNet, `dit` for DiT). Optional:
 # `ddpm` (DDPM settings: prediction type, timestep sampling) and `flags` (other
 # train.py defaults), filled in where the command line leaves them unset.
 # Parameter counts and FLOPs are in docs/training.md#presets (from `python flops.py`).
@@ -217,14 +219,54 @@ def resolve_model_name(name, image_size):
     return name
 
 
+class Family(NamedTuple):
+    """What every preset of a network family shares, decided here once. A preset names its family in
+    `network` ("unet" without it) and holds the family's build settings under the family's name."""
+
+    build: Callable  # (settings, sample_size, channels, num_classes) -> a fresh network
+    size_multiple: Callable  # settings -> what an input side must be a multiple of
+    reduces: str  # how it reduces its input, in the line that refuses a size: "patches" or "halvings"
+    # The objective without --objective (config.default_objective keeps a UNet's DDPM on the built-in shapes):
+    # flow matching for diffusers' UNets and the DiTs (it beat the presets' DDPM on real photos at two seeds:
+    # BENCHMARKS.md, Real images), EDM for EDM2's networks.
+    default_objective: str
+    saves_pipeline: bool  # with DDPM or flow, the run saves a diffusers DDPMPipeline; else its network alone in unet/
+
+
+def _build_unet(settings, sample_size, channels, num_classes):
+    """diffusers' UNet2DModel; a class-conditional one has one class embedding more, the null label."""
+    classes = dict(num_class_embeds=num_classes + 1) if num_classes else {}
+    net = UNet2DModel(sample_size=sample_size, in_channels=channels, out_channels=channels, **settings, **classes)
+    net._repeated_blocks = UNET_REPEATED_BLOCKS  # diffusers 0.42.1 declares none for UNet2DModel
+    return net
+
+
+FAMILIES = {
+    "unet": Family(_build_unet, lambda settings: 2 ** (len(settings["block_out_channels"]) - 1), "halvings", "flow", True),
+    "edm2": Family(lambda settings, size, channels, classes: EDM2UNet(sample_size=size, num_classes=classes,
+                                                                      in_channels=channels, out_channels=channels, **settings),
+                   lambda settings: 2 ** (len(settings["channel_mult"]) - 1), "halvings", "edm", False),
+    "dit": Family(lambda settings, size, channels, classes: DiT(sample_size=size, num_classes=classes,
+                                                                in_channels=channels, out_channels=channels, **settings),
+                  lambda settings: settings["patch_size"], "patches", "flow", False),
+}  # fmt: skip
+
+
+def family_name(name):
+    """'unet' (diffusers' UNet2DModel), 'edm2' or 'dit': the network family of preset `name`."""
+    return PRESETS[name].get("network", "unet")
+
+
+def family(name):
+    """The Family of preset `name`, and the preset's settings for it."""
+    family_key = family_name(name)
+    return FAMILIES[family_key], PRESETS[name][family_key]
+
+
 def size_multiple(name):
-    """Image sides must be a multiple of this: one halving per level but the last."""
-    preset = PRESETS[name]
-    if preset.get("network") == "edm2":
-        return 2 ** (len(preset["edm2"]["channel_mult"]) - 1)
-    if preset.get("network") == "dit":
-        return preset["dit"]["patch_size"]
-    return 2 ** (len(preset["unet"]["block_out_channels"]) - 1)
+    """Image sides must be a multiple of this: one halving per level but the last, or a DiT's patch."""
+    kind, settings = family(name)
+    return kind.size_multiple(settings)
 
 
 def check_image_size(name, image_size, factor=1):
@@ -234,7 +276,7 @@ def check_image_size(name, image_size, factor=1):
     if size < multiple or size % multiple:
         examples = ", ".join(str(multiple * k * factor) for k in (1, 2, 3, 4))  # multiples, not powers of two
         latents = f" (its {size}x{size} latents: the VAE's factor is {factor})" if factor > 1 else ""
-        how = (f"it cuts its input into {multiple}x{multiple} patches" if PRESETS[name].get("network") == "dit"
+        how = (f"it cuts its input into {multiple}x{multiple} patches" if family(name)[0].reduces == "patches"
                else f"it halves its input {multiple.bit_length() - 1} times")  # fmt: skip
         raise ConfigError(
             f"--model {name} cannot take --image_size {image_size}{latents}: {how}, so the size must be a "
@@ -244,8 +286,8 @@ def check_image_size(name, image_size, factor=1):
 
 def build_network(name, image_size, device=None, num_classes=0, channels=3):
     """A fresh network of preset `name` for square inputs of side `image_size` and `channels`
-    channels (3 for images; a latent run's: its VAE's latent channels at its latent size):
-    a UNet2DModel, an EDM2UNet for the `network="edm2"` presets, or a DiT for the `network="dit"` ones.
+    channels (3 for images; a latent run's: its VAE's latent channels at its latent size), built by
+    its family (FAMILIES): a UNet2DModel, an EDM2UNet or a DiT.
 
     `num_classes` > 0: class-conditional, `class_labels` 0..num_classes-1, and
     num_classes itself the null label that classifier-free guidance trains
@@ -254,17 +296,9 @@ def build_network(name, image_size, device=None, num_classes=0, channels=3):
     input, the null label an all-zero one.
     """
     check_image_size(name, image_size)
-    preset = PRESETS[name]
-    io = dict(in_channels=channels, out_channels=channels)
+    kind, settings = family(name)
     with torch.device(device or "cpu"):
-        if preset.get("network") == "edm2":
-            return EDM2UNet(sample_size=image_size, num_classes=num_classes, **io, **preset["edm2"])
-        if preset.get("network") == "dit":
-            return DiT(sample_size=image_size, num_classes=num_classes, **io, **preset["dit"])
-        classes = dict(num_class_embeds=num_classes + 1) if num_classes else {}
-        net = UNet2DModel(sample_size=image_size, **io, **preset["unet"], **classes)
-    net._repeated_blocks = UNET_REPEATED_BLOCKS  # diffusers 0.42.1 declares none for UNet2DModel
-    return net
+        return kind.build(settings, image_size, channels, num_classes)
 
 
 # The UNet's blocks that regional compilation (compiling.RegionalNetwork) compiles once per shape: its ResNet
@@ -696,7 +730,7 @@ def unwrapped(net):
 def saves_pipeline(config):
     """Whether a run saves a diffusers DDPMPipeline (a UNet2DModel with DDPM or flow), or its network alone in
     unet/ (EDM's objective, or an EDM2 network: no diffusers pipeline samples them)."""
-    return config.get("objective") != "edm" and PRESETS[config["model"]].get("network") not in ("edm2", "dit")
+    return config.get("objective") != "edm" and family(config["model"])[0].saves_pipeline
 
 
 # An EDM2 network takes c_noise = ln(σ_EDM) / 4 (EDM2 eq. 7). On the flow path x_σ / (1 - σ) = x0 + σ_EDM ε with

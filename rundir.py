@@ -200,7 +200,7 @@ def write_model_card(folder, config):
             lines += ["The pipeline's scheduler is `FlowMatchEulerDiscreteScheduler`"
                       f" (shift {shift:g}): the network predicts noise - image at t = 1000 sigma.", ""]  # fmt: skip
     else:
-        network = models.PRESETS[config["model"]].get("network")
+        network = models.family_name(config["model"])
         why = ("a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
                if kind == "edm" else "a DiT" if network == "dit" else "an EDM2 network")  # fmt: skip
         lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER --num_images 16 --output samples/`.", ""]

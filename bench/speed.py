@@ -117,7 +117,7 @@ def train_defaults(workload, *flags):
     as a --vae run's does (latent_size, latent_channels: config._fill_latents)."""
     # a UNet's or DiT's DDPM step, whatever the preset's default objective: the check compares DDPM's loss (flow's
     # step is the same network's forward and backward, its noise drawn another way); EDM2's networks train EDM
-    ddpm = [] if models.PRESETS[workload["model"]].get("network") == "edm2" else ["--objective", "ddpm"]
+    ddpm = [] if models.family_name(workload["model"]) == "edm2" else ["--objective", "ddpm"]
     args = config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"]), *ddpm, *flags]))
     if workload.get("channels"):
         args.latent_size, args.latent_channels = workload["image_size"], workload["channels"]
@@ -948,7 +948,7 @@ def validate(args):
         unknown = [v for v in args.variants if v not in names]
         if unknown or not args.variants:
             raise ConfigError(f"unknown --variants '{','.join(unknown)}': choose from {', '.join(names)}")
-    if models.PRESETS[WORKLOADS.get(args.workload, WORKLOADS["tiny"])["model"]].get("network") == "edm2":
+    if models.family_name(WORKLOADS.get(args.workload, WORKLOADS["tiny"])["model"]) == "edm2":
         raise ConfigError(f"--workload {args.workload}: the ladder times the DDPM step; compare EDM2 with --sweep model")
     try:
         Path(args.output).mkdir(parents=True, exist_ok=True)

@@ -627,7 +627,7 @@ def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is
 def test_every_network_family_has_its_compile_costs_in_one_record():
     """A family's compile costs live in one CompileCosts record: a preset of a family without one would fail
     the compile plan with a KeyError."""
-    families = {compiling.network_family(name) for name in models.PRESETS}
+    families = {models.family_name(name) for name in models.PRESETS}
     assert families <= set(compiling.COMPILE_COSTS), families - set(compiling.COMPILE_COSTS)
     for costs in compiling.COMPILE_COSTS.values():
         assert set(costs.cold_compile_s) == {(d, s) for d in ("cuda", "cpu") for s in ("whole", "regional")}
