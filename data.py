@@ -27,6 +27,7 @@ import sys
 import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -155,12 +156,24 @@ def builtin_images(num_images, image_size, seed, class_conditional=False):
 # --- files and Hugging Face datasets ------------------------------------------
 
 
+# PIL's modes of one 16-bit channel (a 16-bit grayscale PNG or TIFF opens as I;16, or as I).
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def rgb8(im):
+    """`im` as 8-bit RGB. PIL's convert("RGB") clips a 16-bit image at 255, so that one of values
+    12 to 65,506 came out 98% white: its values are scaled to 8 bits first (65,535 -> 255)."""
+    if im.mode in SIXTEEN_BIT_MODES:
+        im = Image.fromarray(np.clip(np.rint(np.asarray(im, dtype=np.float32) / 257), 0, 255).astype(np.uint8), "L")
+    return im.convert("RGB")
+
+
 def image_transform(image_size, center_crop=True):
-    """PIL image -> uint8 (3, S, S): RGB, shorter side resized to S, cropped."""
+    """PIL image -> uint8 (3, S, S): RGB (rgb8), shorter side resized to S, cropped."""
     crop = T.CenterCrop(image_size) if center_crop else T.RandomCrop(image_size)
     return T.Compose(
         [
-            T.Lambda(lambda im: im.convert("RGB")),
+            T.Lambda(rgb8),
             T.Resize(image_size, interpolation=T.InterpolationMode.BILINEAR, antialias=True),
             crop,
             T.PILToTensor(),

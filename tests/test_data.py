@@ -368,3 +368,19 @@ def test_stop_workers_passes_over_a_loader_read_in_this_process():
     next(batches)  # left mid-epoch, as a stopped run leaves it
     data.stop_workers()
     assert len(list(batches)) == 3
+
+
+@pytest.mark.parametrize("name, dtype, mode", [("deep.png", np.uint16, "I;16"), ("deep.tif", np.int32, "I")])
+def test_a_16_bit_image_trains_scaled_to_8_bits_not_clipped_white(tmp_path, name, dtype, mode):
+    """A 16-bit grayscale image (a PNG opens as PIL's I;16; a TIFF of 32-bit integers as I) of values 12 to 65,506:
+    convert("RGB") alone clipped it at 255, 98% white. Each value v reaches the batch as round(v / 257) in all
+    three channels."""
+    values = np.linspace(12, 65506, 64).reshape(8, 8)
+    path = tmp_path / name
+    Image.fromarray(values.astype(dtype)).save(path)
+    with Image.open(path) as opened:
+        assert opened.mode == mode
+    image, error = data.FileImages([path], data.image_transform(8))[0]
+    assert error is None and image.dtype == torch.uint8 and image.shape == (3, 8, 8)
+    expected = torch.from_numpy(np.rint(values / 257)).to(torch.uint8)
+    assert all(torch.equal(channel, expected) for channel in image)
