@@ -469,7 +469,7 @@ class StepGraph:
             self.ema.after()
         self.step.lr_scheduler.step()  # fills the learning-rate tensor the next replay reads
         self.step.mark("step")
-        return [loss.clone() for loss in losses]
+        return [{name: value.clone() for name, value in terms.items()} for terms in losses]
 
     def _check_shapes(self, micro_batches):
         """The batch must fit the static buffers: say so in one line, not in copy_'s error."""

@@ -255,13 +255,21 @@ class StepTimer:
         return times
 
 
-def format_perf_line(
-    step, total_steps, loss, step_time_s, images_per_step, model_flops, perf, peak_words, world=1, peak_memory_gib=None
-):
-    """The line users quote: time, throughput, FLOPs, utilization, the peak behind it, and peak memory."""
+def loss_words(loss, terms=None):
+    """'loss 0.1234', with each term of the loss after it where it has several: 'loss 0.1 (edm 0.2, edm_logvar -0.1)'."""
+    words = f"loss {loss:.4f}"
+    if terms and len(terms) > 1:
+        words += " (" + ", ".join(f"{name} {value:.4f}" for name, value in terms.items()) + ")"
+    return words
+
+
+def format_perf_line(step, total_steps, loss, step_time_s, images_per_step, model_flops, perf, peak_words, world=1,
+                     peak_memory_gib=None, terms=None):  # fmt: skip
+    """The line users quote: time, throughput, FLOPs, utilization, the peak behind it, and peak memory; the loss
+    with its terms (loss_words)."""
     parts = [
         f"step {step}/{total_steps}",
-        f"loss {loss:.4f}",
+        loss_words(loss, terms),
         f"{step_time_s:.4g} s/step",
         f"{images_per_step / step_time_s:.1f} img/s",
         f"{model_flops / 1e12:.4g} TFLOP/step",

@@ -417,9 +417,27 @@ def lognormal_timestep_cdf(alphas_cumprod, P_mean, P_std):
     return torch.cat([below, torch.ones(1, dtype=below.dtype)]).float()
 
 
-class DDPMObjective(torch.nn.Module):
-    """The DDPM objective as the training step calls it: `loss(net, x0)` draws the noise and
-    the timesteps on x0's device (no host sync) and returns `ddpm_loss`.
+class Objective(torch.nn.Module):
+    """An objective as the training step calls it: `terms(net, x0)` draws the noise on x0's device (no host
+    sync) and returns the loss's named terms, fp32 scalars; the loss is their sum (`loss`). A new term is
+    one more entry in an objective's `terms`: the step sums it into the loss, and train.py prints and logs
+    each term (the printed line, tensorboard's loss/NAME, run.json's final_loss_terms) where there are several."""
+
+    def loss(self, net, x0):
+        return total_loss(self.terms(net, x0))
+
+    forward = loss
+
+
+def total_loss(terms):
+    """The loss: the sum of an objective's terms (the one term itself where there is one)."""
+    parts = list(terms.values())
+    return sum(parts[1:], parts[0])
+
+
+class DDPMObjective(Objective):
+    """The DDPM objective as the training step calls it: `terms(net, x0)` draws the noise and
+    the timesteps on x0's device (no host sync) and returns `ddpm_loss` as its one term, "ddpm".
 
     Timesteps are uniform (Ho et al. 2020), or with `timestep_sampling="lognormal"`
     drawn so that ln σ_t ~ N(P_mean, P_std²), as EDM draws σ: most training then
@@ -447,9 +465,13 @@ class DDPMObjective(torch.nn.Module):
         u = torch.rand(n, device=device)
         return torch.searchsorted(self.timestep_cdf, u, right=True).clamp_(max=self.num_train_timesteps - 1)
 
-    def loss(self, net, clean_images):
+    def terms(self, net, clean_images):
         noise = torch.randn_like(clean_images)
         timesteps = self.timesteps(clean_images.shape[0], clean_images.device)
+        return {"ddpm": self.loss_at(net, clean_images, timesteps, noise)}
+
+    def loss_at(self, net, clean_images, timesteps, noise):
+        """The loss at given timesteps (one per image) and noise."""
         return ddpm_loss(net, clean_images, noise, timesteps, self.alphas_cumprod, self.prediction_type, self.snr_gamma)
 
 
@@ -554,8 +576,9 @@ def edm_precondition(net, x, sigma, sigma_data=SIGMA_DATA, c_noise_scale=1.0):
     return c_skip * x + c_out * F_x.float()
 
 
-class EDMObjective(torch.nn.Module):
-    """EDM's training loss, with EDM2's learned uncertainty weighting; `loss(net, x0)` is one step's loss.
+class EDMObjective(Objective):
+    """EDM's training loss, with EDM2's learned uncertainty weighting; `loss(net, x0)` is one step's loss,
+    the sum of its terms: "edm", the weighted ‖D - y‖², and with the uncertainty weighting "edm_logvar", u(σ).
 
     σ: ln σ ~ N(P_mean, P_std²); y = x0, n ~ N(0, σ² I); D = edm_precondition(net, y + n, σ).
     λ(σ) = (σ² + σd²) / (σ σd)²                        (EDM Table 1: unit effective weight)
@@ -605,25 +628,27 @@ class EDMObjective(torch.nn.Module):
         c_noise = sigma.float().flatten().log() / 4
         return self.logvar_linear(self.logvar_fourier(c_noise)).float().flatten()
 
-    def loss(self, net, x0):
-        """fp32 scalar: the batch mean of the weighted loss at fresh σ and noise (drawn on x0's device)."""
+    def terms(self, net, x0):
+        """The batch means of the loss's terms at fresh σ and noise (drawn on x0's device)."""
         x0 = x0.float()
         sigma = (torch.randn(len(x0), device=x0.device) * self.P_std + self.P_mean).exp()
         noise = torch.randn_like(x0)
-        return self.loss_at(net, x0, sigma, noise)
+        return self.terms_at(net, x0, sigma, noise)
 
-    forward = loss
-
-    def loss_at(self, net, x0, sigma, noise):
-        """The loss at given σ (one per image) and unit noise `noise` (scaled by σ here)."""
+    def terms_at(self, net, x0, sigma, noise):
+        """The terms at given σ (one per image) and unit noise `noise` (scaled by σ here)."""
         x0, sigma = x0.float(), sigma.float().flatten()
         noisy = x0 + noise.float() * sigma.view(-1, 1, 1, 1)
         denoised = edm_precondition(net, noisy, sigma, self.sigma_data, self.c_noise_scale)
         per_image = ((denoised - x0) ** 2).mean(dim=tuple(range(1, x0.ndim)))
         if self.weighting == "edm":
-            return (self.weight(sigma) * per_image).mean()
+            return {"edm": (self.weight(sigma) * per_image).mean()}
         u = self.logvar(sigma)
-        return (self.weight(sigma) / u.exp() * per_image + u).mean()
+        return {"edm": (self.weight(sigma) / u.exp() * per_image).mean(), "edm_logvar": u.mean()}
+
+    def loss_at(self, net, x0, sigma, noise):
+        """The loss at given σ and noise: the sum of `terms_at`."""
+        return total_loss(self.terms_at(net, x0, sigma, noise))
 
 
 # --- flow matching ------------------------------------------------------------------------
@@ -680,8 +705,9 @@ def make_flow_scheduler(shift=1.0):
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=shift)
 
 
-class FlowObjective(torch.nn.Module):
-    """Flow matching (rectified flow): `loss(net, x0)` = ‖net(x_σ, 1000 σ) - (ε - x0)‖², mean over pixels.
+class FlowObjective(Objective):
+    """Flow matching (rectified flow): `loss(net, x0)` = ‖net(x_σ, 1000 σ) - (ε - x0)‖², mean over pixels,
+    its one term "flow".
 
     σ is drawn logit-normal(P_mean, P_std) (SD3's default (0, 1)), or uniform in [0, 1) with
     `timestep_sampling="uniform"` (SiT's), then shifted by `shift` (shift_sigmas), as the
@@ -706,11 +732,9 @@ class FlowObjective(torch.nn.Module):
             sigma = torch.sigmoid(torch.randn(n, device=device) * self.P_std + self.P_mean)
         return shift_sigmas(sigma, self.shift)
 
-    def loss(self, net, x0):
+    def terms(self, net, x0):
         x0 = x0.float()
-        return self.loss_at(net, x0, self.sigmas(len(x0), x0.device), torch.randn_like(x0))
-
-    forward = loss
+        return {"flow": self.loss_at(net, x0, self.sigmas(len(x0), x0.device), torch.randn_like(x0))}
 
     def loss_at(self, net, x0, sigma, noise):
         """The loss at given σ (one per image) and noise."""

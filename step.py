@@ -1,6 +1,6 @@
 """The training step: one optimizer step as one object, and the guard and loss meter it feeds.
 
-    uint8 batch on the device -> flip, scale -> objective.loss(net, x0) -> backward
+    uint8 batch on the device -> flip, scale -> objective.terms(net, x0), summed -> backward
     -> clip -> AdamW (fused: skips a non-finite step on the device) -> LR schedule -> EMA
 
 `TrainStep` does all of it with no host sync (unless --on_fault stop asks
@@ -15,15 +15,17 @@ import math
 import torch
 
 import data
+import model as models
 from errors import RunError
 
 
 class TrainStep:
-    """One optimizer step: `step(micro_batches)` -> the micro-batches' losses (device tensors).
+    """One optimizer step: `step(micro_batches)` -> for each micro-batch, its loss and the loss's terms as device
+    tensors: {"loss": the sum, and each term by its name}.
 
     `net` is what computes the network (the compiled one, or `model`);
     `model` is the module the optimizer holds, its parameters the ones the EMA
-    follows. `objective.loss(net, x0)` draws its own noise on the device.
+    follows. `objective.terms(net, x0)` draws its own noise on the device (model.Objective).
     With an `accelerator`, it accumulates gradients, scales fp16 losses and
     syncs DDP; without one (`python -m bench`), `autocast` gives the precision.
     `mark(phase)` is called at each phase boundary (train.py's Breakdown).
@@ -63,7 +65,8 @@ class TrainStep:
                 x0 = data.to_model_input(images, self.random_flip)
                 net = self.net if labels is None else functools.partial(self.net, class_labels=self.drop_labels(labels))
                 with self.autocast():
-                    loss = self.objective.loss(net, x0)
+                    terms = self.objective.terms(net, x0)
+                    loss = models.total_loss(terms)
                 self.mark("forward")
                 self._backward(loss)
                 self.mark("backward")
@@ -74,7 +77,7 @@ class TrainStep:
                         self.guard.check(loss, grad_norm, step_number)
                 self.optimizer.step()  # accelerate's wrapper steps only when gradients are synced
                 self.optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+            losses.append({"loss": loss.detach()} | {name: term.detach() for name, term in terms.items()})
             self.mark("optimizer")
         return losses
 
@@ -113,26 +116,36 @@ class TrainStep:
 
 
 class LossMeter:
-    """The mean loss over a log interval, kept on the device so that adding costs no host sync.
+    """The mean loss and the mean of each of its terms over a log interval, kept on the device so that adding
+    costs no host sync.
 
-    A non-finite loss (a step NonFiniteGuard skips) is left out of the mean.
+    A step whose loss is not finite (a step NonFiniteGuard skips) is left out of every mean.
     """
 
     def __init__(self, device):
-        self.sum, self.count = torch.zeros((), device=device), torch.zeros((), device=device)
-        self.last = float("nan")  # the mean of the last interval that had a finite loss
+        self.device = device
+        self.sums, self.count = {}, torch.zeros((), device=device)
+        self.last = float("nan")  # the mean loss of the last interval that had a finite one
+        self.last_terms = {}  # and the means of its terms, by name
 
-    def add(self, loss):
-        finite = torch.isfinite(loss.detach())
-        self.sum += torch.where(finite, loss.detach(), 0.0)
+    def add(self, losses):
+        """Adds one micro-batch's {"loss": ..., term name: ...} (TrainStep's)."""
+        finite = torch.isfinite(losses["loss"].detach())
+        for name, value in losses.items():
+            total = self.sums.setdefault(name, torch.zeros((), device=self.device))
+            total += torch.where(finite, value.detach(), 0.0)
         self.count += finite
 
     def read(self):
-        """Sets `last` to the interval's mean and starts a new interval; False if it had no finite loss."""
+        """Sets `last` and `last_terms` to the interval's means and starts a new interval; False if it had no
+        finite loss."""
         count = self.count.item()
         if count:
-            self.last = (self.sum / count).item()
-            self.sum.zero_()
+            means = dict(zip(self.sums, (torch.stack(list(self.sums.values())) / count).tolist()))
+            self.last = means.pop("loss")
+            self.last_terms = means
+            for total in self.sums.values():
+                total.zero_()
             self.count.zero_()
         return bool(count)
 

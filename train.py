@@ -952,16 +952,17 @@ class Meter:
         run, accelerator = self.run, self.run.accelerator
         if self.losses.read():
             lr = float(run.lr_scheduler.get_last_lr()[0])
-            accelerator.log(dict(loss=self.losses.last, lr=lr), step=run.step)
-        last_loss = self.losses.last
+            terms = self.losses.last_terms if len(self.losses.last_terms) > 1 else {}
+            accelerator.log(dict(loss=self.losses.last, lr=lr) | {f"loss/{name}": v for name, v in terms.items()}, step=run.step)
+        last_loss, terms = self.losses.last, self.losses.last_terms
         if not step_times:
-            line = f"step {run.step}/{run.total_steps} | loss {last_loss:.4f} | timing: still warming up"
+            line = f"step {run.step}/{run.total_steps} | {flops.loss_words(last_loss, terms)} | timing: still warming up"
         else:
             step_time_s = flops.median(step_times)
             perf = self.perf(step_time_s)
             line = flops.format_perf_line(
                 run.step, run.total_steps, last_loss, step_time_s, run.images_per_step, self.model_flops, perf,
-                self.peak_words, run.world, profiling.peak_memory_gib(run.device),
+                self.peak_words, run.world, profiling.peak_memory_gib(run.device), terms,
             )  # fmt: skip
             if not final:
                 images_per_s = run.images_per_step / step_time_s
@@ -994,6 +995,7 @@ class Meter:
             start_time=self.started_at,
             end_time=profiling.now_iso(),
             final_loss=self.losses.last,
+            final_loss_terms=self.losses.last_terms,
             median_step_time_s=step_time_s,
             images_per_s=self.run.images_per_step / step_time_s if step_time_s else None,
             achieved_flops=perf.get("achieved_flops"),

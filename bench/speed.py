@@ -476,13 +476,13 @@ class TrainingStep:
 
     def loss_and_backward(self, clean, noise, timesteps):
         with torch.autocast(**self.autocast), self.attention():
-            loss = models.ddpm_loss(self.model, clean, noise, timesteps, self.objective.alphas_cumprod, self.objective.prediction_type)
+            loss = self.objective.loss_at(self.model, clean, timesteps, noise)  # train.py's objective, its inputs given
         loss.backward()
         return loss.detach()
 
     def __call__(self):
         with self.attention():
-            return self.step([self.images])[0]
+            return self.step([self.images])[0]["loss"]
 
 
 def flat_gradients(unet):

@@ -13,6 +13,7 @@ import ema as posthoc_ema
 import model as models
 import sample
 import train
+from test_train import scalars
 
 EDM = [
     "--model", "edm2tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "4",
@@ -28,10 +29,16 @@ def run(output_dir, *flags):
     return train.main(args)
 
 
-def test_an_edm2_run_writes_grids_checkpoints_and_a_network_that_sample_py_and_ema_py_load(tmp_path):
+def test_an_edm2_run_writes_grids_checkpoints_and_a_network_that_sample_py_and_ema_py_load(tmp_path, capsys):
     out = tmp_path / "run"
     config = run(out)
     assert config["objective"] == "edm" and config["lr_scheduler"] == "inverse_sqrt" and config["num_inference_steps"] == 3
+    # the loss's two terms (the weighted error and u(sigma)): printed beside it, logged, and in run.json
+    final = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("final: "))
+    terms = json.loads((out / "run.json").read_text())["final_loss_terms"]
+    assert list(terms) == ["edm", "edm_logvar"] and f"(edm {terms['edm']:.4f}, edm_logvar {terms['edm_logvar']:.4f})" in final
+    assert math.isclose(sum(terms.values()), json.loads((out / "run.json").read_text())["final_loss"], rel_tol=1e-5, abs_tol=1e-6)
+    assert {"loss/edm", "loss/edm_logvar"} <= set(scalars(out))
     assert (out / "samples" / "0000.png").is_file()  # the last epoch always samples
     saved = json.loads((out / "unet" / "config.json").read_text())
     assert saved["_class_name"] == "EDM2UNet" and saved["pixel_norm"] is True  # Config G

@@ -27,8 +27,8 @@ def wired_step(mode, nan_scale=None):
     model, optimizer = accelerator.prepare(unet, optimizer)
     ema.to(CUDA)
     if nan_scale is not None:  # the loss times a device scalar: a NaN written there makes that step's loss NaN
-        loss = objective.loss
-        objective.loss = lambda net, x0: loss(net, x0) * nan_scale
+        terms = objective.terms
+        objective.terms = lambda net, x0: {name: term * nan_scale for name, term in terms(net, x0).items()}
     guard = steps.NonFiniteGuard(optimizer, "skip", CUDA)
     step = steps.TrainStep(model, model, objective, optimizer, lr_scheduler, ema, guard, 1.0, True, accelerator=accelerator)
     return compiling.FastStep(step, mode, CUDA), unet, ema, guard
@@ -42,7 +42,7 @@ def test_the_captured_bf16_step_compiled_or_not_trains_as_the_eager_one(graph_mo
         fast, unet, ema, guard = wired_step(mode)
         start = [p.detach().clone() for p in unet.parameters()]
         torch.manual_seed(123)
-        losses = torch.stack([fast([b], i + 1)[0] for i, b in enumerate(images)])
+        losses = torch.stack([fast([b], i + 1)[0]["loss"] for i, b in enumerate(images)])
         assert fast.mode == mode and not fast.fallbacks
         results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)],
                         guard.count()))  # fmt: skip
@@ -62,7 +62,7 @@ def test_a_nan_under_capture_leaves_the_weights_as_they_were():
     assert fast.current.graph is not None
     before = [p.detach().clone() for p in unet.parameters()]
     scale.fill_(float("nan"))
-    loss = fast([images[5]], 6)[0]
+    loss = fast([images[5]], 6)[0]["loss"]
     assert not torch.isfinite(loss)
     assert all(torch.equal(a, b) for a, b in zip(unet.parameters(), before))
     assert guard.count() == 1

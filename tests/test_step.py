@@ -90,7 +90,7 @@ def test_the_step_gives_the_loss_weights_and_ema_of_the_loop_it_replaced():
     phases = []
     step.mark = phases.append
     torch.manual_seed(123)
-    losses = [step([b], i + 1)[0] for i, b in enumerate(images)]
+    losses = [step([b], i + 1)[0]["loss"] for i, b in enumerate(images)]
 
     assert torch.equal(torch.stack(losses), torch.stack(old_losses))
     for a, b in zip(unet.parameters(), old_unet.parameters()):
@@ -114,7 +114,7 @@ def test_a_non_finite_step_is_skipped_inside_the_fused_optimizer():
     step(batches(1))
     before = [p.detach().clone() for p in unet.parameters()]
     objective.alphas_cumprod[:] = float("nan")  # every loss is now NaN
-    loss = step(batches(1, seed=2))[0]
+    loss = step(batches(1, seed=2))[0]["loss"]
     assert not torch.isfinite(loss)
     assert guard.count() == 1
     assert all(torch.equal(a, b) for a, b in zip(unet.parameters(), before))
@@ -133,7 +133,7 @@ def test_the_graph_split_trains_as_the_plain_step(ema_kind):
         if graphed:
             step = compiling.StepGraph(step, warmup_steps=2, capture=False)
         torch.manual_seed(123)
-        losses = torch.stack([step([b])[0] for b in images])
+        losses = torch.stack([step([b])[0]["loss"] for b in images])
         results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)],
                         lr_scheduler.get_last_lr()[0], ema.optimization_step))  # fmt: skip
     (l0, p0, s0, lr0, t0), (l1, p1, s1, lr1, t1) = results
@@ -162,7 +162,7 @@ def test_eager_graph_runs_the_uncompiled_network_in_the_graph_split_and_falls_ba
 
             monkeypatch.setattr(fast.current, "_prepare", capture)
         torch.manual_seed(123)
-        losses = torch.stack([fast([b])[0] for b in images])
+        losses = torch.stack([fast([b])[0]["loss"] for b in images])
         results.append((losses, [p.detach().clone() for p in unet.parameters()], fast.mode, said))
     (l0, p0, _, _), (l1, p1, mode1, said1), (l2, p2, mode2, said2) = results
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
@@ -200,7 +200,7 @@ def test_the_captured_step_trains_as_the_eager_step_on_a_gpu():
         step = compiling.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True),
                                warmup_steps=2, capture=capture)  # fmt: skip
         torch.manual_seed(123)
-        losses = torch.stack([step([b])[0] for b in images])
+        losses = torch.stack([step([b])[0]["loss"] for b in images])
         assert (step.graph is not None) == capture
         results.append((losses, [p.detach().clone() for p in unet.parameters()], guard.count()))
     (l0, p0, g0), (l1, p1, g1) = results
@@ -274,8 +274,8 @@ def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from
         clock = compiling.FirstStepClock(CPU)
         torch.manual_seed(1)
         with clock.measure():
-            first = step([images[0]])[0]
-        losses = [first, step([images[1]])[0]]
+            first = step([images[0]])[0]["loss"]
+        losses = [first, step([images[1]])[0]["loss"]]
         runs.append((torch.stack(losses), [p.detach().clone() for p in net.parameters()], clock))
         torch.compiler.reset()  # forget the compiled code in memory: only the disk cache remains
 
@@ -344,7 +344,7 @@ def test_a_failing_mode_falls_back_to_the_next_from_the_same_state(monkeypatch):
             monkeypatch.setattr(fast.current, "descend", descend)
             monkeypatch.setattr(compiling, "compile_network", lambda model, mode, scope="whole": model)  # 'default' is eager here
         torch.manual_seed(123)
-        losses = torch.stack([fast([b])[0] for b in images])
+        losses = torch.stack([fast([b])[0]["loss"] for b in images])
         results.append((losses, [p.detach().clone() for p in unet.parameters()], [s.clone() for s in shadows(ema)]))
     (l0, p0, s0), (l1, p1, s1) = results
     assert torch.equal(l1, l0)
@@ -373,7 +373,7 @@ def test_with_several_processes_a_failing_mode_is_a_run_error_not_a_fallback(mon
     said = []
     fast = compiling.FastStep(step, "default", CPU, say=said.append, num_processes=processes)
     if processes == 1:
-        assert torch.isfinite(fast(batches(1))[0])
+        assert torch.isfinite(fast(batches(1))[0]["loss"])
         assert fast.mode is None and said == ["--compile_mode default failed (RuntimeError: inductor failed); falling back to eager"]
         return
     with pytest.raises(RunError) as e:

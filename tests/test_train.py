@@ -249,16 +249,16 @@ def test_ctrl_c_while_train_py_imports_is_one_line_and_exit_130(tmp_path):
     assert done.returncode == 130 and done.stderr.strip().splitlines()[-1] == "train.py: interrupted: stopped without saving", done.stderr
 
 
-def test_the_logged_loss_is_the_mean_of_the_finite_losses_since_the_last_log():
+def test_the_logged_loss_and_its_terms_are_the_means_of_the_finite_steps_since_the_last_log():
     meter = steps.LossMeter(torch.device("cpu"))
-    for loss in (1.0, float("nan"), 3.0, float("inf")):
-        meter.add(torch.tensor(loss))
-    assert meter.read() and meter.last == 2.0
+    for loss, term in ((1.0, 0.5), (float("nan"), 7.0), (3.0, 1.5), (float("inf"), 7.0)):  # a step is whole or out
+        meter.add(dict(loss=torch.tensor(loss), edm=torch.tensor(term), edm_logvar=torch.tensor(loss - term)))
+    assert meter.read() and meter.last == 2.0 and meter.last_terms == dict(edm=1.0, edm_logvar=1.0)
     assert not meter.read() and meter.last == 2.0  # a new interval: nothing added yet
-    meter.add(torch.tensor(float("nan")))
+    meter.add(dict(loss=torch.tensor(float("nan")), edm=torch.tensor(1.0), edm_logvar=torch.tensor(1.0)))
     assert not meter.read() and meter.last == 2.0  # only a skipped step: the last mean stands
-    meter.add(torch.tensor(5.0))
-    assert meter.read() and meter.last == 5.0
+    meter.add(dict(loss=torch.tensor(5.0), edm=torch.tensor(4.0), edm_logvar=torch.tensor(1.0)))
+    assert meter.read() and meter.last == 5.0 and meter.last_terms == dict(edm=4.0, edm_logvar=1.0)
 
 
 def test_a_compile_that_fails_falls_back_to_eager_and_trains_the_same_weights(tmp_path, capsys, monkeypatch):
