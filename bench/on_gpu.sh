@@ -317,6 +317,7 @@ graphs)
   else
     run_within graphs-tests 90 "$python" -m pytest -p no:cacheprovider -p no:logging -n 0 -q -rA --tb=short \
       "tests/test_gpu.py::test_the_captured_bf16_step_compiled_or_not_trains_as_the_eager_one[eager-graph]" \
+      "tests/test_gpu.py::test_a_term_on_a_blocks_output_trains_alike_under_a_cuda_graph" \
       tests/test_step.py::test_the_captured_step_trains_as_the_eager_step_on_a_gpu
   fi
   bench_run ddpm32-graph-ladder 90 "${graph_ladder[@]}" --workload "${graph_workloads[0]}"

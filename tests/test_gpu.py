@@ -17,12 +17,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = torch.device("cuda")
 
 
-def wired_step(mode, nan_scale=None):
-    """tiny_parts on the GPU, prepared by accelerate (bf16) and built as train.py builds the step."""
+def wired_step(mode, nan_scale=None, objective_of=None):
+    """tiny_parts on the GPU, prepared by accelerate (bf16) and built as train.py builds the step; `objective_of`:
+    the objective built from the network instead of tiny_parts' DDPM."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="bf16")
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
+    objective = objective_of(unet) if objective_of else objective
     objective.to(CUDA)
     model, optimizer = accelerator.prepare(unet, optimizer)
     ema.to(CUDA)
@@ -51,6 +53,29 @@ def test_the_captured_bf16_step_compiled_or_not_trains_as_the_eager_one(graph_mo
     assert_same_change(p1, p0, start, rel=5e-2)
     assert_same_change(s1, s0, start, rel=5e-2)  # the EMA starts at the weights
     assert g0 == g1 == 0
+
+
+@pytest.mark.parametrize("graph_mode", ["step-graph", "eager-graph"])
+def test_a_term_on_a_blocks_output_trains_alike_under_a_cuda_graph(graph_mode):
+    """model.BlockOutputs under a captured step: the middle block's term (test_block_outputs) replays with the
+    rest of the step, and the loss, the term and the weights follow the eager step's."""
+    from test_block_outputs import WithMiddleBlock
+
+    images = [b.to(CUDA) for b in batches(6)]
+    results = []
+    for mode in (None, graph_mode):
+        fast, unet, ema, guard = wired_step(mode, objective_of=WithMiddleBlock)
+        start = [p.detach().clone() for p in unet.parameters()]
+        torch.manual_seed(123)
+        losses = [fast([b], i + 1)[0] for i, b in enumerate(images)]
+        assert fast.mode == mode and not fast.fallbacks
+        results.append((torch.stack([l["loss"] for l in losses]), torch.stack([l["middle"] for l in losses]),
+                        [p.detach().clone() for p in unet.parameters()]))  # fmt: skip
+    (l0, m0, p0), (l1, m1, p1) = results
+    assert len(set(m1.tolist())) > 1  # each replay computes the term anew
+    torch.testing.assert_close(l1, l0, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(m1, m0, rtol=2e-2, atol=2e-3)
+    assert_same_change(p1, p0, start, rel=5e-2)
 
 
 def test_a_nan_under_capture_leaves_the_weights_as_they_were():
