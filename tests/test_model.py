@@ -1,4 +1,3 @@
-import re
 from pathlib import Path
 
 import pytest
@@ -47,21 +46,13 @@ PARAMS |= {
 }  # fmt: skip
 
 
-def stated_parameter_counts():
-    """{preset: {counts}} of every preset-table row in README.md and docs/*.md:
-    | `name` (, `name`) | image size | parameters | ..."""
-    root = Path(__file__).resolve().parents[1]
-    stated = {}
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
-        for names, count in re.findall(r"^\| ((?:`\w+`(?:, )?)+) \| \d+ \| ([\d,]+) \|", page.read_text(), re.M):
-            for name in re.findall(r"`(\w+)`", names):
-                stated.setdefault(name, set()).add(int(count.replace(",", "")))
-    return stated
+def test_the_docs_preset_table_is_generated_from_the_presets_and_every_count_is_known():
+    """docs/training.md's table is flops.preset_table's (run `python flops.py --presets docs/training.md` after
+    changing a preset), and every preset has the parameter count PARAMS states."""
+    import flops
 
-
-def test_every_preset_has_the_parameter_count_the_docs_state():
-    # docs/training.md's table rows (`name` | size | parameters); docs/dit.md's DiT table has its own columns
-    assert stated_parameter_counts() == {name: {count} for name, count in PARAMS.items() if not name.startswith("dit")}
+    page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    assert flops.with_preset_table(page) == page, "run: python flops.py --presets docs/training.md"
     assert {name: param_count(name) for name in models.PRESETS} == PARAMS
 
 
