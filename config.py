@@ -76,7 +76,7 @@ SMALL = models.PRESETS["small"]
 # small preset's DDPM settings (v-prediction, EDM's noise levels, no EMA: the CPU quality
 # ladder's winners), and 24 epochs of 16,384 generated images, 3,072 steps.
 GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_num_images=16384,
-                    learning_rate=2e-4, ema="none", **SMALL["ddpm"])  # fmt: skip
+                    learning_rate=2e-4, ema="none", **SMALL.ddpm)  # fmt: skip
 CPU_SHAPES_NUM_IMAGES = 2048
 
 def default_objective(model_name, dataset):
@@ -473,7 +473,7 @@ def build_parser(prog="train.py", source=""):
     flag(m, "timestep_sampling", "DDPM and flow: how training draws the noise level: uniform (Ho et al. 2020; "
          "SiT), or lognormal: DDPM's t such that ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's "
          "timesteps; flow's sigma logit-normal, SD3's (default: flow lognormal; else the preset's, "
-         f"{SMALL['ddpm']['timestep_sampling']} for small, else {PRESET_FALLBACKS['timestep_sampling']})",
+         f"{SMALL.ddpm['timestep_sampling']} for small, else {PRESET_FALLBACKS['timestep_sampling']})",
          choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
     flag(m, "P_mean_std", "EDM, and DDPM's --timestep_sampling lognormal: ln(sigma) ~ N(P_mean, P_std^2) in "
          f"training (default: the preset's, else {models.P_MEAN},{models.P_STD}: EDM's CIFAR-10 values, as the "
@@ -481,7 +481,7 @@ def build_parser(prog="train.py", source=""):
          f"logit(sigma) ~ N(P_mean, P_std^2) (default: SD3's {models.FLOW_P_MEAN:g},{models.FLOW_P_STD:g})",
          metavar="P_MEAN,P_STD", type=Range(numbers(2, "pair"), lambda v: v[1] > 0, "two numbers, P_std greater than 0"))  # fmt: skip
     flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; "
-         f"{SMALL['ddpm']['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']}; "
+         f"{SMALL.ddpm['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']}; "
          f"{CONDITIONAL_FALLBACKS['prediction_type']} when --class_conditional)",
          choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
     flag(m, "snr_gamma", "DDPM: min-SNR-gamma loss weighting (Hang et al. 2023; 5 in their paper; default: off)",
@@ -491,9 +491,9 @@ def build_parser(prog="train.py", source=""):
 
     t = p.add_argument_group("training")
     flag(t, "train_batch_size", "images per device per micro-batch (default: the preset's; "
-         f"{SMALL['flags']['train_batch_size']} for small, else {PRESET_FALLBACKS['train_batch_size']})",
+         f"{SMALL.flags['train_batch_size']} for small, else {PRESET_FALLBACKS['train_batch_size']})",
          type=at_least(1))  # fmt: skip
-    flag(t, "num_epochs", f"passes over the dataset (default: the preset's; {SMALL['flags']['num_epochs']} for "
+    flag(t, "num_epochs", f"passes over the dataset (default: the preset's; {SMALL.flags['num_epochs']} for "
          f"small, else {PRESET_FALLBACKS['num_epochs']})", type=at_least(1))  # fmt: skip
     flag(t, "max_train_steps", "optimizer steps; overrides --num_epochs", type=at_least(1))
     flag(t, "gradient_accumulation_steps", "micro-batches per optimizer step", 1, type=at_least(1))
@@ -511,7 +511,7 @@ def build_parser(prog="train.py", source=""):
     flag(t, "ema", "the average of the weights that samples, is saved and is scored: none (the raw weights), "
          "standard (decay with warm-up: --ema_max_decay, --ema_power) or power (Karras et al. 2024's power-function "
          "EMAs, snapshots for post-hoc reconstruction: --ema_stds, ema.py reconstruct) (default: the preset's; "
-         f"{SMALL['flags']['ema']} for small, else {PRESET_FALLBACKS['ema']})",
+         f"{SMALL.flags['ema']} for small, else {PRESET_FALLBACKS['ema']})",
          choices=("none", "standard", "power"))  # fmt: skip
     flag(t, "ema_max_decay", "standard EMA: decay after warm-up", 0.9999, type=unit_interval)
     flag(t, "ema_power", "standard EMA: warm-up power, decay = 1 - (1 + step)^-power", 0.75, type=non_negative)
@@ -741,7 +741,7 @@ def _fill_gpu_bare_run(args):
     elsewhere only the built-in dataset's size."""
     if args.dataset == data.BUILTIN and args.model == "auto" and args.image_size == 32 and not args.vae and on_gpu(args):
         for name, value in GPU_BARE_RUN.items():
-            if name in SMALL["ddpm"] and models.objective_kind(args.objective) != "ddpm":
+            if name in SMALL.ddpm and models.objective_kind(args.objective) != "ddpm":
                 continue  # DDPM's settings; --objective edm or flow draws its own noise levels
             if name == "model" or getattr(args, name) is None:
                 setattr(args, name, value)
@@ -803,17 +803,17 @@ def _fill_from_preset(args):
         raise ConfigError("--timestep_sampling is DDPM's and flow's: EDM draws its noise levels by --P_mean_std")
     _fill_flow(args, defaulted)
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
-    ddpm = preset.get("ddpm", {}) if args.objective == "ddpm" else {}
+    ddpm = dict(preset.ddpm) if args.objective == "ddpm" else {}
     flow = models.objective_kind(args.objective) == "flow"
     fallbacks = PRESET_FALLBACKS | (CONDITIONAL_FALLBACKS if args.class_conditional and args.objective == "ddpm" else {})
-    for name, value in translate(fallbacks | ddpm | preset.get("flags", {})).items():
+    for name, value in translate(fallbacks | ddpm | dict(preset.flags)).items():
         if flow and name in DDPM_ONLY:
             continue  # none for a flow run: its train_config.json must not read back as DDPM's flags
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.learning_rate is None:
-        args.learning_rate = preset["learning_rate"]
-    decay = preset.get("lr_decay")
+        args.learning_rate = preset.learning_rate
+    decay = preset.lr_decay
     if args.lr_scheduler is None:
         args.lr_scheduler = decay["schedule"] if decay else "constant_with_warmup" if edm2_network else "cosine"
     if args.lr_scheduler == "inverse_sqrt" and args.lr_ref_steps is None:
@@ -871,7 +871,7 @@ def num_processes():
 
 def lr_ref_steps(model, images_per_step):
     """inverse_sqrt's t_ref in optimizer steps: the preset's reference in images over the images per step."""
-    decay = models.PRESETS[model].get("lr_decay")
+    decay = models.PRESETS[model].lr_decay
     return max(1, decay["ref_images"] // images_per_step) if decay else DEFAULT_LR_REF_STEPS
 
 

@@ -301,9 +301,9 @@ def preset_table():
     for name, preset in models.PRESETS.items():
         if models.family_name(name) == "dit":
             continue
-        counted = unet_flops(name, preset["image_size"], 1)
-        rows.append(f"| `{name}` | {preset['image_size']} | {counted['params']:,} | {counted['flops_fwdbwd'] / 1e9:.2f} | "
-                    f"{preset['description']} |")  # fmt: skip
+        counted = unet_flops(name, preset.image_size, 1)
+        rows.append(f"| `{name}` | {preset.image_size} | {counted['params']:,} | {counted['flops_fwdbwd'] / 1e9:.2f} | "
+                    f"{preset.description} |")  # fmt: skip
     return "\n".join([PRESET_TABLE_START, "", *rows, "", PRESET_TABLE_END])
 
 

@@ -210,7 +210,7 @@ def dit_step_flops(layers, hidden, tokens, patch, in_channels, out_channels, fre
 
 def dit_shape(name, side, channels):
     """dit_forward_flops' arguments for preset `name` on side x side x channels inputs (out = in, as train.py)."""
-    d = models.PRESETS[name]["dit"]
+    d = models.PRESETS[name].settings
     patch = d["patch_size"]
     return dict(layers=d["num_layers"], hidden=d["num_attention_heads"] * d["attention_head_dim"],
                 tokens=(side // patch) ** 2, patch=patch, in_channels=channels, out_channels=channels)  # fmt: skip

@@ -8,13 +8,13 @@ from errors import ConfigError
 
 
 def param_count(name):
-    unet = models.build_network(name, models.PRESETS[name]["image_size"], device="meta")
+    unet = models.build_network(name, models.PRESETS[name].image_size, device="meta")
     return sum(p.numel() for p in unet.parameters())
 
 
 def test_reference_preset_is_exactly_the_diffusers_example_model():
     assert param_count("ref128") == 113_673_219
-    config = models.PRESETS["ref128"]["unet"]
+    config = models.PRESETS["ref128"].settings
     assert config["block_out_channels"] == (128, 128, 256, 256, 512, 512)
     assert config["down_block_types"][4] == "AttnDownBlock2D"
     assert config["up_block_types"][1] == "AttnUpBlock2D"
@@ -22,7 +22,7 @@ def test_reference_preset_is_exactly_the_diffusers_example_model():
 
 
 def test_adm64_preset_shape():
-    config = models.PRESETS["adm64"]["unet"]
+    config = models.PRESETS["adm64"].settings
     assert config["block_out_channels"] == (64, 128, 192, 256)
     # attention at 16x16 and 8x8 of a 64px image: the 3rd and 4th levels
     assert config["down_block_types"] == ("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "AttnDownBlock2D")
@@ -78,7 +78,7 @@ def test_image_size_the_model_cannot_take_is_refused_with_the_sizes_it_can():
 
 @pytest.mark.parametrize("name", list(models.PRESETS))
 def test_every_preset_runs_at_its_own_size(name):
-    size = models.PRESETS[name]["image_size"]
+    size = models.PRESETS[name].image_size
     unet = models.build_network(name, size, device="meta")
     out = unet(torch.empty(2, 3, size, size, device="meta"), torch.zeros(2, dtype=torch.long, device="meta"))
     assert out.sample.shape == (2, 3, size, size)
