@@ -232,14 +232,17 @@ def predicted_graph_s(family, flops_per_step, peak_flops):
 
 def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps=None, peak_flops=None, remembered=None):
     """The step's CompilePlan: `choose_compile_mode`'s mode, `choose_compile_scope`'s scope (by the run's
-    length), and, for --compile_mode auto, eager instead where the run is too short to repay the compile:
-    its `total_steps` times the predicted saving of a step against the predicted compile (`peak_flops`:
+    length), and, for --compile_mode auto and a run of known length, whichever of eager, the eager step
+    captured (`eager-graph`) and the compiled step is predicted to end the run soonest: its `total_steps`
+    times each one's predicted step, plus the predicted compile or capture (`peak_flops`:
     the device's, flops.py's; `remembered(mode, scope)`: the cold compile seconds this machine recorded
     for the same step, whose graphs Inductor's cache then holds, or None).
     """
     mode, why = choose_compile_mode(args, device, num_processes, flops_per_micro_batch)
     if mode is None:
         return CompilePlan(None, "whole", why)
+    if mode == "eager-graph":
+        return CompilePlan(mode, "whole", why)  # nothing is compiled
     family = models.family_name(args.model)
     predicted = {scope: predicted_compile_s(device, family, scope, remembered and remembered(mode, scope))
                  for scope in ("whole", "regional")}  # fmt: skip
@@ -250,24 +253,22 @@ def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps
     scope, scope_why = choose_compile_scope(args, device, total_steps, compiled_s,
                                             {scope: seconds for scope, (seconds, _) in predicted.items()}, mode)  # fmt: skip
     compile_s, cache = predicted[scope]
-    if mode == "eager-graph":
-        return CompilePlan(mode, "whole", why)  # nothing is compiled
     if args.compile_mode != "auto" or saving_s is None or not total_steps:
         return CompilePlan(mode, scope, f"{why}; {scope_why}")
     # auto, for a run of known length: whichever of eager, the eager step captured and compiling ends it soonest
     seconds = {None: total_steps * eager_s, mode: compile_s + total_steps * compiled_s}
-    if device.type == "cuda" and not graph_blockers(args, device, num_processes):
+    if not graph_blockers(args, device, num_processes):  # a CUDA GPU, one process, ...
         seconds["eager-graph"] = EAGER_GRAPH_CAPTURE_S + total_steps * predicted_graph_s(family, per_step, peak_flops)
     best = min(seconds, key=seconds.get)
-    compiling = f"compiling ({mode}, {SCOPE_WORDS[scope]}) would take about {compile_s:.0f} s ({cache})"
+    compile_words = f"compiling ({mode}, {SCOPE_WORDS[scope]}) would take about {compile_s:.0f} s ({cache})"
     if best == "eager-graph":
         return CompilePlan(best, "whole", (
             f"auto: eager-graph (the eager step captured in one CUDA graph, about {seconds[best]:.0f} s for this run's "
-            f"{total_steps:,} steps against {seconds[mode]:.0f} s compiled and {seconds[None]:.0f} s eager): {compiling}; "
+            f"{total_steps:,} steps against {seconds[mode]:.0f} s compiled and {seconds[None]:.0f} s eager): {compile_words}; "
             f"--compile_mode {mode} compiles anyway"))  # fmt: skip
     if best is None:
         return CompilePlan(None, scope, (
-            f"auto: eager: {compiling}, more than it saves in this run's {total_steps:,} steps (about "
+            f"auto: eager: {compile_words}, more than it saves in this run's {total_steps:,} steps (about "
             f"{saving_s * total_steps:.0f} s, {saving_s * 1e3:.3g} ms a step); --compile_mode {mode} compiles anyway"))  # fmt: skip
     why += f"; compile about {compile_s:.0f} s ({cache}), saves about {saving_s * total_steps:.0f} s in {total_steps:,} steps"
     return CompilePlan(mode, scope, f"{why}; {scope_why}")
@@ -337,8 +338,8 @@ def repeated_blocks(model):
     """The modules of `model` (or of the network inside accelerate's or DDP's wrapper) that its class names
     in `_repeated_blocks`, diffusers' declaration for ModelMixin.compile_repeated_blocks."""
     network = getattr(model, "module", model)
-    names = tuple(getattr(network, "_repeated_blocks", None) or ())
-    return [m for m in network.modules() if type(m).__name__ in names]
+    modules = dict(network.named_modules())
+    return [modules[name] for name in models.block_names(network)]
 
 
 # Regional compilation keeps one compiled graph per block class and shape: a UNet's blocks come in

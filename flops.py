@@ -299,7 +299,7 @@ def preset_table():
     GFLOP per image at that size, and its description (a DiT's are docs/dit.md's, at its latents' size)."""
     rows = ["| `--model` | image size | parameters | GFLOP/img fwd+bwd | what it is |", "|---|---|---|---|---|"]
     for name, preset in models.PRESETS.items():
-        if models.family_name(name) == "dit":
+        if preset.family == "dit":
             continue
         counted = unet_flops(name, preset.image_size, 1)
         rows.append(f"| `{name}` | {preset.image_size} | {counted['params']:,} | {counted['flops_fwdbwd'] / 1e9:.2f} | "

@@ -228,8 +228,8 @@ def resolve_model_name(name, image_size):
 
 
 class Family(NamedTuple):
-    """What every preset of a network family shares, decided here once. A preset names its family in
-    `network` ("unet" without it) and holds the family's build settings under the family's name."""
+    """What every preset of a network family shares, decided here once. A Preset names its family and
+    holds the settings the family builds its network from."""
 
     build: Callable  # (settings, sample_size, channels, num_classes) -> a fresh network
     size_multiple: Callable  # settings -> what an input side must be a multiple of
