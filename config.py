@@ -96,6 +96,7 @@ DERIVED_KEYS = (
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
     "step_compile_mode", "step_compile_scope", "device", "num_classes", "class_names", "class_counts",
     "latent_size", "latent_channels", "latent_normalization", "latents", "latent_space", "flow_sigmas",
+    "image_channels", "image_bits", "data_survey",
 )  # fmt: skip
 
 # What one command asks for once, not what a run is: a file read with --config never
@@ -677,6 +678,7 @@ def resolve(args):
     for name, kind in _ranges().items():
         kind.check(name, getattr(args, name))
     _fill_gpu_bare_run(args)
+    _fill_pixels(args)
     _fill_latents(args)
     _fill_from_preset(args)
     _fill_from_machine(args)
@@ -751,7 +753,21 @@ def _fill_gpu_bare_run(args):
 
 # What a dry run assumes of a VAE whose config.json cannot be had offline (a Hub id not in the local Hub
 # cache): Stable Diffusion's KL-f8, 8x smaller latents of 4 channels. It says so; a run loads the VAE.
-ASSUMED_VAE = dict(cls="AutoencoderKL", subfolder=None, factor=8, channels=4, scaling_factor=None)
+ASSUMED_VAE = dict(cls="AutoencoderKL", subfolder=None, factor=8, channels=4, in_channels=3, scaling_factor=None)
+
+
+def _fill_pixels(args):
+    """What the images are (data.survey: their headers, none decoded) and what the run makes of them: the channels
+    and bits of args.image_channels and image_bits, and the survey for the line train.py prints before training
+    (args.data_survey). The built-in shapes are RGB at 8 bits, and a dry run does not open a Hub dataset."""
+    if getattr(args, "image_channels", None) is not None:  # resolved already
+        return
+    local = Path(args.dataset).expanduser().exists()
+    hub = not local and not data.looks_like_path(args.dataset) and not args.dry_run
+    # a missing folder is refused where the data loads (data.load_images), with the other checks of the data
+    found = data.survey(data.open_run_dataset(args)) if args.dataset != data.BUILTIN and (local or hub) else None
+    args.image_channels, args.image_bits = found.pixels if found else data.Pixels()
+    args.data_survey = found._asdict() if found else None
 
 
 def _fill_latents(args):
@@ -776,6 +792,14 @@ def _fill_latents(args):
         if not args.dry_run:
             raise
         found = dict(ASSUMED_VAE, source=source, assumed=str(e))
+    if found["in_channels"] != 3:
+        raise ConfigError(f"--vae {source} encodes {found['in_channels']}-channel images, and a run gives its VAE RGB "
+                          "images: use a VAE of RGB images, or train on pixels (leave out --vae)")  # fmt: skip
+    if args.image_channels == 4:
+        raise ConfigError(f"--vae {source} encodes RGB images, and these have an alpha channel: train on pixels "
+                          "(leave out --vae) to keep it, or save the images as RGB")  # fmt: skip
+    # a VAE encodes 8-bit RGB: grayscale repeated in three channels, 16 bits rounded to 8 (docs/images.md)
+    args.image_channels, args.image_bits = 3, 8
     args.latent_size = latents.latent_size(args.image_size, found["factor"])
     args.latent_channels = found["channels"]
     args.latent_normalization = wanted if "assumed" in found else latents.normalization_kind(found, wanted)

@@ -1,7 +1,7 @@
 """Training images: the built-in shapes, a folder, a saved or a Hub dataset.
 
-Every source yields uint8 tensors of shape (3, S, S), already resized and
-cropped. A class-conditional run (--class_conditional) also gets one class
+Every source yields tensors of shape (C, S, S), already resized and cropped: uint8,
+or uint16 for 16-bit grayscale, of the channels the images have (`survey`: 1, 3 or 4). A class-conditional run (--class_conditional) also gets one class
 label per image: from the subfolder of a folder in ImageFolder layout, from a
 `datasets` column, or, for the built-in shapes, the kind of the one shape each
 image then holds (`load_images`). Random flips and the scaling to [-1, 1] happen on whole batches on
@@ -26,6 +26,7 @@ import signal
 import sys
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -158,25 +159,86 @@ def builtin_images(num_images, image_size, seed, class_conditional=False):
 
 # PIL's modes of one 16-bit channel (a 16-bit grayscale PNG or TIFF opens as I;16, or as I).
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+# PIL's modes by what a run makes of them: one channel, or one with an alpha channel; any other mode PIL can
+# convert to RGB is colour (CMYK, YCbCr, LAB, HSV and a palette without transparency convert). 32-bit float
+# ("F") has no range to scale from, and is refused.
+GRAY_MODES = ("1", "L", *SIXTEEN_BIT_MODES)
+ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+REFUSED_MODES = ("F",)
 
 
-def rgb8(im):
-    """`im` as 8-bit RGB. PIL's convert("RGB") clips a 16-bit image at 255, so that one of values
-    12 to 65,506 came out 98% white: its values are scaled to 8 bits first (65,535 -> 255)."""
-    if im.mode in SIXTEEN_BIT_MODES:
-        im = Image.fromarray(np.clip(np.rint(np.asarray(im, dtype=np.float32) / 257), 0, 255).astype(np.uint8), "L")
-    return im.convert("RGB")
+class Pixels(NamedTuple):
+    """How a run holds its images: 1 (grayscale), 3 (RGB) or 4 (RGBA) channels of 8 or 16 bits."""
+
+    channels: int = 3
+    bits: int = 8
+
+    @property
+    def dtype(self):
+        return torch.uint16 if self.bits == 16 else torch.uint8
+
+    @property
+    def top(self):
+        """The largest value a pixel holds: 255 or 65,535."""
+        return 2**self.bits - 1
+
+    @property
+    def mode(self):
+        """The PIL mode a PNG of such pixels is written in."""
+        return {1: "I;16" if self.bits == 16 else "L", 3: "RGB", 4: "RGBA"}[self.channels]
 
 
-def image_transform(image_size, center_crop=True):
-    """PIL image -> uint8 (3, S, S): RGB (rgb8), shorter side resized to S, cropped."""
+def eight_bit(images):
+    """uint8 images as they are; uint16 ones rounded to 8 bits (65,535 -> 255), as grids and FID take them."""
+    return images if images.dtype == torch.uint8 else images.float().div(257).round().to(torch.uint8)
+
+
+def pixels_of(options):
+    """The Pixels a run's configuration (train.py's flags, resolved: config.resolve surveys the data) records;
+    RGB at 8 bits for a run recorded before they were."""
+    return Pixels(options.get("image_channels") or 3, options.get("image_bits") or 8)
+
+
+def has_alpha(im):
+    return im.mode in ALPHA_MODES or (im.mode == "P" and "transparency" in im.info)
+
+
+def pixels_for(mode, alpha=False):
+    """What one image of PIL `mode` is: Pixels(1, 8 or 16), Pixels(3, 8) or Pixels(4, 8)."""
+    if mode in GRAY_MODES:
+        return Pixels(1, 16 if mode in SIXTEEN_BIT_MODES else 8)
+    return Pixels(4, 8) if alpha or mode in ALPHA_MODES else Pixels(3, 8)
+
+
+def to_pixels(im, pixels):
+    """`im` converted to `pixels`: PIL's L, RGB or RGBA, or for 16 bits a float image ("F") of 0 to 65,535, which
+    resizes without rounding to 8 bits. PIL's convert clips a 16-bit image at 255, so that one of values 12 to
+    65,506 came out 98% white: a 16-bit image's values are scaled to 8 bits first (65,535 -> 255), and an 8-bit
+    one's up to 16 (255 -> 65,535)."""
+    if im.mode in REFUSED_MODES:
+        raise ValueError(f"PIL mode {im.mode} (32-bit float) has no range to scale from: save it as a 16-bit PNG or TIFF")
+    sixteen = im.mode in SIXTEEN_BIT_MODES
+    if pixels.bits == 16:
+        values = np.asarray(im if sixteen else im.convert("L"), dtype=np.float32) * (1 if sixteen else 257)
+        return Image.fromarray(np.clip(values, 0, 65535))  # mode F
+    if sixteen:
+        im = Image.fromarray(np.clip(np.rint(np.asarray(im, dtype=np.float32) / 257), 0, 255).astype(np.uint8))
+    if pixels.channels == 4 and im.mode == "P":
+        im = im.convert("RGBA")  # a palette's transparency, kept (PIL warns converting it straight to RGB)
+    return im.convert(Pixels(pixels.channels, 8).mode)
+
+
+def image_transform(image_size, center_crop=True, pixels=Pixels()):
+    """PIL image -> (C, S, S) of `pixels` (uint8 or uint16): converted (to_pixels), shorter side resized to S
+    (an RGBA image with its alpha premultiplied, as PIL resizes it), cropped."""
     crop = T.CenterCrop(image_size) if center_crop else T.RandomCrop(image_size)
     return T.Compose(
         [
-            T.Lambda(rgb8),
+            T.Lambda(lambda im: to_pixels(im, pixels)),
             T.Resize(image_size, interpolation=T.InterpolationMode.BILINEAR, antialias=True),
             crop,
             T.PILToTensor(),
+            T.Lambda(lambda x: x if x.dtype == pixels.dtype else x.round().clamp(0, pixels.top).to(pixels.dtype)),
         ]
     )
 
@@ -238,7 +300,7 @@ def _is_saved_dataset(path):
     return any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
 
 
-def _looks_like_path(name):
+def looks_like_path(name):
     return name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name or name.endswith(os.sep)
 
 
@@ -377,7 +439,7 @@ def _load_hub(name, config, split):
 
 def open_dataset(
     source, image_size, center_crop=True, config=None, split="train", image_column=None,
-    class_conditional=False, label_column=None,
+    class_conditional=False, label_column=None, pixels=Pixels(),
 ):  # fmt: skip
     """The torch Dataset behind `--dataset`: a folder, a saved dataset or a Hub id.
 
@@ -385,7 +447,7 @@ def open_dataset(
     `folder_labels` and `column_labels`), or the data's lack of labels is an error.
     (The built-in dataset is generated directly as a tensor: `builtin_images`.)
     """
-    transform = image_transform(image_size, center_crop)
+    transform = image_transform(image_size, center_crop, pixels)
     path = Path(source).expanduser()
     if path.is_dir() and not _is_saved_dataset(path):
         paths = find_images(path)
@@ -403,7 +465,7 @@ def open_dataset(
         dataset = _pick_split(datasets.load_from_disk(str(path)), split, source)
     elif path.exists():
         raise ConfigError(f"--dataset {source} is a file: point it at a folder of images or a saved dataset")
-    elif _looks_like_path(source):
+    elif looks_like_path(source):
         raise ConfigError(f"--dataset {source}: no such folder; check the path")
     else:
         dataset = _load_hub(source, config, split)
@@ -488,7 +550,7 @@ def _decoding(dataset, num_workers, progress, unreadable, batch_size, require_re
 
 def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, labels=None, batch_size=ENCODE_BATCH,
                     require_readable=True):  # fmt: skip
-    """Every readable image of `dataset` once, in order: uint8 batches (B, 3, S, S), or with `labels` (one
+    """Every readable image of `dataset` once, in order: batches (B, C, S, S), or with `labels` (one
     per item of `dataset`) (images, their labels). Unreadable images are passed to `unreadable` (default:
     strict, the first one is an error) and left out; none readable is an error (with `require_readable`,
     else no batch: a part of a dataset may hold only unreadable images)."""
@@ -500,14 +562,14 @@ def decoded_batches(dataset, num_workers=0, progress=False, unreadable=None, lab
 
 
 def preload(dataset, num_workers=0, progress=False, unreadable=None):
-    """Decode every image once into one uint8 tensor (N, 3, S, S) (decoded_batches: the unreadable
+    """Decode every image once into one tensor (N, C, S, S) (decoded_batches: the unreadable
     left out)."""
     return torch.cat(list(decoded_batches(dataset, num_workers, progress, unreadable)))
 
 
 class PreloadedImages(torch.utils.data.Dataset):
     """A preloaded dataset some of whose images are unreadable, each item at its index, as a streamed
-    dataset has them: `images` (K, 3, S, S) holds the K readable images in order, `rows[i]` the row of
+    dataset has them: `images` (K, C, S, S) holds the K readable images in order, `rows[i]` the row of
     item i, -1 where it is unreadable, and `errors[i]` why. An item is (image, None) or (None, error),
     as FileImages' are; Batches fills the places of the unreadable as it does for a stream (`filled`)."""
 
@@ -547,7 +609,7 @@ class PreloadedImages(torch.utils.data.Dataset):
 
 
 def preload_in_place(dataset, num_workers=0, progress=False, unreadable=None):
-    """Decode every image once, each keeping its index: a uint8 tensor (N, 3, S, S) when all N are
+    """Decode every image once, each keeping its index: a tensor (N, C, S, S) when all N are
     readable, else a PreloadedImages of the N, which remembers the unreadable (reported to `unreadable`,
     default strict). So a preloaded dataset has the images, the steps per epoch and the batches of the
     same dataset streamed. None readable is an error."""
@@ -805,11 +867,11 @@ def _refill(readable, size):
 
 
 def to_model_input(images, random_flip=True):
-    """uint8 (B, 3, S, S) -> float in [-1, 1], each image flipped left-right with probability 1/2.
+    """uint8 or uint16 (B, C, S, S) -> float in [-1, 1], each image flipped left-right with probability 1/2.
     A float batch is a latent run's, drawn already (its orientation too: latents.LatentCache.draw): as it is."""
     if images.is_floating_point():
         return images
-    x = images.float().div_(127.5).sub_(1)
+    x = images.float().div_((65535 if images.dtype == torch.uint16 else 255) / 2).sub_(1)
     if random_flip:
         flip = torch.rand(x.shape[0], device=x.device) < 0.5
         x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
@@ -846,7 +908,7 @@ def preload_max_gib(args):
 def load_images(args, unreadable):
     """The training data of the run's flags: (images, labels, class_names).
 
-    images: a uint8 tensor (generated or preloaded), a PreloadedImages (preloaded, some images unreadable:
+    images: a uint8 or uint16 tensor (generated or preloaded), a PreloadedImages (preloaded, some images unreadable:
     `preload_in_place`), or a Dataset to stream when preloading is off, needs random crops, or would pass
     --preload_data MAX_GIB. Preloaded or streamed, a dataset has as many items, the unreadable included,
     and the same batches (Batches).
@@ -859,7 +921,8 @@ def load_images(args, unreadable):
         return builtin_images(args.shapes_num_images, args.image_size, args.seed, args.class_conditional)
     dataset = open_run_dataset(args)
     labels, class_names = dataset.labels, dataset.class_names
-    gib = len(dataset) * 3 * args.image_size**2 / 2**30
+    pixels = pixels_of(vars(args))
+    gib = len(dataset) * pixels.channels * pixels.bits // 8 * args.image_size**2 / 2**30
     if not args.preload_data or random_crops(args) or gib > preload_max_gib(args):
         check_readable(dataset, unreadable)
         return dataset, labels, class_names
@@ -879,8 +942,101 @@ def open_run_dataset(args):
     """open_dataset of the run's flags (not the built-in shapes): nothing decoded yet."""
     return open_dataset(
         args.dataset, args.image_size, not random_crops(args), args.dataset_config, args.split, args.image_column,
-        args.class_conditional, label_column_of(args),
+        args.class_conditional, label_column_of(args), pixels_of(vars(args)),
     )  # fmt: skip
+
+
+# --- what the images are -----------------------------------------------------------
+
+SURVEY_ROWS = 256  # the rows of a `datasets` dataset whose images a run looks at; a folder's: every file's header
+HEADER_THREADS = 16  # a folder's headers read at once (on a network disk each read waits)
+
+
+class Survey(NamedTuple):
+    """What a run's images are (survey): read from their headers, no image decoded, before training."""
+
+    count: int  # images in the set
+    looked: int  # of which were looked at: every one of a folder, the first SURVEY_ROWS of a dataset
+    modes: dict  # PIL mode (with "+alpha" where a palette has transparency) -> how many of those looked at
+    sizes: tuple  # (least width, most width, least height, most height)
+    aspects: tuple  # (least, most) width / height
+    pixels: Pixels  # what the run makes of them
+    mixed: bool  # images of more than one kind (grayscale, colour, alpha), trained as RGB
+    cropped: int  # of those looked at, how many the crop to the run's shape loses more than CROP_LOSS of
+
+
+def _header(im):
+    return im.mode + ("+alpha" if im.mode == "P" and has_alpha(im) else ""), im.size
+
+
+def _read_header(path):
+    try:
+        with Image.open(path) as im:
+            return _header(im)
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return None  # unreadable: training skips it, or stops at it, and says so
+
+
+CROP_LOSS = 0.25  # a crop that loses more of most images is said
+
+
+def survey(dataset, aspect=1.0):
+    """What `dataset` (a FileImages or HubImages) holds, and the Pixels a run trains it as: all grayscale, one
+    channel (16 bits where any image has them); all with alpha, four; anything else, or a mix, RGB. A 32-bit
+    float image is refused here, before training, in one line. `aspect`: the width / height the run crops to."""
+    if isinstance(dataset, FileImages):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(HEADER_THREADS) as pool:
+            headers = list(pool.map(_read_header, dataset.paths))
+        names = [str(p) for p in dataset.paths]
+    else:
+        rows = range(min(len(dataset), SURVEY_ROWS))
+        headers, names = [_header(dataset.dataset[i][dataset.column]) for i in rows], [f"row {i}" for i in rows]
+    found = [(name, header) for name, header in zip(names, headers) if header is not None]
+    for name, (mode, _) in found:
+        if mode in REFUSED_MODES:
+            raise ConfigError(f"image {name} is PIL mode {mode} (32-bit float), which has no range to scale from: "
+                              "save it as a 16-bit PNG or TIFF (16-bit grayscale is kept at 16 bits)")  # fmt: skip
+    if not found:  # none readable: training says so (check_readable)
+        return Survey(len(dataset), 0, {}, (0, 0, 0, 0), (0, 0), Pixels(), False, 0)
+    kinds = {pixels_for(mode.removesuffix("+alpha"), mode.endswith("+alpha")) for _, (mode, _) in found}
+    channels = {kind.channels for kind in kinds}
+    pixels = Pixels(channels.pop(), max(kind.bits for kind in kinds)) if len(channels) == 1 else Pixels()
+    widths, heights = [w for _, ((_, (w, _))) in found], [h for _, ((_, (_, h))) in found]
+    modes = {}
+    for _, (mode, _) in found:
+        modes[mode] = modes.get(mode, 0) + 1
+    aspects = [w / h for w, h in zip(widths, heights)]
+    cropped = sum(min(a / aspect, aspect / a) < 1 - CROP_LOSS for a in aspects)  # the share a covering crop keeps
+    return Survey(len(dataset), len(headers), modes, (min(widths), max(widths), min(heights), max(heights)),
+                  (min(aspects), max(aspects)), pixels, len(channels) > 1, cropped)  # fmt: skip
+
+
+KIND_WORDS = {1: "grayscale", 3: "RGB", 4: "RGBA"}
+
+
+def survey_lines(args):
+    """What a run prints before training about its images (args.data_survey, config.resolve's): what they are and
+    what it makes of them; and a warning where the crop loses more than CROP_LOSS of most of them. None for the
+    built-in shapes."""
+    if not args.data_survey:
+        return []
+    found, pixels, size = Survey(**args.data_survey), pixels_of(vars(args)), args.image_size
+    of = f" (the first {found.looked:,} looked at)" if found.looked < found.count else ""
+    modes = ", ".join(f"{n:,} {mode}" for mode, n in sorted(found.modes.items(), key=lambda kv: -kv[1]))
+    w0, w1, h0, h1 = found.sizes
+    span = lambda lo, hi, fmt="{}": fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"  # noqa: E731
+    why = (" (images of more than one kind)" if found.mixed else
+           " (a VAE encodes 8-bit RGB)" if Pixels(*found.pixels) != pixels else "")  # fmt: skip
+    crop = "cropped at random each epoch" if random_crops(args) else "centre-cropped"
+    lines = [f"data: {found.count:,} images{of}: {modes}; width {span(w0, w1)}, height {span(h0, h1)}, aspect "
+             f"(width/height) {span(*found.aspects, fmt='{:.2f}')}; trained as {KIND_WORDS[pixels.channels]} at "
+             f"{pixels.bits} bits{why}, each resized to cover {size}x{size} and {crop}"]  # fmt: skip
+    if found.cropped * 2 > found.looked:
+        lines.append(f"warning: cropping to {size}x{size} loses more than {CROP_LOSS:.0%} of {found.cropped:,} of the "
+                     f"{found.looked:,} images looked at: to keep them whole, crop or pad them to that shape first")  # fmt: skip
+    return lines
 
 
 # --- a latent run's images --------------------------------------------------------

@@ -347,7 +347,7 @@ def vae_settings(id_or_path, subfolder=None):
     `factor`, latent `channels`, whether its config sets a `scaling_factor`, and where it is."""
     name, source, sub, config = locate_vae(id_or_path, subfolder)
     return dict(cls=name, source=source, subfolder=sub, factor=vae_factor(config), channels=int(config["latent_channels"]),
-                scaling_factor=config.get("scaling_factor") is not None)  # fmt: skip
+                in_channels=int(config.get("in_channels", 3)), scaling_factor=config.get("scaling_factor") is not None)  # fmt: skip
 
 
 def _is_tiny(vae):

@@ -149,6 +149,17 @@ def _no_tf32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
+def rgb8(images):
+    """Images (B, C, S, S) as the 8-bit RGB images Inception takes: 16 bits rounded to 8, a grayscale channel
+    repeated in three, an alpha channel composited over black (the colour of a transparent pixel says nothing)."""
+    images = data.eight_bit(images)
+    if images.shape[1] == 1:
+        return images.expand(-1, 3, -1, -1)
+    if images.shape[1] == 4:
+        return (images[:, :3].float() * images[:, 3:].float() / 255).round().to(torch.uint8)
+    return images
+
+
 def embedded(extractor, indexed, device):
     """(features (B, D) in float64 on `device`, indices) of each (uint8 batch, indices) of `indexed`.
 
@@ -158,7 +169,7 @@ def embedded(extractor, indexed, device):
     extractor = extractor.to(device).eval()
     for batch, index in indexed:
         with torch.no_grad(), _no_tf32():
-            features = extractor(batch.to(device)).double()
+            features = extractor(rgb8(batch.to(device))).double()
         yield features, index
 
 
@@ -500,6 +511,8 @@ def reference_key(options, image_size, extractor_name, contents=None):
     if options.get("dataset") == data.BUILTIN:
         key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"),
                     class_conditional=bool(options.get("class_conditional")))  # one shape per image when conditional
+    if data.pixels_of(options) != data.Pixels():  # grayscale, 16 bits or alpha reach Inception otherwise (rgb8)
+        key["pixels"] = list(data.pixels_of(options))
     return key | dict(image_size=image_size, extractor=extractor_name, contents=contents)
 
 
@@ -746,5 +759,5 @@ def reference_images(options, image_size):
         return data.builtin_images(options["shapes_num_images"], image_size, options["seed"], conditional)[0]
     return data.open_dataset(
         options["dataset"], image_size, center_crop(options), options.get("dataset_config"),
-        options.get("split") or "train", options.get("image_column"),
+        options.get("split") or "train", options.get("image_column"), pixels=data.pixels_of(options),
     )  # fmt: skip

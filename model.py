@@ -314,11 +314,17 @@ def build_network(name, image_size, device=None, num_classes=0, channels=3):
 UNET_REPEATED_BLOCKS = ("ResnetBlock2D", "Attention")
 
 
+def network_channels(config):
+    """The channels of what a run's network takes (`config`: its flags or train_config.json): a latent run's
+    latents', else its images' (1, 3 or 4; 3 for a run recorded before they were)."""
+    return config.get("latent_channels") or config.get("image_channels") or 3
+
+
 def build_run_network(config):
     """A fresh network for a run's train_config.json `config`: at its latent size and channels for a
-    latent run (--vae), else at its image size."""
+    latent run (--vae), else at its image size and channels."""
     return build_network(config["model"], config.get("latent_size") or config["image_size"],
-                      num_classes=config.get("num_classes") or 0, channels=config.get("latent_channels") or 3)  # fmt: skip
+                      num_classes=config.get("num_classes") or 0, channels=network_channels(config))  # fmt: skip
 
 
 def num_classes_of(net):

@@ -26,6 +26,9 @@ from errors import ConfigError
 RUN_IDENTITY = (
     # the network's shape: the saved weights fit no other (a conditional run's class embedding too, and its labels)
     "model", "image_size", "class_conditional", "num_classes",
+    # ... and the images' channels (config._fill_pixels: a gray set that gained a colour image trains RGB), and their
+    # bits: what a value of the data the network learned means
+    "image_channels", "image_bits",
     # the data, its order and what a step is: the step count and the position in the data mean these
     # (--augment: its random crops, compared alone: flips are drawn afresh each step)
     "dataset", "dataset_config", "split", "image_column", "shapes_num_images", "augment",
@@ -50,7 +53,8 @@ RUN_IDENTITY = (
 
 # Identity keys train.py computes (config.DERIVED_KEYS), not flags, and what a run that did
 # not record one had: num_classes 0, unconditional (None: always recorded, or see PIXEL_RUN).
-DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None, "flow_sigmas": None}
+DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None, "flow_sigmas": None,
+                    "image_channels": 3, "image_bits": 8}  # fmt: skip
 
 # Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels,
 # or is a latent run of before latent_space, whose train_config.json's latents record gives it.

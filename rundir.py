@@ -168,6 +168,9 @@ def write_model_card(folder, config):
     size = f"{config.get('image_size')}px" + (f" ({config.get('latent_size')}x{config.get('latent_size')}x"
                                               f"{config.get('latent_channels')} latents of {config['latents'].get('vae')})"
                                               if latent else "")  # fmt: skip
+    kind_of = {1: "grayscale", 4: "RGBA"}.get(config.get("image_channels"))  # docs/images.md
+    if kind_of and not latent:
+        size += f", {kind_of} at {config.get('image_bits') or 8} bits"
     objective_line = OBJECTIVE_WORDS[kind] + (f", SD3's timestep shift {shift:g}" if kind == "flow" and shift != 1 else "")
     if kind == "flow":
         objective_line += f"; noise levels drawn {config.get('flow_sigmas')}; sampler {config.get('sampler')}"

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 import checkpoint
+import data
 import latents
 import metrics
 import model as models
@@ -474,15 +475,16 @@ def image_noise(generators, shape, device):
     return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
 
 
-def to_uint8(images):
-    """[-1, 1] floats -> uint8 [0, 255] on the CPU, as a PNG stores them."""
-    return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+def to_pixels(images, bits=8):
+    """[-1, 1] floats -> uint8 [0, 255] (or with `bits` 16, uint16 [0, 65,535]) on the CPU, as a PNG stores them."""
+    pixels = data.Pixels(bits=bits)
+    return ((images.float().clamp(-1, 1) + 1) * (pixels.top / 2)).round().to(pixels.dtype).cpu()
 
 
 @torch.no_grad()
 def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nullcontext, labels=None,
-             guidance_scale=1.0, guide=None, decode=None):  # fmt: skip
-    """uint8 images (len(seeds), C, S, S); image i starts from noise drawn with seed seeds[i].
+             guidance_scale=1.0, guide=None, decode=None, bits=8):  # fmt: skip
+    """uint8 images (len(seeds), C, S, S), uint16 with `bits` 16; image i starts from noise drawn with seed seeds[i].
 
     `scheduler` is one of make_scheduler's, or an EDMHeunSampler for a network
     trained with the EDM objective (`make_sampler` picks by the run's objective).
@@ -511,23 +513,24 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
                 model_output = unet(scale(x, t), t, return_dict=False)[0]
             # the DDPM sampler's fresh noise comes from the same per-image generators
             x = scheduler.step(model_output.float(), t, x, generator=generators).prev_sample
-    return to_uint8(x if decode is None else decode(x))
+    return to_pixels(x if decode is None else decode(x), bits)
 
 
 def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inference_steps, autocast=contextlib.nullcontext,
-                     labels=None, guidance_scale=1.0, guide=None, decode=None, shard=(0, 1)):  # fmt: skip
-    """Yield uint8 batches of `num_images` images in all; image i depends only on (seed, i) (and its label).
+                     labels=None, guidance_scale=1.0, guide=None, decode=None, shard=(0, 1), bits=8):  # fmt: skip
+    """Yield uint8 (with `bits` 16, uint16) batches of `num_images` images in all; image i depends only on (seed, i) (and its label).
     `shard` (rank, world): batches rank, rank + world, ... of them alone (one process's of several)."""
     seeds = image_seeds(seed, num_images)
     rank, world = shard
     for start in range(rank * batch_size, num_images, world * batch_size):
         part = None if labels is None else labels[start : start + batch_size]
         yield generate(unet, scheduler, seeds[start : start + batch_size], num_inference_steps, autocast, part,
-                       guidance_scale, guide, decode)  # fmt: skip
+                       guidance_scale, guide, decode, bits)  # fmt: skip
 
 
-def gathered(mine, num_images, batch_size, image_size, rank=0, world=1, group=None, before_round=None):
-    """The main process's view of every process's batches of `num_images` images, in image order: each process's
+def gathered(mine, num_images, batch_size, image_shape, rank=0, world=1, group=None, before_round=None):
+    """The main process's view of every process's uint8 batches of `num_images` images of `image_shape` (C, S, S),
+    in image order: each process's
     `mine` (batches rank, rank + world, ... of `batch_size`: generate_batches' shard) gathered to rank 0 round by
     round through `group` (gloo: CPU tensors; the last batch may be short, a process may have none in the last
     round); the others' view: nothing (their part is to send). `before_round()`, on every process before each round:
@@ -540,7 +543,7 @@ def gathered(mine, num_images, batch_size, image_size, rank=0, world=1, group=No
         if world == 1:
             yield batch
             continue
-        padded = torch.zeros(batch_size, 3, image_size, image_size, dtype=torch.uint8)
+        padded = torch.zeros(batch_size, *image_shape, dtype=torch.uint8)
         if batch is not None:
             padded[: len(batch)] = batch
         parts = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
@@ -551,11 +554,13 @@ def gathered(mine, num_images, batch_size, image_size, rank=0, world=1, group=No
 
 
 def save_grid(images, path):
-    """uint8 images (N, 3, S, S) as one PNG, in a square-ish grid."""
-    from torchvision.utils import make_grid, save_image
+    """Images (N, C, S, S) as one 8-bit PNG in a square-ish grid: grayscale, RGB, or RGBA with its transparency."""
+    from torchvision.utils import make_grid
 
+    images = data.eight_bit(images)
+    grid = make_grid(images, nrow=math.ceil(math.sqrt(len(images))))[: images.shape[1]]  # make_grid makes one channel 3
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(make_grid(images.float() / 255, nrow=math.ceil(math.sqrt(len(images)))), path)
+    save_png(grid, path)
 
 
 # --- the command ---------------------------------------------------------------------
@@ -744,7 +749,9 @@ def _run(args, rank, world, group):
     unet, training_config = source.load(ema=ema)
     unet.to(args.device)
     decode = source.decoder(args.device)  # a latent run's VAE, as its train_config.json records it; else None
-    if decode is None and image_shape(unet)[0] != 3:
+    # a network of pixels takes the channels its run recorded (1, 3 or 4); one of no run, grayscale or RGB
+    recorded = (config or {}).get("image_channels")
+    if decode is None and image_shape(unet)[0] not in ([recorded] if recorded else [1, 3]):
         raise ConfigError(
             f"{run_dir} holds a network of {image_shape(unet)[0]}-channel latents, in no run folder whose "
             "train_config.json names their VAE: sample it from its run's --output_dir (or a folder inside it)"
@@ -779,6 +786,8 @@ def _run(args, rank, world, group):
     # file fails now) and looks for them; found nowhere, every process makes its share (make_reference).
     evaluation, failed = None, [None, False]  # rank 0's error, whether the statistics are to be made
     image_size = source.get("image_size") if decode is not None else image_shape(unet)[-1]
+    channels = image_shape(unet)[0] if decode is None else 3
+    bits = data.pixels_of(config or {}).bits if decode is None else 8  # a 16-bit run's PNGs are 16-bit
     if args.fid and rank == 0:
         try:
             evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_size)
@@ -805,18 +814,20 @@ def _run(args, rank, world, group):
     )  # fmt: skip
     results, writes = [], output is not None and len(args.guidance_scales) == 1
 
-    def written(batches):  # this process's batches (every world-th), each image saved as it comes
+    def written(batches):  # this process's batches (every world-th), each image saved as it comes, then at 8 bits
         for k, images in enumerate(batches):
             start = (rank + k * world) * args.batch_size
             for i, image in enumerate(images if writes else ()):
                 save_png(image, output / f"{start + i:06d}.png")
-            yield images
+            yield data.eight_bit(images)
 
     for w in args.guidance_scales:
         grid, done = [], 0
         mine = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
-                                labels=labels, guidance_scale=w, guide=guide, decode=decode, shard=(rank, world))  # fmt: skip
-        for images in gathered(written(mine), args.num_images, args.batch_size, image_size, rank, world, group):
+                                labels=labels, guidance_scale=w, guide=guide, decode=decode, shard=(rank, world),
+                                bits=bits)  # fmt: skip
+        shape = (channels, image_size, image_size)
+        for images in gathered(written(mine), args.num_images, args.batch_size, shape, rank, world, group):
             if evaluation is not None:
                 evaluation.add(images, None if labels is None else labels[done : done + len(images)])
             if writes:
@@ -893,9 +904,11 @@ def together(work, world, group):
 
 
 def save_png(image, path):
+    """A uint8 or uint16 image (C, S, S) as a PNG of its own mode: grayscale (8 or 16 bits), RGB or RGBA."""
     from PIL import Image
 
-    Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
+    array = image.permute(1, 2, 0).numpy()
+    Image.fromarray(array[..., 0] if len(image) == 1 else array).save(path)  # L or I;16, RGB, RGBA: by its shape and type
 
 
 if __name__ == "__main__":

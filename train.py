@@ -122,7 +122,7 @@ def describe_run(args, device, world, num_images):
     train_config.json, and what --dry_run prints. `num_images` None: not known before the data loads."""
     # The denoiser's step: a latent run's at its latents' size and channels (the VAE encodes once, before it)
     cost = flops.step_flops(args.model, network_size(args), args.train_batch_size, args.gradient_checkpointing,
-                            args.latent_channels or 3)  # fmt: skip
+                            models.network_channels(vars(args)))  # fmt: skip
     images_per_step = args.train_batch_size * world * args.gradient_accumulation_steps
     steps_per_epoch = num_images // images_per_step if num_images else None
     total_steps = args.max_train_steps or (args.num_epochs * steps_per_epoch if steps_per_epoch else None)
@@ -157,6 +157,8 @@ def describe(args):
     if state.is_main_process:
         for key, value in config.items():
             print(f"{key:28s} {value}")
+        for line in data.survey_lines(args):
+            print(line)
         if args.vae:
             print(latent_words(args))
         flop = config["model_flops_per_step"]
@@ -464,7 +466,7 @@ class Run:
         """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
         one micro-batch counted on the meta device; on a GPU also with gradient checkpointing, for the line's hint."""
         args = self.args
-        step = (args.model, network_size(args), args.train_batch_size, args.latent_channels or 3, args.mixed_precision)
+        step = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
         count = memory.count_step(*step, args.gradient_checkpointing)
         checkpointed = None
         if self.device.type == "cuda" and not args.gradient_checkpointing:
@@ -502,6 +504,8 @@ class Run:
             (self.output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
             scalars = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
             self.accelerator.init_trackers("train", config=scalars)
+        for line in data.survey_lines(args):
+            self.accelerator.print(line)
         _, peak_words = flops.describe_peak(self.device, args.mixed_precision, args.allow_tf32)
         latent = f" as {args.latent_size}x{args.latent_size}x{args.latent_channels} latents" if args.vae else ""
         skipped = f" ({len(self.unreadable)} unreadable so far: skipped)" if len(self.unreadable) else ""  # preloaded: all
@@ -700,7 +704,8 @@ class Run:
                 self.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
                 raise _Abandoned
 
-        return sample.gathered(mine, num_images, batch_size, self.args.image_size, self.accelerator.process_index,
+        shape = (self.args.image_channels, self.args.image_size, self.args.image_size)
+        return sample.gathered(mine, num_images, batch_size, shape, self.accelerator.process_index,
                                self.world, self.main_work_group, unless_stopped)  # fmt: skip
 
     def skipped(self):

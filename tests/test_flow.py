@@ -81,7 +81,7 @@ def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
     scheduler = sample.make_flow_sampler(name, models.make_flow_scheduler(shift).config)
     images = sample.generate(PointVelocity(c), scheduler, [0, 1], 5)
-    assert (images.float() - sample.to_uint8(c[None]).float()).abs().max() <= 1
+    assert (images.float() - sample.to_pixels(c[None]).float()).abs().max() <= 1
 
 
 def euler_maruyama_ends(c, seeds, steps, shift=1.0):

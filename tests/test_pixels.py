@@ -1,0 +1,170 @@
+"""Images as they are (issue 64): the channels and bits a run trains on come from the data."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import config
+import data
+import metrics
+import sample
+import train
+from test_latents import make_kl
+from test_train import TINY
+
+
+def write(folder, arrays, mode=None, suffix=".png"):
+    """Each array as an image file in `folder` (PIL picks the mode from its shape and type unless `mode`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, a in enumerate(arrays):
+        im = Image.fromarray(a)
+        (im.convert(mode) if mode else im).save(folder / f"{i:03d}{suffix}")
+    return folder
+
+
+def gray16(n, size=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 65536, (size, size), dtype=np.uint16) for _ in range(n)]
+
+
+def rgb(n, size=16, seed=0, channels=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (size, size, channels), dtype=np.uint8) for _ in range(n)]
+
+
+def surveyed(folder):
+    return data.survey(data.open_dataset(str(folder), 16))
+
+
+@pytest.mark.parametrize(
+    "arrays, mode, pixels",
+    [(lambda: rgb(2), "L", data.Pixels(1, 8)), (lambda: gray16(2), None, data.Pixels(1, 16)),
+     (lambda: rgb(2, channels=4), None, data.Pixels(4, 8)), (lambda: rgb(2), None, data.Pixels(3, 8)),
+     (lambda: rgb(2), "CMYK", data.Pixels(3, 8))],
+)  # fmt: skip
+def test_the_survey_takes_the_channels_and_bits_from_the_images(tmp_path, arrays, mode, pixels):
+    suffix = ".tif" if mode == "CMYK" else ".png"
+    found = surveyed(write(tmp_path / "set", arrays(), mode, suffix))
+    assert found.pixels == pixels and not found.mixed and found.looked == found.count == 2
+
+
+def test_a_palette_with_transparency_has_alpha(tmp_path):
+    im = Image.new("P", (8, 8))
+    im.info["transparency"] = 0
+    (tmp_path / "set").mkdir()
+    im.save(tmp_path / "set" / "a.png")
+    assert surveyed(tmp_path / "set").pixels == data.Pixels(4, 8)
+
+
+def test_a_mixed_set_trains_rgb_and_says_so(tmp_path):
+    write(tmp_path / "set", rgb(1, seed=1), "L")
+    write(tmp_path / "set" / "more", rgb(1))
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
+    assert (args.image_channels, args.image_bits) == (3, 8)
+    [line] = data.survey_lines(args)
+    assert "2 images: 1 L, 1 RGB;" in line and "trained as RGB at 8 bits (images of more than one kind)" in line
+
+
+def test_a_float_image_is_refused_in_one_line(tmp_path, capsys):
+    write(tmp_path / "set", [np.zeros((16, 16), np.float32)], suffix=".tif")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(train.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and "mode F (32-bit float)" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_sixteen_bits_reach_the_batch(tmp_path):
+    # 1,000 and 1,100 are both 4 at 8 bits (x / 257 rounded): kept apart only at 16 bits
+    arrays = [np.full((16, 16), v, np.uint16) for v in (1000, 1100)]
+    write(tmp_path / "set", arrays)
+    for preload in ("--preload_data", "--no-preload_data"):
+        args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--train_batch_size", "2",
+                                                 preload, "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+        images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+        batch = torch.stack([images[i] if isinstance(images, torch.Tensor) else images[i][0] for i in range(2)])
+        assert batch.dtype == torch.uint16 and batch.shape == (2, 1, 16, 16)
+        x = data.to_model_input(batch, random_flip=False)
+        assert torch.allclose(x[:, 0, 0, 0], torch.tensor([1000, 1100]) / 32767.5 - 1)
+
+
+def test_the_preload_budget_counts_sixteen_bit_bytes(tmp_path):
+    write(tmp_path / "set", gray16(4))
+    # 4 images of 16x16 at 2 bytes: 2,048 bytes, over a budget of 1,536 (8 bits would fit)
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--train_batch_size", "2",
+                                             "--preload_data", str(1536 / 2**30), "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+    assert isinstance(images, data.FileImages)
+
+
+def test_inception_takes_each_kind_as_8_bit_rgb():
+    gray = torch.tensor([[[[0, 65535]]]], dtype=torch.uint16)
+    assert metrics.rgb8(gray).tolist() == [[[[0, 255]]] * 3]
+    rgba = torch.tensor([200, 100, 50, 51], dtype=torch.uint8).view(1, 4, 1, 1)
+    assert metrics.rgb8(rgba).flatten().tolist() == [40, 20, 10]  # over black: colour x alpha / 255
+
+
+def test_pngs_are_written_in_the_data_s_own_mode(tmp_path):
+    sample.save_png(torch.full((1, 4, 4), 65535, dtype=torch.uint16), tmp_path / "a.png")
+    sample.save_grid(torch.zeros(4, 4, 4, 4, dtype=torch.uint8), tmp_path / "grid.png")
+    sample.save_grid(torch.zeros(4, 1, 4, 4, dtype=torch.uint16), tmp_path / "gray.png")
+    with Image.open(tmp_path / "a.png") as a, Image.open(tmp_path / "grid.png") as g, Image.open(tmp_path / "gray.png") as l:
+        assert (a.mode, np.asarray(a).max(), g.mode, l.mode) == ("I;16", 65535, "RGBA", "L")
+
+
+def test_a_grayscale_set_trains_one_channel_end_to_end(tmp_path, capsys):
+    write(tmp_path / "set", gray16(8))
+    out = tmp_path / "run"
+    train.main(train.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(out), "--max_train_steps", "1",
+                                 "--objective", "ddpm", "--eval_batch_size", "2"]))  # fmt: skip
+    assert "data: 8 images: 8 I;16; width 16, height 16" in capsys.readouterr().out
+    saved = json.loads((out / "train_config.json").read_text())
+    assert (saved["image_channels"], saved["image_bits"]) == (1, 16)
+    with Image.open(out / "samples" / "0000.png") as grid:
+        assert grid.mode == "L"
+    sample.main(sample.parse_args([str(out), "--num_images", "2", "--num_inference_steps", "2", "--output", str(tmp_path / "s")]))
+    with Image.open(tmp_path / "s" / "000000.png") as image:
+        assert image.mode == "I;16" and image.size == (16, 16)
+
+    from diffusers import DDPMPipeline
+
+    pipeline = DDPMPipeline.from_pretrained(str(out))
+    pipeline.set_progress_bar_config(disable=True)
+    assert pipeline(batch_size=1, num_inference_steps=2, output_type="np").images.shape == (1, 16, 16, 1)
+    assert "at 16px, grayscale at 16 bits by" in (out / "README.md").read_text()  # the model card
+
+
+def test_a_vae_refuses_alpha_before_encoding(tmp_path, capsys):
+    write(tmp_path / "set", rgb(2, channels=4))
+    vae = make_kl(tmp_path / "vae")
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(train.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--vae", str(vae),
+                                     "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and "these have an alpha channel" in err
+
+
+def test_a_vae_takes_a_grayscale_set_as_rgb(tmp_path):
+    write(tmp_path / "set", rgb(2), "L")
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--vae", str(make_kl(tmp_path / "vae")),
+                                             "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+    assert (args.image_channels, args.image_bits) == (3, 8) and "(a VAE encodes 8-bit RGB)" in data.survey_lines(args)[0]
+
+
+def test_a_crop_that_loses_much_of_most_images_says_so(tmp_path):
+    write(tmp_path / "set", [np.zeros((16, 48, 3), np.uint8)] * 2 + [np.zeros((16, 16, 3), np.uint8)])
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
+    lines = data.survey_lines(args)
+    assert len(lines) == 2 and "loses more than 25% of 2 of the 3 images" in lines[1]
+    assert "aspect (width/height) 1.00-3.00" in lines[0]
+
+
+def test_a_vae_of_other_than_rgb_images_is_refused(tmp_path):
+    write(tmp_path / "set", rgb(2))
+    vae = make_kl(tmp_path / "vae", in_channels=1, out_channels=1)
+    with pytest.raises(config.ConfigError, match="encodes 1-channel images, and a run gives its VAE RGB images"):
+        config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--vae", str(vae),
+                                          "--output_dir", str(tmp_path / "o")]))  # fmt: skip
