@@ -183,6 +183,16 @@ def run_training_images(options, image_size, images=None):
     return TrainingImages(metrics.reference_images(dict(options, augment="none"), image_size))
 
 
+def measure(samples, training, flips, device="cpu", path=None):
+    """numbers() of the first MAX_SAMPLES of the uint8 `samples` against `training` (TrainingImages), searched on
+    `device` (with their mirror images when `flips`); with a `path`, their nearest pairs' picture written there."""
+    samples = samples[:MAX_SAMPLES]
+    nearest = search(samples, training, flips, device)
+    if path is not None:
+        save_pairs(samples, training, nearest, path)
+    return numbers(nearest)
+
+
 def check(samples, images, args, path, device=None):
     """The copy check of an evaluation's (or a grid's) uint8 samples (N, 3, S, S), for train.py: returns
     numbers() of the first MAX_SAMPLES of them against the run's training images, and writes their nearest
@@ -194,7 +204,12 @@ def check(samples, images, args, path, device=None):
     training = run_training_images(options, samples.shape[-1], images)
     if device is None:
         device = training.images.device if isinstance(training.images, torch.Tensor) else "cpu"
-    samples = samples[:MAX_SAMPLES]
-    nearest = search(samples, training, trained_with_flips(options), device)
-    save_pairs(samples, training, nearest, path)
-    return numbers(nearest)
+    return measure(samples, training, trained_with_flips(options), device, path)
+
+
+def format_line(found, flips, path=None):
+    """One line of what measure() found: the share, the count, what was searched, the median ratio, the picture."""
+    mirrored = " and their mirror images" if flips else ""
+    return (f"copies {found['copy_share']:.1%} ({found['copies']} of {found['copy_samples']} samples nearer one of "
+            f"{found['training_images']} training images{mirrored} than a third of the second nearest) | median "
+            f"ratio {found['median_ratio']:.3f}" + (f" | nearest pairs in {path}" if path is not None else ""))  # fmt: skip
