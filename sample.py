@@ -19,6 +19,12 @@ Into --output it writes 000000.png, 000001.png, ... and grid.png (the first
 64 images). Image i starts from noise drawn from its own generator, seeded by
 (--seed, i): the same seed gives the same files, whatever --batch_size.
 
+The copy check runs on every run whose train_config.json names training images
+this machine can open (--no-copies: not): the share of the samples that copy a
+training image by Gu et al.'s criterion, printed (and in fid.json), and
+copies.png in --output, the most copy-like samples each beside its nearest
+training image (copies.py, docs/copies.md).
+
 The samplers are diffusers schedulers built from the training schedule
 (`make_scheduler`); train.py uses the same ones for its grids and FID. A run
 whose train_config.json says "objective": "edm" samples with EDM's
@@ -48,6 +54,7 @@ import numpy as np
 import torch
 
 import checkpoint
+import copies
 import data
 import latents
 import metrics
@@ -604,6 +611,11 @@ def parse_args(argv=None):
                    help="autoguidance: a run (pipeline or checkpoint folder) of the same data, objective and classes, "
                         "smaller or trained less, that guides this one (Karras et al. 2024)")  # fmt: skip
 
+    p.add_argument("--copies", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"the copy check (docs/copies.md): the share of the first {copies.MAX_SAMPLES} samples that copy a "
+                        f"training image of the run (Gu et al. 2023), and {copies.PICTURE} of the nearest pairs in --output; "
+                        "--no-copies: none (it reads the whole training set: minutes for a large one)")  # fmt: skip
+
     f = p.add_argument_group("FID and KID")
     f.add_argument("--fid", action=argparse.BooleanOptionalAction, default=False, help="measure FID and KID")
     f.add_argument(
@@ -803,6 +815,7 @@ def _run(args, rank, world, group):
     if failed[1]:
         make_reference(evaluation, metrics.reference_options(run_dir, source.folder, config, args), args, image_size,
                        rank, world, group)  # fmt: skip
+    training = copy_training_images(source, image_size) if args.copies and rank == 0 else None
     output = Path(args.output) if args.output else None
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
@@ -822,7 +835,7 @@ def _run(args, rank, world, group):
             yield data.eight_bit(images)
 
     for w in args.guidance_scales:
-        grid, done = [], 0
+        grid, measured, done = [], [], 0  # measured: the copy check's samples
         mine = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
                                 labels=labels, guidance_scale=w, guide=guide, decode=decode, shard=(rank, world),
                                 bits=bits)  # fmt: skip
@@ -832,6 +845,8 @@ def _run(args, rank, world, group):
                 evaluation.add(images, None if labels is None else labels[done : done + len(images)])
             if writes:
                 grid.extend(images[: max(0, GRID_IMAGES - len(grid))])
+            if training is not None:
+                measured.extend(images[: max(0, copies.MAX_SAMPLES - len(measured))])
             done += len(images)
             print(f"generated {done}/{args.num_images}", end="\r", file=sys.stderr)
         if quiet:
@@ -841,10 +856,14 @@ def _run(args, rank, world, group):
         if grid:
             save_grid(torch.stack(grid), output / "grid.png")
             print(f"wrote {args.num_images} images and grid.png to {output}" + (f" ({world} processes)" if world > 1 else ""))
+        guided = len(args.guidance_scales) > 1 or w != 1 or guide is not None
         if evaluation is not None:
             result |= evaluation.result()
-            guided = len(args.guidance_scales) > 1 or w != 1 or guide is not None
             print(f"guidance scale {w:g}: " * guided + metrics.format_scores(result))
+        if training is not None:
+            flips, picture = copies.trained_with_flips(config), output / copies.PICTURE if writes else None
+            result |= copies.measure(torch.stack(measured), training, flips, args.device, picture)
+            print(f"guidance scale {w:g}: " * guided + copies.format_line(result, flips, picture))
         results.append(result)
     if quiet:
         return None
@@ -857,6 +876,21 @@ def _run(args, rank, world, group):
     if output is not None:
         (output / "fid.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def copy_training_images(source, image_size):
+    """The training images of the run `source` (a RunDir) for the copy check (copies.run_training_images), or
+    None, said in a line, where there are none to compare with: a folder outside any run, or a training set
+    that cannot be opened here (moved, or on the Hub and this machine offline)."""
+    if source.config is None:
+        print(f"no copy check: {source.path} is in no run folder whose train_config.json names its training images",
+              file=sys.stderr)  # fmt: skip
+        return None
+    try:
+        return copies.run_training_images(source.config, image_size)
+    except ConfigError as e:
+        print(f"no copy check: the run's training images cannot be opened ({e})", file=sys.stderr)
+        return None
 
 
 def make_reference(evaluation, options, args, image_size, rank, world, group):

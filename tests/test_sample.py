@@ -128,7 +128,7 @@ def test_sample_writes_n_images_and_a_grid_and_the_same_seed_gives_the_same_file
     flags = [tiny_run, "--num_images", 5, "--batch_size", 2, "--num_inference_steps", 3]
     sample_main(*flags, "--output", tmp_path / "a")
     written = pngs(tmp_path / "a")
-    assert sorted(written) == [f"{i:06d}.png" for i in range(5)] + ["grid.png"]
+    assert sorted(written) == [f"{i:06d}.png" for i in range(5)] + ["copies.png", "grid.png"]
     with Image.open(tmp_path / "a" / "000004.png") as image:
         assert image.size == (16, 16) and image.mode == "RGB"
     with Image.open(tmp_path / "a" / "grid.png") as grid:
@@ -208,6 +208,41 @@ def test_a_runs_settings_and_ema_are_read_from_its_train_config_json_of_today_or
         sample.check_guide(config, json.loads((tiny_run / "train_config.json").read_text()))
 
 
+def test_sample_reports_the_share_of_copies_of_the_training_images_and_their_picture(tiny_run, tmp_path, monkeypatch, capsys):
+    import data
+
+    result = sample_main(tiny_run, "--num_images", 5, "--batch_size", 2, "--num_inference_steps", 2, "--output", tmp_path / "a")
+    assert 0 <= result["copy_share"] <= 1 and result["copy_samples"] == 5 and result["training_images"] == 32
+    assert f"copies {result['copy_share']:.1%} (" in capsys.readouterr().out
+    with Image.open(tmp_path / "a" / "copies.png") as picture:
+        assert picture.size == (8 * 16 + 9 * 2, 2 * 16 + 3 * 2)  # 5 pairs, 4 a row
+    # samples that are the run's training images (its shapes, its seed), the third mirrored: all copies
+    shapes = data.builtin_images(32, 16, json.loads((tiny_run / "train_config.json").read_text())["seed"])[0]
+    copied = torch.stack([shapes[0], shapes[1], shapes[2].flip(-1), shapes[3]])
+    monkeypatch.setattr(sample, "generate_batches", lambda *a, **k: iter([copied[:2], copied[2:]]))
+    result = sample_main(tiny_run, "--num_images", 4, "--batch_size", 2, "--output", tmp_path / "b")
+    assert result["copy_share"] == 1 and result["median_ratio"] == 0
+    assert "copies 100.0% (4 of 4 samples nearer one of 32 training images and their mirror images" in capsys.readouterr().out
+    result = sample_main(tiny_run, "--num_images", 4, "--batch_size", 2, "--output", tmp_path / "c", "--no-copies")
+    assert "copy_share" not in result and not (tmp_path / "c" / "copies.png").exists()
+
+
+def test_a_run_whose_training_images_are_not_here_samples_without_the_copy_check(tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("checkpoints"))
+    config = json.loads((run / "train_config.json").read_text())
+    (run / "train_config.json").write_text(json.dumps(config | dict(dataset=str(tmp_path / "moved"))))
+    pipeline = tmp_path / "pipeline"  # the saved pipeline alone, outside any run
+    for part in ("unet", "scheduler"):
+        shutil.copytree(run / part, pipeline / part)
+    shutil.copy(run / "model_index.json", pipeline)
+    for source, why in ((run, "the run's training images cannot be opened"), (pipeline, "in no run folder")):
+        result = sample_main(source, "--num_images", 2, "--num_inference_steps", 1, "--output", tmp_path / source.name / "out")
+        err = capsys.readouterr().err
+        assert "copy_share" not in result and "no copy check: " in err and why in err and (tmp_path / source.name / "out" / "000001.png").is_file()
+        assert not (tmp_path / source.name / "out" / "copies.png").exists()
+
+
 def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, capsys):
     import metrics
     from test_metrics import TinyFeatures
@@ -255,7 +290,7 @@ def test_two_processes_write_the_images_grid_and_scores_one_process_does(tiny_ru
     assert ranks.codes == [0, 0], ranks
     assert "computing FID reference statistics of 32 images on 2 processes" in ranks.out0
     one, two = pngs(tmp_path / "one"), pngs(tmp_path / "two")
-    assert sorted(two) == [f"{i:06d}.png" for i in range(5)] + ["grid.png"] and one == two
+    assert sorted(two) == [f"{i:06d}.png" for i in range(5)] + ["copies.png", "grid.png"] and one == two
     one, two = (json.loads((tmp_path / run / "fid.json").read_text()) for run in ("one", "two"))
     # the sums' order, and KID's float32 features: a last-bit difference (1e-7 relative) seen once in the suite
     assert two == pytest.approx(one, rel=1e-6) and two["reference_images"] == 32
