@@ -24,8 +24,10 @@ from errors import ConfigError
 # config.build_parser() is either here or in CHANGES_ON_RESUME, with the reason
 # (tests/test_resume.py fails on a flag in neither).
 RUN_IDENTITY = (
-    # the network's shape: the saved weights fit no other (a conditional run's class embedding too, and its labels)
-    "model", "image_size", "class_conditional", "num_classes",
+    # the network's shape: the saved weights fit no other (a conditional run's class embedding too, and its labels);
+    # --init_from's source gives the network settings beyond its preset (a DDPM UNet's time embedding), and a
+    # checkpoint means nothing under another's (its weights, not the source's, are what a resume loads)
+    "model", "image_size", "class_conditional", "num_classes", "init_from",
     # the data, its order and what a step is: the step count and the position in the data mean these
     # (--augment: its random crops, compared alone: flips are drawn afresh each step)
     "dataset", "dataset_config", "split", "image_column", "shapes_num_images", "augment",

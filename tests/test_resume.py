@@ -36,6 +36,7 @@ CHANGED = dict(
     ema_stds=[0.05, 0.2], ema_max_decay=0.999, ema_power=2 / 3, mixed_precision="fp16",
     latent_space=dict(encoder_sha256="ab" * 32, normalization=dict(kind="dataset")),  # a latent run's (issue 37)
     flow_sigmas="logit_normal(0,1)",  # a flow run's (issue 38)
+    init_from="google/ddpm-cifar10-32",  # a fine-tune's source (issue 65)
 )  # fmt: skip
 
 # How a refusal names a change of each identity key: "--flag before -> after", or in words.
