@@ -192,6 +192,8 @@ def read_source(source):
     else:
         config = _json(where / "config.json")
         name = config.get("_class_name")
+        if name == "Transformer2DModel" and config.get("norm_type") == "ada_norm_zero":
+            name = "DiTTransformer2DModel"  # facebook/DiT-XL-2-256's config, saved before diffusers had the class
         if name not in CLASSES:
             raise ConfigError(f"--init_from {source}: its network is a {name}, not one this project trains "
                               f"({', '.join(sorted(CLASSES))})")  # fmt: skip

@@ -269,3 +269,33 @@ def test_weights_that_do_not_fit_the_network_are_refused_in_one_line(pipeline):
     record = resolved("--init_from", pipeline).init_source
     with pytest.raises(config.ConfigError, match="its weights do not fit --model tiny"):
         init_from.initial_state(record, models.build_network("small", 16), 0)
+
+
+# The Hub configs, as their config.json files give them (the keys that decide the preset and the settings).
+GOOGLE_CIFAR10 = dict(_class_name="UNet2DModel", block_out_channels=[128, 256, 256, 256], layers_per_block=2,
+                      down_block_types=["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"],
+                      up_block_types=["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"], attention_head_dim=None,
+                      sample_size=32, in_channels=3, out_channels=3, **GOOGLE)  # fmt: skip
+GOOGLE_256 = dict(GOOGLE_CIFAR10, block_out_channels=[128, 128, 256, 256, 512, 512], sample_size=256,
+                  down_block_types=["DownBlock2D"] * 4 + ["AttnDownBlock2D", "DownBlock2D"],
+                  up_block_types=["UpBlock2D", "AttnUpBlock2D"] + ["UpBlock2D"] * 4)  # fmt: skip
+DIT_XL_2_256 = dict(_class_name="Transformer2DModel", num_attention_heads=16, attention_head_dim=72, num_layers=28,
+                    patch_size=2, in_channels=4, out_channels=8, sample_size=32, num_embeds_ada_norm=1000,
+                    norm_type="ada_norm_zero", cross_attention_dim=None, use_linear_projection=False)  # fmt: skip
+
+
+def test_the_hub_models_are_the_presets_they_are_said_to_be():
+    assert init_from.preset_of("unet", GOOGLE_CIFAR10, "google/ddpm-cifar10-32") == "ddpm32"
+    assert init_from.extra_settings("unet", "ddpm32", GOOGLE_CIFAR10) == dict(GOOGLE, attention_head_dim=None)
+    assert init_from.preset_of("unet", GOOGLE_256, "google/ddpm-church-256") == "ref128"  # at 256px: any multiple of 32
+    assert init_from.preset_of("dit", DIT_XL_2_256, "facebook/DiT-XL-2-256") == "dit-xl2"
+    assert init_from.extra_settings("dit", "dit-xl2", DIT_XL_2_256) == {}
+
+
+def test_a_dit_saved_as_transformer2dmodel_loads_as_a_dit(tmp_path):
+    folder = tmp_path / "old"
+    tiny_dit().save_pretrained(str(folder / "transformer"))
+    DDPMScheduler().save_pretrained(str(folder / "scheduler"))
+    saved = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps(saved | {"_class_name": "Transformer2DModel"}))
+    assert resolved("--init_from", folder).model == "dit-tiny"
