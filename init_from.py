@@ -204,7 +204,7 @@ def read_source(source):
         trained, class_names = trained_as(scheduler, source), None
         network = _load_model(CLASSES[name][0], where, source)
     family = models.family_name(preset)
-    state = {k: v.detach().clone() for k, v in network.state_dict().items()}
+    state = {k: v.detach() for k, v in network.state_dict().items()}  # the network goes: its tensors stay
     _LOADED.clear()
     _LOADED[str(source)] = state
     in_channels = int(config.get("in_channels") or 3)
