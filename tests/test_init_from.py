@@ -299,3 +299,18 @@ def test_a_dit_saved_as_transformer2dmodel_loads_as_a_dit(tmp_path):
     saved = json.loads((folder / "transformer" / "config.json").read_text())
     (folder / "transformer" / "config.json").write_text(json.dumps(saved | {"_class_name": "Transformer2DModel"}))
     assert resolved("--init_from", folder).model == "dit-tiny"
+
+
+def test_a_conditional_run_keeps_its_labels_for_its_classes_and_an_unconditional_one_drops_them(tmp_path, capsys):
+    source = tmp_path / "source"
+    run(source, "--max_train_steps", 2, "--class_conditional", "--objective", "ddpm", "--ema", "none")
+    capsys.readouterr()
+    network, _ = rundir.load_model(source)
+    classes = models.num_classes_of(network)
+    kept = training.build(resolved("--init_from", source, "--class_conditional"), 10, num_classes=classes)
+    assert equal_states(kept.network.state_dict(), network.state_dict()) and "nothing adapted" in kept.started_from
+    other = training.build(resolved("--init_from", source, "--class_conditional"), 10, num_classes=classes + 1)
+    null = network.class_embedding.weight[-1]  # the source's null label: every new row starts there
+    assert (other.network.class_embedding.weight == null).all() and "a new label table" in other.started_from
+    dropped = training.build(resolved("--init_from", source), 10)
+    assert dropped.network.class_embedding is None and "its label table dropped" in dropped.started_from
