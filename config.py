@@ -42,6 +42,7 @@ import compiling
 import data
 import ema as posthoc_ema
 import fp8
+import init_from
 import latents
 import metrics
 import model as models
@@ -78,6 +79,7 @@ SMALL = models.PRESETS["small"]
 GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_num_images=16384,
                     learning_rate=2e-4, ema="none", **SMALL.ddpm)  # fmt: skip
 CPU_SHAPES_NUM_IMAGES = 2048
+DEFAULT_IMAGE_SIZE = 32
 
 def default_objective(model_name, dataset):
     """The objective a run of preset `model_name` on `dataset` trains without --objective: its family's
@@ -96,7 +98,7 @@ DERIVED_KEYS = (
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
     "step_compile_mode", "step_compile_scope", "device", "num_classes", "class_names", "class_counts",
     "latent_size", "latent_channels", "latent_normalization", "latents", "latent_space", "flow_sigmas",
-    "image_channels", "image_bits", "data_survey",
+    "image_channels", "image_bits", "data_survey", "init_source",
 )  # fmt: skip
 
 # What one command asks for once, not what a run is: a file read with --config never
@@ -445,7 +447,8 @@ def build_parser(prog="train.py", source=""):
                     "(--guidance_scale): the subfolders of a folder, a datasets ClassLabel column (or the column "
                     "LABEL_COLUMN), or the built-in shapes' kinds; a tenth of the labels are dropped in training",
                     False, "LABEL_COLUMN")  # fmt: skip
-    flag(d, "image_size", "train on square images of this side", 32,
+    flag(d, "image_size", f"train on square images of this side (default: {DEFAULT_IMAGE_SIZE}, or the --init_from "
+         "source's)",
          type=Range(int, lambda v: models.IMAGE_SIZES[0] <= v <= models.IMAGE_SIZES[1], "from {} to {}".format(*models.IMAGE_SIZES)))  # fmt: skip
     flag(d, "augment", "random left-right flips (flip), random crops after resizing instead of the centre, "
          "decoded every epoch (crop), both (flip,crop) or none", "flip", type=augmentations)  # fmt: skip
@@ -465,6 +468,11 @@ def build_parser(prog="train.py", source=""):
     flag(m, "model", f"preset: {', '.join(models.PRESETS)}; auto: "
          f"{', '.join(f'{name} at {size}px' for size, name in models.AUTO_MODEL.items())}, small otherwise "
          f"({GPU_BARE_RUN['model']} for the built-in shapes at 32px on a GPU)", "auto")  # fmt: skip
+    flag(m, "init_from", "start from trained weights at step 0 with a fresh optimizer: a diffusers pipeline or model "
+         "folder (UNet2DModel, DiT), a Hub id (google/ddpm-cifar10-32, facebook/DiT-XL-2-256) or a run or checkpoint "
+         "folder of this project. Its config gives --model and, unless set, --image_size, --objective, "
+         "--prediction_type and --beta_schedule; a new label table, another size and DiT's learned variance are "
+         "adapted (docs/init_from.md)", metavar="SOURCE")  # fmt: skip
     flag(m, "beta_schedule", "DDPM's noise schedule over its 1000 timesteps (default: linear)",
          choices=("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"))  # fmt: skip
     flag(m, "objective", "ddpm: Ho et al. (2020), Algorithm 1; edm: Karras et al. (2022)'s preconditioning with "
@@ -677,9 +685,11 @@ def resolve(args):
     """
     for name, kind in _ranges().items():
         kind.check(name, getattr(args, name))
+    _fill_from_source(args)
     _fill_gpu_bare_run(args)
     _fill_pixels(args)
     _fill_latents(args)
+    _take_from_source(args)
     _fill_from_preset(args)
     _fill_from_machine(args)
     _fill_settings(args)
@@ -804,6 +814,50 @@ def _fill_latents(args):
     args.latent_channels = found["channels"]
     args.latent_normalization = wanted if "assumed" in found else latents.normalization_kind(found, wanted)
     args.latents = found
+
+
+def _fill_from_source(args):
+    """--init_from: its record (init_from.read_source, `args.init_source`; None without it), the preset its
+    config gives (a --model that names another is refused) and, where unset, --image_size: its size (times a
+    --vae's factor). Without it --image_size is DEFAULT_IMAGE_SIZE where unset."""
+    found = getattr(args, "init_source", None)
+    if not args.init_from:
+        args.init_source = None
+        args.image_size = DEFAULT_IMAGE_SIZE if args.image_size is None else args.image_size
+        return
+    record = found if found and found["source"] == args.init_from else init_from.read_source(args.init_from)
+    if args.model not in ("auto", record["model"]):
+        raise ConfigError(f"--model {args.model} disagrees with --init_from {args.init_from}, whose network is "
+                          f"--model {record['model']}: drop --model")  # fmt: skip
+    args.model, args.init_source = record["model"], record
+    if args.image_size is None:
+        factor = latents.vae_settings(latents.parse_vae_flag(args.vae)[0])["factor"] if args.vae else 1
+        args.image_size = record["sample_size"] * factor or models.PRESETS[args.model].image_size
+
+
+def _take_from_source(args):
+    """--init_from: what the run takes from its source's training, where the command line leaves it unset (the
+    objective; a DDPM source's prediction type, noise schedule and zero terminal SNR), and its checks that need
+    the run's inputs: its channels must be the source's; what differs and can be adapted is said in the record."""
+    record = args.init_source
+    if record is None:
+        return
+    init_from.check_fits(record, models.network_channels(vars(args)), bool(args.vae))
+    patch = models.PRESETS[args.model].settings.get("patch_size") if models.family_name(args.model) == "dit" else None
+    record["adapted"] = init_from.adaptations(record, network_size(args), patch)
+    trained = record["trained"]
+    if args.objective is None:
+        if not trained:
+            raise ConfigError(
+                f"--init_from {args.init_from}: no scheduler config beside it says how it was trained (a model folder "
+                "outside its pipeline): add --objective (with --prediction_type and --beta_schedule) as it was trained"
+            )
+        args.objective = trained["objective"] or "ddpm"
+    if trained and models.objective_kind(trained["objective"]) == "ddpm" == models.objective_kind(args.objective):
+        for name in ("prediction_type", "beta_schedule"):
+            if getattr(args, name) is None:
+                setattr(args, name, trained[name])
+        args.zero_terminal_snr = args.zero_terminal_snr or bool(trained.get("zero_terminal_snr"))
 
 
 def network_size(args):

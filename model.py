@@ -292,7 +292,7 @@ def check_image_size(name, image_size, factor=1):
         )
 
 
-def build_network(name, image_size, device=None, num_classes=0, channels=3):
+def build_network(name, image_size, device=None, num_classes=0, channels=3, settings=None):
     """A fresh network of preset `name` for square inputs of side `image_size` and `channels`
     channels (3 for images; a latent run's: its VAE's latent channels at its latent size), built by
     its family (FAMILIES): a UNet2DModel, an EDM2UNet or a DiT.
@@ -302,11 +302,12 @@ def build_network(name, image_size, device=None, num_classes=0, channels=3):
     with (`null_label`): a UNet2DModel gets a class embedding with one entry
     more, added to its time embedding; an EDM2UNet gets EDM2's one-hot label
     input, the null label an all-zero one.
+    `settings`: what a run's --init_from source's config sets beyond the preset's (init_from.extra_settings).
     """
     check_image_size(name, image_size)
-    kind, settings = family(name)
+    kind, preset_settings = family(name)
     with torch.device(device or "cpu"):
-        return kind.build(settings, image_size, channels, num_classes)
+        return kind.build(dict(preset_settings) | dict(settings or {}), image_size, channels, num_classes)
 
 
 # The UNet's blocks that regional compilation (compiling.RegionalNetwork) compiles once per shape: its ResNet
@@ -322,9 +323,11 @@ def network_channels(config):
 
 def build_run_network(config):
     """A fresh network for a run's train_config.json `config`: at its latent size and channels for a
-    latent run (--vae), else at its image size and channels."""
+    latent run (--vae), else at its image size and channels; with what its --init_from source's config set
+    beyond the preset (its record's "settings": google's DDPM UNets' time embedding, say)."""
     return build_network(config["model"], config.get("latent_size") or config["image_size"],
-                      num_classes=config.get("num_classes") or 0, channels=network_channels(config))  # fmt: skip
+                         num_classes=config.get("num_classes") or 0, channels=network_channels(config),
+                         settings=(config.get("init_source") or {}).get("settings"))  # fmt: skip
 
 
 def num_classes_of(net):

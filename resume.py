@@ -24,8 +24,10 @@ from errors import ConfigError
 # config.build_parser() is either here or in CHANGES_ON_RESUME, with the reason
 # (tests/test_resume.py fails on a flag in neither).
 RUN_IDENTITY = (
-    # the network's shape: the saved weights fit no other (a conditional run's class embedding too, and its labels)
-    "model", "image_size", "class_conditional", "num_classes",
+    # the network's shape: the saved weights fit no other (a conditional run's class embedding too, and its labels);
+    # --init_from's source gives the network settings beyond its preset (a DDPM UNet's time embedding), and a
+    # checkpoint means nothing under another's (its weights, not the source's, are what a resume loads)
+    "model", "image_size", "class_conditional", "num_classes", "init_from",
     # ... and the images' channels (config._fill_pixels: a gray set that gained a colour image trains RGB), and their
     # bits: what a value of the data the network learned means
     "image_channels", "image_bits",

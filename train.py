@@ -310,6 +310,8 @@ class Run:
         if start_from is not None:
             self._resume(start_from)
             self.startup.mark("resume")
+        elif self.started_from:  # --init_from, on a fresh start only: a resume's weights are its checkpoint's
+            accelerator.print(self.started_from)
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
         self.flushing = None  # the checkpoint on its way to disk (checkpoint.Flush), behind the steps
         self.checkpoint_times = []  # run.json's checkpoint_times_s
@@ -452,6 +454,7 @@ class Run:
         self.model, self.optimizer, self.objective = pieces.model, pieces.optimizer, pieces.objective
         self.noise_scheduler, self.sampling_scheduler = pieces.noise_scheduler, pieces.sampling_scheduler
         self.lr_scheduler, self.ema = pieces.lr_scheduler, pieces.ema
+        self.started_from = pieces.started_from
         accelerator.register_for_checkpointing(self.lr_scheduler)
         if any(True for _ in self.objective.parameters()):
             accelerator.register_for_checkpointing(self.objective)

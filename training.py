@@ -14,6 +14,7 @@ import torch
 
 import ema as posthoc_ema
 import fp8
+import init_from
 import model as models
 import sample
 
@@ -28,13 +29,15 @@ class Pieces:
     lr_scheduler: object
     ema: object  # diffusers' EMAModel, ema.PowerEMA, or None
     sampling_scheduler: object
+    started_from: str = None  # --init_from: the line that says what the network starts from and what was adapted
 
 
 def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, write_ema=True, init_state=None,
           ema_foreach=True, adam_foreach=True, prepare=None, unwrap=None):  # fmt: skip
     """The pieces of a run with configuration `args` (config.resolve's), `total_steps` long.
 
-    The network is built on the CPU (with `init_state` loaded when given) and moved to
+    The network is built on the CPU (with `init_state` loaded when given, else the weights of an --init_from
+    source, adapted: init_from.initial_state; a resumed run's checkpoint replaces them) and moved to
     `device` before AdamW is made, so that a fused AdamW finds its kernel there. A latent
     run's network takes its latents' size and channels (args.latent_size, latent_channels).
     Under --mixed_precision fp8 a DiT's block linear layers become FP8 ones (fp8.convert).
@@ -46,6 +49,9 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     `unwrap(model)`: the network inside it.
     """
     network = models.build_run_network(dict(vars(args), num_classes=num_classes))  # a latent run's: its latents' size
+    started_from = None
+    if init_state is None and getattr(args, "init_source", None):
+        init_state, started_from = init_from.initial_state(args.init_source, network, num_classes)
     if init_state is not None:
         network.load_state_dict(init_state)
     network.to(device)
@@ -89,4 +95,5 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
         ema.to(device)
     sampling_scheduler = sample.make_sampler(args.objective, args.sampler, noise_scheduler.config, args.sigma_data,
                                              args.churn, clip=not args.vae)  # latents are not clipped to [-1, 1]
-    return Pieces(network, model, noise_scheduler, objective, optimizer, lr_scheduler, ema, sampling_scheduler)
+    return Pieces(network, model, noise_scheduler, objective, optimizer, lr_scheduler, ema, sampling_scheduler,
+                  started_from)

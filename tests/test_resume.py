@@ -37,6 +37,7 @@ CHANGED = dict(
     latent_space=dict(encoder_sha256="ab" * 32, normalization=dict(kind="dataset")),  # a latent run's (issue 37)
     flow_sigmas="logit_normal(0,1)",  # a flow run's (issue 38)
     image_channels=1, image_bits=16,  # a grayscale set's, of 16 bits (issue 64)
+    init_from="google/ddpm-cifar10-32",  # a fine-tune's source (issue 65)
 )  # fmt: skip
 
 # How a refusal names a change of each identity key: "--flag before -> after", or in words.
