@@ -978,6 +978,9 @@ def _read_header(path):
 
 
 CROP_LOSS = 0.25  # a crop that loses more of most images is said
+# A set of fewer images is said to be small: Gu et al. 2023 find runs on a few hundred to a thousand images copying
+# most of their samples and on tens of thousands almost none; lucidrains' trainer answered 140 copies "at least 10k".
+SMALL_SET = 10_000
 
 
 def survey(dataset, aspect=1.0):
@@ -1018,8 +1021,8 @@ KIND_WORDS = {1: "grayscale", 3: "RGB", 4: "RGBA"}
 
 def survey_lines(args):
     """What a run prints before training about its images (args.data_survey, config.resolve's): what they are and
-    what it makes of them; and a warning where the crop loses more than CROP_LOSS of most of them. None for the
-    built-in shapes."""
+    what it makes of them; a note where the set is small (it may copy); a warning where the crop loses more than
+    CROP_LOSS of most of them. None for the built-in shapes."""
     if not args.data_survey:
         return []
     found, pixels, size = Survey(**args.data_survey), pixels_of(vars(args)), args.image_size
@@ -1033,6 +1036,9 @@ def survey_lines(args):
     lines = [f"data: {found.count:,} images{of}: {modes}; width {span(w0, w1)}, height {span(h0, h1)}, aspect "
              f"(width/height) {span(*found.aspects, fmt='{:.2f}')}; trained as {KIND_WORDS[pixels.channels]} at "
              f"{pixels.bits} bits{why}, each resized to cover {size}x{size} and {crop}"]  # fmt: skip
+    if found.count < SMALL_SET:
+        lines.append(f"note: {found.count:,} images is a small set, whose samples may copy its images (Gu et al. 2023): "
+                     "the evaluation's copy check counts them, and --augment and --init_from help (docs/copies.md)")  # fmt: skip
     if found.cropped * 2 > found.looked:
         lines.append(f"warning: cropping to {size}x{size} loses more than {CROP_LOSS:.0%} of {found.cropped:,} of the "
                      f"{found.looked:,} images looked at: to keep them whole, crop or pad them to that shape first")  # fmt: skip

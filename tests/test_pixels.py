@@ -64,7 +64,7 @@ def test_a_mixed_set_trains_rgb_and_says_so(tmp_path):
     write(tmp_path / "set" / "more", rgb(1))
     args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
     assert (args.image_channels, args.image_bits) == (3, 8)
-    [line] = data.survey_lines(args)
+    line = data.survey_lines(args)[0]
     assert "2 images: 1 L, 1 RGB;" in line and "trained as RGB at 8 bits (images of more than one kind)" in line
 
 
@@ -158,7 +158,7 @@ def test_a_crop_that_loses_much_of_most_images_says_so(tmp_path):
     write(tmp_path / "set", [np.zeros((16, 48, 3), np.uint8)] * 2 + [np.zeros((16, 16, 3), np.uint8)])
     args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
     lines = data.survey_lines(args)
-    assert len(lines) == 2 and "loses more than 25% of 2 of the 3 images" in lines[1]
+    assert len(lines) == 3 and "loses more than 25% of 2 of the 3 images" in lines[2]
     assert "aspect (width/height) 1.00-3.00" in lines[0]
 
 
@@ -168,3 +168,11 @@ def test_a_vae_of_other_than_rgb_images_is_refused(tmp_path):
     with pytest.raises(config.ConfigError, match="encodes 1-channel images, and a run gives its VAE RGB images"):
         config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--vae", str(vae),
                                           "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+
+
+def test_a_small_set_is_told_it_may_copy(tmp_path, monkeypatch):
+    write(tmp_path / "set", rgb(3))
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
+    assert "note: 3 images is a small set, whose samples may copy" in data.survey_lines(args)[1]
+    monkeypatch.setattr(data, "SMALL_SET", 3)
+    assert len(data.survey_lines(args)) == 1
