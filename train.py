@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+import agreement
 import checkpoint
 import compiling
 import data
@@ -74,16 +75,7 @@ def main(args):
     finally:
         data.stop_workers()  # the DataLoader workers, which leave SIGTERM and SIGINT to this process
         checkpoint.RunLock.release_all()
-        end_process_group()
-
-
-def end_process_group():
-    """Destroy torch.distributed's process group, if this process is in one. Left alive at exit,
-    gloo's worker thread can still hold the last all-reduce when the interpreter shuts down, and
-    the process aborts ("terminate called without an active exception", SIGABRT)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    _MAIN_WORK.clear()  # its threads end now, while the interpreter is whole
+        agreement.end_process_group()
 
 
 def train(args):
@@ -108,10 +100,6 @@ def train(args):
             run.after_epoch(epoch, meter, signals)  # sample grid, evaluation; stop signals
     run.finish(meter)  # the pipeline and run.json
     return run.config
-
-
-class _Abandoned(Exception):
-    """The main process's work between steps (an evaluation's samples), left for a stop signal."""
 
 
 # --- what the run is -----------------------------------------------------------------
@@ -188,20 +176,9 @@ PRELOADED = (torch.Tensor, data.PreloadedImages)
 
 # With several processes, how long a process may wait in a collective, set explicitly (torch's defaults: NCCL 10
 # minutes, gloo 30). STEP_WAIT: the default group's, that of the steps, a checkpoint's save and the starting line, each
-# far under it. MAIN_WORK_WAIT: while the main process works between steps and the others wait (grids, FID/KID's
-# reference statistics, the pipeline; an evaluation's samples, a share each, gathered to it), in a gloo group of its
-# own: FID over 50,000 samples of a large network on one GPU takes hours, and the wait fires only when a process hangs
-# (one that dies ends it at once). A latent run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
+# far under it. While the main process works between steps and the others wait, they wait in a gloo group of its own,
+# for processes.MAIN_WORK_WAIT.
 STEP_WAIT = timedelta(minutes=15)
-MAIN_WORK_WAIT = timedelta(hours=12)
-# That group is held here, not by the Run, which lives on in reference cycles after main returns: a group still
-# referenced after destroy_process_group keeps its gloo threads into the interpreter's shutdown, where tearing
-# them down can abort the process (SIGABRT, "terminate called without an active exception"; pytorch PR 179291).
-# end_process_group drops it.
-_MAIN_WORK = {}
-
-# With several processes, how often they agree on whether a signal asked them to stop.
-STOP_CHECK_STEPS = 10
 
 # Compile artifacts (torch.compiler's mega-cache) kept beside the run, so that a
 # run resumed on a fresh machine, whose Inductor cache is empty, need not compile again.
@@ -239,9 +216,7 @@ class Run:
         )
         self.device, self.world = accelerator.device, accelerator.num_processes
         self.is_main = accelerator.is_main_process
-        _MAIN_WORK.clear()
-        if self.world > 1:
-            _MAIN_WORK["group"] = torch.distributed.new_group(backend="gloo", timeout=MAIN_WORK_WAIT)
+        self.processes = agreement.Processes(accelerator)  # the processes' agreement
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
         self.evaluator = None
@@ -274,10 +249,9 @@ class Run:
         self.startup.mark("data")
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
         self.startup.mark("FLOPs and compile plan")
-        if self.world > 1:  # one compile plan for every process, rank 0's: each node plans from its own compile record
-            plan = [self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why]
-            torch.distributed.broadcast_object_list(plan, src=0, group=self.main_work_group)
-            self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why = plan
+        # one compile plan for every process, rank 0's: each node plans from its own compile record
+        plan = self.processes.from_main([self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why])
+        self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why = plan
         # Inductor's workers start while the network is built, not at the first compile (none for an eager step)
         compiling.start_compile_workers(self.device, self.config["step_compile_mode"])
         self.config["data_path"] = "preloaded" if isinstance(images, PRELOADED) else "latents" if args.vae else "streamed"
@@ -316,11 +290,6 @@ class Run:
         if self.step < self.total_steps:
             self._announce()
 
-    @property
-    def main_work_group(self):
-        """The group in which the others wait for the main process's work between steps (_MAIN_WORK); None on one process."""
-        return _MAIN_WORK.get("group")
-
     def _prepare_reference(self, images):
         """FID's reference statistics of the training images (`images`; a latent run's decoded from the dataset):
         read where an earlier run (or this one, before a resume) left them, or waited for where another run is making
@@ -335,11 +304,9 @@ class Run:
                 data.dataset_identity(args, images) if isinstance(images, (data.FileImages, data.HubImages)) else None)  # fmt: skip
             found[0] = evaluator.find_reference(contents)
 
-        self.on_main_process(find)
+        self.processes.on_main_process(find)
         try:
-            if self.world > 1:
-                torch.distributed.broadcast_object_list(found, src=0, group=self.main_work_group)
-            if not found[0]:
+            if not self.processes.from_main(found)[0]:
                 self._make_reference(images)
         finally:
             if self.is_main:
@@ -349,7 +316,7 @@ class Run:
         """The statistics _prepare_reference found nowhere, made on every process and kept by the main process."""
         args, evaluator = self.args, self.evaluator
         shared = self.world > 1 and not metrics.uses_shape_score(vars(args), args.fid_weights)
-        world, together = (self.world, self.on_every_process) if shared else (1, self.on_main_process)
+        world, together = (self.world, self.processes.on_every_process) if shared else (1, self.processes.on_main_process)
         ready = [None, None]  # this process's (images, extractor): an error in either stops every process here
 
         def prepare():
@@ -364,10 +331,10 @@ class Run:
 
         def embed():  # a share each, summed to the main process in the group that waits long enough for it
             statistics[0] = metrics.statistics_of_share(*ready, self.device, metrics.fid_batch_size(args.eval_batch_size),
-                                                        args.dataloader_num_workers, rank, world, self.main_work_group)  # fmt: skip
+                                                        args.dataloader_num_workers, rank, world, self.processes.main_work_group)  # fmt: skip
 
         together(embed)
-        self.on_main_process(lambda: evaluator.keep_reference(statistics[0]))
+        self.processes.on_main_process(lambda: evaluator.keep_reference(statistics[0]))
 
     def _choose_start(self, class_names, resume_from):
         """The checkpoint to continue from (resume.choose_start), checked against what the run is before
@@ -383,10 +350,10 @@ class Run:
             chosen[0] = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from,
                                             args.overwrite_output_dir)  # fmt: skip
 
-        self.on_main_process(choose)
-        if self.world > 1:  # not each its own: a node whose view of a shared disk lags would pick an older one
-            torch.distributed.broadcast_object_list(chosen, src=0, group=self.main_work_group)
-        return chosen[0]
+        self.processes.on_main_process(choose)
+        # the main process's choice on every process, not each its own: a node whose view of a shared disk lags
+        # would pick an older one
+        return self.processes.from_main(chosen)[0]
 
     def _latent_source(self):
         """A latent run's VAE and dataset, nothing encoded yet: the VAE loaded and hashed (`self.latent_space`,
@@ -483,7 +450,7 @@ class Run:
                 self.accelerator.load_state(str(start_from))
         except Exception as e:  # a damaged or missing file (torch's, safetensors' and pickle's errors): one line
             error = checkpoint.unloadable(start_from, e)
-        self.stop_together(error, 2)  # one process that cannot load its part (its RNG state) stops them all
+        self.processes.stop_together(error, 2)  # one process that cannot load its part (its RNG state) stops them all
         if self.ema is not None:
             self.ema.to(self.device)
         state = checkpoint.read_state(start_from)
@@ -567,7 +534,7 @@ class Run:
         if self.step % self.args.checkpointing_steps == 0 or self.step == self.total_steps:
             self.save_checkpoint(meter)
         self.flushed(meter, wait=False)  # a checkpoint is said saved once on disk; a failed flush stops here
-        if self.stop_requested(signals):
+        if self.processes.stop_requested(signals, self.step):
             self.stop_for_signal(signals, meter)
 
     def after_epoch(self, epoch, meter, signals):
@@ -578,52 +545,17 @@ class Run:
         unless_stopped = lambda work: None if signals.requested else work()  # noqa: E731  (the main process's)
         if epoch % args.save_images_epochs == 0 or last:
             with meter.paused("sampling"):
-                self.on_main_process(lambda: unless_stopped(lambda: self.write_samples(epoch)))
+                self.processes.on_main_process(lambda: unless_stopped(lambda: self.write_samples(epoch)))
         if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last):
             with meter.paused("evaluation"):  # every process generates a share of the samples
-                self.on_every_process(lambda: self.evaluate(epoch, signals))
+                self.processes.on_every_process(lambda: self.evaluate(epoch, signals))
         if self.vae is not None:
             self.vae.to("cpu")  # decoded: its memory back to training
         if last:  # the last checkpoint's flush went on beside the grid; what is left of it, timed
             with meter.paused("checkpointing"):
                 self.flushed(meter)
-        if self.stop_requested(signals, now=True):
+        if self.processes.stop_requested(signals, self.step, now=True):
             self.stop_for_signal(signals, meter)
-
-    # --- what happens between steps ---
-
-    def on_main_process(self, work):
-        """Runs `work()` on the main process while the others wait (see `_together`)."""
-        self._together(work, self.is_main)
-
-    def on_every_process(self, work):
-        """Runs `work()` on every process, each waiting at the end for the others (see `_together`)."""
-        self._together(work, True)
-
-    def _together(self, work, here):
-        """Runs `work()` where `here` is true, then every process meets. If the work failed on any process,
-        every process stops (the one it failed on with its error) rather than the others waiting forever.
-        Work left for a stop signal (_Abandoned) is no failure."""
-        error = None
-        if here:
-            try:
-                work()
-            except _Abandoned:
-                pass
-            except (RunError, ConfigError) as e:
-                error = e
-        self.stop_together(error, 1)  # also the barrier
-
-    def stop_together(self, error, code):
-        """Every process stops where one failed (`error`, raised there; the others exit with `code` and say
-        nothing: that one says why), rather than the others waiting for it at their next collective."""
-        failed = torch.tensor(float(error is not None))
-        if self.world > 1:  # in the group that waits long enough for the main process's work
-            torch.distributed.all_reduce(failed, group=self.main_work_group)
-        if error is not None:
-            raise error
-        if failed.item():
-            raise SystemExit(code)
 
     def averaged_network(self):
         """A copy of the network with the EMA weights (the raw ones without an EMA)."""
@@ -696,12 +628,12 @@ class Run:
         processes agreeing on a stop signal before each round of batches."""
 
         def unless_stopped():
-            if self.stop_requested(signals, now=True):
+            if self.processes.stop_requested(signals, self.step, now=True):
                 self.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
-                raise _Abandoned
+                raise agreement.Abandoned
 
         return sample.gathered(mine, num_images, batch_size, self.args.image_size, self.accelerator.process_index,
-                               self.world, self.main_work_group, unless_stopped)  # fmt: skip
+                               self.world, self.processes.main_work_group, unless_stopped)  # fmt: skip
 
     def skipped(self):
         return self.skipped_before + self.guard.count()
@@ -743,17 +675,6 @@ class Run:
             meter.write(f"saved {path} (the steps waited {flush.waited_s:.1f} s for {held}; {rest} in {flush.beside_s:.1f} s "
                         f"more, beside training{note})")  # fmt: skip
 
-    def stop_requested(self, signals, now=False):
-        """Whether to stop now. Processes must agree, or one would wait in save_state for
-        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps (and where
-        `now`: every process asks at the same point), and all stop if a signal reached any of them."""
-        if self.world == 1:
-            return signals.requested
-        if self.step % STOP_CHECK_STEPS and not now:
-            return False
-        totals = self.accelerator.reduce(torch.tensor(signals.tally(), device=self.device), reduction="sum")
-        return signals.agree(totals.tolist())
-
     def stop_for_signal(self, signals, meter):
         """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""
         meter.progress.close()
@@ -763,10 +684,10 @@ class Run:
         with meter.paused("checkpointing"):
             # on disk before any process says so and exits: a launcher (torchrun) stops the others, in 30 s, once
             # one process has exited, and only the main process writes the checkpoint
-            self.on_main_process(lambda: self.flushed(meter))
+            self.processes.on_main_process(lambda: self.flushed(meter))
             self.flushed(meter)  # the other processes' part
             # run.json of the steps trained so far (a preempted run's speed is kept; the resumed run's end rewrites it)
-            self.on_main_process(lambda: self.write_manifest(meter.manifest() | dict(stopped_by=signals.received.name)))
+            self.processes.on_main_process(lambda: self.write_manifest(meter.manifest() | dict(stopped_by=signals.received.name)))
         again = " with --resume alone (no folder)" if isinstance(self.args.resume, str) else ""  # not from CHECKPOINT
         self.accelerator.print(
             f"stopped by {signals.received.name} at step {self.step}: saved {path}; "
@@ -779,7 +700,7 @@ class Run:
         """The end: the pipeline and run.json after training; or why nothing was trained."""
         if not meter.trained:  # already trained to the end
             if not self.pipeline_saved():  # the end of the run was cut short
-                self.on_main_process(self.save_pipeline)
+                self.processes.on_main_process(self.save_pipeline)
             else:
                 self.accelerator.print(
                     f"{self.args.output_dir} is already trained to step {self.step} of {self.total_steps}: "
@@ -790,7 +711,7 @@ class Run:
             timing = meter.manifest()  # before the pipeline is saved: training ends here
             if self.args.ema == "power":
                 self.ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
-            self.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(timing),
+            self.processes.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(timing),
                                           rundir.write_model_card(self.output_dir, self.config)))  # fmt: skip
             self.accelerator.end_training()  # flushes the tensorboard logs that the plots read
             if self.is_main:
@@ -909,7 +830,7 @@ class Meter:
             compiling.remember_compile(compiling.compile_key(args, self.run.device, config["step_compile_mode"],
                                                      config["step_compile_scope"]), clock.seconds)  # fmt: skip
         cache = self.run.output_dir / COMPILE_CACHE_FILE
-        self.run.on_main_process(lambda: compiling.save_compile_artifacts(cache, self.run.device))
+        self.run.processes.on_main_process(lambda: compiling.save_compile_artifacts(cache, self.run.device))
         self.write(clock.line)
 
     @contextlib.contextmanager
