@@ -965,11 +965,11 @@ from datetime import timedelta
 sys.path.insert(0, {root!r})
 import train
 train.STEP_WAIT = timedelta(seconds=6)
-write = train.Run.write_samples
+write = train.Evaluation.write_samples
 def write_samples(self, epoch):
     time.sleep(10)
     write(self, epoch)
-train.Run.write_samples = write_samples
+train.Evaluation.write_samples = write_samples
 train.main(train.parse_args(sys.argv[1:]))
 """
 
