@@ -273,7 +273,7 @@ def choose_start(output_dir, config, resume, resume_from, overwrite):
                 f"--output_dir or move the newer ones out of {checkpoint.checkpoints_root(output_dir)}"
             )
     elif overwrite:
-        return None  # its checkpoints are removed once every check has passed (train.py: Run._announce)
+        return None  # its checkpoints are removed once every check has passed (train.py: announce)
     elif start is None:
         found = checkpoint.checkpoint_dirs(output_dir)
         if found or (output_dir / "train_config.json").is_file():

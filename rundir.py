@@ -109,7 +109,7 @@ STAGING = ".tmp-pipeline"
 
 def pipeline_mark(pipeline):
     """The file whose presence says a saved network is whole: a DDPMPipeline's model_index.json, or the network's
-    config in unet/ (train.py's Run.pipeline_saved)."""
+    config in unet/ (train.py's Evaluation.pipeline_saved)."""
     return "model_index.json" if pipeline else "unet/config.json"
 
 

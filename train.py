@@ -35,9 +35,11 @@ import math
 import shutil
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+import agreement
 import checkpoint
 import compiling
 import data
@@ -52,7 +54,7 @@ import profiling
 import resume
 import rundir
 import sample
-import step as steps
+import step
 import training
 from config import network_size, parse_args, recorded, resolve
 from errors import ConfigError, RunError, one_line_errors
@@ -74,44 +76,26 @@ def main(args):
     finally:
         data.stop_workers()  # the DataLoader workers, which leave SIGTERM and SIGINT to this process
         checkpoint.RunLock.release_all()
-        end_process_group()
-
-
-def end_process_group():
-    """Destroy torch.distributed's process group, if this process is in one. Left alive at exit,
-    gloo's worker thread can still hold the last all-reduce when the interpreter shuts down, and
-    the process aborts ("terminate called without an active exception", SIGABRT)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    _MAIN_WORK.clear()  # its threads end now, while the interpreter is whole
+        agreement.end_process_group()
 
 
 def train(args):
     """Build the run, then loop: the next batch, the step, and whatever falls due after it."""
-    run = Run(args)  # data, network, objective, optimizer, EMA; resumed where a checkpoint is
-    meter = Meter(run)  # step times, where the time went, the profiler, the printed lines
-    try:
-        train_step = run.build_step(meter)  # compiled or captured on a GPU (compiling.py)
-    except BaseException:
-        meter.progress.close()  # its bar, not left drawn beside the error's one line
-        raise
+    run = Run(args)  # data, network, objective, optimizer, EMA; resumed where a checkpoint is; the step and its meter
+    meter, train_step = run.meter, run.train_step  # step times, where the time went, the profiler, the printed lines
     meter.profile_when_steady(train_step)  # --profile records steps after those that compile or capture it
-    with checkpoint.StopSignals() as signals, meter, run.published_on_error():
+    with checkpoint.StopSignals() as signals, meter, run.checkpoints.published_on_error():
         for epoch in run.epochs():
             for batch in meter.timed_batches(run.batches_of(epoch)):
                 with meter.first_step_clock():
                     losses = train_step(batch, run.step + 1)
                 run.step += 1
-                meter.step_done(losses)
-                run.after_step(meter, signals)  # checkpoint, stop signals
-            meter.epoch_done(epoch, run.whole_epoch(epoch))
-            run.after_epoch(epoch, meter, signals)  # sample grid, evaluation; stop signals
-    run.finish(meter)  # the pipeline and run.json
+                meter.step_done(losses, run.step)
+                run.after_step(signals)  # checkpoint, stop signals
+            meter.epoch_done(epoch, run.whole_epoch(epoch), run.step)
+            run.after_epoch(epoch, signals)  # sample grid, evaluation; stop signals
+    run.finish()  # the pipeline and run.json
     return run.config
-
-
-class _Abandoned(Exception):
-    """The main process's work between steps (an evaluation's samples), left for a stop signal."""
 
 
 # --- what the run is -----------------------------------------------------------------
@@ -190,108 +174,321 @@ PRELOADED = (torch.Tensor, data.PreloadedImages)
 
 # With several processes, how long a process may wait in a collective, set explicitly (torch's defaults: NCCL 10
 # minutes, gloo 30). STEP_WAIT: the default group's, that of the steps, a checkpoint's save and the starting line, each
-# far under it. MAIN_WORK_WAIT: while the main process works between steps and the others wait (grids, FID/KID's
-# reference statistics, the pipeline; an evaluation's samples, a share each, gathered to it), in a gloo group of its
-# own: FID over 50,000 samples of a large network on one GPU takes hours, and the wait fires only when a process hangs
-# (one that dies ends it at once). A latent run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
+# far under it. While the main process works between steps and the others wait, they wait in a gloo group of its own,
+# for processes.MAIN_WORK_WAIT.
 STEP_WAIT = timedelta(minutes=15)
-MAIN_WORK_WAIT = timedelta(hours=12)
-# That group is held here, not by the Run, which lives on in reference cycles after main returns: a group still
-# referenced after destroy_process_group keeps its gloo threads into the interpreter's shutdown, where tearing
-# them down can abort the process (SIGABRT, "terminate called without an active exception"; pytorch PR 179291).
-# end_process_group drops it.
-_MAIN_WORK = {}
-
-# With several processes, how often they agree on whether a signal asked them to stop.
-STOP_CHECK_STEPS = 10
 
 # Compile artifacts (torch.compiler's mega-cache) kept beside the run, so that a
 # run resumed on a fresh machine, whose Inductor cache is empty, need not compile again.
 COMPILE_CACHE_FILE = "compile_cache.bin"
 
 
+# --- setting a run up: what it trains on and where it starts ------------------------------
+
+
+class RunData(NamedTuple):
+    """What setting a run up found (set_up_data): the data it trains on, the checkpoint it starts from, and
+    a latent run's latents and VAE (None for a run on pixels)."""
+
+    images: object  # a tensor, data.PreloadedImages or a streamed dataset; a latent run's latents.LatentDataset
+    labels: object  # a conditional run's class of each image, else None
+    class_names: object  # a conditional run's class names, else None
+    start_from: object  # the checkpoint to continue from, or None
+    flow_sigmas: object  # a flow run's σ draw (model.flow_sigma_distribution), also in train_config.json; else None
+    latent_space: object = None  # a latent run's VAE and normalisation, hashed: what resume compares
+    latents: object = None  # a latent run's record for train_config.json: VAE, normalisation, cache
+    decode: object = None  # a latent run's latents -> images, for the grids and FID
+    vae: object = None  # a latent run's VAE: on the CPU but while grids and FID samples are decoded
+    dataset_contents: object = None  # a latent run's: what its images hold (data.dataset_identity), for FID's key
+
+
+class LatentSource(NamedTuple):
+    """A latent run's VAE and dataset before anything is encoded (latent_source)."""
+
+    vae: object  # loaded, on the CPU
+    images: object  # the dataset to encode (data.images_to_encode)
+    count: int
+    class_names: object
+    key: dict  # the latents cache's key (latents.cache_key)
+    latent_space: dict  # the VAE and normalisation, hashed: what resume compares
+    dataset_contents: object  # what the images hold (data.dataset_identity), for FID's key; None for the built-in data
+
+
+def set_up_data(args, processes, unreadable):
+    """The run's data and starting point (a RunData). Decoded (or generated) before the model is built, so
+    that a bad path or file fails in seconds; a latent run's encoded to latents, or read from their cache.
+    `unreadable` (data.Unreadable) counts the images that cannot be read. Too few images for one step: a ConfigError."""
+    resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
+    flow_sigmas = models.flow_sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
+    if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
+        source = latent_source(args, unreadable)
+        start_from = choose_start(args, processes, source.class_names, source.latent_space, flow_sigmas, resume_from)
+        dataset, labels, record, decode = latent_data(args, source, processes)
+        found = RunData(dataset, labels, source.class_names, start_from, flow_sigmas, source.latent_space, record,
+                        decode, source.vae, source.dataset_contents)  # fmt: skip
+    else:
+        images, labels, class_names = data.load_images(args, unreadable)
+        start_from = choose_start(args, processes, class_names, None, flow_sigmas, resume_from)
+        found = RunData(images, labels, class_names, start_from, flow_sigmas)
+    if len(found.images) < args.train_batch_size * processes.world * args.gradient_accumulation_steps:
+        raise ConfigError(
+            f"the dataset has {len(found.images)} images, fewer than one optimizer step takes ({args.train_batch_size} "
+            f"x {processes.world} processes x {args.gradient_accumulation_steps} accumulation): "
+            "lower --train_batch_size or --gradient_accumulation_steps"
+        )
+    return found
+
+
+def choose_start(args, processes, class_names, latent_space, flow_sigmas, resume_from):
+    """The checkpoint to continue from (resume.choose_start), checked against what the run is before
+    anything is encoded: the flags, the processes, the classes, a latent run's latent space."""
+    identity = dict(vars(args), num_processes=processes.world, num_classes=len(class_names) if class_names else 0,
+                    latent_space=latent_space, flow_sigmas=flow_sigmas)  # fmt: skip
+    chosen = [None]
+
+    def choose():  # the main process's: one run at a time in a folder, and one choice for every process
+        checkpoint.RunLock(Path(args.output_dir))  # held till train.main ends (RunLock.held)
+        chosen[0] = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from,
+                                        args.overwrite_output_dir)  # fmt: skip
+
+    processes.on_main_process(choose)
+    # the main process's choice on every process, not each its own: a node whose view of a shared disk lags
+    # would pick an older one
+    return processes.from_main(chosen)[0]
+
+
+def latent_source(args, unreadable):
+    """A latent run's VAE and dataset, nothing encoded yet (a LatentSource): the VAE loaded and hashed (its
+    latent space, what resume compares), the dataset opened (its identity, count and classes) and the cache's key."""
+    vae = latents.load_vae(args.latents["source"], args.latents["subfolder"])  # config.resolve found it
+    identity, images, count, class_names = data.images_to_encode(args, unreadable)
+    key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=data.random_flips(args))
+    kind = args.latent_normalization
+    latent_space = latents.latent_space(key["vae"]["encoder_sha256"],
+                                        dict(kind=kind) | (latents.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
+    # read once here, not again for FID's reference statistics (seconds a 100k files)
+    contents = None if args.dataset == data.BUILTIN else {k: v for k, v in identity.items() if k not in data.LABELLING}
+    return LatentSource(vae, images, count, class_names, key, latent_space, contents)
+
+
+def latent_data(args, source, processes):
+    """A latent run's data: (latents.LatentDataset, labels, its record, decode). The latents of the dataset
+    from their cache: when they are not there every process encodes its share of the dataset into it (one
+    line says how fast; a cache hit decodes no image and says so), and reads the cache assembled. Each
+    epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as the record (for
+    train_config.json) says; `decode` turns latents into images for the grids and FID."""
+    vae, key, name, device, say = source.vae, source.key, args.latents["source"], processes.device, processes.accelerator.print
+    # Every process encodes its share on its own device (latents.cached_latents: the waits for the slowest
+    # share in a gloo group of their own, with an explicit timeout); the main process decodes grids and FID.
+    if processes.is_main:
+        vae.to(device)
+    cache = latents.cached_latents(vae, source.images, key, device=device, num_images=source.count,
+                                   progress=processes.is_main, max_gib=data.preload_max_gib(args), log=say)  # fmt: skip
+    # Encoded: its memory back to training (0.31 GiB for SD's VAE). Decoding grids and FID samples brings it
+    # back to the device, and after_epoch sends it away again (docs/performance.md, Memory).
+    vae.to("cpu")
+    # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
+    target_std = args.sigma_data if args.objective == "edm" else 1.0
+    normalization = latents.normalization(cache, vae, args.latent_normalization, target_std)
+    low, high = min(normalization["normalized_std"]), max(normalization["normalized_std"])
+    if normalization["kind"] == "vae" and not 0.5 * target_std <= low <= high <= 2 * target_std:
+        say(
+            f"warning: the VAE's scaling_factor leaves the latents of this data with a std of {low:.3g} to {high:.3g} "
+            f"per channel, where the objective expects {target_std:g}: --vae {name},dataset normalises by their own"
+        )  # fmt: skip
+    where = Path(name).expanduser()
+    record = dict(
+        args.latents, vae=str(where.resolve()) if where.exists() else name, encoder_sha256=key["vae"]["encoder_sha256"],
+        normalization=normalization, cache=str(cache.path), cache_key=key, memmapped=cache.memmapped,
+        encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
+    )  # fmt: skip
+    decode = lambda z: latents.decode(vae.to(z.device), z, normalization)  # noqa: E731  (the VAE joins the latents to decode)
+    return latents.LatentDataset(cache, normalization, seed=args.seed), cache.labels, record, decode
+
+
+def prepare_reference(args, evaluator, processes, images, dataset_contents):
+    """FID's reference statistics of the training images (`images`; a latent run's decoded from the dataset,
+    whose `dataset_contents` were read with it): read where an earlier run (or this one, before a resume) left
+    them, or waited for where another run is making them (metrics.claimed_reference), else made by every process
+    embedding its share of the images (the shape scorer's on the built-in shapes: the main process's alone),
+    summed to the main process, which keeps them for every later run. `evaluator`: the main process's."""
+    found = [True]
+
+    def find():  # what the images hold: a latent run's read with them, a streamed dataset's from it (not opened again)
+        contents = dataset_contents if args.vae else (
+            data.dataset_identity(args, images) if isinstance(images, (data.FileImages, data.HubImages)) else None)  # fmt: skip
+        found[0] = evaluator.find_reference(contents)
+
+    processes.on_main_process(find)
+    try:
+        if not processes.from_main(found)[0]:
+            make_reference(args, evaluator, processes, images)
+    finally:
+        if processes.is_main:
+            evaluator.release()  # made and kept, or failed: another run may make them
+
+
+def make_reference(args, evaluator, processes, images):
+    """The statistics prepare_reference found nowhere, made on every process and kept by the main process."""
+    shared = processes.world > 1 and not metrics.uses_shape_score(vars(args), args.fid_weights)
+    world, together = (processes.world, processes.on_every_process) if shared else (1, processes.on_main_process)
+    ready = [None, None]  # this process's (images, extractor): an error in either stops every process here
+
+    def prepare():
+        extractor = evaluator.extractor if processes.is_main else metrics.extractor_for(vars(args), args.image_size, args.fid_weights)[0]
+        ready[:] = metrics.reference_images(vars(args), args.image_size) if args.vae else images, extractor
+        if processes.is_main:
+            processes.accelerator.print(metrics.computing_line(len(ready[0]), evaluator.reference_key, world))
+
+    together(prepare)
+    statistics = [None]
+    rank = processes.rank if shared else 0
+
+    def embed():  # a share each, summed to the main process in the group that waits long enough for it
+        statistics[0] = metrics.statistics_of_share(*ready, processes.device, metrics.fid_batch_size(args.eval_batch_size),
+                                                    args.dataloader_num_workers, rank, world, processes.main_work_group)  # fmt: skip
+
+    together(embed)
+    processes.on_main_process(lambda: evaluator.keep_reference(statistics[0]))
+
+
+# --- building a run: the accelerator, the pieces, what they hold -----------------------------------
+
+
+def make_accelerator(args):
+    """accelerate's Accelerator for the run: its device and processes, the autocast, gradient accumulation, the trackers."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+    return Accelerator(
+        cpu=args.cpu,
+        # fp8: bf16 autocast, as accelerate's fp8 mode runs; the FP8 layers are training.build's (fp8.py)
+        mixed_precision="bf16" if args.mixed_precision == "fp8" else args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.logger == "none" else args.logger,
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(Path(args.output_dir) / "logs")),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=STEP_WAIT)],
+    )
+
+
+def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps):
+    """Network, objective, optimizer, learning-rate schedule and EMA (training.Pieces), as the speed ladder's rows
+    build them (training.build), prepared by accelerate and registered for checkpoints."""
+    pieces = training.build(args, total_steps, accelerator.device, num_classes=num_classes, lr_ref_steps=lr_ref_steps,
+                            write_ema=accelerator.is_main_process, prepare=accelerator.prepare,
+                            unwrap=accelerator.unwrap_model)  # fmt: skip
+    accelerator.register_for_checkpointing(pieces.lr_scheduler)
+    if any(True for _ in pieces.objective.parameters()):
+        accelerator.register_for_checkpointing(pieces.objective)
+    if pieces.ema is not None:
+        accelerator.register_for_checkpointing(pieces.ema)
+    pieces.model.train()
+    return pieces
+
+
+def memory_plan(args, pieces, device, world):
+    """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
+    one micro-batch counted on the meta device; on a GPU also with gradient checkpointing, for the line's hint."""
+    sizes = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
+    count = memory.count_step(*sizes, args.gradient_checkpointing)
+    checkpointed = None
+    if device.type == "cuda" and not args.gradient_checkpointing:
+        checkpointed = memory.count_step(*sizes, True)
+    trained = [*pieces.network.parameters(), *pieces.network.buffers(), *pieces.objective.parameters()]
+    return memory.plan(trained, pieces.optimizer, pieces.ema, count, args.train_batch_size, world, checkpointed)
+
+
+def announce(args, config, compile_why, accelerator, network, memory_plan, start_step, unreadable):
+    """train_config.json (`config`), the trackers and the first lines of a run with steps to take, from `start_step`:
+    what it trains, on what, how (`compile_why`: how its step is compiled; `network`: FP8's layers, said), what
+    it will hold (`memory_plan`) and whether its checkpoints fit the disk. `unreadable`: images skipped so far."""
+    output_dir, device = Path(args.output_dir), accelerator.device
+    if accelerator.is_main_process:
+        if args.overwrite_output_dir:  # the run it starts over: not before every check has passed
+            shutil.rmtree(checkpoint.checkpoints_root(output_dir), ignore_errors=True)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        scalars = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
+        accelerator.init_trackers("train", config=scalars)
+    for line in data.survey_lines(args):
+        accelerator.print(line)
+    _, peak_words = flops.describe_peak(device, args.mixed_precision, args.allow_tf32)
+    latent = f" as {args.latent_size}x{args.latent_size}x{args.latent_channels} latents" if args.vae else ""
+    skipped = f" ({unreadable} unreadable so far: skipped)" if unreadable else ""  # preloaded: all
+    precision = fp8.describe(network, device) if args.mixed_precision == "fp8" else ""
+    total_steps = config["total_train_steps"]
+    accelerator.print(
+        f"training {args.model} ({config['params']:,} parameters, --objective {args.objective}) "
+        f"on {config['num_images']} images{skipped} at {args.image_size}px{latent}: "
+        f"{total_steps} steps of {config['global_batch_size']} images, mixed precision {args.mixed_precision}{precision}, "
+        f"{config['num_processes']} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
+        f"step; {peak_words}; step {compile_why}"
+    )
+    cuda = device.type == "cuda"
+    # on a CPU the host memory free now (a container's limit included; None where unknown)
+    capacity = torch.cuda.get_device_properties(device).total_memory if cuda else checkpoint.available_memory() or None
+    accelerator.print(memory.plan_line(memory_plan, capacity, "this GPU" if cuda else "this machine's free memory",
+                                       compiled=compiling.compiles(config["step_compile_mode"])))  # fmt: skip
+    full = checkpoint.disk_warning(output_dir, memory_plan.state, start_step, total_steps, args.checkpointing_steps,
+                                   args.checkpoints_total_limit)  # fmt: skip
+    if full:
+        accelerator.print(full)
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
 class Run:
     """A training run: its pieces, built, and what it does between steps.
 
-    Building it loads the data first (a bad path fails in seconds), then the
-    network, objective, optimizer, learning-rate schedule and EMA, and resumes
-    from a checkpoint where there is one. `step` counts optimizer steps taken;
-    `epochs()` is what is left to train (nothing for a run already trained).
-    Between steps it writes checkpoints and sample grids, evaluates, and stops
-    for a signal; at the end it saves the pipeline and run.json. Work only the
-    main process does goes through `on_main_process`, so that a failure there
-    stops every process.
+    Building it sets the run up first (set_up_data: the data, so that a bad path fails in seconds, and
+    the checkpoint it starts from), then builds the network, objective, optimizer, learning-rate
+    schedule and EMA (`pieces`), resumes from that checkpoint where there is one, and builds the step
+    (`train_step`) and its `meter`. `step` counts optimizer steps taken; `epochs()` is what is left to
+    train (nothing for a run already trained). Between steps it writes checkpoints (`checkpoints`),
+    sample grids and evaluations (`evaluation`), and stops for a signal; at the end it saves the
+    pipeline and run.json. Work only the main process does goes through
+    `processes.on_main_process`, so that a failure there stops every process.
     """
 
     def __init__(self, args):
-        from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
+        from accelerate.utils import set_seed
 
         self.startup = profiling.StartupClock(STARTED)
         self.startup.mark("imports")
         self.args, self.output_dir = args, Path(args.output_dir)
-        self.accelerator = accelerator = Accelerator(
-            cpu=args.cpu,
-            # fp8: bf16 autocast, as accelerate's fp8 mode runs; the FP8 layers are training.build's (fp8.py)
-            mixed_precision="bf16" if args.mixed_precision == "fp8" else args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with=None if args.logger == "none" else args.logger,
-            project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=str(self.output_dir / "logs")),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=STEP_WAIT)],
-        )
-        self.device, self.world = accelerator.device, accelerator.num_processes
-        self.is_main = accelerator.is_main_process
-        _MAIN_WORK.clear()
-        if self.world > 1:
-            _MAIN_WORK["group"] = torch.distributed.new_group(backend="gloo", timeout=MAIN_WORK_WAIT)
+        self.accelerator = accelerator = make_accelerator(args)
+        self.device, self.world, self.is_main = accelerator.device, accelerator.num_processes, accelerator.is_main_process
+        self.processes = agreement.Processes(accelerator)  # the processes' agreement
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
-        self.evaluator = None
+        evaluator = None
         if args.eval_every_epochs and self.is_main:
             # Loads the scoring network now (Inception, or the shape scorer on the built-in data): missing weights stop the run before any training.
-            self.evaluator = metrics.TrainingEvaluator(args, args.output_dir, self.device, log=accelerator.print)
+            evaluator = metrics.TrainingEvaluator(args, args.output_dir, self.device, log=accelerator.print)
         self.startup.mark("accelerate")
 
-        # Data: decoded (or generated) before the model is built, so that a bad path or file fails in seconds;
-        # a latent run's encoded to latents, or read from their cache.
         self.unreadable = data.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
-        self.decode, self.latents, self.latent_space = None, None, None  # a latent run's: latents -> images, records
-        self.dataset_contents = None  # a latent run's: what its images hold (data.dataset_identity), for FID's key
-        self.vae = None  # a latent run's VAE: on the CPU but while grids and FID samples are decoded
-        resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
-        if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
-            source = self._latent_source()
-            start_from = self._choose_start(source["class_names"], resume_from)
-            images, labels, class_names = self._latent_data(source)
-        else:
-            images, labels, class_names = data.load_images(args, self.unreadable)
-            start_from = self._choose_start(class_names, resume_from)
-        self.images_per_step = args.train_batch_size * self.world * args.gradient_accumulation_steps
-        if len(images) < self.images_per_step:
-            raise ConfigError(
-                f"the dataset has {len(images)} images, fewer than one optimizer step takes ({args.train_batch_size} "
-                f"x {self.world} processes x {args.gradient_accumulation_steps} accumulation): "
-                "lower --train_batch_size or --gradient_accumulation_steps"
-            )
+        found = set_up_data(args, self.processes, self.unreadable)
+        images, labels, class_names = found.images, found.labels, found.class_names
         self.startup.mark("data")
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
         self.startup.mark("FLOPs and compile plan")
-        if self.world > 1:  # one compile plan for every process, rank 0's: each node plans from its own compile record
-            plan = [self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why]
-            torch.distributed.broadcast_object_list(plan, src=0, group=self.main_work_group)
-            self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why = plan
+        # one compile plan for every process, rank 0's: each node plans from its own compile record
+        plan = self.processes.from_main([self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why])
+        self.config["step_compile_mode"], self.config["step_compile_scope"], self.compile_why = plan
         # Inductor's workers start while the network is built, not at the first compile (none for an eager step)
         compiling.start_compile_workers(self.device, self.config["step_compile_mode"])
         self.config["data_path"] = "preloaded" if isinstance(images, PRELOADED) else "latents" if args.vae else "streamed"
-        if self.latents is not None:
-            self.config |= dict(latents=self.latents, latent_space=self.latent_space)
+        if found.latents is not None:
+            self.config |= dict(latents=found.latents, latent_space=found.latent_space)
         # The classes of a conditional run, kept with it: sample.py takes their names.
-        self.num_classes = len(class_names) if class_names else 0
-        self.config |= dict(num_classes=self.num_classes, class_names=class_names, flow_sigmas=self.flow_sigmas,
-                            class_counts=None if labels is None else torch.bincount(labels, minlength=self.num_classes).tolist())  # fmt: skip
+        num_classes = len(class_names) if class_names else 0
+        self.config |= dict(num_classes=num_classes, class_names=class_names, flow_sigmas=found.flow_sigmas,
+                            class_counts=None if labels is None else torch.bincount(labels, minlength=num_classes).tolist())  # fmt: skip
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
         if args.eval_every_epochs:
-            self._prepare_reference(images)
+            prepare_reference(args, evaluator, self.processes, images, found.dataset_contents)
             self.startup.mark("FID's reference")
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
         if isinstance(images, PRELOADED) and self.device.type == "cuda":
@@ -301,244 +498,45 @@ class Run:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             # autoguidance's network: building it (a checkpoint's) draws random numbers, which must not change the
             # network trained or its noise: with or without --guide, the same --seed trains the same weights
-            self.guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None
-        self.num_images = len(images)
+            guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None
         self.startup.mark("data to the device")
-        self._build_training()
+        self.pieces = build_pieces(args, accelerator, self.total_steps, num_classes, self.config["lr_ref_steps"])
+        self.config["params"] = sum(p.numel() for p in self.pieces.network.parameters())  # with a class embedding
+        self.guard = step.NonFiniteGuard(self.pieces.optimizer, args.on_fault, self.device)
+        self.memory = memory_plan(args, self.pieces, self.device, self.world)
         self.startup.mark("network")
+        self.checkpoints = Checkpoints(accelerator, self.output_dir, args.checkpoints_total_limit)
         self.step, self.skipped_before = 0, 0
-        if start_from is not None:
-            self._resume(start_from)
+        if found.start_from is not None:
+            self.step, self.skipped_before = self.checkpoints.load(found.start_from, self.processes, self.pieces.ema, args)
             self.startup.mark("resume")
-        elif self.started_from:  # --init_from, on a fresh start only: a resume's weights are its checkpoint's
-            accelerator.print(self.started_from)
-        self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
-        self.flushing = None  # the checkpoint on its way to disk (checkpoint.Flush), behind the steps
-        self.checkpoint_times = []  # run.json's checkpoint_times_s
-        self.host_copy = checkpoint.host_copy_for(self.device)  # the state's copy that a checkpoint's thread writes
+        elif self.pieces.started_from:  # --init_from, on a fresh start only: a resume's weights are its checkpoint's
+            accelerator.print(self.pieces.started_from)
+        self.evaluation = Evaluation(args, self.processes, self.pieces, evaluator, guide, found.decode, found.vae,
+                                     num_classes, self.config["class_counts"])  # fmt: skip
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
-            self._announce()
-
-    @property
-    def main_work_group(self):
-        """The group in which the others wait for the main process's work between steps (_MAIN_WORK); None on one process."""
-        return _MAIN_WORK.get("group")
-
-    def _prepare_reference(self, images):
-        """FID's reference statistics of the training images (`images`; a latent run's decoded from the dataset):
-        read where an earlier run (or this one, before a resume) left them, or waited for where another run is making
-        them (metrics.claimed_reference), else made by every process embedding its share of the images (the shape
-        scorer's on the built-in shapes: the main process's alone), summed to the main process, which keeps them
-        for every later run."""
-        args, evaluator = self.args, self.evaluator
-        found = [True]
-
-        def find():  # what the images hold: a latent run's read with them, a streamed dataset's from it (not opened again)
-            contents = self.dataset_contents if args.vae else (
-                data.dataset_identity(args, images) if isinstance(images, (data.FileImages, data.HubImages)) else None)  # fmt: skip
-            found[0] = evaluator.find_reference(contents)
-
-        self.on_main_process(find)
+            announce(args, self.config, self.compile_why, accelerator, self.pieces.network, self.memory, self.step,
+                     len(self.unreadable))  # fmt: skip
+        self.meter = Meter(args, self.config, self.step, self.device, self.output_dir, accelerator,
+                           self.processes.on_main_process, self.startup,
+                           learning_rate=lambda: float(self.pieces.lr_scheduler.get_last_lr()[0]))  # fmt: skip
         try:
-            if self.world > 1:
-                torch.distributed.broadcast_object_list(found, src=0, group=self.main_work_group)
-            if not found[0]:
-                self._make_reference(images)
-        finally:
-            if self.is_main:
-                evaluator.release()  # made and kept, or failed: another run may make them
-
-    def _make_reference(self, images):
-        """The statistics _prepare_reference found nowhere, made on every process and kept by the main process."""
-        args, evaluator = self.args, self.evaluator
-        shared = self.world > 1 and not metrics.uses_shape_score(vars(args), args.fid_weights)
-        world, together = (self.world, self.on_every_process) if shared else (1, self.on_main_process)
-        ready = [None, None]  # this process's (images, extractor): an error in either stops every process here
-
-        def prepare():
-            extractor = evaluator.extractor if self.is_main else metrics.extractor_for(vars(args), args.image_size, args.fid_weights)[0]
-            ready[:] = metrics.reference_images(vars(args), args.image_size) if args.vae else images, extractor
-            if self.is_main:
-                self.accelerator.print(metrics.computing_line(len(ready[0]), evaluator.reference_key, world))
-
-        together(prepare)
-        statistics = [None]
-        rank = self.accelerator.process_index if shared else 0
-
-        def embed():  # a share each, summed to the main process in the group that waits long enough for it
-            statistics[0] = metrics.statistics_of_share(*ready, self.device, metrics.fid_batch_size(args.eval_batch_size),
-                                                        args.dataloader_num_workers, rank, world, self.main_work_group)  # fmt: skip
-
-        together(embed)
-        self.on_main_process(lambda: evaluator.keep_reference(statistics[0]))
-
-    def _choose_start(self, class_names, resume_from):
-        """The checkpoint to continue from (resume.choose_start), checked against what the run is before
-        anything is encoded: the flags, the processes, the classes, a latent run's latent space."""
-        args = self.args
-        self.flow_sigmas = models.flow_sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
-        identity = dict(vars(args), num_processes=self.world, num_classes=len(class_names) if class_names else 0,
-                        latent_space=self.latent_space, flow_sigmas=self.flow_sigmas)  # fmt: skip
-        chosen = [None]
-
-        def choose():  # the main process's: one run at a time in a folder, and one choice for every process
-            checkpoint.RunLock(self.output_dir)  # held till train.main ends (RunLock.held)
-            chosen[0] = resume.choose_start(args.output_dir, identity, args.resume is not False, resume_from,
-                                            args.overwrite_output_dir)  # fmt: skip
-
-        self.on_main_process(choose)
-        if self.world > 1:  # not each its own: a node whose view of a shared disk lags would pick an older one
-            torch.distributed.broadcast_object_list(chosen, src=0, group=self.main_work_group)
-        return chosen[0]
-
-    def _latent_source(self):
-        """A latent run's VAE and dataset, nothing encoded yet: the VAE loaded and hashed (`self.latent_space`,
-        what resume compares), the dataset opened (its identity, count and classes) and the cache's key."""
-        args = self.args
-        vae = latents.load_vae(args.latents["source"], args.latents["subfolder"])  # config.resolve found it
-        identity, images, count, class_names = data.images_to_encode(args, self.unreadable)
-        key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=data.random_flips(args))
-        kind = args.latent_normalization
-        self.latent_space = latents.latent_space(key["vae"]["encoder_sha256"],
-                                                 dict(kind=kind) | (latents.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
-        # read once here, not again for FID's reference statistics (seconds a 100k files)
-        self.dataset_contents = None if args.dataset == data.BUILTIN else {k: v for k, v in identity.items() if k not in data.LABELLING}
-        return dict(vae=vae, images=images, count=count, class_names=class_names, key=key)
-
-    def _latent_data(self, found):
-        """A latent run's data: (latents.LatentDataset, labels, class names). The latents of the dataset
-        from their cache: when they are not there every process encodes its share of the dataset into it (one
-        line says how fast; a cache hit decodes no image and says so), and reads the cache assembled. Each
-        epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as `self.latents`
-        records for train_config.json; `self.decode` turns latents into images for the grids and FID."""
-        args, accelerator = self.args, self.accelerator
-        vae, key, source = found["vae"], found["key"], args.latents["source"]
-        # Every process encodes its share on its own device (latents.cached_latents: the waits for the slowest
-        # share in a gloo group of their own, with an explicit timeout); the main process decodes grids and FID.
-        if self.is_main:
-            vae.to(self.device)
-        cache = latents.cached_latents(vae, found["images"], key, device=self.device, num_images=found["count"],
-                                       progress=self.is_main, max_gib=data.preload_max_gib(args),
-                                       log=accelerator.print)  # fmt: skip
-        # Encoded: its memory back to training (0.31 GiB for SD's VAE). Decoding grids and FID samples brings it
-        # back to the device, and after_epoch sends it away again (docs/performance.md, Memory).
-        vae.to("cpu")
-        self.vae = vae
-        # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
-        target_std = args.sigma_data if args.objective == "edm" else 1.0
-        record = latents.normalization(cache, vae, args.latent_normalization, target_std)
-        low, high = min(record["normalized_std"]), max(record["normalized_std"])
-        if record["kind"] == "vae" and not 0.5 * target_std <= low <= high <= 2 * target_std:
-            accelerator.print(
-                f"warning: the VAE's scaling_factor leaves the latents of this data with a std of {low:.3g} to {high:.3g} "
-                f"per channel, where the objective expects {target_std:g}: --vae {source},dataset normalises by their own"
-            )  # fmt: skip
-        where = Path(source).expanduser()
-        self.latents = dict(
-            args.latents, vae=str(where.resolve()) if where.exists() else source, encoder_sha256=key["vae"]["encoder_sha256"],
-            normalization=record, cache=str(cache.path), cache_key=key, memmapped=cache.memmapped,
-            encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
-        )  # fmt: skip
-        self.decode = lambda z: latents.decode(vae.to(z.device), z, record)  # the VAE joins the latents to decode
-        return latents.LatentDataset(cache, record, seed=args.seed), cache.labels, found["class_names"]
-
-    def _build_training(self):
-        """Network, objective, optimizer, learning-rate schedule and EMA, as the speed ladder's rows
-        build them (training.build), prepared by accelerate and registered for checkpoints."""
-        args, accelerator = self.args, self.accelerator
-        pieces = training.build(args, self.total_steps, self.device, num_classes=self.num_classes,
-                                lr_ref_steps=self.config["lr_ref_steps"], write_ema=self.is_main,
-                                prepare=accelerator.prepare, unwrap=accelerator.unwrap_model)  # fmt: skip
-        self.config["params"] = sum(p.numel() for p in pieces.network.parameters())  # with a class embedding
-        self.model, self.optimizer, self.objective = pieces.model, pieces.optimizer, pieces.objective
-        self.noise_scheduler, self.sampling_scheduler = pieces.noise_scheduler, pieces.sampling_scheduler
-        self.lr_scheduler, self.ema = pieces.lr_scheduler, pieces.ema
-        self.started_from = pieces.started_from
-        accelerator.register_for_checkpointing(self.lr_scheduler)
-        if any(True for _ in self.objective.parameters()):
-            accelerator.register_for_checkpointing(self.objective)
-        if self.ema is not None:
-            accelerator.register_for_checkpointing(self.ema)
-        self.guard = steps.NonFiniteGuard(self.optimizer, args.on_fault, self.device)
-        self.model.train()
-        self.memory = self._memory_plan(pieces.network)
-        self.precision_words = fp8.describe(pieces.network, self.device) if args.mixed_precision == "fp8" else ""
-
-    def _memory_plan(self, network):
-        """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
-        one micro-batch counted on the meta device; on a GPU also with gradient checkpointing, for the line's hint."""
-        args = self.args
-        step = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
-        count = memory.count_step(*step, args.gradient_checkpointing)
-        checkpointed = None
-        if self.device.type == "cuda" and not args.gradient_checkpointing:
-            checkpointed = memory.count_step(*step, True)
-        trained = [*network.parameters(), *network.buffers(), *self.objective.parameters()]
-        return memory.plan(trained, self.optimizer, self.ema, count, args.train_batch_size, self.world, checkpointed)
-
-    def _resume(self, start_from):
-        error, rng = None, Path(start_from) / f"random_states_{self.accelerator.process_index}.pkl"  # this process's
-        try:  # accelerate skips an RNG state it cannot read, and the run would go on, not as it would have
-            torch.load(rng, weights_only=False)
-        except Exception as e:  # named: each process has its own
-            error = checkpoint.unloadable(start_from, e, rng.name)
-        try:
-            if error is None:
-                self.accelerator.load_state(str(start_from))
-        except Exception as e:  # a damaged or missing file (torch's, safetensors' and pickle's errors): one line
-            error = checkpoint.unloadable(start_from, e)
-        self.stop_together(error, 2)  # one process that cannot load its part (its RNG state) stops them all
-        if self.ema is not None:
-            self.ema.to(self.device)
-        state = checkpoint.read_state(start_from)
-        self.step, self.skipped_before = state["step"], state.get("skipped_nonfinite", 0)
-        changed = resume.changed_since(start_from, vars(self.args))  # honoured, and said
-        said = f"; changed: {'; '.join(changed)}" if changed else ""
-        self.accelerator.print(f"resumed from {start_from} at step {self.step}{said}")
-
-    def _announce(self):
-        """train_config.json, the trackers and the first line: only for a run with steps to take."""
-        args, config = self.args, self.config
-        if self.is_main:
-            if args.overwrite_output_dir:  # the run it starts over: not before every check has passed
-                shutil.rmtree(checkpoint.checkpoints_root(self.output_dir), ignore_errors=True)
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "train_config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-            scalars = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
-            self.accelerator.init_trackers("train", config=scalars)
-        for line in data.survey_lines(args):
-            self.accelerator.print(line)
-        _, peak_words = flops.describe_peak(self.device, args.mixed_precision, args.allow_tf32)
-        latent = f" as {args.latent_size}x{args.latent_size}x{args.latent_channels} latents" if args.vae else ""
-        skipped = f" ({len(self.unreadable)} unreadable so far: skipped)" if len(self.unreadable) else ""  # preloaded: all
-        self.accelerator.print(
-            f"training {args.model} ({config['params']:,} parameters, --objective {args.objective}) "
-            f"on {self.num_images} images{skipped} at {args.image_size}px{latent}: "
-            f"{self.total_steps} steps of {self.images_per_step} images, mixed precision {args.mixed_precision}{self.precision_words}, "
-            f"{self.world} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
-            f"step; {peak_words}; step {self.compile_why}"
-        )
-        cuda = self.device.type == "cuda"
-        # on a CPU the host memory free now (a container's limit included; None where unknown)
-        capacity = torch.cuda.get_device_properties(self.device).total_memory if cuda else checkpoint.available_memory() or None
-        self.accelerator.print(memory.plan_line(self.memory, capacity, "this GPU" if cuda else "this machine's free memory",
-                                                compiled=compiling.compiles(config["step_compile_mode"])))  # fmt: skip
-        full = checkpoint.disk_warning(self.output_dir, self.memory.state, self.step, self.total_steps,
-                                       args.checkpointing_steps, args.checkpoints_total_limit)  # fmt: skip
-        if full:
-            self.accelerator.print(full)
+            # compiled or captured on a GPU (compiling.py); run.json's compile fields (write_manifest: at the end, or at a stop)
+            self.train_step = self.build_step(self.meter)
+        except BaseException:
+            self.meter.progress.close()  # its bar, not left drawn beside the error's one line
+            raise
 
     def build_step(self, meter):
         """The step, from the uint8 batch to the EMA (step.py), reporting its phases to `meter`."""
-        self.meter = meter
-        mode = None if self.config["step_compile_mode"] == "eager" else self.config["step_compile_mode"]
-        step = steps.TrainStep(self.model, self.model, self.objective, self.optimizer, self.lr_scheduler, self.ema,
-                               self.guard, self.args.max_grad_norm, data.random_flips(self.args),
+        pieces, mode = self.pieces, None if self.config["step_compile_mode"] == "eager" else self.config["step_compile_mode"]
+        whole = step.TrainStep(pieces.model, pieces.model, pieces.objective, pieces.optimizer, pieces.lr_scheduler,
+                               pieces.ema, self.guard, self.args.max_grad_norm, data.random_flips(self.args),
                                accelerator=self.accelerator,
                                mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
-                               null_label=models.null_label(self.num_classes))  # fmt: skip
-        fast = compiling.FastStep(step, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
+                               null_label=models.null_label(self.config["num_classes"]))  # fmt: skip
+        fast = compiling.FastStep(whole, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
         if compiling.compiles(mode) and self.step < self.total_steps:
             loaded = compiling.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
             if loaded:
@@ -546,7 +544,6 @@ class Run:
         self.startup.mark("step")
         if self.step < self.total_steps:
             meter.write(self.startup.line())
-        self.train_step = fast  # run.json's compile fields (write_manifest: at the end, or at a stop)
         return fast
 
     # --- the loop's pace ---
@@ -570,159 +567,154 @@ class Run:
         """Whether this run trained all of `epoch` (its time then stands for an epoch's)."""
         return self.epoch_started_at == epoch * self.steps_per_epoch and self.step == (epoch + 1) * self.steps_per_epoch
 
-    def after_step(self, meter, signals):
-        if self.step % self.args.checkpointing_steps == 0 or self.step == self.total_steps:
-            self.save_checkpoint(meter)
-        self.flushed(meter, wait=False)  # a checkpoint is said saved once on disk; a failed flush stops here
-        if self.stop_requested(signals):
-            self.stop_for_signal(signals, meter)
+    # --- what happens between steps ---
 
-    def after_epoch(self, epoch, meter, signals):
+    def after_step(self, signals):
+        """The checkpoint due after this step, the one on its way to disk once there, and a stop signal's stop."""
+        if self.step % self.args.checkpointing_steps == 0 or self.step == self.total_steps:
+            self.save_checkpoint()
+        self.checkpoints.flushed(self.meter, wait=False)  # a checkpoint is said saved once on disk; a failed flush stops here
+        if self.processes.stop_requested(signals, self.step):
+            self.stop_for_signal(signals)
+
+    def after_epoch(self, epoch, signals):
         """The grid and the evaluation due after `epoch`. A stop signal that comes meanwhile (an evaluation of
         --eval_num_samples may take hours, a preemption's grace period a minute) leaves what is left of them
         undone, at the next batch of samples, and the step is kept in a checkpoint as after a step."""
-        args, last = self.args, self.step >= self.total_steps
+        args, last, meter, evaluation = self.args, self.step >= self.total_steps, self.meter, self.evaluation
         unless_stopped = lambda work: None if signals.requested else work()  # noqa: E731  (the main process's)
         if epoch % args.save_images_epochs == 0 or last:
             with meter.paused("sampling"):
-                self.on_main_process(lambda: unless_stopped(lambda: self.write_samples(epoch)))
+                self.processes.on_main_process(lambda: unless_stopped(lambda: evaluation.write_samples(epoch)))
         if args.eval_every_epochs and ((epoch + 1) % args.eval_every_epochs == 0 or last):
             with meter.paused("evaluation"):  # every process generates a share of the samples
-                self.on_every_process(lambda: self.evaluate(epoch, signals))
-        if self.vae is not None:
-            self.vae.to("cpu")  # decoded: its memory back to training
+                self.processes.on_every_process(lambda: evaluation.evaluate(epoch, self.step, signals, meter.write))
+        evaluation.vae_to_cpu()  # decoded: its memory back to training
         if last:  # the last checkpoint's flush went on beside the grid; what is left of it, timed
             with meter.paused("checkpointing"):
-                self.flushed(meter)
-        if self.stop_requested(signals, now=True):
-            self.stop_for_signal(signals, meter)
-
-    # --- what happens between steps ---
-
-    def on_main_process(self, work):
-        """Runs `work()` on the main process while the others wait (see `_together`)."""
-        self._together(work, self.is_main)
-
-    def on_every_process(self, work):
-        """Runs `work()` on every process, each waiting at the end for the others (see `_together`)."""
-        self._together(work, True)
-
-    def _together(self, work, here):
-        """Runs `work()` where `here` is true, then every process meets. If the work failed on any process,
-        every process stops (the one it failed on with its error) rather than the others waiting forever.
-        Work left for a stop signal (_Abandoned) is no failure."""
-        error = None
-        if here:
-            try:
-                work()
-            except _Abandoned:
-                pass
-            except (RunError, ConfigError) as e:
-                error = e
-        self.stop_together(error, 1)  # also the barrier
-
-    def stop_together(self, error, code):
-        """Every process stops where one failed (`error`, raised there; the others exit with `code` and say
-        nothing: that one says why), rather than the others waiting for it at their next collective."""
-        failed = torch.tensor(float(error is not None))
-        if self.world > 1:  # in the group that waits long enough for the main process's work
-            torch.distributed.all_reduce(failed, group=self.main_work_group)
-        if error is not None:
-            raise error
-        if failed.item():
-            raise SystemExit(code)
-
-    def averaged_network(self):
-        """A copy of the network with the EMA weights (the raw ones without an EMA)."""
-        return posthoc_ema.averaged_copy(self.accelerator.unwrap_model(self.model), self.ema)
-
-    def pipeline_saved(self):
-        return (self.output_dir / rundir.pipeline_mark(models.saves_pipeline(vars(self.args)))).is_file()
-
-    def save_network(self, network, folder):
-        rundir.save_network(network, folder, self.noise_scheduler if models.saves_pipeline(vars(self.args)) else None)
-
-    def save_pipeline(self):
-        """The EMA weights (or the raw ones) in output_dir."""
-        try:
-            self.save_network(self.averaged_network(), self.output_dir)
-        except OSError as e:
-            note = f"running again saves it from the checkpoint of step {self.step}"
-            raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
-        saved = "the pipeline to" if models.saves_pipeline(vars(self.args)) else "the network to"  # EDM, EDM2, DiT: unet/ alone
-        self.accelerator.print(f"saved {saved} {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
-
-    def write_samples(self, epoch):
-        """A grid of --eval_batch_size images from the EMA weights, from the same noise every time;
-        a conditional run's rows go through the classes in turn."""
-        args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
-        seeds = sample.image_seeds(args.seed, args.eval_batch_size)
-        labels = sample.grid_labels(self.num_classes, args.eval_batch_size)
-        images = sample.generate(self.averaged_network(), self.sampling_scheduler, seeds, args.num_inference_steps,
-                                 self.accelerator.autocast, labels, args.guidance_scale[0], self.guide, self.decode)  # fmt: skip
-        try:
-            sample.save_grid(images, path)
-        except OSError as e:
-            raise RunError(checkpoint.cannot_write(path, e)) from None
-
-    def evaluate(self, epoch, signals):
-        """FID/KID of the EMA weights at each --guidance_scale, on every process: each generates every
-        world-th batch of the samples and the main process embeds them all, in image order (the batches one
-        process generates), scores them, and puts the best pipeline by FID (at its best scale) in best/. A
-        stop signal on any process abandons it at the next batch."""
-        args, network = self.args, self.averaged_network()
-        counts = self.config["class_counts"]  # a conditional run: labels drawn as in the data
-        labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
-        batch_size = metrics.fid_batch_size(args.eval_batch_size)
-
-        def batches_for(w):
-            mine = sample.generate_batches(network, self.sampling_scheduler, args.eval_num_samples, batch_size,
-                                           args.seed, args.num_inference_steps, self.accelerator.autocast, labels, w,
-                                           self.guide, self.decode, shard=(self.accelerator.process_index, self.world))  # fmt: skip
-            return self.gathered_samples(mine, args.eval_num_samples, batch_size, signals, epoch)
-
-        if not self.is_main:  # its share of each scale's samples, sent to the main process
-            for w in args.guidance_scale:
-                collections.deque(batches_for(w), maxlen=0)
-            return
-
-        sampler = getattr(self.sampling_scheduler, "name", args.sampler)
-        save = lambda folder: self.save_network(network, folder)  # noqa: E731
-        result = self.evaluator.evaluate(batches_for, args.guidance_scale, sampler, args.num_inference_steps,
-                                         epoch, self.step, save, labels)  # fmt: skip
-        self.accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=self.step)
-        at = f"eval epoch {epoch} step {self.step}"
-        for scale in result.get("scales", []):
-            self.meter.write(f"{at} | guidance scale {scale['guidance_scale']:g}: {metrics.format_scores(dict(result, **scale))}")
-        best = " (best so far: saved to best/)" if result["best"] else ""
-        scale = f"best guidance scale {result['guidance_scale']:g}: " if "scales" in result else ""
-        self.meter.write(f"{at} | {scale}{metrics.format_scores(result)}{best}")
-
-    def gathered_samples(self, mine, num_images, batch_size, signals, epoch):
-        """An evaluation's samples, every process's share gathered to the main process (sample.gathered), the
-        processes agreeing on a stop signal before each round of batches."""
-
-        def unless_stopped():
-            if self.stop_requested(signals, now=True):
-                self.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
-                raise _Abandoned
-
-        shape = (self.args.image_channels, self.args.image_size, self.args.image_size)
-        return sample.gathered(mine, num_images, batch_size, shape, self.accelerator.process_index,
-                               self.world, self.main_work_group, unless_stopped)  # fmt: skip
+                self.checkpoints.flushed(meter)
+        if self.processes.stop_requested(signals, self.step, now=True):
+            self.stop_for_signal(signals)
 
     def skipped(self):
+        """The steps skipped for a non-finite loss or gradient, those before a resume included."""
         return self.skipped_before + self.guard.count()
 
-    def save_checkpoint(self, meter):
-        if not checkpoint.weights_finite(self.model):  # never replace a good checkpoint with a broken state
-            raise RunError(f"the weights are not finite at step {self.step}: not saving a checkpoint; resume from the last one")
+    def save_checkpoint(self):
+        """This step's checkpoint, on its way to disk (Checkpoints.save); its path."""
         state = dict(skipped_nonfinite=self.skipped(), run=resume.run_identity(self.config))
+        return self.checkpoints.save(self.step, self.pieces.model, state, self.meter)
+
+    def stop_for_signal(self, signals):
+        """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""
+        meter, checkpoints = self.meter, self.checkpoints
+        meter.progress.close()
+        saved_step, path = checkpoints.last_saved
+        if saved_step != self.step:
+            path = self.save_checkpoint()
+        with meter.paused("checkpointing"):
+            # on disk before any process says so and exits: a launcher (torchrun) stops the others, in 30 s, once
+            # one process has exited, and only the main process writes the checkpoint
+            self.processes.on_main_process(lambda: checkpoints.flushed(meter))
+            checkpoints.flushed(meter)  # the other processes' part
+            # run.json of the steps trained so far (a preempted run's speed is kept; the resumed run's end rewrites it)
+            self.processes.on_main_process(lambda: self.write_manifest(meter.manifest() | dict(stopped_by=signals.received.name)))
+        again = " with --resume alone (no folder)" if isinstance(self.args.resume, str) else ""  # not from CHECKPOINT
+        self.accelerator.print(
+            f"stopped by {signals.received.name} at step {self.step}: saved {path}; "
+            f"run the same command again{again} to continue"
+        )
+        self.accelerator.end_training()
+        raise SystemExit(signals.exit_code)
+
+    def finish(self):
+        """The end: the pipeline and run.json after training; or why nothing was trained."""
+        evaluation = self.evaluation
+        if not self.meter.trained:  # already trained to the end
+            if not evaluation.pipeline_saved():  # the end of the run was cut short
+                self.processes.on_main_process(lambda: evaluation.save_pipeline(self.step))
+            else:
+                self.accelerator.print(
+                    f"{self.args.output_dir} is already trained to step {self.step} of {self.total_steps}: "
+                    "raise --max_train_steps or --num_epochs to train longer"
+                )
+        else:
+            self.meter.report_end(self.step, self.skipped(), len(self.unreadable), self.memory)
+            timing = self.meter.manifest()  # before the pipeline is saved: training ends here
+            if self.args.ema == "power":
+                self.pieces.ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
+            self.processes.on_main_process(lambda: (evaluation.save_pipeline(self.step), self.write_manifest(timing),
+                                                    rundir.write_model_card(self.output_dir, self.config)))  # fmt: skip
+            self.accelerator.end_training()  # flushes the tensorboard logs that the plots read
+            if self.is_main:
+                profiling.draw_run_plots(self.output_dir)
+
+    def write_manifest(self, timing):
+        """run.json: everything about the run one would need to compare or reproduce it."""
+        profiling.write_manifest(
+            self.output_dir / "run.json",
+            config=self.config,
+            git_commit=profiling.git_commit(),
+            versions=profiling.library_versions(),
+            device=profiling.device_facts(self.device, self.world),
+            steps=self.step,
+            skipped_nonfinite_steps=self.skipped(),
+            unreadable_images=len(self.unreadable),
+            step_compile_mode=self.train_step.mode_name,
+            compile_fallbacks=self.train_step.fallbacks,
+            cuda_graph_skips=self.train_step.graph_skips,
+            samples_dir=str(self.output_dir / "samples"),
+            checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(self.output_dir)],
+            checkpoint_times_s=self.checkpoints.times,
+            pipeline_dir=str(self.output_dir),
+            **timing,
+        )
+
+
+class Checkpoints:
+    """A run's checkpoints: the one it resumes from loaded (`load`), and each one `save`d between steps, written
+    to disk beside the steps that follow (checkpoint.save) and said once it is there (`flushed`)."""
+
+    def __init__(self, accelerator, output_dir, total_limit):
+        self.accelerator, self.output_dir, self.total_limit = accelerator, output_dir, total_limit
+        self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
+        self.flushing = None  # the checkpoint on its way to disk (checkpoint.Flush), behind the steps
+        self.times = []  # run.json's checkpoint_times_s
+        self.host_copy = checkpoint.host_copy_for(accelerator.device)  # the state's copy that a checkpoint's thread writes
+
+    def load(self, start_from, processes, ema, args):
+        """The state of checkpoint `start_from` loaded on every process (`processes`: all stop where one cannot
+        load its part) and what changed since it said; (the step it was saved at, the non-finite steps skipped by then)."""
+        accelerator = self.accelerator
+        error, rng = None, Path(start_from) / f"random_states_{accelerator.process_index}.pkl"  # this process's
+        try:  # accelerate skips an RNG state it cannot read, and the run would go on, not as it would have
+            torch.load(rng, weights_only=False)
+        except Exception as e:  # named: each process has its own
+            error = checkpoint.unloadable(start_from, e, rng.name)
+        try:
+            if error is None:
+                accelerator.load_state(str(start_from))
+        except Exception as e:  # a damaged or missing file (torch's, safetensors' and pickle's errors): one line
+            error = checkpoint.unloadable(start_from, e)
+        processes.stop_together(error, 2)  # one process that cannot load its part (its RNG state) stops them all
+        if ema is not None:
+            ema.to(accelerator.device)
+        state = checkpoint.read_state(start_from)
+        changed = resume.changed_since(start_from, vars(args))  # honoured, and said
+        said = f"; changed: {'; '.join(changed)}" if changed else ""
+        accelerator.print(f"resumed from {start_from} at step {state['step']}{said}")
+        return state["step"], state.get("skipped_nonfinite", 0)
+
+    def save(self, step_number, model, state, meter):
+        """Step `step_number`'s checkpoint, with `state` (checkpoint.read_state's), on its way to disk once the one
+        before it is there; its path. Never one of weights that are not finite (`model`'s)."""
+        if not checkpoint.weights_finite(model):  # never replace a good checkpoint with a broken state
+            raise RunError(f"the weights are not finite at step {step_number}: not saving a checkpoint; resume from the last one")
         with meter.paused("checkpointing"):
             self.flushed(meter)  # one checkpoint on its way to disk at a time
-            self.flushing = checkpoint.save(self.accelerator, self.output_dir, self.step, state, self.args.checkpoints_total_limit,
+            self.flushing = checkpoint.save(self.accelerator, self.output_dir, step_number, state, self.total_limit,
                                             self.host_copy)  # fmt: skip
-        self.last_saved = (self.step, self.flushing.path)
+        self.last_saved = (step_number, self.flushing.path)
         return self.flushing.path
 
     @contextlib.contextmanager
@@ -744,86 +736,112 @@ class Run:
             return
         self.flushing = None
         path = flush.wait()
-        self.checkpoint_times.append(dict(step=flush.step, waited=flush.waited_s, beside=flush.beside_s, copied=flush.copied))
-        if self.is_main:  # the process that flushed it
+        self.times.append(dict(step=flush.step, waited=flush.waited_s, beside=flush.beside_s, copied=flush.copied))
+        if self.accelerator.is_main_process:  # the process that flushed it
             held, rest = ("its copy", "written and on disk") if flush.copied else ("its writing", "on disk")
             note = f"; {flush.note}" if flush.note else ""
             meter.write(f"saved {path} (the steps waited {flush.waited_s:.1f} s for {held}; {rest} in {flush.beside_s:.1f} s "
                         f"more, beside training{note})")  # fmt: skip
 
-    def stop_requested(self, signals, now=False):
-        """Whether to stop now. Processes must agree, or one would wait in save_state for
-        the others forever: with several, they compare notes every STOP_CHECK_STEPS steps (and where
-        `now`: every process asks at the same point), and all stop if a signal reached any of them."""
-        if self.world == 1:
-            return signals.requested
-        if self.step % STOP_CHECK_STEPS and not now:
-            return False
-        totals = self.accelerator.reduce(torch.tensor(signals.tally(), device=self.device), reduction="sum")
-        return signals.agree(totals.tolist())
 
-    def stop_for_signal(self, signals, meter):
-        """Keep this step in a checkpoint, say how to go on, and exit with the signal's code."""
-        meter.progress.close()
-        saved_step, path = self.last_saved
-        if saved_step != self.step:
-            path = self.save_checkpoint(meter)
-        with meter.paused("checkpointing"):
-            # on disk before any process says so and exits: a launcher (torchrun) stops the others, in 30 s, once
-            # one process has exited, and only the main process writes the checkpoint
-            self.on_main_process(lambda: self.flushed(meter))
-            self.flushed(meter)  # the other processes' part
-            # run.json of the steps trained so far (a preempted run's speed is kept; the resumed run's end rewrites it)
-            self.on_main_process(lambda: self.write_manifest(meter.manifest() | dict(stopped_by=signals.received.name)))
-        again = " with --resume alone (no folder)" if isinstance(self.args.resume, str) else ""  # not from CHECKPOINT
-        self.accelerator.print(
-            f"stopped by {signals.received.name} at step {self.step}: saved {path}; "
-            f"run the same command again{again} to continue"
-        )
-        self.accelerator.end_training()
-        raise SystemExit(signals.exit_code)
+class Evaluation:
+    """What a run shows of its EMA weights between steps and at its end: sample grids (`write_samples`), FID/KID
+    (`evaluate`, the samples a share on each process) and the pipeline saved (`save_pipeline`). `pieces`:
+    the run's (training.Pieces); `evaluator`: the main process's metrics.TrainingEvaluator where the run
+    evaluates; `decode` and `vae`: a latent run's, else None."""
 
-    def finish(self, meter):
-        """The end: the pipeline and run.json after training; or why nothing was trained."""
-        if not meter.trained:  # already trained to the end
-            if not self.pipeline_saved():  # the end of the run was cut short
-                self.on_main_process(self.save_pipeline)
-            else:
-                self.accelerator.print(
-                    f"{self.args.output_dir} is already trained to step {self.step} of {self.total_steps}: "
-                    "raise --max_train_steps or --num_epochs to train longer"
-                )
-        else:
-            meter.report_end(self.skipped(), len(self.unreadable))
-            timing = meter.manifest()  # before the pipeline is saved: training ends here
-            if self.args.ema == "power":
-                self.ema.save_snapshot()  # the end of training, whatever --ema_snapshot_every (main process only)
-            self.on_main_process(lambda: (self.save_pipeline(), self.write_manifest(timing),
-                                          rundir.write_model_card(self.output_dir, self.config)))  # fmt: skip
-            self.accelerator.end_training()  # flushes the tensorboard logs that the plots read
-            if self.is_main:
-                profiling.draw_run_plots(self.output_dir)
+    def __init__(self, args, processes, pieces, evaluator, guide, decode, vae, num_classes, class_counts):
+        self.args, self.output_dir, self.processes, self.pieces = args, Path(args.output_dir), processes, pieces
+        self.evaluator, self.guide, self.decode, self.vae = evaluator, guide, decode, vae
+        self.num_classes, self.class_counts = num_classes, class_counts  # a conditional run's: labels drawn as in the data
 
-    def write_manifest(self, timing):
-        """run.json: everything about the run one would need to compare or reproduce it."""
-        profiling.write_manifest(
-            self.output_dir / "run.json",
-            config=self.config,
-            git_commit=profiling.git_commit(),
-            versions=profiling.library_versions(),
-            device=profiling.device_facts(self.device, self.world),
-            steps=self.step,
-            skipped_nonfinite_steps=self.skipped(),
-            unreadable_images=len(self.unreadable),
-            step_compile_mode=self.train_step.mode_name,
-            compile_fallbacks=self.train_step.fallbacks,
-            cuda_graph_skips=self.train_step.graph_skips,
-            samples_dir=str(self.output_dir / "samples"),
-            checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(self.output_dir)],
-            checkpoint_times_s=self.checkpoint_times,
-            pipeline_dir=str(self.output_dir),
-            **timing,
-        )
+    def vae_to_cpu(self):
+        """A latent run's VAE (which joins the latents on the device to decode them) back on the CPU."""
+        if self.vae is not None:
+            self.vae.to("cpu")
+
+    def averaged_network(self):
+        """A copy of the network with the EMA weights (the raw ones without an EMA)."""
+        return posthoc_ema.averaged_copy(self.processes.accelerator.unwrap_model(self.pieces.model), self.pieces.ema)
+
+    def pipeline_saved(self):
+        """Whether output_dir holds the pipeline (or the network) of the run's end."""
+        return (self.output_dir / rundir.pipeline_mark(models.saves_pipeline(vars(self.args)))).is_file()
+
+    def save_network(self, network, folder):
+        """`network` into `folder`, as a diffusers pipeline where the run saves one (with its noise schedule)."""
+        rundir.save_network(network, folder, self.pieces.noise_scheduler if models.saves_pipeline(vars(self.args)) else None)
+
+    def save_pipeline(self, step_number):
+        """The EMA weights (or the raw ones) in output_dir, trained for `step_number` steps."""
+        try:
+            self.save_network(self.averaged_network(), self.output_dir)
+        except OSError as e:
+            note = f"running again saves it from the checkpoint of step {step_number}"
+            raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
+        saved = "the pipeline to" if models.saves_pipeline(vars(self.args)) else "the network to"  # EDM, EDM2, DiT: unet/ alone
+        self.processes.accelerator.print(f"saved {saved} {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
+
+    def write_samples(self, epoch):
+        """A grid of --eval_batch_size images from the EMA weights, from the same noise every time;
+        a conditional run's rows go through the classes in turn."""
+        args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
+        seeds = sample.image_seeds(args.seed, args.eval_batch_size)
+        labels = sample.grid_labels(self.num_classes, args.eval_batch_size)
+        images = sample.generate(self.averaged_network(), self.pieces.sampling_scheduler, seeds, args.num_inference_steps,
+                                 self.processes.accelerator.autocast, labels, args.guidance_scale[0], self.guide,
+                                 self.decode)  # fmt: skip
+        try:
+            sample.save_grid(images, path)
+        except OSError as e:
+            raise RunError(checkpoint.cannot_write(path, e)) from None
+
+    def evaluate(self, epoch, step_number, signals, write):
+        """FID/KID of the EMA weights after `epoch` (at step `step_number`) at each --guidance_scale, on every process: each
+        generates every world-th batch of the samples and the main process embeds them all, in image order (the
+        batches one process generates), scores them, says them (`write`), and puts the best pipeline by FID (at
+        its best scale) in best/. A stop signal on any process abandons it at the next batch."""
+        args, network, processes = self.args, self.averaged_network(), self.processes
+        accelerator, counts = processes.accelerator, self.class_counts
+        labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
+        batch_size = metrics.fid_batch_size(args.eval_batch_size)
+
+        def batches_for(w):
+            mine = sample.generate_batches(network, self.pieces.sampling_scheduler, args.eval_num_samples, batch_size,
+                                           args.seed, args.num_inference_steps, accelerator.autocast, labels, w,
+                                           self.guide, self.decode, shard=(processes.rank, processes.world))  # fmt: skip
+            return self.gathered_samples(mine, args.eval_num_samples, batch_size, signals, epoch, step_number)
+
+        if not processes.is_main:  # its share of each scale's samples, sent to the main process
+            for w in args.guidance_scale:
+                collections.deque(batches_for(w), maxlen=0)
+            return
+
+        sampler = getattr(self.pieces.sampling_scheduler, "name", args.sampler)
+        save = lambda folder: self.save_network(network, folder)  # noqa: E731
+        result = self.evaluator.evaluate(batches_for, args.guidance_scale, sampler, args.num_inference_steps,
+                                         epoch, step_number, save, labels)  # fmt: skip
+        accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=step_number)
+        at = f"eval epoch {epoch} step {step_number}"
+        for scale in result.get("scales", []):
+            write(f"{at} | guidance scale {scale['guidance_scale']:g}: {metrics.format_scores(dict(result, **scale))}")
+        best = " (best so far: saved to best/)" if result["best"] else ""
+        scale = f"best guidance scale {result['guidance_scale']:g}: " if "scales" in result else ""
+        write(f"{at} | {scale}{metrics.format_scores(result)}{best}")
+
+    def gathered_samples(self, mine, num_images, batch_size, signals, epoch, step_number):
+        """An evaluation's samples, every process's share gathered to the main process (sample.gathered), the
+        processes agreeing on a stop signal before each round of batches."""
+        processes = self.processes
+
+        def unless_stopped():
+            if processes.stop_requested(signals, step_number, now=True):
+                processes.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
+                raise agreement.Abandoned
+
+        shape = (self.args.image_channels, self.args.image_size, self.args.image_size)
+        return sample.gathered(mine, num_images, batch_size, shape, processes.rank, processes.world,
+                               processes.main_work_group, unless_stopped)  # fmt: skip
 
 
 class Meter:
@@ -831,44 +849,55 @@ class Meter:
     went (profiling.Breakdown), the first, compiling step, the --profile recording, the loss,
     the progress bar and the printed line every --logging_steps.
 
-    The loop tells it when a batch arrives and when a step is done; `paused(name)` times
+    The loop tells it when a batch arrives and when a step is done (and which); `paused(name)` times
     what happens between steps (sampling, evaluation, checkpointing) apart from them.
+
+    It takes the run's numbers, not the run: `config` as describe_run made it (total steps, steps per epoch,
+    images per step, processes, FLOPs per step, the compile plan), the step it starts at, the device,
+    output_dir (the profile, the compile cache), `accelerator` (its print, its trackers, which process this
+    is), `on_main_process` (the processes' agreement), `startup` (profiling.StartupClock) and the
+    learning rate now (`learning_rate()`).
     """
 
-    def __init__(self, run):
+    def __init__(self, args, config, start_step, device, output_dir, accelerator, on_main_process, startup,
+                 learning_rate):  # fmt: skip
         from tqdm.auto import tqdm
 
-        args, device = run.args, run.device
-        self.run, self.args = run, args
+        self.args, self.device, self.output_dir, self.startup = args, device, output_dir, startup
+        self.total_steps, self.steps_per_epoch = config["total_train_steps"], config["steps_per_epoch"]
+        self.images_per_step, self.world = config["global_batch_size"], config["num_processes"]
+        self.compile_plan = (config["step_compile_mode"], config["step_compile_scope"])
+        self.is_main, self.shows = accelerator.is_main_process, accelerator.is_local_main_process
+        self.say, self.log, self.on_main_process, self.learning_rate = accelerator.print, accelerator.log, on_main_process, learning_rate
         self.breakdown = profiling.Breakdown(device)
         self.timer = flops.StepTimer(device, args.timing_warmup_steps)
-        self.losses = steps.LossMeter(device)
+        self.losses = step.LossMeter(device)
         self.peak_flops, self.peak_words = flops.describe_peak(device, args.mixed_precision, args.allow_tf32)
-        self.model_flops, self.hardware_flops = run.config["model_flops_per_step"], run.config["hardware_flops_per_step"]
+        self.model_flops, self.hardware_flops = config["model_flops_per_step"], config["hardware_flops_per_step"]
         self.started_at = profiling.now_iso()
         self.epoch_times = []  # each whole epoch's training time: data loading included; sampling, checkpoints not
         self.compile_s = self.compile_phases = None  # seconds the first, compiling step took, and where they went
-        self.compiles = compiling.compiles(run.config["step_compile_mode"])
+        self.compiles = compiling.compiles(config["step_compile_mode"])
         self.trained = False  # whether this process took a step
-        self.progress = tqdm(total=run.total_steps, initial=run.step, disable=not run.accelerator.is_local_main_process,
-                             desc="steps")  # fmt: skip
+        self.progress = tqdm(total=self.total_steps, initial=start_step, disable=not self.shows, desc="steps")
         # --profile: torch.profiler on rank 0 over a few steps (1 warm-up, then recorded) once the
         # step is past its trial calls (profile_when_steady).
         self.profiler = self.profile_until = self.profiled_step = None
 
-    def profile_when_steady(self, step):
-        """--profile: record `step` (a compiling.FastStep) once past its trial calls (compile, CUDA graph warm-up,
-        recording or capture), so that the steps recorded are steady ones, not those."""
+    def profile_when_steady(self, train_step):
+        """--profile: record `train_step` (a compiling.FastStep) once past its trial calls (compile, CUDA graph
+        warm-up, recording or capture), so that the steps recorded are steady ones, not those."""
         if self.args.profile:
-            self.profiled_step = step
+            self.profiled_step = train_step
 
-    def _start_profiler(self):
-        """After a step: one warm-up step, then config.SETTINGS["profile_steps"] recorded (on rank 0; every rank stops together)."""
-        args, run = self.args, self.run
-        self.profiled_step, self.profile_until = None, run.step + 1 + args.profile_steps
-        if run.is_main:
+    def _start_profiler(self, step_number):
+        """After step `step_number`: one warm-up step, then config.SETTINGS["profile_steps"] recorded (on rank 0;
+        every rank stops together)."""
+        args = self.args
+        self.profiled_step, self.profile_until = None, step_number + 1 + args.profile_steps
+        if self.is_main:
             self.profiler = profiling.make_profiler(
-                run.output_dir / "profile", 0, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack,
+                self.output_dir / "profile", 0, 1, args.profile_steps, args.profile_top, with_stack=args.profile_stack,
                 level=args.profile,
             )  # fmt: skip
             self.profiler.start()
@@ -885,7 +914,8 @@ class Meter:
         return self.progress.__exit__(*exc)  # the bar is closed before any error is printed
 
     def write(self, text):
-        if self.run.accelerator.is_local_main_process:
+        """A line above the progress bar, from the node's main process."""
+        if self.shows:
             self.progress.write(text)
 
     def timed_batches(self, batches):
@@ -907,17 +937,16 @@ class Meter:
         if not self.compiles or self.compile_s is not None:
             yield
             return
-        self.write(f"compiling the step ({self.run.config['step_compile_mode']}) ...")
-        clock = compiling.FirstStepClock(self.run.device)
+        mode, scope = self.compile_plan
+        self.write(f"compiling the step ({mode}) ...")
+        clock = compiling.FirstStepClock(self.device)
         with self.breakdown.pause("compile"), clock.measure():
             yield
         self.compile_s, self.compile_phases = clock.seconds, clock.phases
         if clock.cold:  # what the next run of this step predicts its (then warm) compile from
-            config, args = self.run.config, self.run.args
-            compiling.remember_compile(compiling.compile_key(args, self.run.device, config["step_compile_mode"],
-                                                     config["step_compile_scope"]), clock.seconds)  # fmt: skip
-        cache = self.run.output_dir / COMPILE_CACHE_FILE
-        self.run.on_main_process(lambda: compiling.save_compile_artifacts(cache, self.run.device))
+            compiling.remember_compile(compiling.compile_key(self.args, self.device, mode, scope), clock.seconds)
+        cache = self.output_dir / COMPILE_CACHE_FILE
+        self.on_main_process(lambda: compiling.save_compile_artifacts(cache, self.device))
         self.write(clock.line)
 
     @contextlib.contextmanager
@@ -927,7 +956,8 @@ class Meter:
             yield
         self.timer.restart()
 
-    def step_done(self, losses):
+    def step_done(self, losses, step_number):
+        """Step `step_number` is done, with `losses` (its micro-batches'): timed, counted, and reported when due."""
         self.trained = True
         for loss in losses:
             self.losses.add(loss)
@@ -935,64 +965,63 @@ class Meter:
         self.progress.update(1)
         if self.profiler is not None:
             self.profiler.step()
-            if self.run.step == self.profile_until:  # the trace and table are written
+            if step_number == self.profile_until:  # the trace and table are written
                 self.profiler.stop()
                 self.profiler = None
         elif self.profiled_step is not None and profiling.past_trial_calls(self.profiled_step):
-            self._start_profiler()
-        if self.run.step % self.args.logging_steps == 0:
-            self.report(self.timer.collect())
+            self._start_profiler(step_number)
+        if step_number % self.args.logging_steps == 0:
+            self.report(self.timer.collect(), step_number)
             self.breakdown.collect()
 
-    def epoch_done(self, epoch, whole):
+    def epoch_done(self, epoch, whole, step_number):
+        """`epoch` is done, at step `step_number`; its time is kept where the run trained it `whole`."""
         if whole:
             epoch_s = self.breakdown.epoch_s()
-            self.epoch_times.append(dict(epoch=epoch, seconds=epoch_s, images_per_s=self.run.steps_per_epoch *
-                                         self.run.images_per_step / epoch_s))  # fmt: skip
-            self.run.accelerator.log(dict(epoch_time_s=epoch_s), step=self.run.step)
+            self.epoch_times.append(dict(epoch=epoch, seconds=epoch_s, images_per_s=self.steps_per_epoch *
+                                         self.images_per_step / epoch_s))  # fmt: skip
+            self.log(dict(epoch_time_s=epoch_s), step=step_number)
 
     def perf(self, step_time_s):
-        peak = self.peak_flops and self.peak_flops * self.run.world
+        """The FLOP rates and utilizations of a step of `step_time_s` (flops.utilization)."""
+        peak = self.peak_flops and self.peak_flops * self.world
         return flops.utilization(self.model_flops, self.hardware_flops, step_time_s, peak)
 
-    def report(self, step_times, final=False):
-        """The loss since the last report and the throughput line (one host sync)."""
-        run, accelerator = self.run, self.run.accelerator
+    def report(self, step_times, step_number, final=False):
+        """The loss since the last report and the throughput line at step `step_number` (one host sync)."""
         if self.losses.read():
-            lr = float(run.lr_scheduler.get_last_lr()[0])
             terms = self.losses.last_terms if len(self.losses.last_terms) > 1 else {}
-            accelerator.log(dict(loss=self.losses.last, lr=lr) | {f"loss/{name}": v for name, v in terms.items()}, step=run.step)
+            self.log(dict(loss=self.losses.last, lr=self.learning_rate()) | {f"loss/{name}": v for name, v in terms.items()},
+                     step=step_number)  # fmt: skip
         last_loss, terms = self.losses.last, self.losses.last_terms
         if not step_times:
-            line = f"step {run.step}/{run.total_steps} | {flops.loss_words(last_loss, terms)} | timing: still warming up"
+            line = f"step {step_number}/{self.total_steps} | {flops.loss_words(last_loss, terms)} | timing: still warming up"
         else:
             step_time_s = flops.median(step_times)
             perf = self.perf(step_time_s)
             line = flops.format_perf_line(
-                run.step, run.total_steps, last_loss, step_time_s, run.images_per_step, self.model_flops, perf,
-                self.peak_words, run.world, profiling.peak_memory_gib(run.device), terms,
+                step_number, self.total_steps, last_loss, step_time_s, self.images_per_step, self.model_flops, perf,
+                self.peak_words, self.world, profiling.peak_memory_gib(self.device), terms,
             )  # fmt: skip
             if not final:
-                images_per_s = run.images_per_step / step_time_s
+                images_per_s = self.images_per_step / step_time_s
                 self.progress.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{images_per_s:.1f}")
                 logs = dict(step_time_s=step_time_s, images_per_s=images_per_s)
-                accelerator.log(logs | {k: v for k, v in perf.items() if v is not None}, step=run.step)
+                self.log(logs | {k: v for k, v in perf.items() if v is not None}, step=step_number)
         self.write(("final: " if final else "") + line)
 
-    def report_end(self, skipped, unreadable):
-        """The last lines: the run's median step, what was skipped, and where the time went."""
-        if self.run.step % self.args.logging_steps:
-            self.report(self.timer.collect())
+    def report_end(self, step_number, skipped, unreadable, memory_plan):
+        """The last lines, at step `step_number`: the run's median step, what was skipped, where the time went,
+        and the memory it held against what `memory_plan` (memory.Plan) estimated."""
+        if step_number % self.args.logging_steps:
+            self.report(self.timer.collect(), step_number)
         self.timer.collect()
-        self.report(self.timer.all_times, final=True)
+        self.report(self.timer.all_times, step_number, final=True)
         if skipped or unreadable:
-            self.run.accelerator.print(
-                f"skipped {skipped} step(s) with a non-finite loss or gradient and {unreadable} unreadable image(s)"
-            )
-        self.run.accelerator.print(self.breakdown.format())
-        device = self.run.device
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        self.run.accelerator.print(memory.end_line(self.run.memory, peak))
+            self.say(f"skipped {skipped} step(s) with a non-finite loss or gradient and {unreadable} unreadable image(s)")
+        self.say(self.breakdown.format())
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        self.say(memory.end_line(memory_plan, peak))
 
     def manifest(self):
         """run.json's timing fields."""
@@ -1005,15 +1034,15 @@ class Meter:
             final_loss=self.losses.last,
             final_loss_terms=self.losses.last_terms,
             median_step_time_s=step_time_s,
-            images_per_s=self.run.images_per_step / step_time_s if step_time_s else None,
+            images_per_s=self.images_per_step / step_time_s if step_time_s else None,
             achieved_flops=perf.get("achieved_flops"),
             mfu=perf.get("mfu"),
             hfu=perf.get("hfu"),
             peak=self.peak_words,
-            peak_memory_gib=profiling.peak_memory_gib(self.run.device),
+            peak_memory_gib=profiling.peak_memory_gib(self.device),
             compile_s=self.compile_s,
             compile_phases_s=self.compile_phases,  # where the compile went, by torch's timers (compiling.compile_phases)
-            startup_s=self.run.startup.parts,  # train.py's start to the loop, by part (the "ready to train" line)
+            startup_s=self.startup.parts,  # train.py's start to the loop, by part (the "ready to train" line)
             train_wall_s=wall_s,
             epoch_times_s=self.epoch_times,
             time_breakdown_s=parts,

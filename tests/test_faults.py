@@ -23,6 +23,7 @@ import tqdm
 from PIL import Image
 from safetensors.torch import load_file
 
+import agreement
 import checkpoint
 import data
 import flops
@@ -770,7 +771,7 @@ def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     writers = {f.name.split(".")[-2] for f in (out / "logs").rglob("events.out.tfevents.*")}  # the writing pids
     assert len(writers) == 2  # one per run: rank 0 only
     assert "per device x 2" in second.out0
-    # the groups' gloo threads end with main, not in the interpreter's shutdown (train._MAIN_WORK)
+    # the groups' gloo threads end with main, not in the interpreter's shutdown (agreement._MAIN_WORK)
     for out in (second.out0, second.out1):
         assert "process groups made: 1 alive after main: 0" in out, out[-500:]
 
@@ -836,7 +837,7 @@ def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_pat
 
 
 # Each rank sends itself a real SIGTERM right after the step its entry names (rank 0 first):
-# the ranks must still stop together, at the next multiple of train.STOP_CHECK_STEPS.
+# the ranks must still stop together, at the next multiple of agreement.STOP_CHECK_STEPS.
 SIGTERM_AFTER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
@@ -964,11 +965,11 @@ from datetime import timedelta
 sys.path.insert(0, {root!r})
 import train
 train.STEP_WAIT = timedelta(seconds=6)
-write = train.Run.write_samples
+write = train.Evaluation.write_samples
 def write_samples(self, epoch):
     time.sleep(10)
     write(self, epoch)
-train.Run.write_samples = write_samples
+train.Evaluation.write_samples = write_samples
 train.main(train.parse_args(sys.argv[1:]))
 """
 
@@ -1035,7 +1036,7 @@ checkpoint.host_copy_for = lambda device: checkpoint.HostCopy()
 def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, copy):
     """`copy`: the signalled run's checkpoints, and the resumed run's, written from a host copy beside training
     (bench/checkpoint_copy.py copy); the uninterrupted run's as train.py writes them."""
-    stop_at, total = 2 * train.STOP_CHECK_STEPS, 2 * train.STOP_CHECK_STEPS + 2
+    stop_at, total = 2 * agreement.STOP_CHECK_STEPS, 2 * agreement.STOP_CHECK_STEPS + 2
     # 192 images, 8 a step: 24 steps an epoch, so step 20 is mid-epoch and no epoch's end (where the processes
     # agree too) comes between the signals and it; checkpoints only when stopping and at the end
     common = ["--shapes_num_images", 192, "--max_train_steps", total, "--checkpointing_steps", 100, "--logger", "none"]
@@ -1069,17 +1070,17 @@ def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, co
     ([0, 0], signal.SIGINT, True, 130), ([1, 0], signal.SIGINT, True, 130),
 ])  # fmt: skip
 def test_a_process_no_signal_reached_stops_with_the_others_for_theirs(others, here, stops, code):
-    """Run.stop_requested on a check step, beside one other process that got `others` (SIGTERM, SIGINT counts)."""
+    """Processes.stop_requested on a check step, beside one other process that got `others` (SIGTERM, SIGINT counts)."""
     signals = checkpoint.StopSignals()
     signals.received = here
     summed = lambda tally, reduction: tally + torch.tensor(others, dtype=tally.dtype)  # noqa: E731
-    run = types.SimpleNamespace(world=2, step=train.STOP_CHECK_STEPS, device=torch.device("cpu"),
-                                accelerator=types.SimpleNamespace(reduce=summed))  # fmt: skip
-    assert train.Run.stop_requested(run, signals) is stops
+    two = types.SimpleNamespace(world=2, device=torch.device("cpu"), accelerator=types.SimpleNamespace(reduce=summed))
+    step = agreement.STOP_CHECK_STEPS
+    assert agreement.Processes.stop_requested(two, signals, step) is stops
     assert signals.requested is stops and (signals.exit_code if stops else None) == code
-    run.step += 1  # between checks: no stop, whatever the signals
-    assert train.Run.stop_requested(run, signals) is False
-    assert train.Run.stop_requested(run, signals, now=True) is stops  # where every process asks at once (an epoch's end)
+    step += 1  # between checks: no stop, whatever the signals
+    assert agreement.Processes.stop_requested(two, signals, step) is False
+    assert agreement.Processes.stop_requested(two, signals, step, now=True) is stops  # where every process asks at once (an epoch's end)
 
 
 def test_a_pipeline_that_could_not_be_saved_is_saved_by_running_again(tmp_path, monkeypatch, capsys, straight):

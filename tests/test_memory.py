@@ -181,9 +181,9 @@ def test_a_latent_run_says_what_it_holds_and_keeps_its_vae_off_the_device_but_wh
         return kl
 
     monkeypatch.setattr(latents, "load_vae", load_vae)
-    write_samples = train.Run.write_samples
-    monkeypatch.setattr(train.Run, "write_samples", lambda run, epoch: (moves.append("grid"),
-                                                                        write_samples(run, epoch)))  # fmt: skip
+    write_samples = train.Evaluation.write_samples
+    monkeypatch.setattr(train.Evaluation, "write_samples", lambda evaluation, epoch: (moves.append("grid"),
+                                                                                     write_samples(evaluation, epoch)))  # fmt: skip
     monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
     run(tmp_path / "run", *FEW, "--vae", str(vae), "--max_train_steps", 4, "--save_images_epochs", 1)
     # to the device to encode (train.py, then latents.cached_latents), to the CPU before training; the grid: to the
