@@ -42,6 +42,7 @@ import torch
 import agreement
 import checkpoint
 import compiling
+import copies
 import data
 import ema as posthoc_ema
 import flops
@@ -181,6 +182,10 @@ STEP_WAIT = timedelta(minutes=15)
 # Compile artifacts (torch.compiler's mega-cache) kept beside the run, so that a
 # run resumed on a fresh machine, whose Inductor cache is empty, need not compile again.
 COMPILE_CACHE_FILE = "compile_cache.bin"
+
+# The samples of an evaluation (its first guidance scale's first ones) that the copy check compares with the training
+# set (copies.check): its share of copies has a standard error of at most 1.6 points at 1,000; they are held meanwhile.
+COPY_CHECK_SAMPLES = 1000
 
 
 # --- setting a run up: what it trains on and where it starts ------------------------------
@@ -513,7 +518,7 @@ class Run:
         elif self.pieces.started_from:  # --init_from, on a fresh start only: a resume's weights are its checkpoint's
             accelerator.print(self.pieces.started_from)
         self.evaluation = Evaluation(args, self.processes, self.pieces, evaluator, guide, found.decode, found.vae,
-                                     num_classes, self.config["class_counts"])  # fmt: skip
+                                     num_classes, self.config["class_counts"], images)  # fmt: skip
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             announce(args, self.config, self.compile_why, accelerator, self.pieces.network, self.memory, self.step,
@@ -666,6 +671,7 @@ class Run:
             samples_dir=str(self.output_dir / "samples"),
             checkpoints=[str(p) for p in checkpoint.checkpoint_dirs(self.output_dir)],
             checkpoint_times_s=self.checkpoints.times,
+            copy_check=self.evaluation.last_copy_check,  # the last evaluation's (docs/copies.md)
             pipeline_dir=str(self.output_dir),
             **timing,
         )
@@ -748,13 +754,15 @@ class Evaluation:
     """What a run shows of its EMA weights between steps and at its end: sample grids (`write_samples`), FID/KID
     (`evaluate`, the samples a share on each process) and the pipeline saved (`save_pipeline`). `pieces`:
     the run's (training.Pieces); `evaluator`: the main process's metrics.TrainingEvaluator where the run
-    evaluates; `decode` and `vae`: a latent run's, else None."""
+    evaluates; `decode` and `vae`: a latent run's, else None; `images`: what the data was loaded into, which the
+    copy check searches (copies.check)."""
 
-    def __init__(self, args, processes, pieces, evaluator, guide, decode, vae, num_classes, class_counts):
+    def __init__(self, args, processes, pieces, evaluator, guide, decode, vae, num_classes, class_counts, images):
         self.args, self.output_dir, self.processes, self.pieces = args, Path(args.output_dir), processes, pieces
         self.evaluator, self.guide, self.decode, self.vae = evaluator, guide, decode, vae
         self.num_classes, self.class_counts = num_classes, class_counts  # a conditional run's: labels drawn as in the data
-
+        self.images = images
+        self.last_copy_check = None  # the latest evaluation's copy check, for run.json
     def vae_to_cpu(self):
         """A latent run's VAE (which joins the latents on the device to decode them) back on the CPU."""
         if self.vae is not None:
@@ -819,15 +827,28 @@ class Evaluation:
 
         sampler = getattr(self.pieces.sampling_scheduler, "name", args.sampler)
         save = lambda folder: self.save_network(network, folder)  # noqa: E731
-        result = self.evaluator.evaluate(batches_for, args.guidance_scale, sampler, args.num_inference_steps,
+        kept = []  # the first scale's first COPY_CHECK_SAMPLES samples, for the copy check
+
+        def keeping(w):
+            for batch in batches_for(w):
+                if w == args.guidance_scale[0] and sum(map(len, kept)) < COPY_CHECK_SAMPLES:
+                    kept.append(batch[: COPY_CHECK_SAMPLES - sum(map(len, kept))])
+                yield batch
+
+        result = self.evaluator.evaluate(keeping, args.guidance_scale, sampler, args.num_inference_steps,
                                          epoch, step_number, save, labels)  # fmt: skip
-        accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")}, step=step_number)
+        picture = self.output_dir / "copies" / f"{epoch:04d}.png"
+        found = copies.check(torch.cat(kept), self.images, args, picture)
+        accelerator.log({k: result[k] for k in ("fid", "kid_mean", "kid_std")} | {f"copies/{k}": found[k] for k in
+                        ("copy_share", "median_ratio")}, step=step_number)  # fmt: skip
         at = f"eval epoch {epoch} step {step_number}"
         for scale in result.get("scales", []):
             write(f"{at} | guidance scale {scale['guidance_scale']:g}: {metrics.format_scores(dict(result, **scale))}")
         best = " (best so far: saved to best/)" if result["best"] else ""
         scale = f"best guidance scale {result['guidance_scale']:g}: " if "scales" in result else ""
         write(f"{at} | {scale}{metrics.format_scores(result)}{best}")
+        write(f"{at} | {copies.format_line(found, copies.trained_with_flips(vars(args)), picture)}")
+        self.last_copy_check = dict(found, epoch=epoch, step=step_number)
 
     def gathered_samples(self, mine, num_images, batch_size, signals, epoch, step_number):
         """An evaluation's samples, every process's share gathered to the main process (sample.gathered), the

@@ -412,10 +412,16 @@ def test_training_reports_fid_and_kid_and_keeps_the_best_pipeline(tmp_path, monk
     assert [(r["epoch"], r["step"]) for r in results] == [(1, 4), (2, 6)]
     assert all(r["fid"] > 0 and r["num_images"] == 6 and r["reference_images"] == 16 for r in results)
     assert all(r["extractor"] == "tiny-features" and "valid_fraction" not in r for r in results)
-    lines = [line for line in stdout.splitlines() if line.startswith("eval epoch")]
+    lines = [line for line in stdout.splitlines() if line.startswith("eval epoch") and "| copies " not in line]
     assert [line.split(" | ")[1] for line in lines] == [f"FID {r['fid']:.3f}" for r in results]
     logged = scalars(out)
     assert [step for step, _ in logged["fid"]] == [4, 6] and [step for step, _ in logged["kid_mean"]] == [4, 6]
+    # the copy check of each evaluation's samples (6) against the 16 training images: its line, numbers and picture
+    assert [line.split(" | ")[1].split(" (")[0][:6] for line in stdout.splitlines() if "| copies " in line] == ["copies"] * 2
+    assert [step for step, _ in logged["copies/copy_share"]] == [4, 6]
+    checked = json.loads((out / "run.json").read_text())["copy_check"]
+    assert (checked["step"], checked["copy_samples"], checked["training_images"]) == (6, 6, 16)
+    assert (out / "copies" / "0002.png").is_file()
     assert logged["fid"][1][1] == pytest.approx(results[1]["fid"], rel=1e-5)
 
     best = json.loads((out / "best" / "eval.json").read_text())
