@@ -238,3 +238,44 @@ def test_fids_statistics_made_and_scored_on_the_gpu_are_the_cpus():
             generated.add(features)
         scores[device] = generated.scores(reference, device)
     assert scores["cuda"] == pytest.approx(scores["cpu"], rel=1e-4)
+
+
+# --- the other open issues' capabilities on CUDA (issue 67, item 3) ---------------------------------------------
+
+
+@pytest.mark.parametrize("model, channels", [("tiny", 1), ("edm2tiny", 4), ("dit-tiny", 1)])
+def test_a_grayscale_or_rgba_set_trains_compiled_on_the_gpu(tmp_path, model, channels):
+    """A 16-bit grayscale set (one channel) or an RGBA one (four) through main on the GPU, its step as auto plans it:
+    uint16 batches reach the compiled step, the network takes the data's channels, the grid keeps its mode."""
+    from test_pixels import gray16, rgb, write
+
+    folder = write(tmp_path / "set", gray16(16) if channels == 1 else rgb(16, channels=4))
+    run(tmp_path / "run", "--dataset", folder, "--model", model, "--max_train_steps", 4, "--train_batch_size", 4)
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert saved["image_channels"] == channels and not manifest["compile_fallbacks"]
+    from PIL import Image
+
+    with Image.open(tmp_path / "run" / "samples" / "0000.png") as grid:
+        assert grid.mode == {1: "L", 4: "RGBA"}[channels]
+
+
+def test_a_run_started_from_another_runs_weights_trains_on_the_gpu(tmp_path, capsys):
+    """--init_from a run of this project, on the GPU, compiled as auto plans it: it starts from those weights."""
+    run(tmp_path / "source", "--max_train_steps", 2, "--save_images_epochs", 100)
+    capsys.readouterr()
+    run(tmp_path / "tuned", "--init_from", tmp_path / "source", "--max_train_steps", 2, "--save_images_epochs", 100)
+    assert f"initialized from {tmp_path / 'source'}" in capsys.readouterr().out
+    assert not json.loads((tmp_path / "tuned" / "run.json").read_text())["compile_fallbacks"]
+
+
+def test_the_copy_search_on_the_gpu_finds_what_the_cpu_finds():
+    import copies
+    import data
+
+    images = data.make_shapes(300, 16, seed=2)
+    samples = torch.cat([images[:8], data.make_shapes(8, 16, seed=3)])
+    found = {device: copies.search(samples, copies.TrainingImages(images.to(device)), flips=True, device=device)
+             for device in ("cpu", "cuda")}  # fmt: skip
+    assert torch.equal(found["cuda"].indices.cpu(), found["cpu"].indices)
+    torch.testing.assert_close(found["cuda"].distances.cpu(), found["cpu"].distances, rtol=1e-4, atol=1e-6)
