@@ -136,13 +136,12 @@ class BlockTerm:
 
 def dispersive(z, tau=DISPERSIVE_TAU):
     """log mean_ij exp(-‖z_i - z_j‖² / (D τ)) over the B×B pairs of the batch `z` flattened to B×D, the diagonal's
-    zeros included (raywang4/DispLoss: pdist's pairs twice and B zeros). In fp32 whatever the autocast, through
+    zeros included (raywang4/DispLoss: pdist's pairs twice and B zeros), through logsumexp. In fp32 whatever the autocast, through
     ‖z_i‖² + ‖z_j‖² - 2 z_i·z_j (a matmul, differentiable at z_i = z_j, where pdist's square root is not)."""
     with torch.autocast(z.device.type, enabled=False):
         z = z.float().flatten(1)
         square = z.square().sum(1)
-        distance = (square[:, None] + square[None, :] - 2 * z @ z.T).clamp(min=0)
-        distance = distance * (1 - torch.eye(len(z), device=z.device))  # i = j: 0, not the rounding of the sum
+        distance = (square[:, None] + square[None, :] - 2 * z @ z.T).clamp(min=0)  # rounding: never below 0
         return torch.logsumexp((-distance / (z.shape[1] * tau)).flatten(), 0) - 2 * math.log(len(z))
 
 
