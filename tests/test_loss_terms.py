@@ -14,6 +14,7 @@ import compiling
 import config
 import loss_terms
 import model as models
+import resume as rules
 from errors import ConfigError
 from test_train import TINY, run, scalars
 
@@ -287,6 +288,18 @@ def test_a_run_logs_its_term_and_a_resume_keeps_it_or_refuses_another(tmp_path, 
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "--loss_terms 'dispersive:0.25' -> 'none'" in err, err
+
+
+def test_a_checkpoint_of_before_the_flag_had_no_terms(tmp_path):
+    """A run that recorded no loss_terms trained without any: resuming it with some is refused, without is not."""
+    from test_resume import BASE, refusal, resume, write_checkpoint
+    from test_resume import resolved as resume_config
+
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir, {key: value for key, value in BASE.items() if key in rules.RUN_IDENTITY
+                               and key != "loss_terms"})  # fmt: skip
+    assert "--loss_terms 'none' -> 'dispersive:0.25'" in refusal(run_dir, resume_config("--loss_terms", "dispersive"))
+    assert resume(run_dir, BASE) is not None
 
 
 def test_a_bad_term_on_the_command_line_exits_2_in_one_line(tmp_path, capsys):
