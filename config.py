@@ -44,6 +44,7 @@ import ema as posthoc_ema
 import fp8
 import init_from
 import latents
+import loss_terms
 import metrics
 import model as models
 import sample
@@ -495,6 +496,11 @@ def build_parser(prog="train.py", source=""):
          choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
     flag(m, "snr_gamma", "DDPM: min-SNR-gamma loss weighting (Hang et al. 2023; 5 in their paper; default: off)",
          type=positive)  # fmt: skip
+    flag(m, "loss_terms", "more terms of the loss, NAME or NAME:VALUE comma-separated (a name alone: its paper's "
+         "value): dispersive:WEIGHT (Wang & He 2025, on the middle block; 0.25), layersync:WEIGHT (DiTs; 0.2), "
+         "deltafm:WEIGHT (contrastive flow matching, --objective flow; 0.05), immiscible:K (each image's noise the "
+         "nearest of K draws; 64); a resumed run keeps its own (docs/loss_terms.md) (default: none)",
+         metavar="NAME[:VALUE],...")  # fmt: skip
     switch(m, "zero_terminal_snr", "DDPM: rescale the betas to zero SNR at t = T (Lin et al. 2024); needs "
            "--prediction_type v_prediction")  # fmt: skip
 
@@ -702,6 +708,9 @@ def resolve(args):
         raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
     if args.objective == "edm" and (args.snr_gamma is not None or args.zero_terminal_snr):
         raise ConfigError("--snr_gamma and --zero_terminal_snr are DDPM's: EDM learns its loss weighting")
+    args.loss_terms = loss_terms.spell(loss_terms.parse(args.loss_terms))
+    loss_terms.check(loss_terms.parse(args.loss_terms), models.objective_kind(args.objective),
+                     models.family_name(args.model), args.train_batch_size)  # fmt: skip
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--logger wandb needs the wandb package: pip install wandb (or use --logger tensorboard)")
     if isinstance(args.ema_stds, str):

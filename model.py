@@ -239,6 +239,10 @@ class Family(NamedTuple):
     # BENCHMARKS.md, Real images), EDM for EDM2's networks.
     default_objective: str
     saves_pipeline: bool  # with DDPM or flow, the run saves a diffusers DDPMPipeline; else its network alone in unet/
+    # The block (of block_names) whose output a representation term reads (loss_terms.py: dispersive): its middle.
+    middle_block: Callable = None  # block names -> one of them
+    # LayerSync's shallow and deep blocks (names -> (shallow, deep)); None where it does not apply.
+    sync_blocks: Callable = None
 
 
 def _build_unet(settings, sample_size, channels, num_classes):
@@ -249,14 +253,46 @@ def _build_unet(settings, sample_size, channels, num_classes):
     return net
 
 
+def _unet_middle(names):
+    """A diffusers UNet's middle: its mid-block's output (the last ResNet of mid_block), at the lowest resolution."""
+    return [name for name in names if name.startswith("mid_block.")][-1]
+
+
+def _edm2_middle(names):
+    """An EDM2 network's middle: the last of the decoder's blocks at the lowest resolution that come before its
+    first decoder block (dec.RxR_in1, EDM2's mid-block), whose output the decoder's levels then widen."""
+    return [name for name in names if "_in" in name.rsplit(".", 1)[-1]][-1]
+
+
+def _dit_middle(names):
+    """A DiT's middle block: block depth/2 (counting from 1), its output halfway down the stack."""
+    return names[max(len(names) // 2, 1) - 1]
+
+
+# LayerSync's blocks on SiT-XL/2 (vita-epfl/LayerSync): the 8th aligned to the 16th of 28.
+LAYERSYNC_BLOCKS = (8, 16, 28)
+
+
+def _dit_sync_blocks(names):
+    """LayerSync's shallow and deep DiT blocks: SiT-XL's 8th and 16th of 28, scaled to this depth (rounded; the
+    deep one at least one block below the shallow one): 2 and 3 of 6, 3 and 7 of 12, 1 and 2 of 2."""
+    shallow_at, deep_at, depth = LAYERSYNC_BLOCKS
+    if len(names) < 2:
+        raise ConfigError(f"--loss_terms layersync needs two blocks to align; this DiT has {len(names)}")
+    shallow = max(1, round(len(names) * shallow_at / depth))
+    deep = min(len(names), max(shallow + 1, round(len(names) * deep_at / depth)))
+    return names[shallow - 1], names[deep - 1]
+
+
 FAMILIES = {
-    "unet": Family(_build_unet, lambda settings: 2 ** (len(settings["block_out_channels"]) - 1), "halvings", "flow", True),
+    "unet": Family(_build_unet, lambda settings: 2 ** (len(settings["block_out_channels"]) - 1), "halvings", "flow", True,
+                   _unet_middle),
     "edm2": Family(lambda settings, size, channels, classes: EDM2UNet(sample_size=size, num_classes=classes,
                                                                       in_channels=channels, out_channels=channels, **settings),
-                   lambda settings: 2 ** (len(settings["channel_mult"]) - 1), "halvings", "edm", False),
+                   lambda settings: 2 ** (len(settings["channel_mult"]) - 1), "halvings", "edm", False, _edm2_middle),
     "dit": Family(lambda settings, size, channels, classes: DiT(sample_size=size, num_classes=classes,
                                                                 in_channels=channels, out_channels=channels, **settings),
-                  lambda settings: settings["patch_size"], "patches", "flow", False),
+                  lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks),
 }  # fmt: skip
 
 
@@ -438,12 +474,43 @@ class Objective(torch.nn.Module):
     """An objective as the training step calls it: `terms(net, x0)` draws the noise on x0's device (no host
     sync) and returns the loss's named terms, fp32 scalars; the loss is their sum (`loss`). A new term is
     one more entry in an objective's `terms`: the step sums it into the loss, and train.py prints and logs
-    each term (the printed line, tensorboard's loss/NAME, run.json's final_loss_terms) where there are several."""
+    each term (the printed line, tensorboard's loss/NAME, run.json's final_loss_terms) where there are several.
+
+    Each objective's own terms come from `draw_terms`; `terms` adds those of its `readers`, called after the
+    network's forward call, each returning {name: term} (loss_terms.py's terms on a block's output).
+    `noise_draws`: the unit noise of each image is the nearest of this many draws (nearest_noise; 1: one draw).
+    """
+
+    noise_draws = 1
+    readers = ()
+
+    def terms(self, net, x0):
+        terms = self.draw_terms(net, x0)
+        for read in self.readers:
+            terms |= read()
+        return terms
+
+    def noise_like(self, x0):
+        """The unit Gaussian noise paired with the batch `x0`: one draw, or nearest_noise of `noise_draws`."""
+        return torch.randn_like(x0) if self.noise_draws == 1 else nearest_noise(x0, self.noise_draws)
 
     def loss(self, net, x0):
         return total_loss(self.terms(net, x0))
 
     forward = loss
+
+
+def nearest_noise(x0, k):
+    """For each image of `x0`, the nearest (L2 over the flattened image) of k unit Gaussian noise draws of its
+    shape: immiscible diffusion's KNN coupling (Li et al. 2025, yhli123/Immiscible-Diffusion). argmin and gather
+    on the device: no host sync, capturable. The distance is ‖n‖² - 2 n·x (‖x‖² is the same for every draw),
+    in fp32 whatever the autocast."""
+    draws = torch.randn((k, *x0.shape), device=x0.device, dtype=x0.dtype)
+    flat = draws.flatten(2).float()
+    with torch.autocast(x0.device.type, enabled=False):
+        distance = flat.square().sum(-1) - 2 * torch.einsum("kbd,bd->kb", flat, x0.flatten(1).float())
+    nearest = distance.argmin(0)
+    return draws[nearest, torch.arange(len(x0), device=x0.device)]
 
 
 def block_names(network):
@@ -509,8 +576,8 @@ class DDPMObjective(Objective):
         u = torch.rand(n, device=device)
         return torch.searchsorted(self.timestep_cdf, u, right=True).clamp_(max=self.num_train_timesteps - 1)
 
-    def terms(self, net, clean_images):
-        noise = torch.randn_like(clean_images)
+    def draw_terms(self, net, clean_images):
+        noise = self.noise_like(clean_images)
         timesteps = self.timesteps(clean_images.shape[0], clean_images.device)
         return {"ddpm": self.loss_at(net, clean_images, timesteps, noise)}
 
@@ -672,11 +739,11 @@ class EDMObjective(Objective):
         c_noise = sigma.float().flatten().log() / 4
         return self.logvar_linear(self.logvar_fourier(c_noise)).float().flatten()
 
-    def terms(self, net, x0):
+    def draw_terms(self, net, x0):
         """The batch means of the loss's terms at fresh σ and noise (drawn on x0's device)."""
         x0 = x0.float()
         sigma = (torch.randn(len(x0), device=x0.device) * self.P_std + self.P_mean).exp()
-        noise = torch.randn_like(x0)
+        noise = self.noise_like(x0)
         return self.terms_at(net, x0, sigma, noise)
 
     def terms_at(self, net, x0, sigma, noise):
@@ -762,12 +829,14 @@ class FlowObjective(Objective):
     is built, not from the wrapper the step calls the network through.
     """
 
-    def __init__(self, shift=1.0, timestep_sampling="lognormal", P_mean=FLOW_P_MEAN, P_std=FLOW_P_STD, c_noise=False):
+    def __init__(self, shift=1.0, timestep_sampling="lognormal", P_mean=FLOW_P_MEAN, P_std=FLOW_P_STD, c_noise=False,
+                 contrast=0.0):  # fmt: skip
         super().__init__()
         if timestep_sampling not in TIMESTEP_SAMPLINGS:
             raise ConfigError(f"unknown --timestep_sampling '{timestep_sampling}': choose {' or '.join(TIMESTEP_SAMPLINGS)}")
         self.shift, self.timestep_sampling, self.P_mean, self.P_std = shift, timestep_sampling, P_mean, P_std
         self.c_noise = c_noise
+        self.contrast = contrast  # ΔFM's λ (loss_terms.py's deltafm): 0, no "deltafm" term
 
     def sigmas(self, n, device):
         if self.timestep_sampling == "uniform":
@@ -776,16 +845,33 @@ class FlowObjective(Objective):
             sigma = torch.sigmoid(torch.randn(n, device=device) * self.P_std + self.P_mean)
         return shift_sigmas(sigma, self.shift)
 
-    def terms(self, net, x0):
+    def draw_terms(self, net, x0):
         x0 = x0.float()
-        return {"flow": self.loss_at(net, x0, self.sigmas(len(x0), x0.device), torch.randn_like(x0))}
+        sigma, noise = self.sigmas(len(x0), x0.device), self.noise_like(x0)
+        if self.contrast:
+            return self.terms_at(net, x0, sigma, noise)
+        return {"flow": self.loss_at(net, x0, sigma, noise)}
 
-    def loss_at(self, net, x0, sigma, noise):
-        """The loss at given σ (one per image) and noise."""
+    def predict(self, net, x0, sigma, noise):
+        """The network's velocity at x_σ and its target noise - x0 (σ one per image), fp32."""
         x0, noise, sigma = x0.float(), noise.float(), sigma.float().flatten()
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         prediction = net((1 - s) * x0 + s * noise, flow_timestep(sigma, self.c_noise), return_dict=False)[0]
-        return F.mse_loss(prediction.float(), noise - x0)
+        return prediction.float(), noise - x0
+
+    def loss_at(self, net, x0, sigma, noise):
+        """The loss at given σ (one per image) and noise."""
+        return F.mse_loss(*self.predict(net, x0, sigma, noise))
+
+    def terms_at(self, net, x0, sigma, noise):
+        """"flow", and with `contrast` λ contrastive flow matching's "deltafm" (Stoica et al. 2025, ΔFM:
+        gstoica27/DeltaFM): -λ ‖v - u_j‖², u_j the target of another image of the batch (the batch's targets
+        rolled by one), so that flow + deltafm = ‖v - u_i‖² - λ ‖v - u_j‖²."""
+        prediction, target = self.predict(net, x0, sigma, noise)
+        terms = {"flow": F.mse_loss(prediction, target)}
+        if self.contrast:
+            terms["deltafm"] = -self.contrast * F.mse_loss(prediction, target.roll(1, 0))
+        return terms
 
 
 def unwrapped(net):

@@ -16,6 +16,7 @@ import checkpoint
 import config
 import ema as posthoc_ema
 import latents
+import loss_terms
 import model as models
 from errors import ConfigError
 
@@ -37,6 +38,9 @@ RUN_IDENTITY = (
     "train_batch_size", "gradient_accumulation_steps", "num_processes", "seed",
     # what the network's output means: the objective, the noise process and the parametrisation it learned
     "objective", "prediction_type", "beta_schedule", "zero_terminal_snr",
+    # the objective's terms and noise coupling (loss_terms.py): what the network is taught, as the objective is;
+    # a resumed run that names none keeps its own (keep_recorded_objective), another set is refused
+    "loss_terms",
     # the optimizer's saved param groups (and the LR schedule's base LR): loading them restores these, so a
     # new value would be silently ignored
     "learning_rate", "adam_betas", "weight_decay",
@@ -135,6 +139,8 @@ def identity_defaults():
     defaults = {key: value for key, value in vars(config.build_parser().parse_args([])).items() if key in RUN_IDENTITY}
     if defaults.get("beta_schedule") is None:  # filled by config.resolve since flow runs have none; DDPM's was linear
         defaults["beta_schedule"] = "linear"
+    if defaults.get("loss_terms") is None:  # filled by config.resolve; a run of before --loss_terms had none
+        defaults["loss_terms"] = loss_terms.NONE
     if isinstance(defaults.get("ema_stds"), str):
         defaults["ema_stds"] = posthoc_ema.parse_stds(defaults["ema_stds"])  # as config.resolve gives it
     return defaults | DERIVED_IDENTITY
@@ -178,10 +184,11 @@ def saved_identity(start):
 def keep_recorded_objective(args):
     """A command that names no --objective and continues a checkpoint trains on with the objective the
     checkpoint's run recorded, not the preset's default (which may have changed since: the objective is
-    RUN_IDENTITY, and a resume under another is refused). Sets `args.objective` before config.resolve
-    fills the rest from it; returns the objective kept, or None (a fresh start, --objective given, or no
-    checkpoint to continue: choose_start says what is wrong with one)."""
-    if args.objective is not None or args.resume is False:
+    RUN_IDENTITY, and a resume under another is refused); one that names no --loss_terms, with the run's
+    terms. Sets `args.objective` and `args.loss_terms` before config.resolve fills the rest from them; returns
+    the objective kept, or None (a fresh start, --objective given, or no checkpoint to continue: choose_start
+    says what is wrong with one)."""
+    if args.objective is not None and args.loss_terms is not None or args.resume is False:
         return None
     resume_from = args.resume if isinstance(args.resume, str) else None  # as train.py passes it to choose_start
     start = continued_checkpoint(args.output_dir, True, resume_from, args.overwrite_output_dir)
@@ -191,6 +198,10 @@ def keep_recorded_objective(args):
         saved = saved_identity(start) or {}
     except ConfigError:
         return None  # choose_start refuses it, in one line
+    if args.loss_terms is None:
+        args.loss_terms = saved.get("loss_terms")
+    if args.objective is not None:
+        return None
     args.objective = saved.get("objective")
     return args.objective
 

@@ -15,6 +15,7 @@ import torch
 import ema as posthoc_ema
 import fp8
 import init_from
+import loss_terms
 import model as models
 import sample
 
@@ -24,7 +25,7 @@ class Pieces:
     network: torch.nn.Module  # the bare network (what is saved, sampled and averaged)
     model: torch.nn.Module  # what the step calls: the network as `prepare` returned it (accelerate's wrapper)
     noise_scheduler: object  # DDPMScheduler (DDPM's forward process; an EDM run's grids use its config too), or a flow run's
-    objective: torch.nn.Module  # DDPMObjective, EDMObjective (holds its learned loss weighting) or FlowObjective
+    objective: torch.nn.Module  # DDPMObjective, EDMObjective (holds its learned loss weighting) or FlowObjective, with --loss_terms'
     optimizer: torch.optim.Optimizer
     lr_scheduler: object
     ema: object  # diffusers' EMAModel, ema.PowerEMA, or None
@@ -74,6 +75,8 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
                                          c_noise=models.takes_c_noise(network))  # fmt: skip
     else:
         objective = models.ddpm_objective(noise_scheduler, args)
+    # --loss_terms (config.resolve checked where they apply): their blocks' hooks go on the bare network
+    objective = loss_terms.attach(objective, network, models.family(args.model)[0], loss_terms.parse(args.loss_terms))
     objective.to(device)
     # Fused AdamW: one kernel for all parameters, and it can skip a step on the device
     # (step.NonFiniteGuard), so a NaN costs no host sync per step. channels_last converts

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import compiling
+import loss_terms
+import model as models
 import step as steps
 from test_step import assert_same_change, batches, shadows, tiny_parts
 from test_train import run, tensors_of
@@ -55,27 +57,47 @@ def test_the_captured_bf16_step_compiled_or_not_trains_as_the_eager_one(graph_mo
     assert g0 == g1 == 0
 
 
+def assert_terms_train_alike_captured(graph_mode, objective_of, varying):
+    """Six steps of wired_step(objective_of) eager and under `graph_mode`: each term of the loss and the weights
+    follow the eager step's, and the term `varying` differs from replay to replay (computed anew each time)."""
+    images = [b.to(CUDA) for b in batches(6)]
+    results = []
+    for mode in (None, graph_mode):
+        fast, unet, ema, guard = wired_step(mode, objective_of=objective_of)
+        start = [p.detach().clone() for p in unet.parameters()]
+        torch.manual_seed(123)
+        losses = [fast([b], i + 1)[0] for i, b in enumerate(images)]
+        assert fast.mode == mode and not fast.fallbacks
+        results.append(({name: torch.stack([l[name] for l in losses]) for name in losses[0]},
+                        [p.detach().clone() for p in unet.parameters()]))  # fmt: skip
+    (t0, p0), (t1, p1) = results
+    assert len(set(t1[varying].tolist())) > 1
+    assert list(t1) == list(t0)
+    for name in t0:
+        torch.testing.assert_close(t1[name], t0[name], rtol=2e-2, atol=2e-3, msg=name)
+    assert_same_change(p1, p0, start, rel=5e-2)
+
+
 @pytest.mark.parametrize("graph_mode", ["step-graph", "eager-graph"])
 def test_a_term_on_a_blocks_output_trains_alike_under_a_cuda_graph(graph_mode):
     """model.BlockOutputs under a captured step: the middle block's term (test_block_outputs) replays with the
     rest of the step, and the loss, the term and the weights follow the eager step's."""
     from test_block_outputs import WithMiddleBlock
 
-    images = [b.to(CUDA) for b in batches(6)]
-    results = []
-    for mode in (None, graph_mode):
-        fast, unet, ema, guard = wired_step(mode, objective_of=WithMiddleBlock)
-        start = [p.detach().clone() for p in unet.parameters()]
-        torch.manual_seed(123)
-        losses = [fast([b], i + 1)[0] for i, b in enumerate(images)]
-        assert fast.mode == mode and not fast.fallbacks
-        results.append((torch.stack([l["loss"] for l in losses]), torch.stack([l["middle"] for l in losses]),
-                        [p.detach().clone() for p in unet.parameters()]))  # fmt: skip
-    (l0, m0, p0), (l1, m1, p1) = results
-    assert len(set(m1.tolist())) > 1  # each replay computes the term anew
-    torch.testing.assert_close(l1, l0, rtol=2e-2, atol=2e-3)
-    torch.testing.assert_close(m1, m0, rtol=2e-2, atol=2e-3)
-    assert_same_change(p1, p0, start, rel=5e-2)
+    assert_terms_train_alike_captured(graph_mode, WithMiddleBlock, "middle")
+
+
+@pytest.mark.parametrize("graph_mode", ["step-graph", "eager-graph"])
+def test_the_loss_terms_train_alike_under_a_cuda_graph(graph_mode):
+    """--loss_terms under a captured step (loss_terms.py): flow with dispersive on the mid-block, ΔFM and the
+    immiscible coupling (argmin and gather on the device) replay with the step, and the loss, each term and the
+    weights follow the eager step's."""
+
+    def objective_of(unet):
+        terms = loss_terms.parse("dispersive:0.25,deltafm:0.05,immiscible:8")
+        return loss_terms.attach(models.FlowObjective(), unet, models.FAMILIES["unet"], terms)
+
+    assert_terms_train_alike_captured(graph_mode, objective_of, "dispersive")
 
 
 def test_a_nan_under_capture_leaves_the_weights_as_they_were():

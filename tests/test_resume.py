@@ -38,6 +38,7 @@ CHANGED = dict(
     flow_sigmas="logit_normal(0,1)",  # a flow run's (issue 38)
     image_channels=1, image_bits=16,  # a grayscale set's, of 16 bits (issue 64)
     init_from="google/ddpm-cifar10-32",  # a fine-tune's source (issue 65)
+    loss_terms="dispersive:0.25",  # the objective's terms (issue 66)
 )  # fmt: skip
 
 # How a refusal names a change of each identity key: "--flag before -> after", or in words.
