@@ -6,6 +6,7 @@ Labeled Faces in the Wild, 100 faces then 100 non-faces (background patches of t
 photos). No download, so a CPU without network can train on them and score the result:
 
     python -m bench.faces write DIR                      # the 200 crops as 32px RGB PNGs, a train.py --dataset folder
+    python -m bench.faces write DIR --gray               # the same crops as grayscale ('L') PNGs: a 1-channel run
     python train.py --dataset DIR --image_size 32 ...
     python sample.py RUN --num_images 400 --output GEN   # the run's images
     python -m bench.faces score DIR GEN                  # "faces FD 12.3 (400 images, 20 components)"
@@ -43,20 +44,28 @@ def lfw_subset():
     return np.asarray(load(), dtype=np.float64)
 
 
+def to_grey_images(crops, side=SIDE):
+    """Grey crops in [0, 1] as grayscale ('L') PIL images of `side` px (bicubic)."""
+    return [
+        Image.fromarray(np.round(crop * 255).clip(0, 255).astype(np.uint8)).resize((side, side), Image.BICUBIC)
+        for crop in crops
+    ]
+
+
 def to_rgb_images(crops, side=SIDE):
-    """Grey crops in [0, 1] as RGB PIL images of `side` px (bicubic)."""
-    images = []
-    for crop in crops:
-        grey = Image.fromarray(np.round(crop * 255).clip(0, 255).astype(np.uint8)).resize((side, side), Image.BICUBIC)
-        images.append(grey.convert("RGB"))
-    return images
+    """Grey crops in [0, 1] as RGB PIL images of `side` px (bicubic): to_grey_images' pixels in
+    three equal channels."""
+    return [grey.convert("RGB") for grey in to_grey_images(crops, side)]
 
 
-def write(folder, crops=None):
-    """The crops as PNGs in `folder` (a train.py --dataset folder); returns how many."""
+def write(folder, crops=None, gray=False):
+    """The crops as PNGs in `folder` (a train.py --dataset folder); returns how many. RGB files
+    (a run trains 3 channels on three copies of the grey), or with `gray` the same pixels as
+    'L' files (a run trains 1 channel: docs/images.md)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    images = to_rgb_images(lfw_subset() if crops is None else crops)
+    crops = lfw_subset() if crops is None else crops
+    images = to_grey_images(crops) if gray else to_rgb_images(crops)
     for i, image in enumerate(images):
         image.save(folder / f"{i:03d}.png")
     return len(images)
@@ -185,6 +194,7 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write", help="write the 200 crops as 32px RGB PNGs")
     w.add_argument("folder")
+    w.add_argument("--gray", action="store_true", help="write them as grayscale ('L') PNGs instead: the same pixels, one channel")
     s = sub.add_parser("score", help="faces FD of a folder of generated images")
     s.add_argument("real", help="the folder `write` made")
     s.add_argument("generated", help="sample.py --output's folder")
@@ -192,7 +202,8 @@ def main(argv=None):
     t.add_argument("real", help="the folder `write` made")
     args = parser.parse_args(argv)
     if args.command == "write":
-        print(f"wrote {write(args.folder)} images of {SIDE}px to {args.folder}")
+        kind = "grayscale " if args.gray else ""
+        print(f"wrote {write(args.folder, gray=args.gray)} {kind}images of {SIDE}px to {args.folder}")
     elif args.command == "score":
         real, generated = read_grey(args.real), read_grey(args.generated)
         print(f"faces FD {Scorer(real).fd(generated):.2f} ({len(generated)} images, {COMPONENTS} components)")

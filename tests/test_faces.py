@@ -26,6 +26,21 @@ def test_the_crops_come_from_the_wheel_and_land_as_a_32px_rgb_folder(tmp_path):
     assert abs(back[1].mean() - crops[1].mean()) < 0.02  # the same picture, resized
 
 
+def test_the_gray_write_gives_L_files_of_the_rgb_writes_first_channel(tmp_path):
+    from PIL import Image
+
+    crops = faces.lfw_subset()[:3]
+    faces.write(tmp_path / "rgb", crops)
+    assert faces.main(["write", str(tmp_path / "gray"), "--gray"]) == 0  # the CLI flag: all 200
+    faces.write(tmp_path / "gray3", crops, gray=True)
+    for i in range(3):
+        rgb, gray = Image.open(tmp_path / "rgb" / f"{i:03d}.png"), Image.open(tmp_path / "gray3" / f"{i:03d}.png")
+        assert rgb.mode == "RGB" and gray.mode == "L" and gray.size == (32, 32)
+        assert np.array_equal(np.asarray(gray), np.asarray(rgb)[..., 0])
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "gray" / f"{i:03d}.png")), np.asarray(gray))
+    assert len(list((tmp_path / "gray").glob("*.png"))) == 200
+
+
 @pytest.fixture(scope="module")
 def real():
     return faces.to_vectors(faces.lfw_subset())
