@@ -165,6 +165,7 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 GRAY_MODES = ("1", "L", *SIXTEEN_BIT_MODES)
 ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 REFUSED_MODES = ("F",)
+EIGHT_BIT_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # what an image of 1, 3 or 4 channels is converted to at 8 bits
 
 
 class Pixels(NamedTuple):
@@ -181,11 +182,6 @@ class Pixels(NamedTuple):
     def top(self):
         """The largest value a pixel holds: 255 or 65,535."""
         return 2**self.bits - 1
-
-    @property
-    def mode(self):
-        """The PIL mode a PNG of such pixels is written in."""
-        return {1: "I;16" if self.bits == 16 else "L", 3: "RGB", 4: "RGBA"}[self.channels]
 
 
 def eight_bit(images):
@@ -225,7 +221,7 @@ def to_pixels(im, pixels):
         im = Image.fromarray(np.clip(np.rint(np.asarray(im, dtype=np.float32) / 257), 0, 255).astype(np.uint8))
     if pixels.channels == 4 and im.mode == "P":
         im = im.convert("RGBA")  # a palette's transparency, kept (PIL warns converting it straight to RGB)
-    return im.convert(Pixels(pixels.channels, 8).mode)
+    return im.convert(EIGHT_BIT_MODES[pixels.channels])
 
 
 def image_transform(image_size, center_crop=True, pixels=Pixels()):
