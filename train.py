@@ -176,7 +176,7 @@ PRELOADED = (torch.Tensor, data.PreloadedImages)
 # With several processes, how long a process may wait in a collective, set explicitly (torch's defaults: NCCL 10
 # minutes, gloo 30). STEP_WAIT: the default group's, that of the steps, a checkpoint's save and the starting line, each
 # far under it. While the main process works between steps and the others wait, they wait in a gloo group of its own,
-# for processes.MAIN_WORK_WAIT.
+# for agreement.MAIN_WORK_WAIT.
 STEP_WAIT = timedelta(minutes=15)
 
 # Compile artifacts (torch.compiler's mega-cache) kept beside the run, so that a
