@@ -36,6 +36,7 @@ import torch
 
 import model as models
 import profiling
+import sizes
 from errors import ConfigError, RunError, error_line
 
 # What --compile_mode accepts; the torch.compile modes pass through unchanged.
@@ -818,10 +819,9 @@ COMPILE_RECORD_FILE = "train_py_compiles.json"
 def compile_key(args, device, mode, scope):
     """What decides a step's compiled graphs: torch, the device, the network and its input, the batch,
     the precision and how it is compiled."""
-    side = getattr(args, "latent_size", None) or args.image_size
-    channels = getattr(args, "latent_channels", None) or 3
+    shape = sizes.with_channels(getattr(args, "latent_size", None) or args.image_size, models.network_channels(vars(args)))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return (f"torch {torch.__version__} | {name} | {args.model} {side}x{side}x{channels} | classes "
+    return (f"torch {torch.__version__} | {name} | {args.model} {shape} | classes "
             f"{bool(args.class_conditional)} | batch {args.train_batch_size} | {args.mixed_precision} | "
             f"{mode} {scope} | checkpointing {bool(args.gradient_checkpointing)}")  # fmt: skip
 

@@ -48,6 +48,7 @@ import loss_terms
 import metrics
 import model as models
 import sample
+import sizes
 from errors import ConfigError, OneLineParser
 
 LR_SCHEDULES = (
@@ -448,9 +449,8 @@ def build_parser(prog="train.py", source=""):
                     "(--guidance_scale): the subfolders of a folder, a datasets ClassLabel column (or the column "
                     "LABEL_COLUMN), or the built-in shapes' kinds; a tenth of the labels are dropped in training",
                     False, "LABEL_COLUMN")  # fmt: skip
-    flag(d, "image_size", f"train on square images of this side (default: {DEFAULT_IMAGE_SIZE}, or the --init_from "
-         "source's)",
-         type=Range(int, lambda v: models.IMAGE_SIZES[0] <= v <= models.IMAGE_SIZES[1], "from {} to {}".format(*models.IMAGE_SIZES)))  # fmt: skip
+    flag(d, "image_size", "train at this size: a side (64) or width x height (96x64); each image is resized to "
+         f"cover it and cropped (default: {DEFAULT_IMAGE_SIZE}, or the --init_from source's)")  # fmt: skip
     flag(d, "augment", "random left-right flips (flip), random crops after resizing instead of the centre, "
          "decoded every epoch (crop), both (flip,crop) or none", "flip", type=augmentations)  # fmt: skip
     switch_or_value(d, "preload_data", "decode the dataset once and keep it in memory as uint8 (on the GPU when "
@@ -691,6 +691,7 @@ def resolve(args):
     """
     for name, kind in _ranges().items():
         kind.check(name, getattr(args, name))
+    args.image_size = None if args.image_size is None else sizes.parse(args.image_size)
     _fill_from_source(args)
     _fill_gpu_bare_run(args)
     _fill_pixels(args)
@@ -784,7 +785,8 @@ def _fill_pixels(args):
     local = Path(args.dataset).expanduser().exists()
     hub = not local and not data.looks_like_path(args.dataset) and not args.dry_run
     # a missing folder is refused where the data loads (data.load_images), with the other checks of the data
-    found = data.survey(data.open_run_dataset(args)) if args.dataset != data.BUILTIN and (local or hub) else None
+    height, width = sizes.height_width(args.image_size)
+    found = data.survey(data.open_run_dataset(args), width / height) if args.dataset != data.BUILTIN and (local or hub) else None
     args.image_channels, args.image_bits = found.pixels if found else data.Pixels()
     args.data_survey = found._asdict() if found else None
 
@@ -841,7 +843,8 @@ def _fill_from_source(args):
     args.model, args.init_source = record["model"], record
     if args.image_size is None:
         factor = latents.vae_settings(latents.parse_vae_flag(args.vae)[0])["factor"] if args.vae else 1
-        args.image_size = record["sample_size"] * factor or models.PRESETS[args.model].image_size
+        size = record["sample_size"] or models.PRESETS[args.model].image_size
+        args.image_size = sizes.times(size, factor)
 
 
 def _take_from_source(args):
@@ -870,14 +873,14 @@ def _take_from_source(args):
 
 
 def network_size(args):
-    """The side of what the network takes: a latent run's latents, else the images."""
+    """The size of what the network takes (sizes: a side or "WxH"): a latent run's latents, else the images."""
     return args.latent_size or args.image_size
 
 
 def _fill_from_preset(args):
     """The model, and what its preset decides: objective, learning rate and schedule, sampling steps."""
     args.model = models.resolve_model_name(args.model, network_size(args))
-    models.check_image_size(args.model, args.image_size, args.image_size // network_size(args))
+    models.check_image_size(args.model, args.image_size, args.latents["factor"] if args.latents else 1)
     preset = models.PRESETS[args.model]
     edm2_network = models.family_name(args.model) == "edm2"
     defaulted = args.objective is None

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import v2 as T
 
+import sizes
 from errors import ConfigError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -62,7 +63,8 @@ def _shape_mask(kind, dx, dy, r):
 
 
 def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, with_labels=False):
-    """Coloured circles, squares and triangles on plain backgrounds, as uint8.
+    """Coloured circles, squares and triangles on plain backgrounds, as uint8, of `image_size` (sizes: a side
+    or "WxH"; a shape's size and place are in units of the shorter side, so a wide image has room for more).
 
     Deterministic in `seed`. Shapes are rendered at `supersample` times the
     size and averaged down, for clean edges; shape j is drawn over shapes < j.
@@ -76,14 +78,16 @@ def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, wit
         drawn           (n, k) bool    slot j < count
         kind            (n, k) long    0 circle, 1 square, 2 triangle; -1 where not drawn
         color           (n, k, 3) float RGB in [0, 1]
-        radius          (n, k) float   size, as a fraction of the image side
-        center          (n, k, 2) float (x, y), fractions of the image side
+        radius          (n, k) float   size, as a fraction of the image's shorter side
+        center          (n, k, 2) float (x, y), in units of the image's shorter side
         pixels          (n, k) float   the shape's area in pixels of the image; 0 where not drawn
         visible_pixels  (n, k) float   of those, the ones not drawn over by a later shape
-        shape_map       (n, S, S) int8 the slot of the shape at the centre of each pixel, -1 for
+        shape_map       (n, H, W) int8 the slot of the shape at the centre of each pixel, -1 for
                                        the background
     """
     n, k = num_images, max_shapes
+    height, width = sizes.height_width(image_size)
+    unit = min(height, width)  # the shorter side
     # One row of uniform numbers per image, so the first m images of a larger
     # set are the m images of a smaller one.
     u = torch.rand(n, 4 + 7 * k, generator=torch.Generator().manual_seed(seed))
@@ -97,22 +101,22 @@ def make_shapes(num_images, image_size, seed=0, max_shapes=3, supersample=4, wit
     kind = (shape_u[..., 0] * 3).long()  # 0 circle, 1 square, 2 triangle
     color = _hsv_to_rgb(shape_u[..., 1], scale(shape_u[..., 2], 0.65, 1), scale(shape_u[..., 3], 0.7, 1))
     radius = scale(shape_u[..., 4], 0.12, 0.28)
-    cx = radius + (1 - 2 * radius) * shape_u[..., 5]
-    cy = radius + (1 - 2 * radius) * shape_u[..., 6]
+    cx = radius + (width / unit - 2 * radius) * shape_u[..., 5]
+    cy = radius + (height / unit - 2 * radius) * shape_u[..., 6]
 
-    side = image_size * supersample
-    grid = (torch.arange(side) + 0.5) / side
-    ys, xs = grid.view(1, side, 1), grid.view(1, 1, side)
-    out = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
+    tall, wide, side = height * supersample, width * supersample, unit * supersample
+    ys = ((torch.arange(tall) + 0.5) / side).view(1, tall, 1)
+    xs = ((torch.arange(wide) + 0.5) / side).view(1, 1, wide)
+    out = torch.empty(n, 3, height, width, dtype=torch.uint8)
     pixels, visible = torch.zeros(n, k), torch.zeros(n, k)
-    shape_map = torch.empty(n, image_size, image_size, dtype=torch.int8) if with_labels else None
-    chunk = max(1, 2**22 // side**2)
+    shape_map = torch.empty(n, height, width, dtype=torch.int8) if with_labels else None
+    chunk = max(1, 2**22 // (tall * wide))
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
-        img = background[lo:hi, :, None, None].expand(-1, -1, side, side).clone()
-        owner = torch.full((hi - lo, side, side), -1) if with_labels else None  # the slot each subpixel shows
+        img = background[lo:hi, :, None, None].expand(-1, -1, tall, wide).clone()
+        owner = torch.full((hi - lo, tall, wide), -1) if with_labels else None  # the slot each subpixel shows
         for j in range(k):
-            mask = torch.zeros(hi - lo, side, side, dtype=torch.bool)
+            mask = torch.zeros(hi - lo, tall, wide, dtype=torch.bool)
             drawn = j < count[lo:hi]
             for shape in range(3):  # each kind's test, on the images whose slot j draws that kind
                 rows = ((kind[lo:hi, j] == shape) & drawn).nonzero().flatten()
@@ -224,14 +228,23 @@ def to_pixels(im, pixels):
     return im.convert(EIGHT_BIT_MODES[pixels.channels])
 
 
+def covering(im, height, width):
+    """`im` resized, its aspect ratio kept, to the least size that covers height x width: the side that binds is
+    made the box's, the other truncated as torchvision's Resize(side) does (on a square box, exactly that)."""
+    w, h = im.size
+    size = [height, int(height * w / h)] if w * height >= h * width else [int(width * h / w), width]
+    return T.functional.resize(im, size, interpolation=T.InterpolationMode.BILINEAR, antialias=True)
+
+
 def image_transform(image_size, center_crop=True, pixels=Pixels()):
-    """PIL image -> (C, S, S) of `pixels` (uint8 or uint16): converted (to_pixels), shorter side resized to S
-    (an RGBA image with its alpha premultiplied, as PIL resizes it), cropped."""
-    crop = T.CenterCrop(image_size) if center_crop else T.RandomCrop(image_size)
+    """PIL image -> (C, H, W) of `pixels` (uint8 or uint16) at `image_size` (sizes: a side or "WxH"): converted
+    (to_pixels), resized to cover H x W (an RGBA image with its alpha premultiplied, as PIL resizes it), cropped."""
+    height, width = sizes.height_width(image_size)
+    crop = T.CenterCrop((height, width)) if center_crop else T.RandomCrop((height, width))
     return T.Compose(
         [
             T.Lambda(lambda im: to_pixels(im, pixels)),
-            T.Resize(image_size, interpolation=T.InterpolationMode.BILINEAR, antialias=True),
+            T.Lambda(lambda im: covering(im, height, width)),
             crop,
             T.PILToTensor(),
             T.Lambda(lambda x: x if x.dtype == pixels.dtype else x.round().clamp(0, pixels.top).to(pixels.dtype)),
@@ -918,7 +931,7 @@ def load_images(args, unreadable):
     dataset = open_run_dataset(args)
     labels, class_names = dataset.labels, dataset.class_names
     pixels = pixels_of(vars(args))
-    gib = len(dataset) * pixels.channels * pixels.bits // 8 * args.image_size**2 / 2**30
+    gib = len(dataset) * pixels.channels * pixels.bits // 8 * sizes.pixels(args.image_size) / 2**30
     if not args.preload_data or random_crops(args) or gib > preload_max_gib(args):
         check_readable(dataset, unreadable)
         return dataset, labels, class_names
@@ -1021,7 +1034,8 @@ def survey_lines(args):
     CROP_LOSS of most of them. None for the built-in shapes."""
     if not args.data_survey:
         return []
-    found, pixels, size = Survey(**args.data_survey), pixels_of(vars(args)), args.image_size
+    found, pixels = Survey(**args.data_survey), pixels_of(vars(args))
+    size = sizes.box(args.image_size)
     of = f" (the first {found.looked:,} looked at)" if found.looked < found.count else ""
     modes = ", ".join(f"{n:,} {mode}" for mode, n in sorted(found.modes.items(), key=lambda kv: -kv[1]))
     w0, w1, h0, h1 = found.sizes
@@ -1031,12 +1045,12 @@ def survey_lines(args):
     crop = "cropped at random each epoch" if random_crops(args) else "centre-cropped"
     lines = [f"data: {found.count:,} images{of}: {modes}; width {span(w0, w1)}, height {span(h0, h1)}, aspect "
              f"(width/height) {span(*found.aspects, fmt='{:.2f}')}; trained as {KIND_WORDS[pixels.channels]} at "
-             f"{pixels.bits} bits{why}, each resized to cover {size}x{size} and {crop}"]  # fmt: skip
+             f"{pixels.bits} bits{why}, each resized to cover {size} (width x height) and {crop}"]  # fmt: skip
     if found.count < SMALL_SET:
         lines.append(f"note: {found.count:,} images is a small set, whose samples may copy its images (Gu et al. 2023): "
                      "the evaluation's copy check counts them, and --augment and --init_from help (docs/copies.md)")  # fmt: skip
     if found.cropped * 2 > found.looked:
-        lines.append(f"warning: cropping to {size}x{size} loses more than {CROP_LOSS:.0%} of {found.cropped:,} of the "
+        lines.append(f"warning: cropping to {size} loses more than {CROP_LOSS:.0%} of {found.cropped:,} of the "
                      f"{found.looked:,} images looked at: to keep them whole, crop or pad them to that shape first")  # fmt: skip
     return lines
 

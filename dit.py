@@ -17,6 +17,11 @@ An unconditional network has one class, 0, which every image gets.
 
 The forward pass has UNet2DModel's signature: `timestep` may be a number or one per image,
 `class_labels` may be None (the null label for a conditional network, class 0 otherwise).
+
+`sample_size` may be [height, width], as a UNet2DModel's: the patches' positions are then the fixed
+sine-cosine embedding of their rows and columns (a square's is diffusers' own), and the forward pass,
+diffusers' but for its output, puts the patches back in rows and columns (diffusers' assumes a square).
+diffusers' DiTTransformer2DModel loads only a square network.
 """
 
 import copy
@@ -24,8 +29,11 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from diffusers import DiTTransformer2DModel
 from diffusers.configuration_utils import register_to_config
+from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 # (layers, hidden size, heads) of DiT's Table 1; the MLP is 4x wide, heads are 64 wide but XL's 72.
 SIZES = {"s": (12, 384, 6), "b": (12, 768, 12), "l": (24, 1024, 16), "xl": (28, 1152, 16)}
@@ -59,14 +67,19 @@ class DiT(DiTTransformer2DModel):
         # config, e.g. facebook/DiT-XL-2-256): its num_embeds_ada_norm
         if num_classes is None:
             num_classes = num_embeds_ada_norm or 0
+        height, width = (sample_size, sample_size) if isinstance(sample_size, int) else sample_size
         super().__init__(
             num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim, in_channels=in_channels,
             out_channels=out_channels, num_layers=num_layers, dropout=dropout, norm_num_groups=norm_num_groups,
-            attention_bias=attention_bias, sample_size=sample_size, patch_size=patch_size,
+            attention_bias=attention_bias, sample_size=height, patch_size=patch_size,
             activation_fn=activation_fn, num_embeds_ada_norm=max(num_classes, 1), upcast_attention=upcast_attention,
             norm_type=norm_type, norm_elementwise_affine=norm_elementwise_affine, norm_eps=norm_eps,
         )  # fmt: skip
-        self.register_to_config(num_classes=num_classes, num_embeds_ada_norm=max(num_classes, 1))
+        self.register_to_config(num_classes=num_classes, num_embeds_ada_norm=max(num_classes, 1), sample_size=sample_size)
+        if width != height:  # diffusers' PatchEmbed holds a square's positions
+            embed = self.pos_embed
+            self.width, embed.height, embed.width = width, height // patch_size, width // patch_size
+            embed.register_buffer("pos_embed", positions(self.inner_dim, embed.height, embed.width), persistent=False)
         self._tie()
         self.register_state_dict_post_hook(_tied_held_once)
         self.register_load_state_dict_pre_hook(_tied_filled_in)
@@ -83,13 +96,25 @@ class DiT(DiTTransformer2DModel):
         return [f"{prefix}transformer_blocks.{i}.norm1.emb." for i, block in enumerate(self.transformer_blocks)
                 if i > 0 and block.norm1.emb is shared]  # fmt: skip
 
-    def forward(self, sample, timestep, class_labels=None, return_dict=True, **kwargs):
+    def forward(self, sample, timestep, class_labels=None, return_dict=True, cross_attention_kwargs=None):
         timestep = torch.as_tensor(timestep, device=sample.device)
         timestep = timestep.reshape(-1).expand(len(sample)) if timestep.numel() == 1 else timestep.reshape(-1)
         if class_labels is None:  # conditional: the null label (no class); unconditional: its one class
             fill = self.config.num_classes if self.config.num_classes else 0
             class_labels = torch.full((len(sample),), fill, dtype=torch.long, device=sample.device)
-        return super().forward(sample, timestep, class_labels.reshape(-1), return_dict=return_dict, **kwargs)
+        labels, p, channels = class_labels.reshape(-1), self.patch_size, self.out_channels
+        rows, columns = sample.shape[-2] // p, sample.shape[-1] // p
+        x = self.pos_embed(sample)
+        for block in self.transformer_blocks:
+            inputs = (x, None, None, None, timestep, cross_attention_kwargs, labels)
+            checkpointed = torch.is_grad_enabled() and self.gradient_checkpointing
+            x = self._gradient_checkpointing_func(block, *inputs) if checkpointed else block(*inputs)
+        conditioning = self.transformer_blocks[0].norm1.emb(timestep, labels, hidden_dtype=x.dtype)
+        shift, scale = self.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)
+        x = self.proj_out_2(self.norm_out(x) * (1 + scale[:, None]) + shift[:, None])
+        x = torch.einsum("nhwpqc->nchpwq", x.reshape(-1, rows, columns, p, p, channels))
+        output = x.reshape(-1, channels, rows * p, columns * p)
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def save_pretrained(self, *args, **kwargs):
         """One embedder per block on disk, all equal: DiTTransformer2DModel's layout (safetensors
@@ -112,6 +137,13 @@ class DiT(DiTTransformer2DModel):
         net = super().from_pretrained(*args, **kwargs)
         net._tie()  # the loader may have replaced the tied module's tensors one block at a time
         return net
+
+
+def positions(dim, rows, columns):
+    """The fixed sine-cosine embedding (1, rows x columns, dim) of a grid of patches, row by row, at whole-patch
+    positions: half its channels the column's, half the row's, as diffusers' get_2d_sincos_pos_embed on a square."""
+    grid = torch.meshgrid(torch.arange(columns, dtype=torch.float32), torch.arange(rows, dtype=torch.float32), indexing="xy")
+    return get_2d_sincos_pos_embed_from_grid(dim, torch.stack(grid)).float().unsqueeze(0)
 
 
 def _tied_held_once(net, state, prefix, metadata):

@@ -341,18 +341,20 @@ class EDM2UNet(ModelMixin, ConfigMixin):
         )
         self.emb_label = conv(num_classes, cemb, ()) if num_classes else None
 
-        # Encoder: the input with a constant-1 channel (Config C's stand-in for biases).
+        # Encoder: the input with a constant-1 channel (Config C's stand-in for biases). Blocks are named by their
+        # level's width x height: EDM2's names (32x32_block0) on a square, 48x32_block0 on a 96x64 input.
+        height, width = (sample_size, sample_size) if isinstance(sample_size, int) else sample_size
         self.enc = nn.ModuleDict()
         cout = in_channels + 1
         for level, ch in enumerate(cblock):
-            res = sample_size >> level
+            res = f"{width >> level}x{height >> level}"
             if level == 0:
-                self.enc[f"{res}x{res}_conv"] = conv(cout, ch, (3, 3))
+                self.enc[f"{res}_conv"] = conv(cout, ch, (3, 3))
                 cout = ch
             else:
-                self.enc[f"{res}x{res}_down"] = Block(cout, cout, cemb, "enc", "down", **block_kwargs)
+                self.enc[f"{res}_down"] = Block(cout, cout, cemb, "enc", "down", **block_kwargs)
             for i in range(num_blocks):
-                self.enc[f"{res}x{res}_block{i}"] = Block(
+                self.enc[f"{res}_block{i}"] = Block(
                     cout, ch, cemb, "enc", attention=level in attention_levels, **block_kwargs
                 )
                 cout = ch
@@ -361,14 +363,14 @@ class EDM2UNet(ModelMixin, ConfigMixin):
         self.dec = nn.ModuleDict()
         skips = [m.out_channels if isinstance(m, MPConv) else m.conv_res1.out_channels for m in self.enc.values()]
         for level, ch in reversed(list(enumerate(cblock))):
-            res = sample_size >> level
+            res = f"{width >> level}x{height >> level}"
             if level == len(cblock) - 1:
-                self.dec[f"{res}x{res}_in0"] = Block(cout, cout, cemb, "dec", attention=True, **block_kwargs)
-                self.dec[f"{res}x{res}_in1"] = Block(cout, cout, cemb, "dec", **block_kwargs)
+                self.dec[f"{res}_in0"] = Block(cout, cout, cemb, "dec", attention=True, **block_kwargs)
+                self.dec[f"{res}_in1"] = Block(cout, cout, cemb, "dec", **block_kwargs)
             else:
-                self.dec[f"{res}x{res}_up"] = Block(cout, cout, cemb, "dec", "up", **block_kwargs)
+                self.dec[f"{res}_up"] = Block(cout, cout, cemb, "dec", "up", **block_kwargs)
             for i in range(num_blocks + 1):
-                self.dec[f"{res}x{res}_block{i}"] = Block(
+                self.dec[f"{res}_block{i}"] = Block(
                     cout + skips.pop(), ch, cemb, "dec", attention=level in attention_levels, **block_kwargs
                 )
                 cout = ch

@@ -38,6 +38,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import model as models
+import sizes
 from errors import ConfigError, OneLineParser, one_line_errors
 
 if __name__ == "__main__":
@@ -93,7 +94,7 @@ def _count_unet_flops(model_name, image_size, batch_size, gradient_checkpointing
     unet = models.build_network(model_name, image_size, device="meta", channels=channels)
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-    x = torch.empty(batch_size, channels, image_size, image_size, device="meta")
+    x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
 
     def forward():
@@ -319,7 +320,8 @@ def with_preset_table(text):
 def parse_args(argv=None):
     p = OneLineParser(description="FLOPs per training step of a model preset.")
     p.add_argument("--model", default="auto", help="preset name, or auto (picked by --image_size as in train.py)")
-    p.add_argument("--image_size", type=int, default=128, help="image side in pixels (a latent run: its latents' side)")
+    p.add_argument("--image_size", default="128", help="image side in pixels, or width x height (96x64); a latent run: "
+                   "its latents'")  # fmt: skip
     p.add_argument("--channels", type=int, default=3,
                    help="input channels: 3 for images, a VAE's latent channels for a latent run (4 for SD's VAE)")
     p.add_argument("--train_batch_size", type=int, default=64, help="images per step")
@@ -348,14 +350,13 @@ def main(args):
             raise ConfigError(f"--train_batch_size must be at least 1 (got {args.train_batch_size})")
         if args.channels < 1:
             raise ConfigError(f"--channels must be at least 1 (got {args.channels})")
-        if not models.IMAGE_SIZES[0] <= args.image_size <= models.IMAGE_SIZES[1]:
-            raise ConfigError("--image_size must be from {} to {} (got {})".format(*models.IMAGE_SIZES, args.image_size))
-        name = models.resolve_model_name(args.model, args.image_size)
-        per_image = unet_flops(name, args.image_size, 1, args.gradient_checkpointing, args.channels)
+        size = sizes.parse(args.image_size)
+        name = models.resolve_model_name(args.model, size)
+        per_image = unet_flops(name, size, 1, args.gradient_checkpointing, args.channels)
     # FLOPs are linear in the batch (tests/test_flops.py checks it), so count one image and scale.
     result = dict(
         model=name,
-        image_size=args.image_size,
+        image_size=size,
         channels=args.channels,
         train_batch_size=args.train_batch_size,
         gradient_checkpointing=args.gradient_checkpointing,
@@ -367,8 +368,8 @@ def main(args):
     if args.json:
         print(json.dumps(result))
     else:
-        size = f"{args.image_size}px" if args.channels == 3 else f"{args.image_size}x{args.image_size}x{args.channels}"
-        print(f"model {name} at {size}, batch {args.train_batch_size}")
+        shape = sizes.spelled(size) if args.channels == 3 else sizes.with_channels(size, args.channels)
+        print(f"model {name} at {shape}, batch {args.train_batch_size}")
         print(f"parameters                 {result['params']:,}")
         print(f"forward           GFLOP/img {result['flops_per_image_fwd'] / 1e9:.2f}")
         print(f"forward+backward  GFLOP/img {result['flops_per_image_fwdbwd'] / 1e9:.2f}")

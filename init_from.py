@@ -24,6 +24,7 @@ import torch
 
 import model as models
 import rundir
+import sizes
 from dit import DiT
 from edm2 import EDM2UNet
 from errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
@@ -215,7 +216,8 @@ def read_source(source):
         classes = models.num_classes_of(network)
     return dict(
         source=str(source), path=str(where), kind=kind, network=name, model=preset,
-        settings=extra_settings(family, preset, config), sample_size=int(config.get("sample_size") or 0),
+        settings=extra_settings(family, preset, config),
+        sample_size=sizes.of(*sizes.height_width(config["sample_size"])) if config.get("sample_size") else 0,
         in_channels=in_channels, out_channels=int(config.get("out_channels") or in_channels), num_classes=classes,
         class_names=class_names, trained=trained, weights_sha256=state_sha256(state),
     )  # fmt: skip
@@ -238,8 +240,8 @@ def adaptations(record, size, patch=None):
     """What the run changes of the source that is known before the data: its size, a DiT's learned variance."""
     said = []
     if record["sample_size"] and size != record["sample_size"]:
-        side = f"{size}x{size}" + (f" (its position embeddings recomputed for {size // patch}x{size // patch} patches)" if patch else "")
-        said.append(f"inputs of {side}, not its {record['sample_size']}x{record['sample_size']}")
+        grid = f" (its position embeddings recomputed for {sizes.box(sizes.divided(size, patch))} patches)" if patch else ""
+        said.append(f"inputs of {sizes.box(size)}{grid}, not its {sizes.box(record['sample_size'])}")
     if record["out_channels"] == 2 * record["in_channels"]:
         said.append(f"its learned-variance output ({record['out_channels']} channels) cut to the first "
                     f"{record['in_channels']}, the noise it predicts")  # fmt: skip
@@ -256,6 +258,7 @@ def _class_table_key(state):
 
 def adapt(source_state, target_state, record, num_classes, same_classes):
     """(the state the run's network starts from, what was adapted, in words): the source's weights, with
+    - an EDM2 network's blocks renamed for the run's size (its names hold each level's width x height);
     - a DiT's per-block timestep and label embedders (diffusers' layout) held once, block 0's (dit.DiT ties them);
     - a learned-variance output layer cut to its first half of channels at every patch position;
     - a new label table where the run's classes are not the source's (`same_classes`: a run of this project on
@@ -264,6 +267,9 @@ def adapt(source_state, target_state, record, num_classes, same_classes):
       none for an unconditional UNet.
     `target_state`: the run's network's state dict, for the shapes."""
     state, said = dict(source_state), []
+    level = lambda key: re.sub(r"\.\d+x\d+_", ".", key)  # noqa: E731 (an EDM2 block's name without its level's size)
+    if list(state) != list(target_state) and list(map(level, state)) == list(map(level, target_state)):
+        state = dict(zip(target_state, state.values()))  # EDM2's levels at another size: the same blocks, renamed
     blocks = [key for key in state if re.match(r"^transformer_blocks\.[1-9][0-9]*\.norm1\.emb\.", key)]
     if blocks:
         differ = any(not torch.equal(state[key], state[re.sub(r"^transformer_blocks\.\d+\.", "transformer_blocks.0.", key)])

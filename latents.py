@@ -15,7 +15,7 @@ The core of issue 34, on its own: train.py, data.py and sample.py call it. The A
     vae_factor(vae) -> int                  the encoder's spatial downsampling (8 for SD's VAE and TAESD)
     latent_channels(vae) -> int             channels of a latent (the denoiser's in and out channels)
     check_image_size(image_size, factor)    ConfigError unless the factor divides the image size
-    latent_size(image_size, factor) -> int  the denoiser's resolution: image_size // factor, checked
+    latent_size(image_size, factor)         the denoiser's size (sizes: a side or "WxH"): image_size / factor, checked
     vae_identity(vae) -> dict               what the latents depend on: class, config, encoder weights' hash
     cache_key(dataset, vae, image_size, center_crop=True, flips=True) -> dict
         The cache's key. `dataset` is whatever identifies the images (JSON-able: name or path, config,
@@ -160,6 +160,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import sizes
 from errors import ConfigError
 
 FORMAT = 1  # raise when what a cache holds, or how, changes
@@ -367,18 +368,20 @@ def latent_channels(vae):
 
 
 def check_image_size(image_size, factor):
-    if image_size % factor:
-        lower, upper = image_size // factor * factor, (image_size // factor + 1) * factor
-        sizes = f"{lower} or {upper}" if lower else str(upper)
+    height, width = sizes.height_width(image_size)
+    if height % factor or width % factor:
+        down = sizes.of(height // factor * factor, width // factor * factor)
+        up = sizes.of(-(-height // factor) * factor, -(-width // factor) * factor)
+        nearest = f"{down} or {up}" if min(sizes.height_width(down)) else str(up)
         raise ConfigError(
             f"--image_size {image_size} is not a multiple of the VAE's factor {factor} (its latents would not "
-            f"tile the image): use {sizes}"
+            f"tile the image): use {nearest}"
         )
 
 
 def latent_size(image_size, factor):
     check_image_size(image_size, factor)
-    return image_size // factor
+    return sizes.divided(image_size, factor)
 
 
 def _hash_tensors(named):
@@ -414,7 +417,7 @@ def cache_key(dataset, vae, image_size, center_crop=True, flips=True):
         format=FORMAT,
         dataset=json.loads(json.dumps(dataset, sort_keys=True, default=str)),
         vae=vae_identity(vae),
-        image_size=int(image_size),
+        image_size=sizes.parse(image_size),
         center_crop=bool(center_crop),
         flips=bool(flips),
     )
@@ -586,10 +589,10 @@ def _write_piece(vae, batches, key, file, bar):
             if len(batch) == 0:
                 continue  # a batch of unreadable items only: the encoder takes no empty batch
             x = _as_input(batch)
-            if x.shape[-2:] != (size, size):
-                raise ValueError(f"images of {tuple(x.shape[-2:])} pixels for a cache of {size}x{size}")
+            if x.shape[-2:] != sizes.height_width(size):
+                raise ValueError(f"images of {tuple(x.shape[-2:])} pixels (height, width) for a cache of {size}")
             x = torch.cat([x, x.flip(3)]) if flips else x
-            z = torch.cat([_encode_batch(vae, part) for part in x.split(max(1, ENCODE_PIXELS // size**2))])
+            z = torch.cat([_encode_batch(vae, part) for part in x.split(max(1, ENCODE_PIXELS // sizes.pixels(size)))])
             z = (torch.stack(z.chunk(2), 1) if flips else z[:, None]).cpu()  # (B, orientations, K, C, h, w)
             shape = tuple(z.shape[1:])
             f.write(np.ascontiguousarray(z.numpy(), dtype="<f4").tobytes())
@@ -1335,7 +1338,7 @@ class LatentCache:
         ascending order, for a memory map), its random numbers from a counter-based generator (_draw_keys)."""
         indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         keys = _draw_keys(seed, epoch, indices)
-        size = self.channels * self.resolution**2
+        size = math.prod(self.array.shape[3:])  # C x h x w
         # word 0 of each stream picks the orientation, words 1... the noise
         words = _words(keys, 1 + (-(-size // 2) if self.stochastic else 0))
         sides = _shr(words[:, 0], 33) % self.orientations

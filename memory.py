@@ -13,6 +13,7 @@
   activations) and at its end (the peak measured on a GPU). docs/performance.md, Memory.
 """
 
+import argparse
 import contextlib
 import functools
 import os
@@ -26,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import model as models
-from errors import OneLineParser
+import sizes
+from errors import ConfigError, OneLineParser
 
 GIB = 2**30
 
@@ -196,7 +198,7 @@ def _count_step(model_name, image_size, batch_size, channels, precision, gradien
     for t in (*net.parameters(), *net.buffers()):
         tracker.see(t, "weights")
     weights = tracker.now
-    x = torch.empty(batch_size, channels, image_size, image_size, device="meta")
+    x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
     with tracker:
         with AutocastLike(dtype) as casts:
@@ -389,12 +391,20 @@ def report(tracker, out=print):
         out(f"  {mib(n)}  {region}")
 
 
+def _size(text):
+    try:
+        return sizes.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv=None):
     p = OneLineParser(prog="memory.py", description="Count a training step's memory; trace a script's live tensors.")
     commands = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     c = commands.add_parser("count", help="one eager forward and backward of a preset, counted on the meta device")
     c.add_argument("model")
-    c.add_argument("--image_size", type=int, required=True, help="the network's input side (a latent run's latents)")
+    c.add_argument("--image_size", required=True, type=_size, help="the network's input: a side, or width x height "
+                   "(96x64); a latent run's latents")  # fmt: skip
     c.add_argument("--channels", type=int, default=3)
     c.add_argument("--batch_size", type=int, required=True)
     c.add_argument("--precision", choices=("no", "bf16", "fp16", "fp8"), default="no")
@@ -414,7 +424,7 @@ def main(args):
     if args.command == "count":
         c = count_step(args.model, args.image_size, args.batch_size, args.channels, args.precision,
                        args.gradient_checkpointing)  # fmt: skip
-        print(f"{args.model} at {args.image_size}x{args.image_size}x{args.channels}, batch {args.batch_size}, "
+        print(f"{args.model} at {sizes.with_channels(args.image_size, args.channels)}, batch {args.batch_size}, "
               f"{args.precision}: the step's peak beyond the weights {gib(c['peak'])} GiB (gradients "
               f"{gib(c['gradients'])}, activations {gib(max(0, c['peak'] - c['gradients']))})")  # fmt: skip
         return c

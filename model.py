@@ -21,6 +21,7 @@ from diffusers import DDPMScheduler, UNet2DModel
 
 import dit
 import edm2
+import sizes
 from dit import DiT
 from edm2 import EDM2UNet
 
@@ -219,9 +220,10 @@ AUTO_MODEL = {128: "ref128", 64: "adm64"}
 
 
 def resolve_model_name(name, image_size):
-    """The preset `--model` names; `auto` picks one by image size."""
+    """The preset `--model` names; `auto` picks one by image size: a non-square one's by its area, as the square of
+    the same area (96x43 as 64)."""
     if name == "auto":
-        return AUTO_MODEL.get(image_size, "small")
+        return AUTO_MODEL.get(sizes.side_of_area(image_size), "small")
     if name not in PRESETS:
         raise ConfigError(f"unknown --model '{name}': choose one of auto, {', '.join(PRESETS)}")
     return name
@@ -314,22 +316,23 @@ def size_multiple(name):
 
 
 def check_image_size(name, image_size, factor=1):
-    """The network of preset `name` must halve its input's side evenly: `image_size` over `factor`
-    (a latent run's VAE factor: the network sees latents of side image_size / factor)."""
-    multiple, size = size_multiple(name), image_size // factor
-    if size < multiple or size % multiple:
+    """The network of preset `name` must halve each side of its input evenly: `image_size` over `factor`
+    (a latent run's VAE factor: the network sees latents `factor` times smaller)."""
+    multiple, size = size_multiple(name), sizes.divided(image_size, factor)
+    if any(side < multiple or side % multiple for side in sizes.height_width(size)):
         examples = ", ".join(str(multiple * k * factor) for k in (1, 2, 3, 4))  # multiples, not powers of two
-        latents = f" (its {size}x{size} latents: the VAE's factor is {factor})" if factor > 1 else ""
+        height, width = sizes.height_width(size)
+        latents = f" (its {width}x{height} latents: the VAE's factor is {factor})" if factor > 1 else ""
         how = (f"it cuts its input into {multiple}x{multiple} patches" if family(name)[0].reduces == "patches"
                else f"it halves its input {multiple.bit_length() - 1} times")  # fmt: skip
         raise ConfigError(
-            f"--model {name} cannot take --image_size {image_size}{latents}: {how}, so the size must be a "
+            f"--model {name} cannot take --image_size {image_size}{latents}: {how}, so each side must be a "
             f"multiple of {multiple * factor} ({examples}, ...)"
         )
 
 
 def build_network(name, image_size, device=None, num_classes=0, channels=3, settings=None):
-    """A fresh network of preset `name` for square inputs of side `image_size` and `channels`
+    """A fresh network of preset `name` for inputs of `image_size` (sizes: a side or "WxH") and `channels`
     channels (3 for images; a latent run's: its VAE's latent channels at its latent size), built by
     its family (FAMILIES): a UNet2DModel, an EDM2UNet or a DiT.
 
@@ -343,7 +346,7 @@ def build_network(name, image_size, device=None, num_classes=0, channels=3, sett
     check_image_size(name, image_size)
     kind, preset_settings = family(name)
     with torch.device(device or "cpu"):
-        return kind.build(dict(preset_settings) | dict(settings or {}), image_size, channels, num_classes)
+        return kind.build(dict(preset_settings) | dict(settings or {}), sizes.sample_size(image_size), channels, num_classes)
 
 
 # The UNet's blocks that regional compilation (compiling.RegionalNetwork) compiles once per shape: its ResNet
@@ -453,7 +456,6 @@ def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_
 # which the seed repository (FutureXiang/edm2, config/cifar10/*.yaml) keeps for its
 # EDM2 networks; EDM2 used -0.8/1.6 for ImageNet-64 and -0.4/1.0 for ImageNet-512
 # latents (NVlabs/edm2 train_edm2.py, config_presets).
-IMAGE_SIZES = (8, 8192)  # the sides train.py and flops.py take: a larger one fills any machine's memory in its first batch
 P_MEAN, P_STD = -1.2, 1.2
 TIMESTEP_SAMPLINGS = ("uniform", "lognormal")
 

@@ -22,6 +22,7 @@ import safetensors.torch
 
 import latents
 import model as models
+import sizes
 from checkpoint import checkpoint_dirs
 
 CONFIG_FILE = "train_config.json"
@@ -165,9 +166,9 @@ def write_model_card(folder, config):
     data = ModelCardData(library_name="diffusers", pipeline_tag=None if conditional else "unconditional-image-generation",
                          tags=tags, datasets=[hub_dataset] if hub_dataset else None)  # fmt: skip
     grids = sorted((folder / "samples").glob("*.png"))
-    size = f"{config.get('image_size')}px" + (f" ({config.get('latent_size')}x{config.get('latent_size')}x"
-                                              f"{config.get('latent_channels')} latents of {config['latents'].get('vae')})"
-                                              if latent else "")  # fmt: skip
+    size = sizes.spelled(config.get("image_size")) + (
+        f" ({sizes.with_channels(config.get('latent_size'), config.get('latent_channels'))} latents of "
+        f"{config['latents'].get('vae')})" if latent else "")  # fmt: skip
     kind_of = {1: "grayscale", 4: "RGBA"}.get(config.get("image_channels"))  # docs/images.md
     if kind_of and not latent:
         size += f", {kind_of} at {config.get('image_bits') or 8} bits"
@@ -207,11 +208,15 @@ def write_model_card(folder, config):
         why = ("a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
                if kind == "edm" else "a DiT" if network == "dit" else "an EDM2 network")  # fmt: skip
         lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER --num_images 16 --output samples/`.", ""]
-        if network == "dit":  # docs/dit.md: DiTPipeline takes 1000 classes and DDPM's epsilon only
+        square = isinstance(sizes.sample_size(config.get("latent_size") or config.get("image_size")), int)
+        if network == "dit" and square:  # docs/dit.md: DiTPipeline takes 1000 classes and DDPM's epsilon only
             lines += ["The network alone loads in diffusers, with the same outputs:", "", "```python",
                       "from diffusers import DiTTransformer2DModel", "",
                       'net = DiTTransformer2DModel.from_pretrained("USER/REPO", subfolder="unet")  # or this folder',
                       "```", ""]  # fmt: skip
+        elif network == "dit":  # docs/images.md: diffusers' DiT puts its patches back in a square
+            lines += ["diffusers' `DiTTransformer2DModel` takes square inputs only: load this network with ddpm-train's "
+                      '`dit.DiT.from_pretrained("USER/REPO", subfolder="unet")`.', ""]  # fmt: skip
     lines += ["## Upload", "", "The folder is a model repository as it is:", "",
               "```bash", "hf upload USER/REPO THIS_FOLDER --exclude 'checkpoints/*'", "```", ""]  # fmt: skip
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).save(folder / "README.md")

@@ -59,6 +59,7 @@ import data
 import latents
 import metrics
 import model as models
+import sizes
 from errors import ConfigError, OneLineParser, one_line_errors
 from rundir import RunDir
 
@@ -418,13 +419,18 @@ def spread_labels(num_classes, count):
     return torch.tensor([i * num_classes // count for i in range(count)]) if num_classes else None
 
 
-def grid_labels(num_classes, count):
-    """A conditional run's grid: row r shows class r (mod the classes), or with more classes than
-    rows, classes spread over the rows."""
+def grid_columns(count, height, width):
+    """How many images of height x width save_grid puts in a row: a square-ish grid of `count`."""
+    return math.ceil(math.sqrt(count * height / width))
+
+
+def grid_labels(num_classes, count, image_size=1):
+    """A conditional run's grid of `count` images of `image_size` (sizes): row r shows class r (mod the classes),
+    or with more classes than rows, classes spread over the rows."""
     if not num_classes:
         return None
-    rows = math.ceil(math.sqrt(count))  # save_grid's row length
-    row = [i // rows for i in range(count)]
+    columns = grid_columns(count, *sizes.height_width(image_size))
+    row = [i // columns for i in range(count)]
     num_rows = row[-1] + 1
     return torch.tensor([r % num_classes if num_classes <= num_rows else r * num_classes // num_rows for r in row])
 
@@ -465,11 +471,11 @@ def network_device(net):
 
 
 def image_shape(net):
-    """(C, S, S) of one image: UNet2DModel's config names, else EDM2-style img_channels/img_resolution."""
+    """(C, H, W) of one image: UNet2DModel's config names (sample_size: a side or [height, width]), else
+    EDM2-style img_channels/img_resolution."""
     config = net.config
     channels = config.get("in_channels", config.get("img_channels"))
-    size = config.get("sample_size", config.get("img_resolution"))
-    return (channels, size, size)
+    return (channels, *sizes.height_width(config.get("sample_size", config.get("img_resolution"))))
 
 
 def image_seeds(seed, count):
@@ -536,7 +542,7 @@ def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inferenc
 
 
 def gathered(mine, num_images, batch_size, image_shape, rank=0, world=1, group=None, before_round=None):
-    """The main process's view of every process's uint8 batches of `num_images` images of `image_shape` (C, S, S),
+    """The main process's view of every process's uint8 batches of `num_images` images of `image_shape` (C, H, W),
     in image order: each process's
     `mine` (batches rank, rank + world, ... of `batch_size`: generate_batches' shard) gathered to rank 0 round by
     round through `group` (gloo: CPU tensors; the last batch may be short, a process may have none in the last
@@ -561,11 +567,12 @@ def gathered(mine, num_images, batch_size, image_shape, rank=0, world=1, group=N
 
 
 def save_grid(images, path):
-    """Images (N, C, S, S) as one 8-bit PNG in a square-ish grid: grayscale, RGB, or RGBA with its transparency."""
+    """Images (N, C, H, W) as one 8-bit PNG in a square-ish grid (a wide image's has fewer columns): grayscale,
+    RGB, or RGBA with its transparency."""
     from torchvision.utils import make_grid
 
     images = data.eight_bit(images)
-    grid = make_grid(images, nrow=math.ceil(math.sqrt(len(images))))[: images.shape[1]]  # make_grid makes one channel 3
+    grid = make_grid(images, nrow=grid_columns(len(images), *images.shape[2:]))[: images.shape[1]]  # make_grid makes one channel 3
     path.parent.mkdir(parents=True, exist_ok=True)
     save_png(grid, path)
 
@@ -797,7 +804,7 @@ def _run(args, rank, world, group):
     # The Inception weights and the reference statistics before any sampling: rank 0 loads the network (a missing
     # file fails now) and looks for them; found nowhere, every process makes its share (make_reference).
     evaluation, failed = None, [None, False]  # rank 0's error, whether the statistics are to be made
-    image_size = source.get("image_size") if decode is not None else image_shape(unet)[-1]
+    image_size = source.get("image_size") if decode is not None else sizes.of(*image_shape(unet)[1:])
     channels = image_shape(unet)[0] if decode is None else 3
     bits = data.pixels_of(config or {}).bits if decode is None else 8  # a 16-bit run's PNGs are 16-bit
     if args.fid and rank == 0:
@@ -839,7 +846,7 @@ def _run(args, rank, world, group):
         mine = generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
                                 labels=labels, guidance_scale=w, guide=guide, decode=decode, shard=(rank, world),
                                 bits=bits)  # fmt: skip
-        shape = (channels, image_size, image_size)
+        shape = (channels, *sizes.height_width(image_size))
         for images in gathered(written(mine), args.num_images, args.batch_size, shape, rank, world, group):
             if evaluation is not None:
                 evaluation.add(images, None if labels is None else labels[done : done + len(images)])

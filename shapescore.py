@@ -65,6 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+import sizes
 
 VERSION = 1
 # One scorer per image size for every run, so that their scores compare; trained on
@@ -93,7 +94,7 @@ def targets(labels, image_size):
     """The training targets of `data.make_shapes` labels (see the module docstring).
 
     count (n, 3): P(1, 2, 3 shapes show); kinds (n, 3): P(a circle, square, triangle shows);
-    colors (n, 7): background RGB, shapes' mean RGB, fraction covered; cells (n, 5, S/4, S/4):
+    colors (n, 7): background RGB, shapes' mean RGB, fraction covered; cells (n, 5, H/4, W/4):
     the share of background and of each kind in each cell, and P(a shape's centre is in it).
     """
     shown = labels["visible_pixels"] / labels["pixels"].clamp(min=1e-6)
@@ -105,14 +106,15 @@ def targets(labels, image_size):
     kinds = torch.stack([1 - torch.where(labels["kind"] == c, 1 - p, 1.0).prod(1) for c in range(len(KINDS))], 1)
     visible = labels["visible_pixels"]
     foreground = (visible[..., None] * labels["color"]).sum(1) / visible.sum(1, keepdim=True).clamp(min=1e-6)
-    cover = visible.sum(1, keepdim=True) / image_size**2
+    cover = visible.sum(1, keepdim=True) / sizes.pixels(image_size)
     slot = labels["shape_map"].long()
     kind_map = torch.where(slot >= 0, labels["kind"].gather(1, slot.clamp(min=0).flatten(1)).view_as(slot), -1) + 1
     cells = F.avg_pool2d(F.one_hot(kind_map, 1 + len(KINDS)).permute(0, 3, 1, 2).float(), CELL)
-    side = cells.shape[-1]
-    at = (labels["center"] * image_size / CELL).long().clamp(0, side - 1)  # (n, k, 2): the cell of each centre
-    centres = torch.zeros(len(p), side * side).scatter_add_(1, at[..., 1] * side + at[..., 0], p).clamp(max=1)
-    cells = torch.cat([cells, centres.view(-1, 1, side, side)], 1)
+    rows, columns = cells.shape[-2:]
+    at = (labels["center"] * min(sizes.height_width(image_size)) / CELL).long()  # (n, k, 2): the cell of each centre
+    at = torch.stack([at[..., 0].clamp(0, columns - 1), at[..., 1].clamp(0, rows - 1)], -1)
+    centres = torch.zeros(len(p), rows * columns).scatter_add_(1, at[..., 1] * columns + at[..., 0], p).clamp(max=1)
+    cells = torch.cat([cells, centres.view(-1, 1, rows, columns)], 1)
     # The last shape drawn always shows, so P(0 shapes) is 0.
     return dict(count=count[:, 1:], kinds=kinds, colors=torch.cat([labels["background"], foreground, cover], 1), cells=cells)
 

@@ -55,6 +55,7 @@ import profiling
 import resume
 import rundir
 import sample
+import sizes
 import step
 import training
 from config import network_size, parse_args, recorded, resolve
@@ -159,11 +160,11 @@ def describe(args):
 def latent_words(args):
     """A latent run's line: what the network takes, how the latents are normalised, and on a dry run
     offline what was assumed of the VAE."""
-    size, found = f"{args.latent_size}x{args.latent_size}x{args.latent_channels}", args.latents
+    size, found = sizes.with_channels(args.latent_size, args.latent_channels), args.latents
     norm = {"vae": "the VAE's scaling_factor", "dataset": "each channel's mean and std over the data",
             None: "the VAE's scaling_factor where its config.json sets one, else the data's mean and std"}  # fmt: skip
     line = (f"latents: the network takes {size} latents of --vae {found['source']} ({found['factor']}x smaller than "
-            f"the {args.image_size}px images), normalised by {norm[args.latent_normalization]}")  # fmt: skip
+            f"the {sizes.spelled(args.image_size)} images), normalised by {norm[args.latent_normalization]}")  # fmt: skip
     if found.get("assumed"):
         line += (f"; its config.json cannot be had offline, so {size} assumes Stable Diffusion's 8x, 4-channel VAE "
                  f"(training needs it: `hf download {found['source']} --local-dir DIR`, then --vae DIR)")  # fmt: skip
@@ -394,11 +395,11 @@ def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps):
 def memory_plan(args, pieces, device, world):
     """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
     one micro-batch counted on the meta device; on a GPU also with gradient checkpointing, for the line's hint."""
-    sizes = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
-    count = memory.count_step(*sizes, args.gradient_checkpointing)
+    step_of = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
+    count = memory.count_step(*step_of, args.gradient_checkpointing)
     checkpointed = None
     if device.type == "cuda" and not args.gradient_checkpointing:
-        checkpointed = memory.count_step(*sizes, True)
+        checkpointed = memory.count_step(*step_of, True)
     trained = [*pieces.network.parameters(), *pieces.network.buffers(), *pieces.objective.parameters()]
     return memory.plan(trained, pieces.optimizer, pieces.ema, count, args.train_batch_size, world, checkpointed)
 
@@ -418,13 +419,13 @@ def announce(args, config, compile_why, accelerator, network, memory_plan, start
     for line in data.survey_lines(args):
         accelerator.print(line)
     _, peak_words = flops.describe_peak(device, args.mixed_precision, args.allow_tf32)
-    latent = f" as {args.latent_size}x{args.latent_size}x{args.latent_channels} latents" if args.vae else ""
+    latent = f" as {sizes.with_channels(args.latent_size, args.latent_channels)} latents" if args.vae else ""
     skipped = f" ({unreadable} unreadable so far: skipped)" if unreadable else ""  # preloaded: all
     precision = fp8.describe(network, device) if args.mixed_precision == "fp8" else ""
     total_steps = config["total_train_steps"]
     accelerator.print(
         f"training {args.model} ({config['params']:,} parameters, --objective {args.objective}) "
-        f"on {config['num_images']} images{skipped} at {args.image_size}px{latent}: "
+        f"on {config['num_images']} images{skipped} at {sizes.spelled(args.image_size)}{latent}: "
         f"{total_steps} steps of {config['global_batch_size']} images, mixed precision {args.mixed_precision}{precision}, "
         f"{config['num_processes']} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
         f"step; {peak_words}; step {compile_why}"
@@ -795,7 +796,7 @@ class Evaluation:
         a conditional run's rows go through the classes in turn."""
         args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
         seeds = sample.image_seeds(args.seed, args.eval_batch_size)
-        labels = sample.grid_labels(self.num_classes, args.eval_batch_size)
+        labels = sample.grid_labels(self.num_classes, args.eval_batch_size, args.image_size)
         images = sample.generate(self.averaged_network(), self.pieces.sampling_scheduler, seeds, args.num_inference_steps,
                                  self.processes.accelerator.autocast, labels, args.guidance_scale[0], self.guide,
                                  self.decode)  # fmt: skip
@@ -860,7 +861,7 @@ class Evaluation:
                 processes.accelerator.print(f"the evaluation after epoch {epoch} is left unfinished, for {signals.received.name}")
                 raise agreement.Abandoned
 
-        shape = (self.args.image_channels, self.args.image_size, self.args.image_size)
+        shape = (self.args.image_channels, *sizes.height_width(self.args.image_size))
         return sample.gathered(mine, num_images, batch_size, shape, processes.rank, processes.world,
                                processes.main_work_group, unless_stopped)  # fmt: skip
 

@@ -160,7 +160,8 @@ def test_flops_cli_json_for_the_reference_model(capsys):
 
 
 @pytest.mark.parametrize("argv, says", [(["--model", "nope"], "unknown --model 'nope'"),
-                                        (["--image_size", "100000"], "--image_size must be from 8 to 8192 (got 100000)"),
+                                        (["--image_size", "100000"], "--image_size 100000: each side must be from 8 to 8192"),
+                                        (["--image_size", "96x"], "--image_size 96x: give one side (64) or width x height"),
                                         (["--presets", "README.md"], "--presets README.md: no preset table's markers in it")])
 def test_flops_cli_refuses_bad_input_in_one_line(capsys, argv, says):
     with pytest.raises(SystemExit) as stopped:

@@ -170,7 +170,10 @@ BAD_INPUTS = [
     (["--dataset", "{broken}", "--on_fault", "stop"], "cannot read image"),
     (["--model", "huge"], "unknown --model 'huge'"),
     (["--model", "ref128", "--image_size", "100"], "multiple of 32"),
-    (["--image_size", "100000"], "--image_size must be from 8 to 8192"),  # not a 61 TB allocation
+    (["--image_size", "100000"], "--image_size 100000: each side must be from 8 to 8192"),  # not a 61 TB allocation
+    (["--image_size", "64x100000"], "--image_size 64x100000: each side must be from 8 to 8192"),
+    (["--image_size", "96by64"], "--image_size 96by64: give one side (64) or width x height (96x64)"),
+    (["--model", "ref128", "--image_size", "96x100"], "each side must be a multiple of 32"),
     (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
     (["--num_epochs", "0"], "--num_epochs must be at least 1"),
     (["--learning_rate", "0"], "--learning_rate must be a finite number greater than 0"),
