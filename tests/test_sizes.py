@@ -51,7 +51,7 @@ def test_each_side_must_be_the_family_s_multiple():
     models.check_image_size("ref128", "96x64")
     with pytest.raises(ConfigError, match="--image_size 96x60: it halves its input 5 times, so each side must be a multiple of 32"):
         models.check_image_size("ref128", "96x60")
-    with pytest.raises(ConfigError, match="not a multiple of the VAE's factor 8 .*: use 16x16 or 24x16"):
+    with pytest.raises(ConfigError, match="not a multiple of the VAE's factor 8 .*: use 16 or 24x16"):
         latents.check_image_size("20x16", 8)
 
 
