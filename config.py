@@ -456,8 +456,8 @@ def build_parser(prog="train.py", source=""):
     switch_or_value(d, "preload_data", "decode the dataset once and keep it in memory as uint8 (on the GPU when "
                     f"training on one), unless it needs more than MAX_GIB (default: {data.PRELOAD_MAX_GIB:g}): then stream "
                     "it from disk; --no-preload_data: always stream", True, "MAX_GIB", type=positive)  # fmt: skip
-    flag(d, "dataloader_num_workers", "processes that decode images (default: 4, or fewer CPU cores)",
-         min(4, os.cpu_count() or 1), type=at_least(0))  # fmt: skip
+    flag(d, "dataloader_num_workers", "processes that decode images (default: 4, or the fewer CPU cores this "
+         "process may use)", min(4, usable_cores()), type=at_least(0))  # fmt: skip
     flag(d, "vae", "train on the latents of this VAE (a diffusers AutoencoderKL or AutoencoderTiny: a folder, a "
          "pipeline folder with vae/, or a Hub id): the data is encoded once and cached (in $DDPM_TRAIN_LATENT_CACHE, "
          "else ~/.cache/ddpm-train/latents), the network takes the VAE's channels at --image_size over its factor, "
@@ -751,6 +751,11 @@ def recorded(args):
     settings (SETTING_NAMES) apart under "settings"; `file_flags` reads them back as REMOVED says."""
     flags = {name: value for name, value in vars(args).items() if name not in SETTING_NAMES}
     return dict(flags, settings={name: getattr(args, name) for name in SETTING_NAMES})
+
+
+def usable_cores():
+    """The CPU cores this process may run on: a SLURM job's or `taskset`'s share, not the machine's (os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def on_gpu(args):

@@ -395,3 +395,9 @@ def test_the_default_objective_is_flow_on_real_images_and_ddpm_for_a_unet_on_the
     assert objective("--model", "edm2tiny", "--image_size", 16) == objective("--model", "edm2tiny", "--image_size", 16,
                                                                              "--dataset", "photos/") == "edm"  # fmt: skip
     assert objective("--dataset", "photos/", "--objective", "ddpm") == "ddpm"  # asked for
+
+
+def test_decoding_workers_default_to_the_cores_this_process_may_use(monkeypatch):
+    """A SLURM job or `taskset` gives a process fewer cores than the machine has: more workers than those only contend."""
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert config.parse_args([]).dataloader_num_workers == 1
