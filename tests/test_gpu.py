@@ -282,6 +282,29 @@ def test_a_grayscale_or_rgba_set_trains_compiled_on_the_gpu(tmp_path, model, cha
         assert grid.mode == {1: "L", 4: "RGBA"}[channels]
 
 
+@pytest.mark.parametrize("model", ["tiny", "edm2tiny", "dit-tiny"])
+def test_a_non_square_run_of_each_family_trains_compiled_and_resumes_on_the_gpu(tmp_path, model):
+    """--image_size 24x16 through main on the GPU, its step as auto plans it (compiled or captured at that one shape):
+    no fallback, wide grids, and a run resumed at step 2 ends with the weights of one that went straight on (to the
+    GPU's rounding; bit-exact on the CPU: tests/test_sizes.py)."""
+    from PIL import Image
+
+    flags = ["--model", model, "--image_size", "24x16", "--max_train_steps", 4, "--checkpointing_steps", 2,
+             "--train_batch_size", 4]  # fmt: skip
+    run(tmp_path / "straight", *flags)
+    assert not json.loads((tmp_path / "straight" / "run.json").read_text())["compile_fallbacks"]
+    with Image.open(tmp_path / "straight" / "samples" / "0000.png") as grid:  # TINY's 4 samples: 2 by 2 cells of 24x16
+        assert grid.size == (2 * 24 + 3 * 2, 2 * 16 + 3 * 2)
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "checkpoint-2", tmp_path / "resumed" / "checkpoints" / "checkpoint-2")
+    run(tmp_path / "resumed", *flags)
+    a, _ = tensors_of(tmp_path / "straight" / "unet")
+    b, _ = tensors_of(tmp_path / "resumed" / "unet")
+    assert a.keys() == b.keys()
+    for key in a:  # as the step-graph resume above: a GPU's kernels need not add in one order
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+
+
 def test_a_run_started_from_another_runs_weights_trains_on_the_gpu(tmp_path, capsys):
     """--init_from a run of this project, on the GPU, compiled as auto plans it: it starts from those weights."""
     run(tmp_path / "source", "--max_train_steps", 2, "--save_images_epochs", 100)
