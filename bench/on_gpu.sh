@@ -298,7 +298,7 @@ tests)
     # Every test that skips without a CUDA GPU (their skip reasons name CUDA), by node id.
     # -p no:logging: pytest's log capture switched on torch's DEBUG structured trace, and the
     # first GPU run was several times slower with it (the first GPU run, BENCHMARKS.md).
-    run_within cuda-tests 330 "$python" -m pytest -p no:cacheprovider -p no:logging -q -rA --tb=short \
+    run_within cuda-tests 420 "$python" -m pytest -p no:cacheprovider -p no:logging -q -rA --tb=short \
       tests/test_gpu.py \
       tests/test_step.py::test_the_captured_step_trains_as_the_eager_step_on_a_gpu \
       tests/test_fused_norm.py::test_cuda_bf16_matches_fp32_reference \
