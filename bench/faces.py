@@ -31,6 +31,7 @@ import numpy as np
 from PIL import Image
 from scipy import linalg
 
+NOT_SAMPLES = ("grid.png", "copies.png")  # the pictures sample.py writes beside its samples
 SIDE = 32  # the training size: the UNet presets halve it to 4
 COMPONENTS = 20  # principal components kept; 400 real vectors estimate their covariance well
 
@@ -73,7 +74,7 @@ def write(folder, crops=None, gray=False):
 
 def read_grey(folder, side=SIDE):
     """Every PNG/JPEG in `folder` as grey float vectors in [0, 1], (n, side*side), in name order."""
-    paths = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg") and p.name != "grid.png")
+    paths = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg") and p.name not in NOT_SAMPLES)
     if not paths:
         raise SystemExit(f"error: no PNG or JPEG images in {folder}: give a folder of images (sample.py --output)")
     return np.stack([grey_vector(Image.open(p), side) for p in paths])

@@ -136,7 +136,7 @@ def _images(paths):
 def read_classes(folder):
     """A folder of class folders (write's train/ or held/, or generated images sorted by class):
     (images (n, SIDE, SIDE, 3) uint8, class names (n,)), in name order."""
-    paths = sorted(p for p in Path(folder).glob("*/*") if p.suffix.lower() in EXTENSIONS and p.name != "grid.png")
+    paths = sorted(p for p in Path(folder).glob("*/*") if p.suffix.lower() in EXTENSIONS and p.name not in faces.NOT_SAMPLES)
     return _images(paths), np.array([p.parent.name for p in paths])
 
 
@@ -159,7 +159,7 @@ def read_generated(folder, names, run=None, class_labels=None):
     ...) needs the run it was sampled from: image i's class is what sample.py gave image i for
     --class_labels `class_labels` (None: the classes spread in runs), named by the run's class_names."""
     folder = Path(folder)
-    flat = sorted(p for p in folder.glob("*") if p.suffix.lower() in EXTENSIONS and p.name != "grid.png")
+    flat = sorted(p for p in folder.glob("*") if p.suffix.lower() in EXTENSIONS and p.name not in faces.NOT_SAMPLES)
     if not flat:
         images, classes = read_classes(folder)
         if not len(images):

@@ -73,3 +73,11 @@ def test_score_reads_a_folder_and_refuses_an_empty_one_in_one_line(tmp_path, cap
     with pytest.raises(SystemExit) as refused:  # SystemExit(str): that one line on stderr, exit 1
         faces.main(["score", str(ref), str(empty)])
     assert refused.value.code == f"error: no PNG or JPEG images in {empty}: give a folder of images (sample.py --output)"
+
+
+def test_the_pictures_sample_py_writes_beside_its_samples_are_not_read_as_samples(tmp_path):
+    from PIL import Image
+
+    for name in ("000000.png", "000001.png", "grid.png", "copies.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    assert len(faces.read_grey(tmp_path)) == 2
