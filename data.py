@@ -204,10 +204,35 @@ def has_alpha(im):
 
 
 def pixels_for(mode, alpha=False):
-    """What one image of PIL `mode` is: Pixels(1, 8 or 16), Pixels(3, 8) or Pixels(4, 8)."""
+    """What one image of PIL `mode` is: Pixels(1, 8 or 16), or 3 or 4 channels of 8 bits, or of 16 for a file of 16-bit
+    colour (the survey's mode "RGB;16" or "RGBA;16": sixteen_bit_colour)."""
     if mode in GRAY_MODES:
         return Pixels(1, 16 if mode in SIXTEEN_BIT_MODES else 8)
-    return Pixels(4, 8) if alpha or mode in ALPHA_MODES else Pixels(3, 8)
+    colour = mode.removesuffix(COLOUR_16)
+    return Pixels(4 if alpha or colour in ALPHA_MODES else 3, 16 if mode.endswith(COLOUR_16) else 8)
+
+
+COLOUR_16 = ";16"  # the survey's mark on a mode PIL opens at 8 bits from a file of 16 bits a channel
+
+
+def sixteen_bit_colour(im):
+    """Whether PIL opened `im` as RGB or RGBA from a file of 16 bits a channel (a 16-bit colour PNG or TIFF): PIL
+    reads it at 8 bits, its high bytes."""
+    rawmodes = [tile.args if isinstance(tile.args, str) else tile.args[0] for tile in getattr(im, "tile", None) or []]
+    return im.mode in ("RGB", "RGBA") and any(";16" in str(rawmode) for rawmode in rawmodes)
+
+
+def colour_16(path, im):
+    """A 16-bit colour file's values, as a float tensor (C, H, W) of 0 to 65,535: a TIFF read by tifffile, a PNG
+    decoded by torchvision (PIL keeps 8 bits of each)."""
+    if im.format == "TIFF":
+        import tifffile
+
+        array = tifffile.imread(path)
+        return torch.from_numpy(array.astype(np.float32)).permute(2, 0, 1)
+    from torchvision.io import ImageReadMode, decode_png, read_file
+
+    return decode_png(read_file(str(path)), ImageReadMode.UNCHANGED).float()
 
 
 def to_pixels(im, pixels):
@@ -215,6 +240,8 @@ def to_pixels(im, pixels):
     resizes without rounding to 8 bits. PIL's convert clips a 16-bit image at 255, so that one of values 12 to
     65,506 came out 98% white: a 16-bit image's values are scaled to 8 bits first (65,535 -> 255), and an 8-bit
     one's up to 16 (255 -> 65,535)."""
+    if torch.is_tensor(im) or pixels.bits == 16 and pixels.channels > 1:
+        return _colour_pixels(im, pixels)
     if im.mode in REFUSED_MODES:
         raise ValueError(f"PIL mode {im.mode} (32-bit float) has no range to scale from: save it as a 16-bit PNG or TIFF")
     sixteen = im.mode in SIXTEEN_BIT_MODES
@@ -228,10 +255,27 @@ def to_pixels(im, pixels):
     return im.convert(EIGHT_BIT_MODES[pixels.channels])
 
 
+def _colour_pixels(im, pixels):
+    """to_pixels where the image or the run is colour at 16 bits: a float tensor (C, H, W) of 0 to 65,535 (colour_16's
+    or a PIL image's, 8 bits scaled up, 16-bit grayscale repeated), alpha dropped or made opaque to fit the run; in an
+    8-bit run (a VAE's) a 16-bit colour image rounded to 8 bits, as a PIL image."""
+    if pixels.bits == 8:
+        image = Image.fromarray(im.div(257).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy())
+        return to_pixels(image, pixels)
+    if not torch.is_tensor(im):
+        sixteen = im.mode in SIXTEEN_BIT_MODES
+        values = np.asarray(im if sixteen else im.convert("RGBA" if has_alpha(im) else "RGB"), dtype=np.float32)
+        im = torch.from_numpy(values * (1 if sixteen else 257))
+        im = im[None].expand(3, -1, -1) if sixteen else im.permute(2, 0, 1)
+    if pixels.channels == 3:
+        return im[:3]
+    return im if len(im) == 4 else torch.cat([im, torch.full_like(im[:1], 65535)])
+
+
 def covering(im, height, width):
     """`im` resized, its aspect ratio kept, to the least size that covers height x width: the side that binds is
     made the box's, the other truncated as torchvision's Resize(side) does (on a square box, exactly that)."""
-    w, h = im.size
+    h, w = T.functional.get_size(im)  # a PIL image's or a tensor's (16-bit colour)
     size = [height, int(height * w / h)] if w * height >= h * width else [int(width * h / w), width]
     return T.functional.resize(im, size, interpolation=T.InterpolationMode.BILINEAR, antialias=True)
 
@@ -269,7 +313,7 @@ class FileImages(torch.utils.data.Dataset):
     def __getitem__(self, i):
         try:
             with Image.open(self.paths[i]) as im:
-                return self.transform(im), None
+                return self.transform(colour_16(self.paths[i], im) if sixteen_bit_colour(im) else im), None
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             return None, f"cannot read image {self.paths[i]} ({e})"
 
@@ -981,7 +1025,8 @@ def _header(im):
 def _read_header(path):
     try:
         with Image.open(path) as im:
-            return _header(im)
+            mode, size = _header(im)
+            return mode + (COLOUR_16 if sixteen_bit_colour(im) else ""), size
     except (OSError, ValueError, Image.DecompressionBombError):
         return None  # unreadable: training skips it, or stops at it, and says so
 

@@ -169,9 +169,10 @@ def write_model_card(folder, config):
     size = sizes.spelled(config.get("image_size")) + (
         f" ({sizes.with_channels(config.get('latent_size'), config.get('latent_channels'))} latents of "
         f"{config['latents'].get('vae')})" if latent else "")  # fmt: skip
-    kind_of = {1: "grayscale", 4: "RGBA"}.get(config.get("image_channels"))  # docs/images.md
-    if kind_of and not latent:
-        size += f", {kind_of} at {config.get('image_bits') or 8} bits"
+    kind_of = {1: "grayscale", 3: "RGB", 4: "RGBA"}.get(config.get("image_channels"))  # docs/images.md
+    bits = config.get("image_bits") or 8
+    if kind_of and not latent and (kind_of, bits) != ("RGB", 8):
+        size += f", {kind_of} at {bits} bits"
     objective_line = OBJECTIVE_WORDS[kind] + (f", SD3's timestep shift {shift:g}" if kind == "flow" and shift != 1 else "")
     if kind == "flow":
         objective_line += f"; noise levels drawn {config.get('flow_sigmas')}; sampler {config.get('sampler')}"

@@ -574,14 +574,14 @@ def save_grid(images, path):
     images = data.eight_bit(images)
     grid = make_grid(images, nrow=grid_columns(len(images), *images.shape[2:]))[: images.shape[1]]  # make_grid makes one channel 3
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_png(grid, path)
+    save_image(grid, path)
 
 
 # --- the command ---------------------------------------------------------------------
 
 
 # What sampling writes into --output: the first image, the grid and the scores (their presence: samples already there).
-WRITTEN = ("000000.png", "grid.png", "fid.json")
+WRITTEN = ("000000.png", "000000.tif", "grid.png", "fid.json")
 
 
 def parse_args(argv=None):
@@ -838,7 +838,7 @@ def _run(args, rank, world, group):
         for k, images in enumerate(batches):
             start = (rank + k * world) * args.batch_size
             for i, image in enumerate(images if writes else ()):
-                save_png(image, output / f"{start + i:06d}.png")
+                save_image(image, output / f"{start + i:06d}.png")
             yield data.eight_bit(images)
 
     for w in args.guidance_scales:
@@ -944,12 +944,19 @@ def together(work, world, group):
     return result
 
 
-def save_png(image, path):
-    """A uint8 or uint16 image (C, S, S) as a PNG of its own mode: grayscale (8 or 16 bits), RGB or RGBA."""
+def save_image(image, path):
+    """A uint8 or uint16 image (C, H, W) as a PNG of its own mode: grayscale (8 or 16 bits), RGB or RGBA; 16-bit
+    colour, which PIL cannot write, as a TIFF of the same name (.tif) by tifffile. Returns the path written."""
     from PIL import Image
 
     array = image.permute(1, 2, 0).numpy()
+    if image.dtype == torch.uint16 and len(image) > 1:
+        import tifffile
+
+        tifffile.imwrite(path.with_suffix(".tif"), array, photometric="rgb")
+        return path.with_suffix(".tif")
     Image.fromarray(array[..., 0] if len(image) == 1 else array).save(path)  # L or I;16, RGB, RGBA: by its shape and type
+    return path
 
 
 if __name__ == "__main__":

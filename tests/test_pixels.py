@@ -108,7 +108,7 @@ def test_inception_takes_each_kind_as_8_bit_rgb():
 
 
 def test_pngs_are_written_in_the_data_s_own_mode(tmp_path):
-    sample.save_png(torch.full((1, 4, 4), 65535, dtype=torch.uint16), tmp_path / "a.png")
+    sample.save_image(torch.full((1, 4, 4), 65535, dtype=torch.uint16), tmp_path / "a.png")
     sample.save_grid(torch.zeros(4, 4, 4, 4, dtype=torch.uint8), tmp_path / "grid.png")
     sample.save_grid(torch.zeros(4, 1, 4, 4, dtype=torch.uint16), tmp_path / "gray.png")
     with Image.open(tmp_path / "a.png") as a, Image.open(tmp_path / "grid.png") as g, Image.open(tmp_path / "gray.png") as l:
@@ -176,3 +176,45 @@ def test_a_small_set_is_told_it_may_copy(tmp_path, monkeypatch):
     assert "note: 3 images is a small set, whose samples may copy" in data.survey_lines(args)[1]
     monkeypatch.setattr(data, "SMALL_SET", 3)
     assert len(data.survey_lines(args)) == 1
+
+
+def png16(path, array):
+    """A 16-bit colour PNG of `array` (H, W, 3 or 4) uint16, written by hand: PIL cannot write one."""
+    import struct
+    import zlib
+
+    height, width, channels = array.shape
+    rows = b"".join(b"\0" + row.astype(">u2").tobytes() for row in array)
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 16, {3: 2, 4: 6}[channels], 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("suffix", [".png", ".tif"])
+def test_sixteen_bit_colour_reaches_the_batch_and_sample_py_writes_it_back(tmp_path, suffix):
+    import tifffile
+
+    # 1,000 and 1,100 are both 4 at 8 bits, as PIL reads a 16-bit colour file: kept apart only at 16 bits
+    (tmp_path / "set").mkdir()
+    for i, value in enumerate((1000, 1100)):
+        array = np.full((16, 16, 3), value, np.uint16)
+        png16(tmp_path / "set" / f"{i}.png", array) if suffix == ".png" else tifffile.imwrite(tmp_path / "set" / f"{i}.tif", array)
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--train_batch_size", "2",
+                                             "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+    assert (args.image_channels, args.image_bits) == (3, 16) and "2 RGB;16" in data.survey_lines(args)[0]
+    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+    assert images.dtype == torch.uint16 and images[:, :, 0, 0].tolist() == [[1000] * 3, [1100] * 3]
+    written = sample.save_image(images[1], tmp_path / "000000.png")
+    assert written.name == "000000.tif" and tifffile.imread(written)[0, 0].tolist() == [1100] * 3
+
+
+def test_sixteen_bit_colour_takes_the_run_s_channels():
+    colour = torch.full((4, 2, 2), 1000.0)
+    assert data.to_pixels(colour, data.Pixels(3, 16)).shape == (3, 2, 2)
+    assert data.to_pixels(colour[:3], data.Pixels(4, 16))[3].eq(65535).all()  # made opaque
+    gray = Image.fromarray(np.full((2, 2), 1000, np.uint16))
+    assert data.to_pixels(gray, data.Pixels(3, 16)).eq(1000).all()  # 16-bit grayscale in a colour set: repeated
+    assert np.asarray(data.to_pixels(colour, data.Pixels(3, 8))).max() == 4  # a VAE's run: rounded to 8 bits
