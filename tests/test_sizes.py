@@ -136,10 +136,12 @@ def test_every_family_trains_samples_evaluates_and_resumes_bit_exactly_at_width_
         assert image.size == (24, 16)
 
 
-def test_a_latent_run_trains_samples_and_resumes_bit_exactly_at_width_by_height(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("name", ["tiny", "edm2tiny", "dit-tiny"])
+def test_every_family_on_latents_trains_samples_and_resumes_bit_exactly_at_width_by_height(tmp_path, capsys, monkeypatch,
+                                                                                           name):
     monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "cache"))
     vae = make_kl(tmp_path / "vae")  # factor 2: 12x8 latents
-    flags = [*FEW, "--vae", vae, "--image_size", WIDE, "--max_train_steps", 6, "--checkpointing_steps", 3,
+    flags = [*FEW, "--model", name, "--vae", vae, "--image_size", WIDE, "--max_train_steps", 6, "--checkpointing_steps", 3,
              "--save_images_epochs", 1]  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, *flags)
