@@ -1,6 +1,7 @@
 #!/bin/bash
 # the runs, one at a time, in the brief's order: A (faces, both seeds), then B (labelled, seed 1 of all four before seed 2).
-# A run is not started after the deadline in /tmp/lt/deadline (epoch seconds, the last moment a run may start).
+# A run is not started after the deadline in /tmp/lt/deadline_fc or /tmp/lt/deadline_lab (epoch seconds: 01:38 and 01:33 UTC,
+# the last moments a faces or a labelled run may start; none was reached).
 D=/work/wt-lt/bench/results/2026-11-28-cpu-loss-terms
 for s in 1 2; do
   for t in none dispersive layersync deltafm immiscible; do
