@@ -223,16 +223,15 @@ def sixteen_bit_colour(im):
 
 
 def colour_16(path, im):
-    """A 16-bit colour file's values, as a float tensor (C, H, W) of 0 to 65,535: a TIFF read by tifffile, a PNG
-    decoded by torchvision (PIL keeps 8 bits of each)."""
+    """A 16-bit colour file's values, as a uint16 tensor (C, H, W): a TIFF read by tifffile, a PNG decoded by
+    torchvision (PIL keeps 8 bits of each)."""
     if im.format == "TIFF":
         import tifffile
 
-        array = tifffile.imread(path)
-        return torch.from_numpy(array.astype(np.float32)).permute(2, 0, 1)
+        return torch.from_numpy(tifffile.imread(path).astype(np.uint16)).permute(2, 0, 1)
     from torchvision.io import ImageReadMode, decode_png, read_file
 
-    return decode_png(read_file(str(path)), ImageReadMode.UNCHANGED).float()
+    return decode_png(read_file(str(path)), ImageReadMode.UNCHANGED)
 
 
 def to_pixels(im, pixels):
@@ -258,11 +257,12 @@ def to_pixels(im, pixels):
 def _colour_pixels(im, pixels):
     """to_pixels where the image or the run is colour at 16 bits: a float tensor (C, H, W) of 0 to 65,535 (colour_16's
     or a PIL image's, 8 bits scaled up, 16-bit grayscale repeated), alpha dropped or made opaque to fit the run; in an
-    8-bit run (a VAE's) a 16-bit colour image rounded to 8 bits, as a PIL image."""
+    8-bit run (a VAE's) a 16-bit colour image rounded to 8 bits (eight_bit), as a PIL image."""
     if pixels.bits == 8:
-        image = Image.fromarray(im.div(257).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy())
-        return to_pixels(image, pixels)
-    if not torch.is_tensor(im):
+        return to_pixels(Image.fromarray(eight_bit(im).permute(1, 2, 0).numpy()), pixels)
+    if torch.is_tensor(im):
+        im = im.float()
+    else:
         sixteen = im.mode in SIXTEEN_BIT_MODES
         values = np.asarray(im if sixteen else im.convert("RGBA" if has_alpha(im) else "RGB"), dtype=np.float32)
         im = torch.from_numpy(values * (1 if sixteen else 257))

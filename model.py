@@ -318,10 +318,9 @@ def size_multiple(name):
 def check_image_size(name, image_size, factor=1):
     """The network of preset `name` must halve each side of its input evenly: `image_size` over `factor`
     (a latent run's VAE factor: the network sees latents `factor` times smaller)."""
-    multiple, size = size_multiple(name), sizes.divided(image_size, factor)
-    if any(side < multiple or side % multiple for side in sizes.height_width(size)):
+    multiple, (height, width) = size_multiple(name), sizes.height_width(sizes.divided(image_size, factor))
+    if any(side < multiple or side % multiple for side in (height, width)):
         examples = ", ".join(str(multiple * k * factor) for k in (1, 2, 3, 4))  # multiples, not powers of two
-        height, width = sizes.height_width(size)
         latents = f" (its {width}x{height} latents: the VAE's factor is {factor})" if factor > 1 else ""
         how = (f"it cuts its input into {multiple}x{multiple} patches" if family(name)[0].reduces == "patches"
                else f"it halves its input {multiple.bit_length() - 1} times")  # fmt: skip
