@@ -2,7 +2,7 @@
 # One part of the GPU evidence, sized for one call of a lent GPU machine (8 minutes on a freshly
 # started one, cold compiles included), packed into two files:
 #
-#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, graphs, ref128, adm64, fused, dit or cold; FOLDER: $OUT, else bench/results/gpu
+#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, graphs, ref128, adm64, fused, dit, cold or terms; FOLDER: $OUT, else bench/results/gpu
 #
 #   graphs  the launch-bound step captured without compiling (--compile_mode eager-graph, issue 67): its CUDA tests,
 #           the speed ladder's eager and eager_graph rows for ddpm32 (batch 128, the GPU bare run's step) and adm64
@@ -30,6 +30,9 @@
 #           torch's timing, not at the ladder's start) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
 #           run's step): compile seconds (1st call s), the step, peak memory; then the GPU bare run itself
 #           (`python train.py`), start to last grid
+#   terms   issue 66's loss terms at GPU scale (docs/loss_terms.md): DiT-B/2 and adm64 on the labelled photos, the default
+#           against each of ON_GPU_TERMS (default "deltafm"), seeds 1 and 2, each run then scored (class match and photos
+#           FD, bench/labelled.py); sized for a longer loan than one call (below, at the part)
 #
 # FOLDER receives PART.tar.gz (every run's printed output, run.json, train_config.json and last grid,
 # nvidia-smi, versions, this script's log) and PART-summary.txt (one row per run: exit status,
@@ -57,8 +60,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case $part in tests | graphs | ref128 | adm64 | fused | dit | cold) ;; *)
-  echo "usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold [FOLDER]" >&2
+case $part in tests | graphs | ref128 | adm64 | fused | dit | cold | terms) ;; *)
+  echo "usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold|terms [FOLDER]" >&2
   exit 2
   ;;
 esac
@@ -223,6 +226,15 @@ print(f"wrote {n} JPEGs of {side}px to {folder}")
 EOF
 }
 
+score_run() {  # score_run NAME: 300 samples of run NAME at w = 1 (sample.py, its copy check too), class match and photos FD
+  [[ -f $work/runs/$1/run.json ]] || return 0  # it finished (a DiT run saves no model_index.json)
+  run_within "$1-score" 120 bash -c '"$1" sample.py "$2" --num_images "$3" --batch_size 100 --seed 0 --output "$2-gen" &&
+    "$1" -m bench.labelled score "$4" "$2-gen" --run "$2" --grid "$2-gen/classes.png"' _ \
+    "$python" "$work/runs/$1" $((cpu ? 8 : 300)) "$labelled"
+  [[ -f $work/runs/$1-gen/classes.png ]] && cp "$work/runs/$1-gen/classes.png" "$pack/$1.classes.png"
+  return 0
+}
+
 shape_fd() {  # shape_fd NAME: the shape score of run NAME's saved model (the built-in shapes), where it saved one
   if [[ -f $work/runs/$1/model_index.json ]]; then
     run_within "$1-shape-fd" 50 "$python" sample.py "$work/runs/$1" --fid --num_images $((cpu ? 8 : 256)) --batch_size 64
@@ -253,6 +265,9 @@ if ((cpu)); then
   dit_autotune=(--workload dit-tiny --variants eager --steps 1 --warmup 0)
   cold_dit=(--workload dit-tiny --steps 2 --warmup 1)
   cold_bare=(--workload tiny --steps 2 --warmup 1)
+  terms_dit=(--model dit-tiny --image_size 16 --max_train_steps 2)
+  terms_adm=(--model tiny --image_size 16 --max_train_steps 2)
+  terms_run=(--cpu --train_batch_size 4 --num_inference_steps 2 --eval_batch_size 4)
 else
   images=4096
   # The timing runs name their compile mode: --compile_mode auto now trains runs this short eager (they would
@@ -281,6 +296,10 @@ else
   dit_autotune=(--workload dit --steps 20 --warmup 3 --compile_scope regional --variants regional,max_autotune)
   cold_dit=(--workload dit --steps 20 --warmup 3)
   cold_bare=(--workload ddpm32 --steps 50 --warmup 5)
+  # 30 minutes a run at the step each is expected to take (the part's comment): DiT's batch, adm64's (seed 004's)
+  terms_dit=(--model dit-b2 --image_size 32 --train_batch_size 256 --max_train_steps "${TERMS_DIT_STEPS:-18000}")
+  terms_adm=(--model adm64 --image_size 64 --train_batch_size 32 --max_train_steps "${TERMS_ADM_STEPS:-90000}")
+  terms_run=(--logging_steps 500 --save_images_epochs 100000 --checkpointing_steps 100000)
 fi
 
 cold_run() {  # cold_run NAME BUDGET_S python -m bench flags...: a ladder run in a process with its own empty compile caches
@@ -386,6 +405,46 @@ cold)
   cold_run ddpm32-whole 110 "${cold_bare[@]}" --variants train_default --compile_scope whole
   cold_run dit-whole 160 "${cold_dit[@]}" --variants compiled
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-bare TRITON_CACHE_DIR=$work/triton-bare train_run bare-cold 200 "${bare[@]}"
+  ;;
+terms)
+  # Issue 66, item 4: do the loss terms win at GPU scale, where their papers measured them? The labelled photos
+  # (bench/labelled.py: 2,000 32px crops of ten photos, ten classes; the CPU records' set), class-conditional, each run
+  # scored as those records are: 300 samples at w = 1, class match and photos FD (their sampling error about ±0.1,
+  # record 2026-11-28-cpu-loss-terms), and sample.py's copy check. DiT-B/2 on the photos' pixels at 32px: 256
+  # tokens, the sequence it sees on a 256px image's latents (a trained VAE cannot reach this machine: no download,
+  # and sd-vae-ft-mse is 335 MB, over what a call carries); adm64 at 64px (train.py scales the crops up; the score
+  # scales samples back to 32px). The default (no term) and each of ON_GPU_TERMS (default "deltafm", the CPU records'
+  # one candidate; e.g. ON_GPU_TERMS="deltafm dispersive layersync"), seeds 1 and 2; run names FAMILY-TERM-sSEED.
+  # Expected: a step of 35.3 TFLOP (flops.py) at DiT-XL/2's 35.9% MFU: about 100 ms on an H100 or H200, so 18,000
+  # steps (TERMS_DIT_STEPS) are 30 minutes; adm64 about 20 ms at batch 32 (the ladder's CUDA graphs: 21.6 ms), 90,000
+  # steps (TERMS_ADM_STEPS) 30 minutes; each term's extra step time ≤ 5% (deltafm ≈ 0; dispersive and layersync one
+  # B x B or token-wise product on one block's output). A term wins as docs/loss_terms.md's rule says: on both seeds,
+  # by more than the sampling error. The CPU's figures (`small`, 6,144 steps): class match 80.3 / 81.0%, FD 4.12 / 4.97.
+  # Sized past one call: 8 runs of 30 minutes want DEADLINE_S=16000 and a loan that long. Within a 15-minute loan, the
+  # step cost of each term at scale and an early score: DEADLINE_S=500 TERMS_DIT_STEPS=600 TERMS_ADM_STEPS=3000
+  # ON_GPU_TERMS="deltafm dispersive layersync" with ON_GPU_RUNS naming seed 1's runs.
+  # The set: carried in .data/labelled (`python -m bench.labelled write .data/labelled`: 16 MiB), else written here
+  # where scikit-image is installed (the CPU mode's), else the runs are "not carried".
+  labelled=$PWD/.data/labelled
+  if [[ ! -d $labelled/train ]] && (($(left) >= 20)); then
+    labelled=$work/labelled
+    "$python" -m bench.labelled write "$labelled" || echo "== no labelled set: carry .data/labelled"
+  fi
+  for family in dit adm; do
+    for seed in 1 2; do
+      for term in none ${ON_GPU_TERMS:-deltafm}; do
+        name=$([[ $family == dit ]] && echo dit-b2 || echo adm64)-$term-s$seed
+        if [[ ! -d $labelled/train ]]; then
+          printf '%s\tnot carried\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+          continue
+        fi
+        flags=terms_$family[@]
+        train_run "$name" 2400 --dataset "$labelled/train" --class_conditional --seed "$seed" --loss_terms "$term" \
+          "${!flags}" "${terms_run[@]}"
+        score_run "$name"
+      done
+    done
+  done
   ;;
 esac
 echo "== done at ${SECONDS}s"

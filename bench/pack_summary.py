@@ -106,6 +106,7 @@ def diffusers_numbers(log, batch):
 def log_notes(log):
     """The line a run ended on that says most: a pytest summary, a score, or an error."""
     for pattern in (r"=+ (.*(?:passed|failed|error).*?) =+", r"(shape FD [^|]*\|[^|]*\| valid[^\n]*)", r"(FID [\d.]+[^\n]*)",
+                    r"(class match [^\n]*)",
                     r"(\w*Error[^\n]*)"):  # fmt: skip
         found = re.findall(pattern, log)
         if found:

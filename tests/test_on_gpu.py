@@ -23,6 +23,8 @@ RUNS = {
     "fused": ["ref128-fused", "adm64-fused"],
     "dit": ["dit-default-cold", "dit-default-copy", "dit-profile", "dit-ladder", "dit-reference", "dit-autotune"],
     "cold": ["dit-regional", "dit-regional-inductor", "ddpm32-regional", "ddpm32-whole", "dit-whole", "bare-cold"],
+    "terms": [f"{family}-{term}-s{seed}{score}" for family in ("dit-b2", "adm64") for seed in (1, 2) for term in ("none", "deltafm")
+              for score in ("", "-score")],
 }
 
 
@@ -66,7 +68,7 @@ def test_the_deadline_skips_runs_but_every_part_writes_its_pack(tmp_path, part):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = (tmp_path / f"{part}-summary.txt").read_text()
     for run in RUNS[part]:
-        if run.endswith("-shape-fd"):  # scored only when the bare run saved a model
+        if run.endswith(("-shape-fd", "-score")):  # scored only when the run finished
             assert run not in summary
             continue
         assert any(f"{run}\t{why}" in summary for why in ("skipped", "not carried", "CPU mode")), summary
@@ -75,7 +77,28 @@ def test_the_deadline_skips_runs_but_every_part_writes_its_pack(tmp_path, part):
 
 def test_an_unknown_part_is_one_line_and_exit_2(tmp_path):
     done = on_gpu("all", tmp_path)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold [FOLDER]"]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold|terms [FOLDER]"]
+
+
+def test_the_terms_part_trains_a_term_on_the_labelled_photos_and_scores_it(tmp_path):
+    """Issue 66's GPU part: a run with a loss term trains on the labelled photos (written by the part where
+    scikit-image is installed), class-conditional at its seed; sample.py samples it and bench.labelled scores it,
+    and the score is the score run's note in the summary."""
+    import json
+
+    run = "adm64-deltafm-s2"
+    done = on_gpu("terms", tmp_path, ON_GPU_RUNS=f"{run} {run}-score")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split("\t")[0]: line.split("\t") for line in (tmp_path / "terms-summary.txt").read_text().splitlines()[2:]}
+    assert rows[run][1] == "0" and rows[f"{run}-score"][1] == "0", rows
+    assert "class match" in rows[f"{run}-score"][-1] and "photos FD" in rows[f"{run}-score"][-1], rows
+    # the runs left out are "not chosen", and only a run that finished is scored
+    assert set(rows) == {r for r in RUNS["terms"] if not r.endswith("-score")} | {f"{run}-score"}, rows
+    assert {rows[r][1] for r in rows if not r.startswith(run)} == {"not chosen"}
+    assert {f"{run}.classes.png", f"{run}-score.log"} <= packed(tmp_path, "terms")
+    with tarfile.open(tmp_path / "terms.tar.gz") as tar:
+        config = json.load(tar.extractfile(f"./{run}.train_config.json"))
+    assert (config["loss_terms"], config["seed"], config["class_conditional"]) == ("deltafm:0.05", 2, True)
 
 
 def test_the_summary_reads_diffusers_progress_bar_after_its_first_epoch():
