@@ -46,6 +46,7 @@
 #     -d .whl torchao==0.18.0                           # --mixed_precision fp8 (the dit part's fp8 row)
 #   mkdir -p .ext && cp <diffusers>/examples/unconditional_image_generation/train_unconditional.py .ext/
 #   mkdir -p .ext/DiT && cp -r <facebookresearch/DiT>/{models.py,train.py,diffusion} .ext/DiT/   # the dit part
+#   python -m bench.labelled write .data/labelled         # the terms part: the labelled photos (16 MiB; carry ".data")
 #   run(command="bash bench/on_gpu.sh ref128", carry=[".whl", ".ext"], timeout_s=600)
 #
 # ON_GPU_RUNS="NAME ..." runs only the runs named (the others get a "not chosen" row), for a call
