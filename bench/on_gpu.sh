@@ -46,7 +46,9 @@
 #     -d .whl torchao==0.18.0                           # --mixed_precision fp8 (the dit part's fp8 row)
 #   mkdir -p .ext && cp <diffusers>/examples/unconditional_image_generation/train_unconditional.py .ext/
 #   mkdir -p .ext/DiT && cp -r <facebookresearch/DiT>/{models.py,train.py,diffusion} .ext/DiT/   # the dit part
-#   python -m bench.labelled write .data/labelled         # the terms part: the labelled photos (16 MiB; carry ".data")
+#   python -m bench.labelled write .data/labelled         # the terms part: the labelled photos (7.5 MB; carry ".data"),
+#   python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     -d .whl scipy==1.17.1                               # and scipy (35 MB), which its scores' FD needs and the image lacks
 #   run(command="bash bench/on_gpu.sh ref128", carry=[".whl", ".ext"], timeout_s=600)
 #
 # ON_GPU_RUNS="NAME ..." runs only the runs named (the others get a "not chosen" row), for a call
@@ -424,7 +426,7 @@ terms)
   # Sized past one call: 8 runs of 30 minutes want DEADLINE_S=16000 and a loan that long. Within a 15-minute loan, the
   # step cost of each term at scale and an early score: DEADLINE_S=500 TERMS_DIT_STEPS=600 TERMS_ADM_STEPS=3000
   # ON_GPU_TERMS="deltafm dispersive layersync" with ON_GPU_RUNS naming seed 1's runs.
-  # The set: carried in .data/labelled (`python -m bench.labelled write .data/labelled`: 16 MiB), else written here
+  # The set: carried in .data/labelled (`python -m bench.labelled write .data/labelled`: 7.5 MB), else written here
   # where scikit-image is installed (the CPU mode's), else the runs are "not carried".
   labelled=$PWD/.data/labelled
   if [[ ! -d $labelled/train ]] && (($(left) >= 20)); then
