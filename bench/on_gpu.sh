@@ -424,8 +424,9 @@ terms)
   # B x B or token-wise product on one block's output). A term wins as docs/loss_terms.md's rule says: on both seeds,
   # by more than the sampling error. The CPU's figures (`small`, 6,144 steps): class match 80.3 / 81.0%, FD 4.12 / 4.97.
   # Sized past one call: 8 runs of 30 minutes want DEADLINE_S=16000 and a loan that long. Within a 15-minute loan, the
-  # step cost of each term at scale and an early score: DEADLINE_S=500 TERMS_DIT_STEPS=600 TERMS_ADM_STEPS=3000
-  # ON_GPU_TERMS="deltafm dispersive layersync" with ON_GPU_RUNS naming seed 1's runs.
+  # step cost of each term at scale and an early score, about 2 minutes a run: DEADLINE_S=500 TERMS_DIT_STEPS=600
+  # ON_GPU_TERMS="deltafm dispersive layersync" with ON_GPU_RUNS naming DiT-B/2's four runs of seed 1 and their scores
+  # (dit-b2-none-s1 dit-b2-none-s1-score ...). layersync applies to DiTs alone: adm64's runs of it stop in one line.
   # The set: carried in .data/labelled (`python -m bench.labelled write .data/labelled`: 7.5 MB), else written here
   # where scikit-image is installed (the CPU mode's), else the runs are "not carried".
   labelled=$PWD/.data/labelled
