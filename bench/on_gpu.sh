@@ -418,8 +418,8 @@ terms)
   # and sd-vae-ft-mse is 335 MB, over what a call carries); adm64 at 64px (train.py scales the crops up; the score
   # scales samples back to 32px). The default (no term) and each of ON_GPU_TERMS (default "deltafm", the CPU records'
   # one candidate; e.g. ON_GPU_TERMS="deltafm dispersive layersync"), seeds 1 and 2; run names FAMILY-TERM-sSEED.
-  # Expected: a step of 35.3 TFLOP (flops.py) at DiT-XL/2's 35.9% MFU: about 100 ms on an H100 or H200, so 18,000
-  # steps (TERMS_DIT_STEPS) are 30 minutes; adm64 about 20 ms at batch 32 (the ladder's CUDA graphs: 21.6 ms), 90,000
+  # Expected: a step of 35.3 TFLOP (flops.py) at DiT-XL/2's 35.9% MFU: about 100 ms on an H100 or H200 (more if DiT-B/2's
+  # narrower matmuls reach less), so 18,000 steps (TERMS_DIT_STEPS) are 30 minutes; adm64 about 20 ms at batch 32 (the ladder's CUDA graphs: 21.6 ms), 90,000
   # steps (TERMS_ADM_STEPS) 30 minutes; each term's extra step time ≤ 5% (deltafm ≈ 0; dispersive and layersync one
   # B x B or token-wise product on one block's output). A term wins as docs/loss_terms.md's rule says: on both seeds,
   # by more than the sampling error. The CPU's figures (`small`, 6,144 steps): class match 80.3 / 81.0%, FD 4.12 / 4.97.
