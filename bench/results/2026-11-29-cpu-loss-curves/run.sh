@@ -25,7 +25,7 @@ $R python train.py $train --image_size 32 --max_train_steps $((4 * bare)) --seed
   --overwrite_output_dir --save_images_epochs 1000 --logging_steps 500 --checkpointing_steps $half "$@" > $D/$name.log 2>&1
 end=$(date +%s)
 echo "$name [$set --seed $seed $*] train_s=$((end-start))" >> $D/scores.txt
-for k in 1 2 4 6 8; do
+for k in ${POINTS:-1 2 4 6 8}; do  # POINTS: the half bare budgets scored (queue_c.sh: the end alone)
   steps=$((k * half))
   src=$D/$name/checkpoints/checkpoint-$steps
   out=$D/$name-at$steps
