@@ -116,6 +116,8 @@ cat "$pack/versions.txt"
 
 left() { echo $((deadline_s - SECONDS)); }
 
+unrun_row() { printf '%s\t%s\t0\t0\t0\n' "$1" "$2" >> "$work/runs.tsv"; }  # unrun_row NAME WHY: a run's row that did not run
+
 is_chosen() { [[ -z $chosen || " $chosen " == *" $1 "* ]]; }  # is_chosen NAME: ON_GPU_RUNS names it, or is unset
 
 run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, a row in runs.tsv
@@ -123,7 +125,7 @@ run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, 
   shift 2
   if ! is_chosen "$name"; then
     echo "== not chosen (ON_GPU_RUNS): $name"
-    printf '%s\tnot chosen\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    unrun_row "$name" "not chosen"
     return 0
   fi
   local limit
@@ -131,7 +133,7 @@ run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, 
   ((limit < budget)) && budget=$limit
   if ((budget < 20)); then
     echo "== skipped (deadline, $(left)s left): $name"
-    printf '%s\tskipped\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    unrun_row "$name" "skipped"
     return 0
   fi
   echo "== at ${SECONDS}s, budget ${budget}s: $name"
@@ -167,7 +169,7 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
   local name=$1 budget=$2 data=$3 resolution=$4 batch=$5 preset=${6:-} config=()
   if [[ ! -f .ext/train_unconditional.py ]]; then
     echo "== skipped (.ext/train_unconditional.py not carried): $name"
-    printf '%s\tnot carried\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    unrun_row "$name" "not carried"
     return 0
   fi
   if [[ -n $preset ]] && is_chosen "$name" && (($(left) >= 20)); then  # the preset's UNet as a config file the script reads
@@ -192,7 +194,7 @@ reference_run() {  # reference_run NAME BUDGET_S dit_reference.py flags...: face
   shift 2
   if [[ ! -f .ext/DiT/models.py ]]; then
     echo "== skipped (.ext/DiT not carried): $name"
-    printf '%s\tnot carried\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+    unrun_row "$name" "not carried"
     return 0
   fi
   run_within "$name" "$budget" "$python" bench/dit_reference.py --json "$pack/$name.run.json" "$@"
@@ -315,7 +317,7 @@ case $part in
 tests)
   if ((cpu)); then
     echo "== CPU mode: the CUDA tests are not run" | tee "$pack/cuda-tests.log"
-    printf 'cuda-tests\tCPU mode\t0\t0\t0\n' >> "$work/runs.tsv"
+    unrun_row cuda-tests "CPU mode"
   else
     # Every test that skips without a CUDA GPU (their skip reasons name CUDA), by node id.
     # -p no:logging: pytest's log capture switched on torch's DEBUG structured trace, and the
@@ -335,7 +337,7 @@ graphs)
   # eager and eager_graph rows (the GPU bare run's step eager was never measured on a GPU), then the bare run.
   if ((cpu)); then
     echo "== CPU mode: the CUDA tests are not run" | tee "$pack/graphs-tests.log"
-    printf 'graphs-tests\tCPU mode\t0\t0\t0\n' >> "$work/runs.tsv"
+    unrun_row graphs-tests "CPU mode"
   else
     run_within graphs-tests 90 "$python" -m pytest -p no:cacheprovider -p no:logging -n 0 -q -rA --tb=short \
       "tests/test_gpu.py::test_the_captured_bf16_step_compiled_or_not_trains_as_the_eager_one[eager-graph]" \
@@ -439,7 +441,7 @@ terms)
       for term in none ${ON_GPU_TERMS:-deltafm}; do
         name=$([[ $family == dit ]] && echo dit-b2 || echo adm64)-$term-s$seed
         if [[ ! -d $labelled/train ]]; then
-          printf '%s\tnot carried\t0\t0\t0\n' "$name" >> "$work/runs.tsv"
+          unrun_row "$name" "not carried"
           continue
         fi
         flags=terms_$family[@]
