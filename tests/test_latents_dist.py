@@ -213,7 +213,7 @@ def test_a_job_that_lost_the_race_to_publish_says_its_own_encode_on_every_proces
     for result in ranks:
         assert result["lost"]["meta"]["encode_device"] == "another job's devices"  # it reads the other job's cache
         line = result["lost"]["lines"][-1]
-        assert line.startswith("encoded 199 images") and "(2 processes)" in line and "999" not in line, line
+        assert line.startswith("encoded 199 images") and "(2 processes)" in line and "in 999" not in line, line  # not the other job's 999 s (its rate may hold 999)
         assert line.endswith("(another process published this key first: reading its cache)")
 
 
