@@ -6,7 +6,8 @@
 #           labelled-small: the 2026-11-28 labelled protocol: `small`, 6,144 steps, class-conditional, 300 samples at
 #             w = 1, class match and photos FD;
 #           labelled-dit: the same set and scores with `dit-small` at its defaults, 1,536 steps (the labelled protocol's
-#             24,576 images); labelled-dit-4x: the same at 6,144 steps.
+#             24,576 images); labelled-dit-4x, faces-dit-4x, labelled-small-4x: those at 4x the steps (6,144, 2,560,
+#             24,576), scored at the end alone.
 # One thread, on core CORE; a run whose claim folder exists is skipped (mkdir: one claim wins).
 cd /work/wt-matrix
 export OMP_NUM_THREADS=1
@@ -20,6 +21,8 @@ case $protocol in
   labelled-small) train="--dataset /tmp/lt/lab/set/train --class_conditional --max_train_steps 6144"; n=300 ;;
   labelled-dit) train="--dataset /tmp/lt/lab/set/train --class_conditional --model dit-small --max_train_steps 1536"; n=300 ;;
   labelled-dit-4x) train="--dataset /tmp/lt/lab/set/train --class_conditional --model dit-small --max_train_steps 6144"; n=300 ;;
+  faces-dit-4x) train="--dataset /tmp/lt/fc/faces --model dit-small --max_train_steps 2560"; n=400 ;;
+  labelled-small-4x) train="--dataset /tmp/lt/lab/set/train --class_conditional --max_train_steps 24576"; n=300 ;;
 esac
 echo "$(date -u +%H:%M:%S) start $name on core $core" >> $D/queue.log
 start=$(date +%s)
