@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 from torchvision.transforms import v2 as T
 
 import sizes
@@ -223,15 +223,47 @@ def sixteen_bit_colour(im):
 
 
 def colour_16(path, im):
-    """A 16-bit colour file's values, as a uint16 tensor (C, H, W): a TIFF read by tifffile, a PNG decoded by
-    torchvision (PIL keeps 8 bits of each)."""
+    """A 16-bit colour file's values, as a uint16 tensor (C, H, W), turned upright (UPRIGHT): a TIFF read by
+    tifffile, a PNG decoded by torchvision (PIL keeps 8 bits of each)."""
     if im.format == "TIFF":
         import tifffile
 
-        return torch.from_numpy(tifffile.imread(path).astype(np.uint16)).permute(2, 0, 1)
-    from torchvision.io import ImageReadMode, decode_png, read_file
+        values = torch.from_numpy(tifffile.imread(path).astype(np.uint16)).permute(2, 0, 1)
+    else:
+        from torchvision.io import ImageReadMode, decode_png, read_file
 
-    return decode_png(read_file(str(path)), ImageReadMode.UNCHANGED)
+        values = decode_png(read_file(str(path)), ImageReadMode.UNCHANGED)
+    return UPRIGHT[orientation(im)](values)
+
+
+def orientation(im):
+    """The EXIF orientation of a file PIL opened, 1 to 8 (1: stored upright): a phone stores a photo as its sensor
+    read it and tags how to turn it."""
+    if im.format == "PNG" and "exif" not in im.info:
+        return 1  # PIL's getexif would decode the pixels to look for an eXIf chunk after them, where the PNG spec has none
+    value = im.getexif().get(ExifTags.Base.Orientation, 1)
+    return value if value in UPRIGHT else 1  # a value out of the standard's range: as stored, as PIL leaves it
+
+
+# A (C, H, W) tensor turned as PIL's ImageOps.exif_transpose turns an image of each EXIF orientation.
+UPRIGHT = {
+    1: lambda x: x,
+    2: lambda x: x.flip(-1),
+    3: lambda x: x.flip(-2, -1),
+    4: lambda x: x.flip(-2),
+    5: lambda x: x.transpose(-2, -1),
+    6: lambda x: x.rot90(-1, (-2, -1)),
+    7: lambda x: x.transpose(-2, -1).flip(-2, -1),
+    8: lambda x: x.rot90(1, (-2, -1)),
+}
+
+
+def upright(path, im):
+    """A file's image as a viewer shows it, turned by its EXIF orientation as `datasets` turns a Hub set's: a PIL
+    image, or a 16-bit colour file's tensor (colour_16)."""
+    if sixteen_bit_colour(im):
+        return colour_16(path, im)
+    return ImageOps.exif_transpose(im) if orientation(im) != 1 else im
 
 
 def to_pixels(im, pixels):
@@ -313,7 +345,7 @@ class FileImages(torch.utils.data.Dataset):
     def __getitem__(self, i):
         try:
             with Image.open(self.paths[i]) as im:
-                return self.transform(colour_16(self.paths[i], im) if sixteen_bit_colour(im) else im), None
+                return self.transform(upright(self.paths[i], im)), None
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             return None, f"cannot read image {self.paths[i]} ({e})"
 
@@ -1016,17 +1048,22 @@ class Survey(NamedTuple):
     pixels: Pixels  # what the run makes of them
     mixed: bool  # images of more than one kind (grayscale, colour, alpha), trained as RGB
     cropped: int  # of those looked at, how many the crop to the run's shape loses more than CROP_LOSS of
+    turned: int = 0  # of those looked at, how many files their EXIF orientation turns upright (`upright`)
 
 
-def _header(im):
-    return im.mode + ("+alpha" if im.mode == "P" and has_alpha(im) else ""), im.size
+def _header(im, turn=1):
+    """An image's mode, its size as it is shown (turned by a file's EXIF orientation `turn`: a Hub set's images
+    arrive turned), and whether it is turned."""
+    w, h = im.size
+    return im.mode + ("+alpha" if im.mode == "P" and has_alpha(im) else ""), (h, w) if turn >= 5 else (w, h), turn != 1
 
 
 def _read_header(path):
     try:
         with Image.open(path) as im:
-            mode, size = _header(im)
-            return mode + (COLOUR_16 if sixteen_bit_colour(im) else ""), size
+            colour_16 = COLOUR_16 if sixteen_bit_colour(im) else ""  # read before anything that may decode the image
+            mode, size, turned = _header(im, orientation(im))
+            return mode + colour_16, size, turned
     except (OSError, ValueError, Image.DecompressionBombError):
         return None  # unreadable: training skips it, or stops at it, and says so
 
@@ -1051,23 +1088,24 @@ def survey(dataset, aspect=1.0):
         rows = range(min(len(dataset), SURVEY_ROWS))
         headers, names = [_header(dataset.dataset[i][dataset.column]) for i in rows], [f"row {i}" for i in rows]
     found = [(name, header) for name, header in zip(names, headers) if header is not None]
-    for name, (mode, _) in found:
+    for name, (mode, _, _) in found:
         if mode in REFUSED_MODES:
             raise ConfigError(f"image {name} is PIL mode {mode} (32-bit float), which has no range to scale from: "
                               "save it as a 16-bit PNG or TIFF (16-bit grayscale is kept at 16 bits)")  # fmt: skip
     if not found:  # none readable: training says so (check_readable)
         return Survey(len(dataset), 0, {}, (0, 0, 0, 0), (0, 0), Pixels(), False, 0)
-    kinds = {pixels_for(mode.removesuffix("+alpha"), mode.endswith("+alpha")) for _, (mode, _) in found}
+    kinds = {pixels_for(mode.removesuffix("+alpha"), mode.endswith("+alpha")) for _, (mode, _, _) in found}
     channels = {kind.channels for kind in kinds}
     pixels = Pixels(channels.pop(), max(kind.bits for kind in kinds)) if len(channels) == 1 else Pixels()
-    widths, heights = [w for _, ((_, (w, _))) in found], [h for _, ((_, (_, h))) in found]
+    widths, heights = [w for _, (_, (w, _), _) in found], [h for _, (_, (_, h), _) in found]
     modes = {}
-    for _, (mode, _) in found:
+    for _, (mode, _, _) in found:
         modes[mode] = modes.get(mode, 0) + 1
     aspects = [w / h for w, h in zip(widths, heights)]
     cropped = sum(min(a / aspect, aspect / a) < 1 - CROP_LOSS for a in aspects)  # the share a covering crop keeps
     return Survey(len(dataset), len(headers), modes, (min(widths), max(widths), min(heights), max(heights)),
-                  (min(aspects), max(aspects)), pixels, len(channels) > 1, cropped)  # fmt: skip
+                  (min(aspects), max(aspects)), pixels, len(channels) > 1, cropped,
+                  sum(turned for _, (_, _, turned) in found))  # fmt: skip
 
 
 KIND_WORDS = {1: "grayscale", 3: "RGB", 4: "RGBA"}
@@ -1088,7 +1126,8 @@ def survey_lines(args):
     why = (" (images of more than one kind)" if found.mixed else
            " (a VAE encodes 8-bit RGB)" if Pixels(*found.pixels) != pixels else "")  # fmt: skip
     crop = "cropped at random each epoch" if random_crops(args) else "centre-cropped"
-    lines = [f"data: {found.count:,} images{of}: {modes}; width {span(w0, w1)}, height {span(h0, h1)}, aspect "
+    turned = f" ({found.turned:,} turned upright by their EXIF orientation)" if found.turned else ""
+    lines = [f"data: {found.count:,} images{of}: {modes}; width {span(w0, w1)}, height {span(h0, h1)}{turned}, aspect "
              f"(width/height) {span(*found.aspects, fmt='{:.2f}')}; trained as {KIND_WORDS[pixels.channels]} at "
              f"{pixels.bits} bits{why}, each resized to cover {size} (width x height) and {crop}"]  # fmt: skip
     if found.count < SMALL_SET:
@@ -1162,7 +1201,8 @@ def dataset_identity(args, dataset):
     """What a FileImages or HubImages of the run's --dataset holds, read without decoding an image: for a
     folder its resolved path and a hash of its files' paths (as listed under the folder as given, so a
     symlinked folder or symlinked files hash as their names there), and the sizes and modification times
-    of what they point to; for a `datasets` dataset its name (a saved one's resolved path),
+    of what they point to, and how many files their EXIF orientation turns (the survey's: a cache made before
+    they were turned holds them as stored); for a `datasets` dataset its name (a saved one's resolved path),
     configuration, split, image column, rows and the fingerprint `datasets` gives its contents."""
     path = Path(args.dataset).expanduser()
     if isinstance(dataset, FileImages):
@@ -1173,7 +1213,9 @@ def dataset_identity(args, dataset):
             except OSError as e:
                 raise ConfigError(f"cannot read image {image} ({e}): remove or replace the file") from None
             digest.update(f"{Path(image).relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-        return dict(folder=str(path.resolve()), files=len(dataset.paths), fingerprint=digest.hexdigest())
+        turned = (getattr(args, "data_survey", None) or {}).get("turned")  # an earlier cache of them holds them unturned
+        return dict(folder=str(path.resolve()), files=len(dataset.paths), fingerprint=digest.hexdigest()) | (
+            dict(turned=turned) if turned else {})
     return dict(dataset=str(path.resolve()) if path.is_dir() else args.dataset, config=args.dataset_config,
                 split=args.split, image_column=dataset.column, rows=len(dataset),
                 fingerprint=getattr(dataset.dataset, "_fingerprint", None))  # fmt: skip

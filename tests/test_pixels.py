@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 import config
 import data
@@ -178,8 +178,9 @@ def test_a_small_set_is_told_it_may_copy(tmp_path, monkeypatch):
     assert len(data.survey_lines(args)) == 1
 
 
-def png16(path, array):
-    """A 16-bit colour PNG of `array` (H, W, 3 or 4) uint16, written by hand: PIL cannot write one."""
+def png16(path, array, exif=None):
+    """A 16-bit colour PNG of `array` (H, W, 3 or 4) uint16, written by hand (PIL cannot write one), with `exif`'s
+    bytes in an eXIf chunk."""
     import struct
     import zlib
 
@@ -190,7 +191,9 @@ def png16(path, array):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     header = struct.pack(">IIBBBBB", width, height, 16, {3: 2, 4: 6}[channels], 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    tagged = chunk(b"eXIf", exif.removeprefix(b"Exif\0\0")) if exif else b""
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + tagged + chunk(b"IDAT", zlib.compress(rows))
+                     + chunk(b"IEND", b""))  # fmt: skip
 
 
 @pytest.mark.parametrize("suffix", [".png", ".tif"])
@@ -218,3 +221,66 @@ def test_sixteen_bit_colour_takes_the_run_s_channels():
     gray = Image.fromarray(np.full((2, 2), 1000, np.uint16))
     assert data.to_pixels(gray, data.Pixels(3, 16)).eq(1000).all()  # 16-bit grayscale in a colour set: repeated
     assert np.asarray(data.to_pixels(colour, data.Pixels(3, 8))).max() == 4  # a VAE's run: rounded to 8 bits
+
+
+def turned_by(orientation):
+    """EXIF bytes that tag an image with `orientation` (1 to 8: how a viewer turns it upright)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif.tobytes()
+
+
+def quadrants(height=16, width=24):
+    """An image of four flat colours, so that a turn or flip of it shows, even through a JPEG."""
+    a = np.zeros((height, width, 3), np.uint8)
+    a[: height // 2, : width // 2], a[: height // 2, width // 2 :] = (255, 0, 0), (0, 255, 0)
+    a[height // 2 :, : width // 2], a[height // 2 :, width // 2 :] = (0, 0, 255), (255, 255, 255)
+    return a
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png"])
+def test_a_photo_stored_sideways_trains_upright_and_says_so(tmp_path, suffix):
+    # a phone stores a portrait or landscape photo as its sensor read it, and tags how to turn it (orientation 6:
+    # turn it 90 degrees clockwise); `datasets` turns a Hub set's, and a folder's must train as a viewer shows it
+    (tmp_path / "set").mkdir()
+    upright = Image.fromarray(quadrants())
+    upright.save(tmp_path / "set" / f"a{suffix}", quality=100)
+    upright.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "set" / f"b{suffix}", exif=turned_by(6), quality=100)
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--image_size", "24x16",
+                                             "--train_batch_size", "2", "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+    line = data.survey_lines(args)[0]
+    assert "width 24, height 16 (1 turned upright by their EXIF orientation), aspect (width/height) 1.50;" in line
+    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+    assert (images[0].int() - images[1].int()).abs().max() <= 8  # the sideways file as the upright one
+    # a cache of these images made before they were turned (latents, FID's statistics) is not read for them
+    assert data.dataset_identity(args, data.open_run_dataset(args))["turned"] == 1
+    (tmp_path / "set" / f"b{suffix}").unlink()
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
+    assert "turned" not in data.dataset_identity(args, data.open_run_dataset(args))  # other sets' caches keep their keys
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_each_exif_orientation_turns_a_16_bit_tensor_as_pil_turns_an_image(orientation):
+    im = Image.fromarray(np.random.default_rng(orientation).integers(0, 256, (3, 5, 3), dtype=np.uint8))
+    im.getexif()[0x0112] = orientation
+    expected = torch.from_numpy(np.array(ImageOps.exif_transpose(im))).permute(2, 0, 1)
+    assert torch.equal(data.UPRIGHT[orientation](torch.from_numpy(np.array(im)).permute(2, 0, 1)), expected)
+
+
+@pytest.mark.parametrize("orientation, turned", [(6, True), (9, False)])
+def test_a_16_bit_colour_file_is_turned_by_its_orientation_and_a_bad_one_leaves_it(tmp_path, orientation, turned):
+    array = (quadrants().astype(np.uint16) * 257)[:, :, :3]
+    sideways = np.ascontiguousarray(np.rot90(array))  # stored turned 90 degrees anticlockwise
+    png16(tmp_path / "a.png", sideways, exif=turned_by(orientation))
+    image, error = data.FileImages([tmp_path / "a.png"], data.image_transform("24x16" if turned else "16x24",
+                                                                              pixels=data.Pixels(3, 16)))[0]  # fmt: skip
+    assert error is None and torch.equal(image, torch.from_numpy(array if turned else sideways).permute(2, 0, 1))
+    assert data._read_header(tmp_path / "a.png") == ("RGB;16", (24, 16) if turned else (16, 24), turned)
+
+
+def test_the_survey_decodes_no_png(tmp_path, monkeypatch):
+    from PIL import PngImagePlugin
+
+    write(tmp_path / "set", rgb(1))
+    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", lambda self: pytest.fail("the survey decoded a PNG"))
+    assert data._read_header(tmp_path / "set" / "000.png") == ("RGB", (16, 16), False)
