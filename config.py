@@ -791,7 +791,7 @@ def _fill_pixels(args):
     hub = not local and not data.looks_like_path(args.dataset) and not args.dry_run
     # a missing folder is refused where the data loads (data.load_images), with the other checks of the data
     height, width = sizes.height_width(args.image_size)
-    found = data.survey(data.open_run_dataset(args), width / height) if args.dataset != data.BUILTIN and (local or hub) else None
+    found = data.survey(data.open_run_dataset(args), (height, width)) if args.dataset != data.BUILTIN and (local or hub) else None
     args.image_channels, args.image_bits = found.pixels if found else data.Pixels()
     args.data_survey = found._asdict() if found else None
 

@@ -37,7 +37,14 @@ from torchvision.transforms import v2 as T
 import sizes
 from errors import ConfigError
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+try:  # HEIC and HEIF, an iPhone's photos: pillow-heif's opener for PIL (requirements.txt), which turns them upright
+    from pillow_heif import register_heif_opener
+except ImportError:  # an environment without it (the GPU machines' image): a folder's HEIC files are not looked for
+    HEIF_EXTENSIONS = ()
+else:
+    register_heif_opener()
+    HEIF_EXTENSIONS = (".heic", ".heif")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".avif", ".bmp", ".gif", ".tif", ".tiff", *HEIF_EXTENSIONS)
 BUILTIN = "shapes"
 SHAPE_KINDS = ["circle", "square", "triangle"]  # make_shapes' kind 0, 1, 2
 ENCODE_BATCH = 64  # images a batch of decoding (preload) and of a latent run's encoding pass (images_to_encode)
@@ -1049,6 +1056,7 @@ class Survey(NamedTuple):
     mixed: bool  # images of more than one kind (grayscale, colour, alpha), trained as RGB
     cropped: int  # of those looked at, how many the crop to the run's shape loses more than CROP_LOSS of
     turned: int = 0  # of those looked at, how many files their EXIF orientation turns upright (`upright`)
+    upscaled: int = 0  # of those looked at, how many are smaller than the run's shape in a side it covers
 
 
 def _header(im, turn=1):
@@ -1074,10 +1082,10 @@ CROP_LOSS = 0.25  # a crop that loses more of most images is said
 SMALL_SET = 10_000
 
 
-def survey(dataset, aspect=1.0):
+def survey(dataset, box=(1, 1)):
     """What `dataset` (a FileImages or HubImages) holds, and the Pixels a run trains it as: all grayscale, one
     channel (16 bits where any image has them); all with alpha, four; anything else, or a mix, RGB. A 32-bit
-    float image is refused here, before training, in one line. `aspect`: the width / height the run crops to."""
+    float image is refused here, before training, in one line. `box`: the (height, width) the run crops to."""
     if isinstance(dataset, FileImages):
         from concurrent.futures import ThreadPoolExecutor
 
@@ -1101,11 +1109,12 @@ def survey(dataset, aspect=1.0):
     modes = {}
     for _, (mode, _, _) in found:
         modes[mode] = modes.get(mode, 0) + 1
-    aspects = [w / h for w, h in zip(widths, heights)]
+    aspects, aspect = [w / h for w, h in zip(widths, heights)], box[1] / box[0]
     cropped = sum(min(a / aspect, aspect / a) < 1 - CROP_LOSS for a in aspects)  # the share a covering crop keeps
+    upscaled = sum(h < box[0] or w < box[1] for w, h in zip(widths, heights))  # the covering resize scales these up
     return Survey(len(dataset), len(headers), modes, (min(widths), max(widths), min(heights), max(heights)),
                   (min(aspects), max(aspects)), pixels, len(channels) > 1, cropped,
-                  sum(turned for _, (_, _, turned) in found))  # fmt: skip
+                  sum(turned for _, (_, _, turned) in found), upscaled)  # fmt: skip
 
 
 KIND_WORDS = {1: "grayscale", 3: "RGB", 4: "RGBA"}
@@ -1113,8 +1122,9 @@ KIND_WORDS = {1: "grayscale", 3: "RGB", 4: "RGBA"}
 
 def survey_lines(args):
     """What a run prints before training about its images (args.data_survey, config.resolve's): what they are and
-    what it makes of them; a note where the set is small (it may copy); a warning where the crop loses more than
-    CROP_LOSS of most of them. None for the built-in shapes."""
+    what it makes of them; a note where the set is small (it may copy); a warning where most of them are smaller
+    than the run's shape (scaled up), and one where the crop loses more than CROP_LOSS of most of them. None for the
+    built-in shapes."""
     if not args.data_survey:
         return []
     found, pixels = Survey(**args.data_survey), pixels_of(vars(args))
@@ -1133,6 +1143,9 @@ def survey_lines(args):
     if found.count < SMALL_SET:
         lines.append(f"note: {found.count:,} images is a small set, whose samples may copy its images (Gu et al. 2023): "
                      "the evaluation's copy check counts them, and --augment and --init_from help (docs/copies.md)")  # fmt: skip
+    if found.upscaled * 2 > found.looked:
+        lines.append(f"warning: {found.upscaled:,} of the {found.looked:,} images looked at are smaller than {size} and "
+                     "are scaled up, which adds no detail to learn: train at a size they cover, or on larger images")  # fmt: skip
     if found.cropped * 2 > found.looked:
         lines.append(f"warning: cropping to {size} loses more than {CROP_LOSS:.0%} of {found.cropped:,} of the "
                      f"{found.looked:,} images looked at: to keep them whole, crop or pad them to that shape first")  # fmt: skip

@@ -284,3 +284,36 @@ def test_the_survey_decodes_no_png(tmp_path, monkeypatch):
     write(tmp_path / "set", rgb(1))
     monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", lambda self: pytest.fail("the survey decoded a PNG"))
     assert data._read_header(tmp_path / "set" / "000.png") == ("RGB", (16, 16), False)
+
+
+def test_an_iphone_s_heic_and_an_avif_train_upright(tmp_path):
+    # pillow-heif turns a HEIC by its orientation as it opens it, so the run must not turn it again
+    (tmp_path / "set").mkdir()
+    upright = Image.fromarray(quadrants())
+    upright.save(tmp_path / "set" / "a.avif", quality=100)
+    upright.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "set" / "b.heic", exif=turned_by(6), quality=100)
+    args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--image_size", "24x16",
+                                             "--train_batch_size", "2", "--output_dir", str(tmp_path / "o")]))  # fmt: skip
+    assert "2 images: 2 RGB; width 24, height 16, aspect" in data.survey_lines(args)[0]
+    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+    centres = lambda x: x[:, [4, 4, 12, 12], [6, 18, 6, 18]].int()  # noqa: E731  (lossy: each quadrant's middle)
+    expected = centres(torch.from_numpy(quadrants()).permute(2, 0, 1))
+    assert len(images) == 2 and all((centres(image) - expected).abs().max() <= 8 for image in images)
+
+
+def test_without_pillow_heif_a_folder_s_heic_files_are_not_looked_for():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['pillow_heif'] = None; import data; print(data.IMAGE_EXTENSIONS)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert ".png" in found and ".heic" not in found
+
+
+def test_a_set_of_images_smaller_than_the_run_says_they_are_scaled_up(tmp_path):
+    write(tmp_path / "set", rgb(2, size=16) + rgb(1, size=40))
+    lines = lambda size: data.survey_lines(config.resolve(config.parse_args(  # noqa: E731
+        [*TINY, "--dataset", str(tmp_path / "set"), "--image_size", size, "--output_dir", str(tmp_path / "o")])))
+    assert "warning: 2 of the 3 images looked at are smaller than 32x32 and are scaled up" in lines("32")[2]
+    assert "warning: 2 of the 3 images looked at are smaller than 32x16" in lines("32x16")[2]  # the width binds
+    assert not any("scaled up" in line for line in lines("16"))
