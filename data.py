@@ -602,8 +602,10 @@ class Unreadable:
                 raise ConfigError(f"{error}: remove or replace the file (or skip it: --on_fault skip)")
             if error not in self.messages:
                 self.messages.append(error)
-                if self.verbose:
-                    print(f"warning: skipping {error}", file=sys.stderr)
+                if self.verbose:  # above a progress bar, not inside its line
+                    from tqdm.auto import tqdm
+
+                    tqdm.write(f"warning: skipping {error}", file=sys.stderr)
 
     def __len__(self):
         return len(self.messages)
