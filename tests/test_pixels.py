@@ -317,3 +317,19 @@ def test_a_set_of_images_smaller_than_the_run_says_they_are_scaled_up(tmp_path):
     assert "warning: 2 of the 3 images looked at are smaller than 32x32 and are scaled up" in lines("32")[2]
     assert "warning: 2 of the 3 images looked at are smaller than 32x16" in lines("32x16")[2]  # the width binds
     assert not any("scaled up" in line for line in lines("16"))
+
+
+@pytest.mark.parametrize("stored, turn, box", [((256, 192), 1, (16, 16)), ((800, 100), 6, (16, 96))])
+def test_a_jpeg_is_decoded_no_larger_than_its_crop_needs(tmp_path, monkeypatch, stored, turn, box):
+    # PIL's draft decodes a JPEG at 1/2, 1/4 or 1/8 of its size: the least that still covers the run's box once
+    # turned upright (a sideways 800x100 file covers 96 wide only at full size), and alike to the full decode
+    Image.fromarray(np.asarray(Image.fromarray(quadrants()).resize(stored))).save(tmp_path / "a.jpg", exif=turned_by(turn))
+    decoded, covering = [], data.covering
+    transform = data.image_transform(f"{box[1]}x{box[0]}")
+    monkeypatch.setattr(data, "covering", lambda im, h, w: decoded.append(im.size) or covering(im, h, w))
+    drafted, _ = data.FileImages([tmp_path / "a.jpg"], transform, box=box)[0]
+    whole, _ = data.FileImages([tmp_path / "a.jpg"], transform)[0]
+    upright = stored[::-1] if turn >= 5 else stored
+    assert decoded[1] == upright and decoded[0][0] >= box[1] and decoded[0][1] >= box[0]
+    assert (decoded[0] < upright) == (turn == 1)  # reduced where that still covers the box
+    assert (drafted.float() - whole.float()).abs().mean() < 2
