@@ -386,7 +386,14 @@ class HubImages(torch.utils.data.Dataset):
 
 
 def find_images(folder):
-    paths = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    """The image files under `folder`, at any depth, sorted; as `datasets` reads a folder, a hidden file or folder
+    below it (a name that starts with "."; a Mac's "._x.jpg" beside each x.jpg on a shared drive, thumbnails) and a
+    folder whose name starts with "__" (a Mac zip's __MACOSX) are left out."""
+    def kept(path):
+        *folders, name = path.relative_to(folder).parts
+        return not name.startswith(".") and not any(part.startswith((".", "__")) for part in folders)
+
+    paths = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file() and kept(p))
     if not paths:
         raise ConfigError(
             f"no images ({', '.join(e[1:] for e in IMAGE_EXTENSIONS)}) found under {folder}: "

@@ -182,3 +182,17 @@ def test_labelled_batches_keep_the_unconditional_order(tmp_path, preloaded):
         assert torch.equal(torch.cat([zero[0], one[0]]), images)
         for shard, labels in (zero, one):
             assert labels.tolist() == [int(red) // 20 % 3 for red in shard[:, 0, 0, 0]]
+
+
+def test_a_macs_hidden_files_and_zip_folder_are_neither_images_nor_classes(tmp_path):
+    # a Mac writes "._x.png" beside each x.png on a shared drive and a __MACOSX folder into each zip: not images,
+    # as `datasets` leaves them out; a folder the run is pointed at may itself be hidden
+    root = tmp_path / ".data" / "set"
+    classes = class_tree(root)
+    (root / "cat" / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (root / "__MACOSX" / "cat").mkdir(parents=True)
+    (root / "__MACOSX" / "cat" / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    write_image(root / "dog" / ".thumbnails" / "2.png", 60)
+    images, labels, class_names, unreadable = load("--dataset", root, "--class_conditional")
+    assert class_names == ["cat", "dog"] and len(images) == 7 and len(unreadable) == 1  # broken.png alone
+    check_aligned(images.images, labels[images.rows >= 0], classes)
