@@ -1072,7 +1072,7 @@ class Survey(NamedTuple):
     mixed: bool  # images of more than one kind (grayscale, colour, alpha), trained as RGB
     cropped: int  # of those looked at, how many the crop to the run's shape loses more than CROP_LOSS of
     turned: int = 0  # of those looked at, how many files their EXIF orientation turns upright (`upright`)
-    upscaled: int = 0  # of those looked at, how many are smaller than the run's shape in a side it covers
+    upscaled: int = 0  # of those looked at, how many are smaller than the run's shape in either side: scaled up
 
 
 def _header(im, turn=1):
