@@ -268,9 +268,9 @@ UPRIGHT = {
 def upright(path, im, box=None):
     """A file's image as a viewer shows it, turned by its EXIF orientation as `datasets` turns a Hub set's: a PIL
     image, or a 16-bit colour file's tensor (colour_16). With `box`, the (height, width) it is to cover once turned,
-    a JPEG is decoded at the least of 1/8, 1/4 or 1/2 of its size that still covers it (PIL's draft: a 12MP photo
-    for a 64px run in 34 ms instead of 108 on one core:
-    bench/results/2026-11-29-cpu-jpeg-draft), where the resize that follows would throw the rest away."""
+    a JPEG is decoded at the least of 1/8, 1/4 or 1/2 of its size that still covers it (PIL's draft, which scales
+    in the DCT before any pixel is made), where the resize that follows would throw the rest away: a phone's photo
+    decodes several times faster (BENCHMARKS.md, "Speed on a CPU")."""
     if sixteen_bit_colour(im):
         return colour_16(path, im)
     turn = orientation(im)
@@ -1085,9 +1085,9 @@ def _header(im, turn=1):
 def _read_header(path):
     try:
         with Image.open(path) as im:
-            colour_16 = COLOUR_16 if sixteen_bit_colour(im) else ""  # read before anything that may decode the image
+            mark = COLOUR_16 if sixteen_bit_colour(im) else ""  # read before anything that may decode the image
             mode, size, turned = _header(im, orientation(im))
-            return mode + colour_16, size, turned
+            return mode + mark, size, turned
     except (OSError, ValueError, Image.DecompressionBombError):
         return None  # unreadable: training skips it, or stops at it, and says so
 
