@@ -380,9 +380,15 @@ def make_accelerator(args):
 def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps):
     """Network, objective, optimizer, learning-rate schedule and EMA (training.Pieces), as the speed ladder's rows
     build them (training.build), prepared by accelerate and registered for checkpoints."""
+    from accelerate.utils import broadcast
+
     pieces = training.build(args, total_steps, accelerator.device, num_classes=num_classes, lr_ref_steps=lr_ref_steps,
                             write_ema=accelerator.is_main_process, prepare=accelerator.prepare,
                             unwrap=accelerator.unwrap_model)  # fmt: skip
+    # EDM's u(sigma) was drawn from this process's own seed, and DDP does not hold it: every process takes rank 0's,
+    # as it does the network's weights, so that they all learn one weighting and a resume (rank 0's) continues it
+    for tensor in pieces.objective.state_dict().values():
+        broadcast(tensor, from_process=0)
     accelerator.register_for_checkpointing(pieces.lr_scheduler)
     if any(True for _ in pieces.objective.parameters()):
         accelerator.register_for_checkpointing(pieces.objective)

@@ -13,6 +13,7 @@ import ema as posthoc_ema
 import model as models
 import sample
 import train
+from conftest import ROOT
 from test_train import scalars
 
 EDM = [
@@ -120,3 +121,41 @@ def test_an_edm2_network_refuses_the_ddpm_objective(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained with --objective edm" in err[0]
+
+
+# train.py with each rank's u(sigma) saved as built (after build_pieces) and at the end of main.
+SAVE_U = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch, train
+rank, out, built = os.environ["RANK"], sys.argv[sys.argv.index("--output_dir") + 1], []
+build_pieces = train.build_pieces
+def saving(*a, **k):
+    built.append(build_pieces(*a, **k))
+    torch.save(built[0].objective.state_dict(), f"{{out}}-built{{rank}}.pt")
+    return built[0]
+train.build_pieces = saving
+train.main(train.parse_args(sys.argv[1:]))
+torch.save(built[0].objective.state_dict(), f"{{out}}-end{{rank}}.pt")
+"""
+
+
+def test_a_two_process_edm_run_learns_one_weighting_and_resumes_bit_identically(tmp_path):
+    """Each process draws its noise from its own seed, EDM's u(sigma) included when it is built; every process
+    must train rank 0's u, so that a resume (which loads rank 0's) continues the straight run."""
+    from test_faults import Ranks, start_two_ranks
+
+    script = SAVE_U.format(root=str(ROOT))
+    common = [*EDM, "--checkpointing_steps", "3", "--ema", "standard"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out in (straight, resumed):  # the resumed run from the straight one's checkpoint-3
+        if out == resumed:
+            shutil.copytree(straight / "checkpoints" / "checkpoint-3", resumed / "checkpoints" / "checkpoint-3")
+        ranks = Ranks(start_two_ranks([*common, "--output_dir", out, "--max_train_steps", 6], script))
+        assert ranks.codes == [0, 0], ranks
+        for moment in ("built", "end"):
+            u0, u1 = (torch.load(f"{out}-{moment}{rank}.pt") for rank in (0, 1))
+            assert same(u0, u1), f"{out.name} {moment}: the processes' u(sigma) differ"
+    a, b = (load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors")) for out in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same(*(torch.load(f"{out}-end0.pt") for out in (straight, resumed)))
