@@ -20,6 +20,7 @@ import torch
 
 import data
 import metrics
+import sizes
 from errors import ConfigError
 
 RATIO = 1 / 3  # Gu et al.'s threshold on nearest / second nearest
@@ -195,14 +196,14 @@ def measure(samples, training, flips, device="cpu", path=None):
 
 
 def check(samples, images, args, path, device=None):
-    """The copy check of an evaluation's (or a grid's) uint8 samples (N, C, S, S), for train.py: returns
+    """The copy check of an evaluation's (or a grid's) uint8 samples (N, C, H, W), for train.py: returns
     numbers() of the first MAX_SAMPLES of them against the run's training images, and writes their nearest
     pairs to `path` (save_pairs). `images`: what the run's data was loaded into (data.load_images' images;
     None or a latent run's latents: opened from `args`, run_training_images); `args`: train.py's flags (or a
     run's train_config.json as a dict), whose --augment says whether flips are searched. `device`: where the
     search runs; None: where a preloaded training tensor lies, else the CPU."""
     options = args if isinstance(args, dict) else vars(args)
-    training = run_training_images(options, samples.shape[-1], images)
+    training = run_training_images(options, sizes.of(*samples.shape[-2:]), images)  # (H, W): a non-square run's too
     if device is None:
         device = training.images.device if isinstance(training.images, torch.Tensor) else "cpu"
     return measure(samples, training, trained_with_flips(options), device, path)

@@ -24,7 +24,7 @@ import sizes
 from errors import ConfigError
 from test_latent_train import FEW
 from test_latents import make_kl
-from test_metrics import TinyFeatures
+from test_metrics import TinyFeatures, image_folder
 from test_train import tensors_of
 from test_train import run as train
 
@@ -181,3 +181,18 @@ def test_an_edm2_source_starts_a_run_of_another_shape():
     record = dict(out_channels=3, in_channels=3, num_classes=0)
     state, _ = init_from.adapt(source, target, record, 0, True)
     assert list(state) == list(target) and all(torch.equal(a, b) for a, b in zip(state.values(), source.values()))
+
+
+@pytest.mark.parametrize("reopened", ["crop", "vae"])
+def test_a_width_by_height_run_whose_images_the_copy_check_reopens_evaluates(tmp_path, capsys, monkeypatch, reopened,
+                                                                             stand_in_inception):
+    """Random crops and a VAE's latents are not what the copy check compares: it opens the images again from the
+    flags, at the run's width by height."""
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "cache"))
+    if reopened == "crop":  # a folder streamed with random crops (a preloaded one is compared as it is)
+        how = ["--dataset", image_folder(tmp_path / "images", size=32), "--no-preload_data", "--augment", "flip,crop"]
+    else:
+        how = ["--vae", make_kl(tmp_path / "vae")]
+    train(tmp_path / "run", *FEW, *how, "--image_size", WIDE, "--max_train_steps", 4, "--eval_every_epochs", 1,
+          "--eval_num_samples", 4, "--fid_weights", stand_in_inception)  # fmt: skip
+    assert "eval epoch 0 step 4 | copies " in capsys.readouterr().out
