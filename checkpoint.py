@@ -8,10 +8,8 @@ leaves the previous checkpoint loadable and never a half-written one under a
 real name. `trainer_state.json` is written last: a folder without it is not a
 checkpoint.
 
-The wait for the disk and the rename (Flush) run beside training. Given a HostCopy
-(host_copy_for: a device measured to gain by it), the steps wait only while the state
-is copied into host memory and every process's RNG state is written, and the Flush
-also writes the large files from the copy.
+The steps wait while save_state writes the files; the wait for the disk and the
+rename (Flush) run beside training.
 """
 
 import errno
@@ -27,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from errors import ConfigError, RunError, error_line
 
@@ -92,9 +89,9 @@ def _fsync_tree(folder):
 
 def save(accelerator, output_dir, step, state, total_limit=None, host=None):
     """Write checkpoint-STEP atomically and return its Flush, which the main process runs in a thread while
-    training goes on: the large files (from `host`, a HostCopy, when given and room allows), then every file
-    to disk, then the rename into place, then all but the newest `total_limit` dropped. Call `wait()` on it
-    before the next save, a stop or the end.
+    training goes on: every file to disk, then the rename into place, then all but the newest `total_limit`
+    dropped. Call `wait()` on it before the next save, a stop or the end. (`host`: host_copy_for's None,
+    which train.py still passes.)
 
     `state` (JSON) goes into trainer_state.json beside accelerate's files;
     put `run_identity(config)` under "run" so that a resume can check it.
@@ -110,62 +107,17 @@ def save(accelerator, output_dir, step, state, total_limit=None, host=None):
             shutil.rmtree(tmp, ignore_errors=True)
             root.mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
-        later, note = stage(accelerator, tmp, host)
+        accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
     except OSError as e:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         raise RunError(_not_written(output_dir, final, e)) from None
     last = functools.partial((tmp / STATE_FILE).write_text, json.dumps(dict(state, step=step)))
-    flush = Flush(output_dir, step, tmp, final, total_limit, time.perf_counter() - started, [*later, last], bool(later), note)
+    flush = Flush(output_dir, step, tmp, final, total_limit, time.perf_counter() - started, [last])
     if accelerator.is_main_process:  # every process's files are written (the barrier above)
         flush.start()
     return flush
-
-
-def stage(accelerator, folder, host):
-    """accelerate's save_state in two parts. What must be taken now is written now: every process's RNG
-    state (and a prepared LR scheduler's and data sampler's, where there are). The large files (weights,
-    optimizer state, the registered objects: EMA, LR schedule) are copied into `host` and returned as
-    writes for the Flush, in save_state's layout (accelerate's `save`, its file names), which load_state
-    reads as ever.
-
-    Returns (writes, note): no writes where save_state wrote everything now, and why in `note` when it
-    was for want of host memory (None otherwise). save_state whole where the split does not apply: no
-    `host`, a kind of training whose state is not plain tensors on each process (FSDP, DeepSpeed,
-    Megatron, XLA), a save hook, or files on each node."""
-    from accelerate.checkpointing import save_accelerator_state
-    from accelerate.utils import DistributedType
-    from accelerate.utils import save as accelerate_save
-    from accelerate.utils.constants import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
-
-    plain = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-    if (host is None or accelerator.distributed_type not in plain or accelerator._save_model_state_pre_hook
-            or accelerator.project_configuration.save_on_each_node):  # fmt: skip
-        accelerator.save_state(str(folder))
-        return [], None
-    later = []
-    if accelerator.is_main_process:  # accelerate's `save` writes on the main process alone
-        weights = [accelerator.get_state_dict(m, unwrap=False) for m in accelerator._models]
-        optimizers = [o.state_dict() for o in accelerator._optimizers]
-        objects = [o.state_dict() for o in accelerator._custom_objects]
-        state = [weights, optimizers, objects]
-        note = host.room_for(state)
-        if note is not None:
-            accelerator.save_state(str(folder))
-            return [], note
-        weights, optimizers, objects = host.copy(state)
-        indexed = lambda name, i: name if i == 0 else name.replace(".", f"_{i}.")  # noqa: E731 (accelerate's)
-        later = [functools.partial(accelerate_save, w, Path(folder) / indexed(SAFE_WEIGHTS_NAME, i), safe_serialization=True)
-                 for i, w in enumerate(weights)]  # fmt: skip
-        later += [functools.partial(accelerate_save, o, Path(folder) / indexed(f"{OPTIMIZER_NAME}.bin", i))
-                  for i, o in enumerate(optimizers)]  # fmt: skip
-        later += [functools.partial(accelerate_save, o, Path(folder) / f"custom_checkpoint_{i}.pkl")
-                  for i, o in enumerate(objects)]  # fmt: skip
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    save_accelerator_state(folder, [], [], accelerator._schedulers, accelerator._dataloaders,
-                           accelerator.state.process_index, accelerator.step, accelerator.scaler)  # fmt: skip
-    return later, None
 
 
 def available_memory(root=Path("/")):
@@ -207,85 +159,26 @@ def cgroup_room(root=Path("/")):
     return None
 
 
-# The devices whose runs write their checkpoints from a host copy. None yet: on a CPU the steps slowed, while the
-# thread wrote, by about the wait it saved them (BENCHMARKS.md, Speed on a CPU, and its record); on a GPU the
-# host's cores are idle and the steps should not slow, but that is not measured: bench/on_gpu.sh's dit part runs
-# train.py's default against the host copy (dit-default-cold, dit-default-copy), and its numbers decide "cuda".
-HOST_COPY_DEVICES = ()
-
-
 def host_copy_for(device):
-    """A HostCopy for a run on `device` where the host copy is measured faster there (HOST_COPY_DEVICES), else None:
-    the steps wait while accelerate's save_state writes the files, and only the flush is beside them."""
-    return HostCopy() if device.type in HOST_COPY_DEVICES else None
-
-
-class HostCopy:
-    """The state to checkpoint, copied into host memory so that the steps can go on changing it while a
-    thread writes the copy. Its buffers are kept from one checkpoint to the next (pinned where the state is
-    on a GPU: a fast copy), so a run holds one checkpoint's size of host memory from its first.
-
-    Tensors that share memory (tied weights) share one buffer, so accelerate's `save` still writes them once."""
-
-    SHARE = 0.5  # of the host memory free: the rest is for the page cache the writing fills, the data's workers
-
-    def __init__(self):
-        self.buffers = []
-
-    @staticmethod
-    def _key(tensor):
-        return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
-                tensor.stride(), tensor.dtype)  # fmt: skip
-
-    def _unique(self, leaves):
-        """Each tensor among `leaves` once (by the memory it views), in order."""
-        unique = {}
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                unique.setdefault(self._key(leaf), leaf)
-        return unique
-
-    def _reusable(self, tensors):
-        return len(tensors) == len(self.buffers) and all(
-            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors, strict=True))
-
-    def room_for(self, tree):
-        """None when the copy fits in host memory (or reuses the buffers it has), else why not, in a few words."""
-        tensors = list(self._unique(tree_flatten(tree)[0]).values())
-        if self._reusable(tensors):
-            return None
-        need, free = sum(t.numel() * t.element_size() for t in tensors), available_memory()
-        if need <= self.SHARE * free:
-            return None
-        return f"its {_gib(need)} would not fit beside training in the {_gib(free)} of host memory free, so the steps waited for the writing"
-
-    def copy(self, tree):
-        """`tree` with its tensors replaced by their host copies (the containers rebuilt, other leaves kept)."""
-        leaves, spec = tree_flatten(tree)
-        unique = self._unique(leaves)
-        tensors = list(unique.values())
-        if not self._reusable(tensors):
-            self.buffers = [torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for t in tensors]  # strides kept
-        for buffer, tensor in zip(self.buffers, tensors, strict=True):
-            buffer.copy_(tensor.detach(), non_blocking=True)
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.synchronize()  # the non-blocking copies have landed
-        copies = dict(zip(unique, self.buffers, strict=True))
-        return tree_unflatten([copies[self._key(x)] if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    """None: every checkpoint is written by save_state while the steps wait. Kept only because train.py still asks
+    for it (and hands it to `save`)."""
+    return None
 
 
 class Flush:
-    """A checkpoint's way to disk, in a thread of the main process: the writes left to it (the large files
-    from their host copy, then trainer_state.json), fsync of every file, the rename of the temporary folder
-    into place (a checkpoint is only ever published complete), the stale ones dropped.
+    """A checkpoint's way to disk, in a thread of the main process: the writes left to it (trainer_state.json),
+    fsync of every file, the rename of the temporary folder into place (a checkpoint is only ever published
+    complete), the stale ones dropped.
 
-    Training goes on meanwhile: what the thread writes is a copy, or files already closed.
+    Training goes on meanwhile: the files the thread flushes are already closed.
     The thread is not a daemon: a process that exits, even with an error, first publishes what it wrote.
     On another process, or before start(), it is done at once."""
 
-    def __init__(self, output_dir, step, tmp, final, total_limit, waited_s, writes=(), copied=False, note=None):
+    copied, note = False, None  # train.py still reads these: no checkpoint is written from a host copy
+
+    def __init__(self, output_dir, step, tmp, final, total_limit, waited_s, writes=()):
         self.output_dir, self.step, self.tmp, self.path, self.total_limit = output_dir, step, tmp, final, total_limit
-        self.writes, self.copied, self.note = list(writes), copied, note  # copied: the large files among the writes
+        self.writes = list(writes)
         self.waited_s, self.beside_s, self.error, self.thread = waited_s, 0.0, None, None
 
     def start(self):

@@ -593,12 +593,6 @@ def _collate_decoded(items):
     return (torch.stack(images) if images else None), errors, decoded
 
 
-def _collate(items):
-    """(stacked images that decoded, errors of those that did not)."""
-    images, errors, _ = _collate_decoded(items)
-    return images, errors
-
-
 class Unreadable:
     """Images that could not be decoded: skipped with a warning that names each, and counted.
 

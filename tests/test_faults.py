@@ -112,30 +112,6 @@ def test_a_signal_saves_exits_and_the_same_command_resumes_exactly(tmp_path, mon
     assert "stopped_by" not in json.loads((out / "run.json").read_text())  # the end's, over the stop's
 
 
-def test_checkpoints_written_from_a_host_copy_resume_exactly(tmp_path, monkeypatch, capsys, straight):
-    monkeypatch.setattr(checkpoint, "host_copy_for", lambda device: checkpoint.HostCopy())  # bench/checkpoint_copy.py copy
-    out = tmp_path / "run"
-    send_at_step(monkeypatch, 3, signal.SIGTERM)
-    assert exit_code(out) == 143
-    assert checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
-    assert "the steps waited" in capsys.readouterr().out.split("checkpoint-3 (")[1].split("for its copy")[0]
-    monkeypatch.undo()
-
-    run(out)
-    assert_same_weights(out, straight)
-
-
-def test_bench_checkpoint_copy_chooses_the_host_copy_on_any_device(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "bench"))
-    import checkpoint_copy
-
-    monkeypatch.setattr(checkpoint, "host_copy_for", checkpoint.host_copy_for)  # put back after the test
-    with pytest.raises(SystemExit, match="usage: python bench/checkpoint_copy.py copy|wait"):
-        checkpoint_copy.main(["--model", "tiny"])
-    checkpoint_copy.main(["copy", *flags(tmp_path, "--max_train_steps", 2)])
-    assert [t["copied"] for t in json.loads((tmp_path / "run.json").read_text())["checkpoint_times_s"]] == [True]
-
-
 def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     send_at_step(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
@@ -400,122 +376,6 @@ def test_a_failed_flush_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, 
     assert checkpoints(tmp_path) == ["checkpoint-2"]  # the temporary folder removed
 
 
-class Tied(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
-        self.b.weight = self.a.weight  # tied: safetensors refuses two names for one memory unless told
-
-    def forward(self, x):
-        return self.b(self.a(x))
-
-
-class Counter:  # a registered object, as the EMA and the LR schedule are
-    def __init__(self):
-        self.state = dict(n=1, values=torch.arange(4.0))
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
-def trained_accelerator():
-    """A real Accelerator (one CPU process) with a tied-weight network, AdamW after a step, a registered object."""
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=True)
-    net = Tied()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
-    net, optimizer = accelerator.prepare(net, optimizer)
-    net(torch.randn(2, 3)).sum().backward()
-    optimizer.step()
-    counter = Counter()
-    accelerator.register_for_checkpointing(counter)
-    return accelerator, net, counter
-
-
-def loaded(folder):
-    """Every file of a checkpoint folder, read back: safetensors as tensors, the rest unpickled."""
-    files = {}
-    for path in sorted(Path(folder).iterdir()):
-        files[path.name] = load_file(path) if path.suffix == ".safetensors" else path.read_text() if path.suffix == ".json" else torch.load(path, weights_only=False)
-    return files
-
-
-def assert_same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    elif isinstance(a, float) and a != a:
-        assert b != b
-    else:
-        assert type(a) is type(b) and (a == b if not hasattr(a, "__array__") else (a == b).all())
-
-
-def test_a_checkpoint_written_from_its_host_copy_is_the_one_save_state_writes(tmp_path):
-    accelerator, net, counter = trained_accelerator()
-    host = checkpoint.HostCopy()
-    flush = checkpoint.save(accelerator, tmp_path / "split", 1, {}, host=host)
-    assert flush.copied and {"model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl"} <= {
-        w.args[1].name for w in flush.writes if isinstance(w, functools.partial) and len(w.args) > 1}  # left to the thread
-    flush.wait()
-    checkpoint.save(accelerator, tmp_path / "whole", 1, {}).wait()  # accelerate's save_state, all at once
-    split, whole = (loaded(tmp_path / run / "checkpoints" / "checkpoint-1") for run in ("split", "whole"))
-    assert sorted(split) == sorted(whole) and "a.weight" in split["model.safetensors"]
-    assert_same(split, whole)  # the same files (tied weights written once, as accelerate writes them), the same contents
-
-
-def test_the_steps_change_the_state_not_the_copy_being_written(tmp_path, monkeypatch):
-    accelerator, net, counter = trained_accelerator()
-    monkeypatch.setattr(checkpoint.Flush, "start", lambda self: None)  # the thread held back while training goes on
-    flush = checkpoint.save(accelerator, tmp_path, 1, {}, host=checkpoint.HostCopy())
-    before = {k: v.clone() for k, v in net.state_dict().items()}
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(1.0)
-    counter.state["values"].add_(1.0)
-    flush._flush()
-    flush.wait()
-    saved = loaded(tmp_path / "checkpoints" / "checkpoint-1")
-    assert torch.equal(saved["model.safetensors"]["a.weight"], before["a.weight"])
-    assert torch.equal(saved["custom_checkpoint_0.pkl"]["values"], torch.arange(4.0))
-
-
-def test_a_device_takes_the_host_copy_once_measured_to_gain_by_it(monkeypatch):
-    assert checkpoint.host_copy_for(torch.device("cpu")) is None  # the steps slowed by what it saved them
-    monkeypatch.setattr(checkpoint, "HOST_COPY_DEVICES", ("cpu",))
-    assert isinstance(checkpoint.host_copy_for(torch.device("cpu")), checkpoint.HostCopy)
-
-
-def test_a_host_copy_keeps_its_buffers_from_one_checkpoint_to_the_next(tmp_path):
-    accelerator, net, counter = trained_accelerator()
-    host = checkpoint.HostCopy()
-    checkpoint.save(accelerator, tmp_path, 1, {}, host=host).wait()
-    first = list(host.buffers)
-    checkpoint.save(accelerator, tmp_path, 2, {}, host=host).wait()
-    assert len(first) > 0 and all(a is b for a, b in zip(first, host.buffers, strict=True))
-
-
-def test_without_host_memory_for_the_copy_the_steps_wait_for_the_writing_and_say_why(tmp_path, monkeypatch):
-    accelerator, net, counter = trained_accelerator()
-    monkeypatch.setattr(checkpoint, "available_memory", lambda: 100)  # bytes: the copy needs a few hundred
-    host = checkpoint.HostCopy()
-    flush = checkpoint.save(accelerator, tmp_path, 1, {}, host=host)
-    assert not flush.copied and host.buffers == [] and "would not fit beside training" in flush.note
-    assert (tmp_path / "checkpoints" / ".tmp-checkpoint-1" / "optimizer.bin").is_file() or flush.done  # written already
-    flush.wait()
-    assert "optimizer.bin" in loaded(tmp_path / "checkpoints" / "checkpoint-1")
-
-
 GIB = 2**30
 
 
@@ -541,7 +401,7 @@ def fake_host(root, cgroup=None, v2_path="/", **files):
       "memory__memory.stat": ""}, None),  # v1 without a limit
     ({"memory.max": f"{GIB}\n", "memory.current": f"{2 * GIB}\n", "memory.stat": "inactive_file 0\n"}, 0),  # over it
 ])  # fmt: skip
-def test_a_containers_memory_limit_bounds_the_host_memory_a_copy_may_take(tmp_path, files, room):
+def test_a_containers_memory_limit_bounds_the_host_memory_a_run_may_take(tmp_path, files, room):
     root = fake_host(tmp_path, **files)
     assert checkpoint.cgroup_room(root) == room
     assert checkpoint.available_memory(root) == (20 * GIB if room is None else room)
@@ -553,19 +413,6 @@ def test_the_processs_own_cgroup_v2_group_is_read_first(tmp_path):
         "user.slice__job__memory.max": f"{2 * GIB}\n", "user.slice__job__memory.current": f"{GIB}\n",
         "user.slice__job__memory.stat": "inactive_file 0\n"})  # fmt: skip
     assert checkpoint.available_memory(root) == GIB
-
-
-@pytest.mark.parametrize("kind", ["FSDP", "a save hook", "files on each node"])
-def test_where_the_state_is_not_plain_save_state_writes_it_all_at_once(tmp_path, kind):
-    from accelerate.utils import DistributedType
-
-    accelerator = OneProcess()
-    accelerator.distributed_type = DistributedType.FSDP if kind == "FSDP" else DistributedType.NO
-    accelerator._save_model_state_pre_hook = {1: print} if kind == "a save hook" else {}
-    accelerator.project_configuration = types.SimpleNamespace(save_on_each_node=kind == "files on each node")
-    flush = checkpoint.save(accelerator, tmp_path, 2, {}, host=checkpoint.HostCopy())
-    assert not flush.copied and flush.wait() == tmp_path / "checkpoints" / "checkpoint-2"
-    assert (flush.path / "model.safetensors").read_bytes() == b"weights"  # save_state's own
 
 
 def test_a_thread_that_fails_otherwise_than_on_the_disk_gives_its_error_at_the_wait(tmp_path):
@@ -600,7 +447,7 @@ def test_one_checkpoint_is_on_its_way_at_a_time_and_the_end_waits_for_the_last(t
     assert manifest["checkpoints"] == [str(tmp_path / "checkpoints" / f"checkpoint-{n}") for n in (1, 2)]
     times = manifest["checkpoint_times_s"]
     assert [t["step"] for t in times] == [1, 2]  # each waited for and said, none lost to the next
-    # the steps wait for the writing (no device's runs take the host copy yet): only the flush is beside them
+    # the steps wait for the writing: only the flush is beside them
     assert all(t["beside"] >= 1.0 and t["waited"] > 0 and not t["copied"] for t in times)
 
 
@@ -1023,19 +870,7 @@ def assert_identical(a, b, where=""):
         assert a == b, where
 
 
-HOST_COPY = """
-import sys
-sys.path.insert(0, {root!r})
-import checkpoint
-import data
-checkpoint.host_copy_for = lambda device: checkpoint.HostCopy()
-"""
-
-
-@pytest.mark.parametrize("copy", [False, True], ids=["written", "from a host copy"])
-def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, copy):
-    """`copy`: the signalled run's checkpoints, and the resumed run's, written from a host copy beside training
-    (bench/checkpoint_copy.py copy); the uninterrupted run's as train.py writes them."""
+def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path):
     stop_at, total = 2 * agreement.STOP_CHECK_STEPS, 2 * agreement.STOP_CHECK_STEPS + 2
     # 192 images, 8 a step: 24 steps an epoch, so step 20 is mid-epoch and no epoch's end (where the processes
     # agree too) comes between the signals and it; checkpoints only when stopping and at the end
@@ -1043,8 +878,7 @@ def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, co
     straight, out = tmp_path / "straight", tmp_path / "run"
     ports = free_ports(2)  # the uninterrupted run trains beside the signalled one
     reference = start_two_ranks(flags(straight, *common), port=ports[0])
-    prelude = HOST_COPY.format(root=str(ROOT)) if copy else ""
-    script = prelude + SIGTERM_AFTER.format(root=str(ROOT), steps=(11, 13))
+    script = SIGTERM_AFTER.format(root=str(ROOT), steps=(11, 13))
     signalled = Ranks(start_two_ranks(flags(out, *common), script, port=ports[1]))
     reference = Ranks(reference)
     assert signalled.codes == [143, 143], signalled
@@ -1054,10 +888,8 @@ def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path, co
         assert "process groups made: 1 alive after main: 0" in rank_out, rank_out[-500:]
     assert reference.codes == [0, 0], reference
 
-    again = prelude + TRAIN_TIMING_EVERY_STEP.format(root=str(ROOT)) if copy else None
-    resumed = Ranks(start_two_ranks(flags(out, *common), again))  # the same command again
+    resumed = Ranks(start_two_ranks(flags(out, *common)))  # the same command again
     assert resumed.codes == [0, 0], resumed
-    assert ("for its copy" in signalled.out0 + resumed.out0) == copy, resumed
     assert f"resumed from {out / 'checkpoints' / f'checkpoint-{stop_at}'} at step {stop_at}" in resumed.out0, resumed
     assert json.loads((out / "train_config.json").read_text())["ema"] != "none", "the comparison covers an EMA"
     end = f"checkpoint-{total}"
