@@ -262,14 +262,12 @@ class Plan:
     gradients). `step_peak` is the most one eager forward and backward of a micro-batch hold at once beyond the
     weights, the gradients as they are made included (count_step); `activations` is what of it is not the
     gradients, so that the total is the step's peak: within 3% of the GPU's when eager, above it when compiled
-    (docs/performance.md, Memory). `checkpointed_peak`: the same with gradient checkpointing, where counted.
+    (docs/performance.md, Memory).
     """
 
-    def __init__(self, weights, gradients, optimizer, ema, step_peak, batch_size, buckets=0, checkpointed_peak=None,
-                 ema_copies=1):  # fmt: skip
+    def __init__(self, weights, gradients, optimizer, ema, step_peak, batch_size, buckets=0, ema_copies=1):
         self.weights, self.gradients, self.optimizer, self.ema = weights, gradients, optimizer, ema
-        self.step_peak, self.batch_size, self.buckets = step_peak, batch_size, buckets
-        self.checkpointed_peak, self.ema_copies = checkpointed_peak, ema_copies
+        self.step_peak, self.batch_size, self.buckets, self.ema_copies = step_peak, batch_size, buckets, ema_copies
 
     @property
     def state(self):
@@ -285,23 +283,22 @@ class Plan:
     def total(self):
         return self.weights + self.gradients + (self.optimizer or 0) + self.ema + self.buckets + self.activations
 
-    def largest_batch(self, capacity, step_peak=None):
+    def largest_batch(self, capacity):
         """The largest micro-batch that fits in `capacity` bytes, the step's peak taken to grow in proportion to
         the batch (its gradients too: a bound from below); 0 when not even the weights and their state fit."""
-        step_peak = self.step_peak if step_peak is None else step_peak
         room = capacity - self.state - self.buckets
-        return max(0, int(room // (step_peak / self.batch_size)))
+        return max(0, int(room // (self.step_peak / self.batch_size)))
 
 
 def plan(trained, optimizer, ema, count, batch_size, num_processes=1, checkpointed_count=None):
     """The Plan of a run: `trained` the tensors the step trains with (the network's parameters and buffers, the
-    objective's parameters), `count` and `checkpointed_count` count_step's results for its micro-batch."""
+    objective's parameters), `count` count_step's result for its micro-batch. `checkpointed_count` is not read:
+    train.py still passes it, but no flag turns gradient checkpointing on, so nothing says what it would fit."""
     trained = list(trained)
     gradients = tensor_bytes([t for t in trained if t.requires_grad])
     copies = len(ema.shadows) if hasattr(ema, "shadows") else (1 if ema is not None else 0)
     return Plan(tensor_bytes(trained), gradients, optimizer_state_bytes(optimizer), tensor_bytes(ema_tensors(ema)),
-                count["peak"], batch_size, buckets=gradients if num_processes > 1 else 0,
-                checkpointed_peak=checkpointed_count["peak"] if checkpointed_count else None, ema_copies=copies)  # fmt: skip
+                count["peak"], batch_size, buckets=gradients if num_processes > 1 else 0, ema_copies=copies)  # fmt: skip
 
 
 def gib(n):
@@ -310,7 +307,7 @@ def gib(n):
 
 def plan_line(p, capacity=None, where=None, compiled=False):
     """One line: what the run will hold, by part, in GiB; with `capacity` (the GPU's memory, bytes), whether it
-    fits, about the largest batch that does, and the one gradient checkpointing would fit where that is larger.
+    fits, and about the largest batch that does.
     `compiled`: the step is compiled, and holds less than the eager count of its activations."""
     parts = [f"weights {gib(p.weights)}", f"gradients {gib(p.gradients)}"]
     parts.append(f"AdamW {gib(p.optimizer)}" if p.optimizer is not None else "optimizer state not counted")
@@ -330,10 +327,6 @@ def plan_line(p, capacity=None, where=None, compiled=False):
         line += f"; does not fit{' eager' if compiled else ''}: about batch {largest} would, with --gradient_accumulation_steps"
     else:
         line += f"; about batch {largest} would fit"
-    if p.checkpointed_peak is not None:
-        checkpointed = p.largest_batch(capacity, p.checkpointed_peak)
-        if checkpointed > max(largest, p.batch_size):
-            line += f", {checkpointed} with gradient checkpointing (config.SETTINGS)"
     return line
 
 

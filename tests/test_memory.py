@@ -109,15 +109,14 @@ def test_a_counted_step_grows_with_the_batch_and_shrinks_with_bf16_and_checkpoin
 
 def test_the_line_says_what_fits_on_a_gpu():
     gib = memory.GIB
-    plan = memory.Plan(gib, gib, 2 * gib, gib, step_peak=9 * gib, batch_size=64, checkpointed_peak=3 * gib)
+    plan = memory.Plan(gib, gib, 2 * gib, gib, step_peak=9 * gib, batch_size=64)
     assert plan.activations == 8 * gib and plan.total == 13 * gib
     line = memory.plan_line(plan, 40 * gib, "this GPU", compiled=True)
     assert line.startswith("memory: weights 1 + gradients 1 + AdamW 2 + EMA 1 + activations 8 (eager count")
     # room for the batch: 40 - 4 GiB that do not grow, over 9/64 GiB an image (the gradients counted as growing)
-    assert "= 13 GiB of 40 on this GPU; about batch 256 would fit, 768 with gradient checkpointing" in line
+    assert line.endswith("= 13 GiB of 40 on this GPU; about batch 256 would fit")  # no gradient checkpointing: no flag has it
     small = memory.plan_line(plan, 10 * gib)
-    assert "does not fit: about batch 42 would, with --gradient_accumulation_steps, 128 with gradient" in small
-    assert "checkpointing" not in memory.plan_line(memory.Plan(gib, gib, 2 * gib, gib, 9 * gib, 64), 40 * gib)
+    assert small.endswith("does not fit: about batch 42 would, with --gradient_accumulation_steps")
     assert memory.end_line(plan, None) == "memory: peak not measured on a CPU (estimated 13 GiB)"
     assert memory.end_line(plan, 12 * gib).startswith("memory: peak 12 GiB allocated (torch.cuda.max_memory_allocated)")
 
