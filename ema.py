@@ -238,8 +238,9 @@ def averaged_copy(network, ema):
     """A stand-alone copy of `network` (unwrapped) carrying the EMA weights (the raw ones without an EMA), for
     sampling and saving: no gradients (autocast caches a cast copy of every parameter that requires one), and
     none of accelerate's forward wrappers, which would keep the copy alive after its last use (drop_bound_methods),
-    and no FP8 layers (an fp8 run's copy samples in the autocast's precision and saves as an ordinary network)."""
-    copy = fp8.plain(drop_bound_methods(deepcopy(network))).eval().requires_grad_(False)
+    no forward hooks (drop_forward_hooks), and no FP8 layers (an fp8 run's copy samples in the autocast's precision
+    and saves as an ordinary network)."""
+    copy = fp8.plain(drop_forward_hooks(drop_bound_methods(deepcopy(network)))).eval().requires_grad_(False)
     if ema is not None:
         ema.copy_to(copy.parameters())
     return copy
@@ -255,6 +256,19 @@ def drop_bound_methods(module):
     for name, value in list(vars(module).items()):
         if isinstance(value, types.MethodType) and value.__self__ is module:
             delattr(module, name)
+    return module
+
+
+def drop_forward_hooks(module):
+    """`module` without the forward hooks of its submodules. The loss terms' (BlockOutputs: --loss_terms
+    dispersive, layersync) are closures over the live objective's dict of block outputs; deep-copied, they
+    still are, so every call of the copy wrote its blocks' outputs into the training objective's dict and held
+    them there (an activation pinned until the next step). Only the copy's own hooks go (deepcopy made its dicts):
+    the network keeps its hooks, and the copy its pre-hooks."""
+    for part in module.modules():
+        part._forward_hooks.clear()
+        part._forward_hooks_with_kwargs.clear()
+        part._forward_hooks_always_called.clear()
     return module
 
 

@@ -8,6 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 import ema
+import loss_terms
+import model as models
 import train
 from test_edm_train import same
 from test_train import tensors_of
@@ -245,3 +247,19 @@ def test_the_standard_ema_is_diffusers_update_in_one_pass_over_the_weights():
     assert "lerp" not in " ".join(ops.names) and ops.names.count("sub_.Tensor") == 3, ops.names  # diffusers' loop
     standard = SimpleNamespace(ema="standard", ema_max_decay=0.9999, ema_inv_gamma=1.0, ema_power=0.75)
     assert type(ema.make_ema(standard, network, write=False)) is ema.LerpEMA  # what train.py builds
+
+
+def test_the_averaged_copy_writes_nothing_into_the_training_objectives_block_outputs():
+    """--loss_terms dispersive hooks the network's middle block to keep its output in the objective's dict
+    (loss_terms.attach, as training.build calls it). The EMA's copy (averaged_copy: grids, the saved pipeline)
+    must not carry that hook: its forward wrote into the live objective's dict and pinned an activation there.
+    The network's own hook still keeps its output."""
+    network = models.build_network("tiny", 16)
+    objective = loss_terms.attach(SimpleNamespace(), network, models.family("tiny")[0], loss_terms.parse("dispersive"))
+    outputs = objective.readers[0].blocks.outputs
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([10, 500])
+    with torch.no_grad():
+        ema.averaged_copy(network, None)(x, t)
+        assert outputs == {}  # the copy's call kept nothing
+        network(x, t)
+    assert list(outputs) == list(objective.readers[0].names)  # the training network's hook is still there
