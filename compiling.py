@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 import model as models
+import objectives
 import profiling
 import sizes
 from errors import ConfigError, RunError, error_line
@@ -340,7 +341,7 @@ def repeated_blocks(model):
     in `_repeated_blocks`, diffusers' declaration for ModelMixin.compile_repeated_blocks."""
     network = getattr(model, "module", model)
     modules = dict(network.named_modules())
-    return [modules[name] for name in models.block_names(network)]
+    return [modules[name] for name in objectives.block_names(network)]
 
 
 # Regional compilation keeps one compiled graph per block class and shape: a UNet's blocks come in

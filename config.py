@@ -47,6 +47,7 @@ import latents
 import loss_terms
 import metrics
 import model as models
+import objectives
 import sample
 import sizes
 from errors import ConfigError, OneLineParser
@@ -63,7 +64,7 @@ DEFAULT_LR_REF_STEPS = 70_000
 # What config.resolve fills where neither the command line nor the preset sets it
 # (a preset's `ddpm` and `flags` in model.PRESETS come first): Ho et al.'s DDPM,
 # EDM's noise levels for --timestep_sampling lognormal, diffusers' example's batch.
-PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean_std=[models.P_MEAN, models.P_STD],
+PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean_std=[objectives.P_MEAN, objectives.P_STD],
                         train_batch_size=16, num_epochs=8, ema="standard")  # fmt: skip
 # ... but a class-conditional DDPM run predicts v: with epsilon it learns its labels late (at high noise
 # epsilon is nearly the noisy input itself, whatever the class; docs/conditional.md). Measured on the
@@ -118,8 +119,8 @@ INVOCATION_KEYS = ("overwrite_output_dir", "resume", "resume_from_checkpoint", "
 SPEED_SETTINGS = ("channels_last", "fused_norm", "fused_adam", "allow_tf32", "cudnn_benchmark")
 SETTINGS = dict(
     fused_norm=False, fused_adam=True, allow_tf32=True,  # channels_last: with fused_norm; cudnn_benchmark: with a GPU
-    num_train_timesteps=models.NUM_TRAIN_TIMESTEPS,  # DDPM's T (Ho et al. 2020, and every config here)
-    sigma_data=models.SIGMA_DATA,  # EDM's std of the data in [-1, 1]
+    num_train_timesteps=objectives.NUM_TRAIN_TIMESTEPS,  # DDPM's T (Ho et al. 2020, and every config here)
+    sigma_data=objectives.SIGMA_DATA,  # EDM's std of the data in [-1, 1]
     loss_weighting="uncertainty",  # EDM: EDM2's learned weighting (eq. 21)
     label_dropout=0.1,  # a conditional run's labels dropped for classifier-free guidance (Ho & Salimans 2022)
     adam_epsilon=1e-8,
@@ -306,7 +307,7 @@ class Parser(OneLineParser):
 def objective_flag(text):
     """--objective's type: ddpm, edm, flow or flow:SHIFT, spelled one way (model.canonical_objective)."""
     try:
-        return models.canonical_objective(text)
+        return objectives.canonical_objective(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix(f"--objective {text}: ")) from None
 
@@ -484,11 +485,11 @@ def build_parser(prog="train.py", source=""):
          "SiT), or lognormal: DDPM's t such that ln(sigma_t) ~ N(P_mean, P_std^2), EDM's noise levels on DDPM's "
          "timesteps; flow's sigma logit-normal, SD3's (default: flow lognormal; else the preset's, "
          f"{SMALL.ddpm['timestep_sampling']} for small, else {PRESET_FALLBACKS['timestep_sampling']})",
-         choices=models.TIMESTEP_SAMPLINGS)  # fmt: skip
+         choices=objectives.TIMESTEP_SAMPLINGS)  # fmt: skip
     flag(m, "P_mean_std", "EDM, and DDPM's --timestep_sampling lognormal: ln(sigma) ~ N(P_mean, P_std^2) in "
-         f"training (default: the preset's, else {models.P_MEAN},{models.P_STD}: EDM's CIFAR-10 values, as the "
+         f"training (default: the preset's, else {objectives.P_MEAN},{objectives.P_STD}: EDM's CIFAR-10 values, as the "
          "EDM2 seed's configs; EDM2 used -0.8,1.6 for ImageNet-64, -0.4,1.0 for ImageNet-512 latents); flow: "
-         f"logit(sigma) ~ N(P_mean, P_std^2) (default: SD3's {models.FLOW_P_MEAN:g},{models.FLOW_P_STD:g})",
+         f"logit(sigma) ~ N(P_mean, P_std^2) (default: SD3's {objectives.FLOW_P_MEAN:g},{objectives.FLOW_P_STD:g})",
          metavar="P_MEAN,P_STD", type=Range(numbers(2, "pair"), lambda v: v[1] > 0, "two numbers, P_std greater than 0"))  # fmt: skip
     flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; "
          f"{SMALL.ddpm['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']}; "
@@ -548,12 +549,12 @@ def build_parser(prog="train.py", source=""):
     flag(o, "save_images_epochs", "write a sample grid every N epochs", 2, type=at_least(1))
     flag(o, "eval_batch_size", f"images in a sample grid (FID samples max({metrics.FID_BATCH_SIZE}, this) at a time)", 16,
          type=at_least(1))  # fmt: skip
-    flag(o, "sampler", f"sampler for the grids and FID: DDPM's {', '.join(sample.SAMPLERS)} (default: "
-         f"{sample.DEFAULT_SAMPLER}); flow's {', '.join(sample.FLOW_SAMPLERS)} (default: {sample.DEFAULT_FLOW_SAMPLER})",
-         choices=sample.SAMPLERS + sample.FLOW_SAMPLERS)  # fmt: skip
-    flag(o, "churn", sample.CHURN_HELP, sample.EDM_CHURN, type=non_negative)
-    flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {sample.DEFAULT_STEPS}; "
-         f"{sample.EDM_STEPS} for EDM's Heun sampler, {2 * sample.EDM_STEPS - 1} network evaluations)",
+    flag(o, "sampler", f"sampler for the grids and FID: DDPM's {', '.join(objectives.SAMPLERS)} (default: "
+         f"{objectives.DEFAULT_SAMPLER}); flow's {', '.join(objectives.FLOW_SAMPLERS)} (default: {objectives.DEFAULT_FLOW_SAMPLER})",
+         choices=objectives.SAMPLERS + objectives.FLOW_SAMPLERS)  # fmt: skip
+    flag(o, "churn", objectives.CHURN_HELP, objectives.EDM_CHURN, type=non_negative)
+    flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {objectives.DEFAULT_STEPS}; "
+         f"{objectives.EDM_STEPS} for EDM's Heun sampler, {2 * objectives.EDM_STEPS - 1} network evaluations)",
          type=at_least(1))  # fmt: skip
     flag(o, "guidance_scale", "w in D = D_uncond + w (D_cond - D_uncond) for a conditional run (classifier-free "
          "guidance), or D = D_guide + w (D - D_guide) with --guide; 1: no guidance. Comma-separated: the grids take "
@@ -700,17 +701,11 @@ def resolve(args):
     _fill_from_preset(args)
     _fill_from_machine(args)
     _fill_settings(args)
-    if args.objective == "ddpm" and args.num_inference_steps > args.num_train_timesteps:
-        raise ConfigError(
-            f"--num_inference_steps ({args.num_inference_steps}) cannot exceed DDPM's {args.num_train_timesteps} "
-            "timesteps"
-        )
     if args.zero_terminal_snr and args.prediction_type != "v_prediction":
         raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
-    if args.objective == "edm" and (args.snr_gamma is not None or args.zero_terminal_snr):
-        raise ConfigError("--snr_gamma and --zero_terminal_snr are DDPM's: EDM learns its loss weighting")
+    objectives.of(args.objective).check(args)
     args.loss_terms = loss_terms.spell(loss_terms.parse(args.loss_terms))
-    loss_terms.check(loss_terms.parse(args.loss_terms), models.objective_kind(args.objective),
+    loss_terms.check(loss_terms.parse(args.loss_terms), objectives.of(args.objective),
                      models.family_name(args.model), args.train_batch_size)  # fmt: skip
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--logger wandb needs the wandb package: pip install wandb (or use --logger tensorboard)")
@@ -768,7 +763,7 @@ def _fill_gpu_bare_run(args):
     elsewhere only the built-in dataset's size."""
     if args.dataset == data.BUILTIN and args.model == "auto" and args.image_size == 32 and not args.vae and on_gpu(args):
         for name, value in GPU_BARE_RUN.items():
-            if name in SMALL.ddpm and models.objective_kind(args.objective) != "ddpm":
+            if name in SMALL.ddpm and not objectives.of(args.objective).discrete:
                 continue  # DDPM's settings; --objective edm or flow draws its own noise levels
             if name == "model" or getattr(args, name) is None:
                 setattr(args, name, value)
@@ -870,7 +865,8 @@ def _take_from_source(args):
                 "outside its pipeline): add --objective (with --prediction_type and --beta_schedule) as it was trained"
             )
         args.objective = trained["objective"] or "ddpm"
-    if trained and models.objective_kind(trained["objective"]) == "ddpm" == models.objective_kind(args.objective):
+    kind = objectives.of(args.objective)
+    if trained and objectives.of(trained["objective"]) is kind and kind.discrete:
         for name in ("prediction_type", "beta_schedule"):
             if getattr(args, name) is None:
                 setattr(args, name, trained[name])
@@ -891,18 +887,17 @@ def _fill_from_preset(args):
     defaulted = args.objective is None
     if defaulted:
         args.objective = default_objective(args.model, args.dataset)
-    if edm2_network and args.objective == "ddpm":
-        raise ConfigError(f"--model {args.model} is an EDM2 network, trained with --objective edm or flow: "
-                          "drop --objective ddpm")  # fmt: skip
-    if args.objective == "edm" and args.timestep_sampling not in (None, "uniform"):
-        raise ConfigError("--timestep_sampling is DDPM's and flow's: EDM draws its noise levels by --P_mean_std")
-    _fill_flow(args, defaulted)
+    kind, time_input = objectives.of(args.objective), models.family(args.model)[0].time_input
+    if time_input not in kind.time_inputs:
+        givers = [name for name, other in objectives.OBJECTIVES.items() if time_input in other.time_inputs]
+        raise ConfigError(f"--model {args.model} is trained with --objective {' or '.join(givers)}: "
+                          f"drop --objective {kind.name}")  # fmt: skip
+    _fill_sampling(args, defaulted)
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
-    ddpm = dict(preset.ddpm) if args.objective == "ddpm" else {}
-    flow = models.objective_kind(args.objective) == "flow"
-    fallbacks = PRESET_FALLBACKS | (CONDITIONAL_FALLBACKS if args.class_conditional and args.objective == "ddpm" else {})
+    ddpm = dict(preset.ddpm) if kind.discrete else {}
+    fallbacks = PRESET_FALLBACKS | (CONDITIONAL_FALLBACKS if args.class_conditional and kind.discrete else {})
     for name, value in translate(fallbacks | ddpm | dict(preset.flags)).items():
-        if flow and name in DDPM_ONLY:
+        if not kind.ddpm_schedule and name in DDPM_ONLY:
             continue  # none for a flow run: its train_config.json must not read back as DDPM's flags
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -914,34 +909,30 @@ def _fill_from_preset(args):
     if args.lr_scheduler == "inverse_sqrt" and args.lr_ref_steps is None:
         images_per_step = args.train_batch_size * num_processes() * args.gradient_accumulation_steps
         args.lr_ref_steps = lr_ref_steps(args.model, images_per_step)
-    if args.beta_schedule is None and not flow:
+    if args.beta_schedule is None and kind.ddpm_schedule:
         args.beta_schedule = "linear"
     if args.num_inference_steps is None:
-        args.num_inference_steps = sample.EDM_STEPS if args.objective == "edm" else sample.DEFAULT_STEPS
+        args.num_inference_steps = kind.default_steps
 
 
-def _fill_flow(args, defaulted=False):
-    """A flow run's defaults (SD3's logit-normal(0, 1) σ, the flow sampler) and its refusals: DDPM's
-    flags and samplers (`defaulted`: the preset chose flow, so the refusal says how to ask for DDPM).
-    Other runs: a DDPM sampler."""
-    flow = models.objective_kind(args.objective) == "flow"
+def _fill_sampling(args, defaulted=False):
+    """The objective's sampler where unset, and its refusals of other objectives' samplers and of DDPM's
+    schedule flags where it has no DDPM schedule (`defaulted`: the preset chose the objective, so the refusal
+    says how to ask for DDPM); then its own defaults where unset (flow's σ draw, SD3's logit-normal(0, 1))."""
+    kind = objectives.of(args.objective)
     if args.sampler is None:
-        args.sampler = sample.DEFAULT_FLOW_SAMPLER if flow else sample.DEFAULT_SAMPLER
-    if not flow:
-        if args.sampler in sample.FLOW_SAMPLERS:
-            raise ConfigError(f"--sampler {args.sampler} is a flow sampler: use it with --objective flow, or choose "
-                              f"one of {', '.join(sample.SAMPLERS)}")  # fmt: skip
-        return
+        args.sampler = kind.default_sampler
+    ask = f"; {args.model} trains {kind.called} unless told: add --objective ddpm, or drop it" if defaulted else ""
     given = [name for name in DDPM_ONLY if getattr(args, name) not in (None, False)]
-    ask = f"; {args.model} trains flow matching unless told: add --objective ddpm, or drop it" if defaulted else ""
-    if given:
-        raise ConfigError(f"--{given[0]} is DDPM's" + (ask or ": --objective flow predicts noise - x0 on a straight path; drop it"))
-    if args.sampler not in sample.FLOW_SAMPLERS:
-        raise ConfigError(f"--sampler {args.sampler} is DDPM's" + (ask or f": a flow run samples with {sample.flow_sampler_names()}"))
-    if args.timestep_sampling is None:
-        args.timestep_sampling = "lognormal"
-    if args.P_mean_std is None:
-        args.P_mean_std = [models.FLOW_P_MEAN, models.FLOW_P_STD]
+    if given and not kind.ddpm_schedule:
+        raise ConfigError(f"--{given[0]} is DDPM's" + (ask or f": --objective {kind.name} has no DDPM schedule; drop it"))
+    if args.sampler not in kind.samplers:
+        owner = next(o for o in objectives.OBJECTIVES.values() if args.sampler in o.samplers)  # the flag's choices
+        raise ConfigError(f"--sampler {args.sampler} is {owner.sampler_words}" + (ask or f": {kind.run_words} samples "
+                          f"with {', '.join(kind.samplers)}"))  # fmt: skip
+    for name, value in kind.defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def _fill_from_machine(args):

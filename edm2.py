@@ -12,7 +12,7 @@ C, E and G are one class, `EDM2UNet`, with the switches of `CONFIGS`:
     C  streamlined ADM: no biases, a constant-1 input channel, Fourier noise
        embedding, GroupNorm without mean subtraction or learned scale (an RMS
        norm), cosine attention. (The learned loss weighting u(sigma), also C,
-       is the objective's: model.EDMObjective, built of this module's pieces.)
+       is the objective's: objectives.EDMObjective, built of this module's pieces.)
     E  + forced weight normalisation of every conv and linear layer (eq. 66);
        its inverse-square-root learning-rate decay is the training loop's.
     G  + pixel norm instead of GroupNorm, magnitude-preserving SiLU, sum,

@@ -41,6 +41,7 @@ from diffusers.training_utils import EMAModel
 
 import fp8
 import model as models
+import objectives
 from errors import ConfigError, OneLineParser, one_line_errors
 from rundir import CONFIG_FILE, RunDir, save_network
 
@@ -360,7 +361,7 @@ def reconstruct_command(args):
         raise ConfigError(f"{run_dir}: not a training run folder (no train_config.json)")
     state, used = reconstruct(run_dir / SNAPSHOT_DIR, args.std, args.step)
     output = Path(args.output) if args.output else run_dir / f"ema-std-{args.std:g}"
-    if not models.saves_pipeline(config):
+    if not objectives.saves_pipeline(config):
         # The snapshots hold parameters only; the run's saved network brings its buffers
         # (the fixed random Fourier frequencies of EDM2's noise embedding).
         if not (run_dir / "unet" / "config.json").is_file():
@@ -373,7 +374,7 @@ def reconstruct_command(args):
     else:
         unet = models.build_run_network(config)  # a latent run's at its latents' size and channels
         unet.load_state_dict(state)
-        scheduler = models.run_noise_scheduler(config)
+        scheduler = objectives.run_noise_scheduler(config)
         save_network(unet, output, scheduler)
     step = max(u["step"] for u in used)
     # the run's configuration beside the network: the folder samples (sample.py reads how the run was trained

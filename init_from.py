@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import model as models
+import objectives
 import rundir
 import sizes
 from dit import DiT
@@ -45,10 +46,6 @@ LAYOUT = {
 # The config keys that are the run's, not the source's: its size, channels and classes.
 RUNS_OWN = {"sample_size", "in_channels", "out_channels", "num_class_embeds", "num_classes", "num_embeds_ada_norm"}
 
-# DDPM's schedule as this project trains it (model.make_noise_scheduler): a source trained on another is refused.
-DDPM_BETAS = (0.0001, 0.02)
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")
-FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # What a Hub download takes: the configs, the pipeline's network and scheduler, or a model repo's weights.
@@ -138,22 +135,8 @@ def extra_settings(family, preset, config):
 
 def trained_as(scheduler, source):
     """{objective, prediction_type, beta_schedule, zero_terminal_snr} of a diffusers scheduler config (None:
-    none); a schedule this project does not train is a ConfigError."""
-    if scheduler is None:
-        return None
-    name = scheduler.get("_class_name")
-    if name in FLOW_SCHEDULERS:
-        return dict(objective=models.canonical_objective(f"flow:{scheduler.get('shift', 1.0)}"))
-    steps, betas = scheduler.get("num_train_timesteps"), (scheduler.get("beta_start"), scheduler.get("beta_end"))
-    schedule = scheduler.get("beta_schedule")
-    if (steps != models.NUM_TRAIN_TIMESTEPS or schedule not in BETA_SCHEDULES or scheduler.get("trained_betas")
-            or any(b is not None and abs(b - d) > 1e-9 for b, d in zip(betas, DDPM_BETAS))):  # fmt: skip
-        raise ConfigError(
-            f"--init_from {source}: its scheduler ({name}: {steps} steps, {schedule} betas from {betas[0]} to "
-            f"{betas[1]}) is not DDPM's 1000 steps of betas from 0.0001 to 0.02 that this project trains, nor flow's"
-        )
-    return dict(objective="ddpm", prediction_type=scheduler.get("prediction_type", "epsilon"), beta_schedule=schedule,
-                zero_terminal_snr=bool(scheduler.get("rescale_betas_zero_snr")))  # fmt: skip
+    none); a schedule this project does not train is a ConfigError (objectives.from_scheduler)."""
+    return objectives.from_scheduler(scheduler, f"--init_from {source}")
 
 
 def state_sha256(state):

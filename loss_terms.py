@@ -6,8 +6,8 @@ and the terms that read a block's output.
 - dispersive (Wang & He 2025): λ · log mean_ij exp(-‖z_i - z_j‖² / (D τ)) over the batch's flattened outputs z
   of the family's middle block (model.Family.middle_block), τ = 1; every objective and family.
 - layersync (vita-epfl/LayerSync): w · mean over tokens of -cos(h_shallow, stopgrad(h_deep)); DiTs only.
-- deltafm (gstoica27/DeltaFM): -λ ‖v - u_j‖² beside flow's ‖v - u_i‖² (model.FlowObjective.terms_at); flow only.
-- immiscible (yhli123/Immiscible-Diffusion): each image's noise is the nearest of k draws (model.nearest_noise);
+- deltafm (gstoica27/DeltaFM): -λ ‖v - u_j‖² beside flow's ‖v - u_i‖² (objectives.FlowObjective.terms_at); flow only.
+- immiscible (yhli123/Immiscible-Diffusion): each image's noise is the nearest of k draws (objectives.nearest_noise);
   a coupling, not a term: nothing is added to the loss.
 
 A name alone takes its paper's value. docs/loss_terms.md has the formulas, sources and costs.
@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 import model as models
+import objectives
 from errors import ConfigError
 
 NONE = "none"
@@ -29,8 +30,8 @@ class Method(NamedTuple):
 
     default: float  # the value a name alone takes
     value: str  # what the number after the colon is, in the line that refuses a bad one
-    objectives: tuple = models.OBJECTIVES  # the objectives it applies to
-    families: tuple = ("unet", "edm2", "dit")  # the network families it applies to (model.FAMILIES)
+    objectives: tuple = tuple(objectives.OBJECTIVES.values())  # the objective classes it applies to
+    families: tuple = tuple(models.FAMILIES)  # the network families it applies to (model.FAMILIES' keys)
     why: str = ""  # the reason it applies nowhere else, in the line that refuses it
     pairs: bool = False  # compares the images of a batch: nothing to compare at batch size 1
     count: bool = False  # the value is a whole number of at least 2, not a weight
@@ -41,7 +42,7 @@ METHODS = {
     "layersync": Method(0.2, "a weight", families=("dit",),
                         why="it aligns a shallow block's tokens with a deep block's of the same width: a DiT's "
                             "blocks all share one, a UNet's change resolution and channels from level to level"),  # fmt: skip
-    "deltafm": Method(0.05, "a weight", objectives=("flow",), pairs=True,
+    "deltafm": Method(0.05, "a weight", objectives=(objectives.FlowObjective,), pairs=True,
                       why="it contrasts flow matching's velocity targets: add --objective flow"),  # fmt: skip
     "immiscible": Method(64, "a number of noise draws", count=True),  # the issue's k = 64
 }
@@ -88,13 +89,13 @@ def spell(terms):
 
 
 def check(terms, objective, family, batch_size):
-    """ConfigError (one line) for a term of `terms` that does not apply to --objective `objective` (its kind),
+    """ConfigError (one line) for a term of `terms` that does not apply to objective class `objective` (objectives.of),
     network family `family` (model.FAMILIES' key) or a micro-batch of `batch_size` images."""
     for name in terms:
         method = METHODS[name]
         if objective not in method.objectives:
-            raise ConfigError(f"--loss_terms {name} applies to --objective {' or '.join(method.objectives)}, not "
-                              f"{objective}: {method.why}")  # fmt: skip
+            raise ConfigError(f"--loss_terms {name} applies to --objective {' or '.join(o.name for o in method.objectives)}, "
+                              f"not {objective.name}: {method.why}")  # fmt: skip
         if family not in method.families:
             raise ConfigError(f"--loss_terms {name} applies to {' and '.join(method.families)} networks, not a "
                               f"{family}: {method.why}")  # fmt: skip
@@ -108,7 +109,7 @@ def attach(objective, network, family, terms):
     contrast (a FlowObjective's) and the readers of dispersive and layersync on the blocks of `network` (the bare
     network as built) that its `family` (model.Family) names. Call it once, where the objective is built."""
     rule = {"dispersive": family.middle_block, "layersync": family.sync_blocks}
-    names = models.block_names(network)
+    names = objectives.block_names(network)
     readers = []
     for name, value in terms.items():
         if name == "immiscible":
@@ -118,7 +119,7 @@ def attach(objective, network, family, terms):
         else:
             blocks = rule[name](names)
             blocks = (blocks,) if isinstance(blocks, str) else blocks
-            readers.append(BlockTerm(name, value, models.BlockOutputs(network, blocks), blocks))
+            readers.append(BlockTerm(name, value, objectives.BlockOutputs(network, blocks), blocks))
     objective.readers = tuple(readers)
     return objective
 

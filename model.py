@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
-from diffusers import DDPMScheduler, UNet2DModel
+from diffusers import UNet2DModel
 
 import dit
 import edm2
@@ -245,6 +245,11 @@ class Family(NamedTuple):
     middle_block: Callable = None  # block names -> one of them
     # LayerSync's shallow and deep blocks (names -> (shallow, deep)); None where it does not apply.
     sync_blocks: Callable = None
+    # The noise level it takes as its time input: "timestep", DDPM's t on a scale of 0 to 1000 (its sinusoidal
+    # embedding was made for that), or "c_noise", EDM2's ln(σ)/4 into its Fourier features. Each objective gives
+    # each in its own way (objectives.py: `time_input`).
+    time_input: str = "timestep"
+    classes: tuple = ()  # the `_class_name`s its networks are saved as (config.json), the first its own
 
 
 def _build_unet(settings, sample_size, channels, num_classes):
@@ -288,19 +293,31 @@ def _dit_sync_blocks(names):
 
 FAMILIES = {
     "unet": Family(_build_unet, lambda settings: 2 ** (len(settings["block_out_channels"]) - 1), "halvings", "flow", True,
-                   _unet_middle),
+                   _unet_middle, classes=("UNet2DModel",)),
     "edm2": Family(lambda settings, size, channels, classes: EDM2UNet(sample_size=size, num_classes=classes,
                                                                       in_channels=channels, out_channels=channels, **settings),
-                   lambda settings: 2 ** (len(settings["channel_mult"]) - 1), "halvings", "edm", False, _edm2_middle),
+                   lambda settings: 2 ** (len(settings["channel_mult"]) - 1), "halvings", "edm", False, _edm2_middle,
+                   time_input="c_noise", classes=("EDM2UNet",)),
     "dit": Family(lambda settings, size, channels, classes: DiT(sample_size=size, num_classes=classes,
                                                                 in_channels=channels, out_channels=channels, **settings),
-                  lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks),
+                  lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks,
+                  classes=("DiT", "DiTTransformer2DModel")),
 }  # fmt: skip
 
 
 def family_name(name):
     """'unet' (diffusers' UNet2DModel), 'edm2' or 'dit': the network family of preset `name`."""
     return PRESETS[name].family
+
+
+def family_of(net):
+    """The Family whose `classes` hold the class of `net`, a network as built or loaded (its class's name, or the
+    `_class_name` its config names); a class of no family is a ConfigError, never a guess at its time input."""
+    name = (getattr(net, "config", None) or {}).get("_class_name") or type(net).__name__
+    for kind in FAMILIES.values():
+        if name in kind.classes:
+            return kind
+    raise ConfigError(f"a network of class {name} belongs to no network family (model.FAMILIES): add its family's entry")
 
 
 def family(name):
@@ -381,217 +398,6 @@ def null_label(num_classes):
     return num_classes
 
 
-NUM_TRAIN_TIMESTEPS = 1000  # DDPM's T (Ho et al. 2020, and every config here)
-
-
-def make_noise_scheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, beta_schedule="linear", prediction_type="epsilon",
-                         zero_terminal_snr=False, latents=False):  # fmt: skip
-    """DDPM's forward process. `zero_terminal_snr`: the betas rescaled so that abar_T = 0, x_T pure
-    noise as sampling assumes (Lin et al. 2024, Algorithm 1); it needs v-prediction, as eps says
-    nothing of x_0 at t = T. `latents`: a latent run's, saved with its pipeline without
-    DDPMScheduler's default clipping of x_0 to [-1, 1] (the range of images, not of latents)."""
-    return DDPMScheduler(
-        num_train_timesteps=num_train_timesteps,
-        beta_schedule=beta_schedule,
-        prediction_type=prediction_type,
-        rescale_betas_zero_snr=zero_terminal_snr,
-        clip_sample=not latents,
-    )
-
-
-def run_setting(config, name, default):
-    """A setting (config.SETTINGS: not a flag) of the run whose train_config.json is `config`: under its
-    "settings"; a run of before they were kept apart has it beside its flags; else `default`."""
-    return (config.get("settings") or {}).get(name, config.get(name, default))
-
-
-def run_noise_scheduler(config):
-    """The noise scheduler a run trained with, from its train_config.json (a flow run's: make_flow_scheduler)."""
-    if objective_kind(config.get("objective")) == "flow":
-        return make_flow_scheduler(flow_shift(config["objective"]))
-    return make_noise_scheduler(run_setting(config, "num_train_timesteps", NUM_TRAIN_TIMESTEPS), config["beta_schedule"],
-                                config["prediction_type"], config.get("zero_terminal_snr", False),
-                                bool(config.get("vae")))  # fmt: skip
-
-
-def ddpm_loss(model, clean_images, noise, timesteps, alphas_cumprod, prediction_type="epsilon", snr_gamma=None):
-    """The DDPM training loss, Algorithm 1 of Ho et al. (2020), in fp32.
-
-    x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps          (their eq. 4)
-    loss = || target - model(x_t, t) ||^2                  (their eq. 14)
-
-    with target eps ("epsilon"), x_0 ("sample") or the velocity
-    v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0 ("v_prediction", Salimans & Ho
-    2022). `alphas_cumprod` is the scheduler's abar table, already on the
-    device, so that no step copies it there again.
-
-    `snr_gamma`: min-SNR-gamma weighting (Hang et al. 2023, eq. 8): each image's
-    loss times min(SNR, gamma) / SNR for eps, / (SNR + 1) for v, and
-    min(SNR, gamma) for x_0, SNR = abar / (1 - abar); as diffusers'
-    train_text_to_image.py computes it.
-    """
-    abar = alphas_cumprod[timesteps].float().view(-1, 1, 1, 1)
-    clean_images, noise = clean_images.float(), noise.float()
-    noisy = abar.sqrt() * clean_images + (1 - abar).sqrt() * noise
-    prediction = model(noisy, timesteps, return_dict=False)[0]
-    if prediction_type == "epsilon":
-        target = noise
-    elif prediction_type == "sample":
-        target = clean_images
-    elif prediction_type == "v_prediction":
-        target = abar.sqrt() * noise - (1 - abar).sqrt() * clean_images
-    else:
-        raise ConfigError(f"unknown --prediction_type '{prediction_type}': choose epsilon, v_prediction or sample")
-    if snr_gamma is None:
-        return F.mse_loss(prediction.float(), target)
-    snr = (abar / (1 - abar)).view(-1)
-    clipped = torch.minimum(snr, torch.full_like(snr, snr_gamma))
-    weight = {"epsilon": clipped / snr, "v_prediction": clipped / (snr + 1), "sample": clipped}[prediction_type]
-    per_image = F.mse_loss(prediction.float(), target, reduction="none").mean(dim=(1, 2, 3))
-    return (per_image * weight).mean()
-
-
-# EDM's noise levels, and DDPM's with --timestep_sampling lognormal: ln σ ~ N(P_mean, P_std²) (EDM Table 1). The defaults are EDM's CIFAR-10 values,
-# which the seed repository (FutureXiang/edm2, config/cifar10/*.yaml) keeps for its
-# EDM2 networks; EDM2 used -0.8/1.6 for ImageNet-64 and -0.4/1.0 for ImageNet-512
-# latents (NVlabs/edm2 train_edm2.py, config_presets).
-P_MEAN, P_STD = -1.2, 1.2
-TIMESTEP_SAMPLINGS = ("uniform", "lognormal")
-
-
-def lognormal_timestep_cdf(alphas_cumprod, P_mean, P_std):
-    """The cumulative probabilities of timesteps t = 0..T-1 such that ln σ_t ~ N(P_mean, P_std²),
-    σ_t = sqrt((1 - abar_t) / abar_t): EDM's noise distribution (Karras et al. 2022, Table 1)
-    on DDPM's timesteps. Timestep t takes the normal's mass between the midpoints of its
-    ln σ and its neighbours' (t = 0 all below, t = T-1 all above)."""
-    abar = alphas_cumprod.double()
-    log_sigma = 0.5 * (torch.log1p(-abar) - torch.log(abar))
-    edges = (log_sigma[1:] + log_sigma[:-1]) / 2  # increasing in t
-    below = torch.distributions.Normal(P_mean, P_std).cdf(edges)
-    return torch.cat([below, torch.ones(1, dtype=below.dtype)]).float()
-
-
-class Objective(torch.nn.Module):
-    """An objective as the training step calls it: `terms(net, x0)` draws the noise on x0's device (no host
-    sync) and returns the loss's named terms, fp32 scalars; the loss is their sum (`loss`). A new term is
-    one more entry in an objective's `terms`: the step sums it into the loss, and train.py prints and logs
-    each term (the printed line, tensorboard's loss/NAME, run.json's final_loss_terms) where there are several.
-
-    Each objective's own terms come from `draw_terms`; `terms` adds those of its `readers`, called after the
-    network's forward call, each returning {name: term} (loss_terms.py's terms on a block's output).
-    `noise_draws`: the unit noise of each image is the nearest of this many draws (nearest_noise; 1: one draw).
-    """
-
-    noise_draws = 1
-    readers = ()
-
-    def terms(self, net, x0):
-        terms = self.draw_terms(net, x0)
-        for read in self.readers:
-            terms |= read()
-        return terms
-
-    def noise_like(self, x0):
-        """The unit Gaussian noise paired with the batch `x0`: one draw, or nearest_noise of `noise_draws`."""
-        return torch.randn_like(x0) if self.noise_draws == 1 else nearest_noise(x0, self.noise_draws)
-
-    def loss(self, net, x0):
-        return total_loss(self.terms(net, x0))
-
-    forward = loss
-
-
-def nearest_noise(x0, k):
-    """For each image of `x0`, the nearest (L2 over the flattened image) of k unit Gaussian noise draws of its
-    shape: immiscible diffusion's KNN coupling (Li et al. 2025, yhli123/Immiscible-Diffusion). argmin and gather
-    on the device: no host sync, capturable. The distance is ‖n‖² - 2 n·x (‖x‖² is the same for every draw),
-    in fp32 whatever the autocast."""
-    draws = torch.randn((k, *x0.shape), device=x0.device, dtype=x0.dtype)
-    flat = draws.flatten(2).float()
-    with torch.autocast(x0.device.type, enabled=False):
-        distance = flat.square().sum(-1) - 2 * torch.einsum("kbd,bd->kb", flat, x0.flatten(1).float())
-    nearest = distance.argmin(0)
-    return draws[nearest, torch.arange(len(x0), device=x0.device)]
-
-
-def block_names(network):
-    """The names of `network`'s repeated blocks (the classes its `_repeated_blocks` declares: a UNet's ResNet and
-    attention blocks, a DiT's transformer blocks, EDM2's blocks), in the order of the forward pass."""
-    kinds = tuple(getattr(network, "_repeated_blocks", None) or ())
-    return [name for name, module in network.named_modules() if type(module).__name__ in kinds]
-
-
-class BlockOutputs:
-    """The way a loss term reads a network's intermediate activations: the outputs of the blocks named (see
-    block_names), kept during each forward call by a forward hook on each block of the bare network, registered
-    once when the objective is built. After `net(...)` a term reads `outputs[name]`, a tensor of the graph, so
-    its gradient reaches the network. The hooks run inside the compiled call of torch.compile (whole or
-    regional: Dynamo keeps the tensors as the graph's outputs; tests/test_block_outputs.py), and a captured
-    step graph captures them with the rest of the step (not yet run on a GPU)."""
-
-    def __init__(self, network, names):
-        modules = dict(network.named_modules())
-        self.outputs = {}
-        self.handles = [modules[name].register_forward_hook(self._keeper(name)) for name in names]
-
-    def _keeper(self, name):
-        def keep(module, args, output):
-            self.outputs[name] = output[0] if isinstance(output, tuple) else output
-
-        return keep
-
-
-def total_loss(terms):
-    """The loss: the sum of an objective's terms (the one term itself where there is one)."""
-    parts = list(terms.values())
-    return sum(parts[1:], parts[0])
-
-
-class DDPMObjective(Objective):
-    """The DDPM objective as the training step calls it: `terms(net, x0)` draws the noise and
-    the timesteps on x0's device (no host sync) and returns `ddpm_loss` as its one term, "ddpm".
-
-    Timesteps are uniform (Ho et al. 2020), or with `timestep_sampling="lognormal"`
-    drawn so that ln σ_t ~ N(P_mean, P_std²), as EDM draws σ: most training then
-    goes to the middle noise levels, where shapes form, instead of the half of
-    the uniform draws (linear betas) at σ > 3, which teach little more than
-    the colour of the image. The draw inverts the CDF with `searchsorted`, so
-    it is capturable in a CUDA graph.
-
-    A module so that objectives with trained parts (EDM's learned loss
-    weighting) go through the step alike; this one has none.
-    """
-
-    def __init__(self, noise_scheduler, snr_gamma=None, timestep_sampling="uniform", P_mean=P_MEAN, P_std=P_STD):
-        super().__init__()
-        self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
-        self.prediction_type = noise_scheduler.config.prediction_type
-        self.snr_gamma = snr_gamma
-        self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone(), persistent=False)
-        cdf = lognormal_timestep_cdf(self.alphas_cumprod, P_mean, P_std) if timestep_sampling == "lognormal" else None
-        self.register_buffer("timestep_cdf", cdf, persistent=False)
-
-    def timesteps(self, n, device):
-        if self.timestep_cdf is None:
-            return torch.randint(0, self.num_train_timesteps, (n,), device=device)
-        u = torch.rand(n, device=device)
-        return torch.searchsorted(self.timestep_cdf, u, right=True).clamp_(max=self.num_train_timesteps - 1)
-
-    def draw_terms(self, net, clean_images):
-        noise = self.noise_like(clean_images)
-        timesteps = self.timesteps(clean_images.shape[0], clean_images.device)
-        return {"ddpm": self.loss_at(net, clean_images, timesteps, noise)}
-
-    def loss_at(self, net, clean_images, timesteps, noise):
-        """The loss at given timesteps (one per image) and noise."""
-        return ddpm_loss(net, clean_images, noise, timesteps, self.alphas_cumprod, self.prediction_type, self.snr_gamma)
-
-
-def ddpm_objective(noise_scheduler, args):
-    """train.py's and the speed ladder's DDPMObjective: from the flags --snr_gamma, --timestep_sampling, --P_mean_std."""
-    return DDPMObjective(noise_scheduler, args.snr_gamma, args.timestep_sampling, *args.P_mean_std)
-
-
 # --- the training step's fast path (shared by train.py and python -m bench) ---------
 
 
@@ -623,23 +429,6 @@ def prepare_for_training(unet, channels_last=False, fused_adam=False, also=(), f
     return torch.optim.AdamW(parameters, foreach=foreach, **adamw)
 
 
-# --- the EDM objective (Karras et al. 2022, "EDM"; Karras et al. 2024, "EDM2") -------
-
-SIGMA_DATA = 0.5  # EDM Table 1: the data's standard deviation, for images in [-1, 1]
-LOSS_WEIGHTINGS = ("uncertainty", "edm")
-
-# What a UNet2DModel gets as its timestep: UNET_C_NOISE_SCALE * c_noise, c_noise = ln(σ)/4.
-# Its sinusoidal embedding was made for DDPM's t in [0, 1000): over the linear
-# schedule, c_noise(σ_t) runs from -1.15 (t = 0, σ = 0.01) to 1.26 (t = 999, σ = 157),
-# about 414 timesteps per unit of c_noise. 400 keeps that resolution, so the
-# embedding tells noise levels apart as finely as it tells DDPM's timesteps apart
-# (EDM's sampling range σ in [0.002, 80] then spans t from -620 to +440; a shift
-# would change nothing, a sinusoid pair only rotates and the next linear layer
-# absorbs that). Unscaled, c_noise spans 2.6 units: the lower half of the
-# embedding's frequencies (periods of 100 to 10000 units) would barely move.
-UNET_C_NOISE_SCALE = 400.0
-
-
 def make_lr_scheduler(schedule, optimizer, warmup_steps, max_train_steps, ref_steps=None):
     """diffusers' schedules with a linear warm-up, or EDM2's inverse square root:
 
@@ -658,281 +447,6 @@ def make_lr_scheduler(schedule, optimizer, warmup_steps, max_train_steps, ref_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def c_noise_scale_for(net):
-    """UNET_C_NOISE_SCALE for a UNet2DModel or a DiT (also under DDP or torch.compile), else 1.
-
-    Both embed DDPM's t in [0, 1000) with the same sinusoids, so both get the scale; EDM2's
-    networks (and any other network) take c_noise = ln(σ)/4 itself into their Fourier features.
-    Training asks it once, of the bare network, when the objective is built (training.build):
-    the step calls the network through wrappers this function does not look through
-    (compiling.RegionalNetwork).
-    """
-    return UNET_C_NOISE_SCALE if isinstance(unwrapped(net), (UNet2DModel, DiT)) else 1.0
-
-
-def edm_precondition(net, x, sigma, sigma_data=SIGMA_DATA, c_noise_scale=1.0):
-    """The denoiser D(x; σ) = c_skip x + c_out F(c_in x; c_noise), EDM Table 1 / EDM2 eq. 7.
-
-    c_skip = σd² / (σ² + σd²), c_out = σ σd / sqrt(σ² + σd²),
-    c_in = 1 / sqrt(σ² + σd²), c_noise = ln(σ) / 4 (times `c_noise_scale` for the
-    network). `sigma` is a number or one value per image. The skip and output
-    arithmetic is fp32 whatever precision the network runs in (as EDM's Precond).
-    """
-    x = x.float()
-    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1, 1, 1, 1).expand(len(x), 1, 1, 1)
-    c_skip = sigma_data**2 / (sigma**2 + sigma_data**2)
-    c_out = sigma * sigma_data / (sigma**2 + sigma_data**2).sqrt()
-    c_in = 1 / (sigma**2 + sigma_data**2).sqrt()
-    c_noise = sigma.flatten().log() / 4
-    F_x = net(c_in * x, c_noise * c_noise_scale, return_dict=False)[0]
-    return c_skip * x + c_out * F_x.float()
-
-
-class EDMObjective(Objective):
-    """EDM's training loss, with EDM2's learned uncertainty weighting; `loss(net, x0)` is one step's loss,
-    the sum of its terms: "edm", the weighted ‖D - y‖², and with the uncertainty weighting "edm_logvar", u(σ).
-
-    σ: ln σ ~ N(P_mean, P_std²); y = x0, n ~ N(0, σ² I); D = edm_precondition(net, y + n, σ).
-    λ(σ) = (σ² + σd²) / (σ σd)²                        (EDM Table 1: unit effective weight)
-    weighting 'edm':         λ(σ) ‖D - y‖²             (EDM eq. 2 with Table 1's λ)
-    weighting 'uncertainty': λ(σ) / e^u(σ) ‖D - y‖² + u(σ)   (EDM2 eq. 21)
-
-    `c_noise_scale`: what c_noise is multiplied by before the network takes it, c_noise_scale_for(network)
-    of the bare network (UNET_C_NOISE_SCALE for a UNet2DModel or a DiT, 1 for EDM2's networks). It is
-    decided when the objective is built, not from the wrapper the step calls the network through.
-
-    u(σ) is a magnitude-preserving Fourier-feature head on c_noise = ln(σ)/4, as
-    NVlabs/edm2's Precond.logvar_fourier/logvar_linear; its optimum is
-    e^u = λ(σ) E‖D - y‖²: it learns the loss's level at each σ and divides it out,
-    so every σ contributes alike. Its parameters train with the network's
-    (pass `objective.parameters()` to the optimizer), live in checkpoints (the
-    module's state_dict) and never in the saved pipeline, which holds the network alone.
-
-    ‖D - y‖² is the mean over pixels, as ddpm_loss's F.mse_loss. NVlabs sums over
-    pixels (and adds u per pixel): that is C·H·W times this loss with the same
-    minimiser e^u = λ·(pixel mean), a constant Adam does not see; the mean keeps
-    --max_grad_norm meaning the same for both objectives.
-    """
-
-    def __init__(
-        self, P_mean=P_MEAN, P_std=P_STD, sigma_data=SIGMA_DATA, weighting="uncertainty", c_noise_scale=1.0,
-        logvar_channels=128,
-    ):  # fmt: skip
-        super().__init__()
-        if weighting not in LOSS_WEIGHTINGS:
-            raise ConfigError(f"unknown loss weighting '{weighting}': choose {' or '.join(LOSS_WEIGHTINGS)}")
-        if not P_std > 0:
-            raise ConfigError(f"--P_mean_std: P_std must be positive (got {P_std})")
-        if not sigma_data > 0:
-            raise ConfigError(f"sigma_data must be positive (got {sigma_data})")
-        self.P_mean, self.P_std, self.sigma_data, self.weighting = P_mean, P_std, sigma_data, weighting
-        self.c_noise_scale = c_noise_scale  # c_noise_scale_for(the bare network), chosen once by whoever builds this
-        if weighting == "uncertainty":  # EDM2's magnitude-preserving pieces (edm2.py)
-            self.logvar_fourier = edm2.MPFourier(logvar_channels)
-            self.logvar_linear = edm2.MPConv(logvar_channels, 1, kernel=())
-
-    def weight(self, sigma):
-        """λ(σ) = (σ² + σd²) / (σ σd)², EDM Table 1."""
-        return (sigma**2 + self.sigma_data**2) / (sigma * self.sigma_data) ** 2
-
-    def logvar(self, sigma):
-        """u(σ), one value per entry of `sigma` (EDM2 eq. 21)."""
-        c_noise = sigma.float().flatten().log() / 4
-        return self.logvar_linear(self.logvar_fourier(c_noise)).float().flatten()
-
-    def draw_terms(self, net, x0):
-        """The batch means of the loss's terms at fresh σ and noise (drawn on x0's device)."""
-        x0 = x0.float()
-        sigma = (torch.randn(len(x0), device=x0.device) * self.P_std + self.P_mean).exp()
-        noise = self.noise_like(x0)
-        return self.terms_at(net, x0, sigma, noise)
-
-    def terms_at(self, net, x0, sigma, noise):
-        """The terms at given σ (one per image) and unit noise `noise` (scaled by σ here)."""
-        x0, sigma = x0.float(), sigma.float().flatten()
-        noisy = x0 + noise.float() * sigma.view(-1, 1, 1, 1)
-        denoised = edm_precondition(net, noisy, sigma, self.sigma_data, self.c_noise_scale)
-        per_image = ((denoised - x0) ** 2).mean(dim=tuple(range(1, x0.ndim)))
-        if self.weighting == "edm":
-            return {"edm": (self.weight(sigma) * per_image).mean()}
-        u = self.logvar(sigma)
-        return {"edm": (self.weight(sigma) / u.exp() * per_image).mean(), "edm_logvar": u.mean()}
-
-    def loss_at(self, net, x0, sigma, noise):
-        """The loss at given σ and noise: the sum of `terms_at`."""
-        return total_loss(self.terms_at(net, x0, sigma, noise))
-
-
-# --- flow matching ------------------------------------------------------------------------
-# The rectified-flow objective of SiT (Ma et al. 2024) and SD3 (Esser et al. 2024), in diffusers'
-# FlowMatchEulerDiscreteScheduler's convention: x_σ = (1 - σ) x0 + σ ε, the network predicts
-# v = ε - x0 and takes t = σ · 1000.
-
-OBJECTIVES = ("ddpm", "edm", "flow")
-FLOW_P_MEAN, FLOW_P_STD = 0.0, 1.0  # SD3's logit-normal(0, 1), its best-ranked formulation (Esser et al. 2024, Table 1)
-
-
-def parse_objective(text):
-    """'ddpm', 'edm', 'flow' or 'flow:SHIFT' -> (kind, shift); shift None but for flow (1 when not given)."""
-    kind, _, shift = str(text).partition(":")
-    if kind not in OBJECTIVES or (shift and kind != "flow"):
-        raise ConfigError(f"--objective {text}: choose ddpm, edm, flow or flow:SHIFT (SD3's timestep shift, e.g. flow:3)")
-    if kind != "flow":
-        return kind, None
-    try:
-        value = float(shift) if shift else 1.0
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or not math.isfinite(value):
-        raise ConfigError(f"--objective {text}: the shift must be a number greater than 0 (1 is no shift)")
-    return kind, value
-
-
-def objective_kind(objective):
-    """'ddpm', 'edm' or 'flow' of an --objective value (None: ddpm, a run that did not record it)."""
-    return parse_objective(objective or "ddpm")[0]
-
-
-def flow_shift(objective):
-    """The SD3 shift of a flow --objective (1 for plain 'flow'); None for ddpm and edm."""
-    return parse_objective(objective or "ddpm")[1]
-
-
-def canonical_objective(objective):
-    """'flow:3.0' -> 'flow:3', 'flow:1' -> 'flow': one spelling per meaning, as runs record and compare it."""
-    kind, shift = parse_objective(objective)
-    return kind if shift in (None, 1.0) else f"flow:{shift:g}"
-
-
-def shift_sigmas(sigma, shift):
-    """SD3's timestep shift (Esser et al. 2024, eq. 23): σ' = s σ / (1 + (s - 1) σ); s > 1 moves noise levels up."""
-    return shift * sigma / (1 + (shift - 1) * sigma)
-
-
-def make_flow_scheduler(shift=1.0):
-    """diffusers' FlowMatchEulerDiscreteScheduler for a flow run: its Euler sampler, and what a flow run's
-    DDPMPipeline holds, so that `DDPMPipeline.from_pretrained(run)()` samples as train.py's grids do."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=shift)
-
-
-class FlowObjective(Objective):
-    """Flow matching (rectified flow): `loss(net, x0)` = ‖net(x_σ, 1000 σ) - (ε - x0)‖², mean over pixels,
-    its one term "flow".
-
-    σ is drawn logit-normal(P_mean, P_std) (SD3's default (0, 1)), or uniform in [0, 1) with
-    `timestep_sampling="uniform"` (SiT's), then shifted by `shift` (shift_sigmas), as the
-    sampler's schedule is. Drawn on x0's device, so the step needs no host sync.
-
-    `c_noise`: the network takes an EDM2 network's c_noise = logit(σ)/4 instead of t = 1000 σ
-    (flow_timestep). It is takes_c_noise(network) of the bare network, decided when the objective
-    is built, not from the wrapper the step calls the network through.
-    """
-
-    def __init__(self, shift=1.0, timestep_sampling="lognormal", P_mean=FLOW_P_MEAN, P_std=FLOW_P_STD, c_noise=False,
-                 contrast=0.0):  # fmt: skip
-        super().__init__()
-        if timestep_sampling not in TIMESTEP_SAMPLINGS:
-            raise ConfigError(f"unknown --timestep_sampling '{timestep_sampling}': choose {' or '.join(TIMESTEP_SAMPLINGS)}")
-        self.shift, self.timestep_sampling, self.P_mean, self.P_std = shift, timestep_sampling, P_mean, P_std
-        self.c_noise = c_noise
-        self.contrast = contrast  # ΔFM's λ (loss_terms.py's deltafm): 0, no "deltafm" term
-
-    def sigmas(self, n, device):
-        if self.timestep_sampling == "uniform":
-            sigma = torch.rand(n, device=device)
-        else:
-            sigma = torch.sigmoid(torch.randn(n, device=device) * self.P_std + self.P_mean)
-        return shift_sigmas(sigma, self.shift)
-
-    def draw_terms(self, net, x0):
-        x0 = x0.float()
-        sigma, noise = self.sigmas(len(x0), x0.device), self.noise_like(x0)
-        if self.contrast:
-            return self.terms_at(net, x0, sigma, noise)
-        return {"flow": self.loss_at(net, x0, sigma, noise)}
-
-    def predict(self, net, x0, sigma, noise):
-        """The network's velocity at x_σ and its target noise - x0 (σ one per image), fp32."""
-        x0, noise, sigma = x0.float(), noise.float(), sigma.float().flatten()
-        s = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        prediction = net((1 - s) * x0 + s * noise, flow_timestep(sigma, self.c_noise), return_dict=False)[0]
-        return prediction.float(), noise - x0
-
-    def loss_at(self, net, x0, sigma, noise):
-        """The loss at given σ (one per image) and noise."""
-        return F.mse_loss(*self.predict(net, x0, sigma, noise))
-
-    def terms_at(self, net, x0, sigma, noise):
-        """"flow", and with `contrast` λ contrastive flow matching's "deltafm" (Stoica et al. 2025, ΔFM:
-        gstoica27/DeltaFM): -λ ‖v - u_j‖², u_j the target of another image of the batch (the batch's targets
-        rolled by one), so that flow + deltafm = ‖v - u_i‖² - λ ‖v - u_j‖²."""
-        prediction, target = self.predict(net, x0, sigma, noise)
-        terms = {"flow": F.mse_loss(prediction, target)}
-        if self.contrast:
-            terms["deltafm"] = -self.contrast * F.mse_loss(prediction, target.roll(1, 0))
-        return terms
-
-
-def unwrapped(net):
-    """The network inside functools.partial (class labels), torch.compile's and DDP's wrappers."""
-    net = getattr(net, "func", net)
-    net = getattr(net, "_orig_mod", net)
-    return getattr(net, "module", net)
-
-
-def saves_pipeline(config):
-    """Whether a run saves a diffusers DDPMPipeline (a UNet2DModel with DDPM or flow), or its network alone in
-    unet/ (EDM's objective, or an EDM2 network: no diffusers pipeline samples them)."""
-    return config.get("objective") != "edm" and family(config["model"])[0].saves_pipeline
-
-
-# An EDM2 network takes c_noise = ln(σ_EDM) / 4 (EDM2 eq. 7). On the flow path x_σ / (1 - σ) = x0 + σ_EDM ε with
-# σ_EDM = σ / (1 - σ), so a flow run gives it c_noise = logit(σ) / 4: the same noise level, the same input
-# scale to its Fourier features. σ is held inside (FLOW_SIGMA_EDGE, 1 - FLOW_SIGMA_EDGE): σ = 1 (pure noise,
-# the sampler's first step) would be an infinite σ_EDM; the edge is σ_EDM ≈ 10^4, past EDM's σ_max of 80.
-FLOW_SIGMA_EDGE = 1e-4
-
-
-def takes_c_noise(network):
-    """Whether `network`, the bare network as built, takes EDM2's c_noise = ln(σ_EDM)/4 as its time input
-    (an EDM2 network) rather than a timestep on DDPM's scale of 0 to 1000 (a UNet2DModel or a DiT)."""
-    return isinstance(network, EDM2UNet)
-
-
-def flow_timestep(sigma, c_noise=False):
-    """What a network takes for a flow noise level σ: t = 1000 σ, as FlowMatchEulerDiscreteScheduler gives a
-    UNet2DModel or a DiT; with `c_noise` (an EDM2 network, takes_c_noise), c_noise = logit(σ) / 4."""
-    if c_noise:
-        sigma = sigma.clamp(FLOW_SIGMA_EDGE, 1 - FLOW_SIGMA_EDGE)
-        return (sigma / (1 - sigma)).log() / 4
-    return sigma * NUM_TRAIN_TIMESTEPS
-
-
-class FlowTime(torch.nn.Module):
-    """An EDM2 network as a flow sampler calls a network, net(x, t = 1000 σ): it gets flow_timestep's c_noise."""
-
-    def __init__(self, net):
-        super().__init__()
-        self.net, self.config = net, net.config
-
-    def forward(self, x, t, return_dict=False, **kwargs):
-        sigma = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(-1) / NUM_TRAIN_TIMESTEPS
-        return self.net(x, flow_timestep(sigma.expand(len(x)), c_noise=True), return_dict=False, **kwargs)
-
-
-def flow_sigma_distribution(args):
-    """What a flow run's σ draw is, as resume compares it (None for other objectives): 'uniform' or
-    'logit_normal(m,s)'. The shift is in --objective."""
-    if objective_kind(args.get("objective")) != "flow":
-        return None
-    if args.get("timestep_sampling") == "uniform":
-        return "uniform"
-    mean, std = args.get("P_mean_std") or (FLOW_P_MEAN, FLOW_P_STD)
-    return f"logit_normal({float(mean):g},{float(std):g})"
-
-
 def load_network(path):
     """The network saved with `save_pretrained` in folder `path` (config.json + weights), in eval mode.
 
@@ -942,8 +456,5 @@ def load_network(path):
     if not config_file.is_file():
         raise ConfigError(f"{path}: no config.json, so no saved network")
     name = json.loads(config_file.read_text()).get("_class_name")
-    if name == "EDM2UNet":
-        return EDM2UNet.from_pretrained(str(path)).eval()
-    if name in ("DiTTransformer2DModel", "DiT"):
-        return DiT.from_pretrained(str(path)).eval()
-    return UNet2DModel.from_pretrained(str(path)).eval()
+    builds = {"EDM2UNet": EDM2UNet, "DiT": DiT, "DiTTransformer2DModel": DiT}
+    return builds.get(name, UNet2DModel).from_pretrained(str(path)).eval()

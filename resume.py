@@ -18,6 +18,7 @@ import ema as posthoc_ema
 import latents
 import loss_terms
 import model as models
+import objectives
 from errors import ConfigError
 
 # What a checkpoint holds or means: resuming it with any of these changed is
@@ -167,7 +168,7 @@ def saved_identity(start):
     except ConfigError as e:
         raise ConfigError(f"cannot resume {start}: {e}; use --overwrite_output_dir or another --output_dir") from None
     if "flow_sigmas" not in known:  # derived from what the run recorded: none of flow's before flow runs
-        known["flow_sigmas"] = models.flow_sigma_distribution(known)
+        known["flow_sigmas"] = objectives.sigma_distribution(known)
     if "latent_space" not in known and known.get("latents"):  # a latent run of before latent_space
         known["latent_space"] = latents.recorded_latent_space(known)
     saved = {}

@@ -22,6 +22,7 @@ import safetensors.torch
 
 import latents
 import model as models
+import objectives
 import sizes
 from checkpoint import checkpoint_dirs
 
@@ -140,10 +141,6 @@ def save_network(unet, folder, noise_scheduler=None):
     staging.rmdir()
 
 
-OBJECTIVE_WORDS = {"ddpm": "DDPM (Ho et al. 2020)", "edm": "EDM (Karras et al. 2022) with EDM2's loss weighting",
-                   "flow": "flow matching (rectified flow, as SiT and SD3)"}  # fmt: skip
-
-
 def write_model_card(folder, config):
     """folder/README.md: a Hugging Face model card (huggingface_hub.ModelCard) for the run in `folder`, so that
     the output folder is a model repository as it stands: metadata (library diffusers, the pipeline tag, the
@@ -154,13 +151,12 @@ def write_model_card(folder, config):
 
     folder = Path(folder)
     run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
-    objective = config.get("objective") or "ddpm"
-    kind, shift = models.objective_kind(objective), models.flow_shift(objective)
+    kind = objectives.of(config.get("objective"))
     conditional, latent = bool(config.get("num_classes")), bool(config.get("latents"))
     dataset = str(config.get("dataset") or "")
     shown = "the built-in shapes" if dataset == "shapes" else f"`{dataset}`" if dataset else "its data"
     hub_dataset = dataset if dataset.count("/") == 1 and not Path(dataset).exists() else None
-    tags = ["ddpm-train", {"flow": "flow-matching"}.get(kind, kind), "class-conditional" if conditional else "unconditional"]
+    tags = ["ddpm-train", kind.tag, "class-conditional" if conditional else "unconditional"]
     if latent:
         tags.append("latent-diffusion")
     data = ModelCardData(library_name="diffusers", pipeline_tag=None if conditional else "unconditional-image-generation",
@@ -173,9 +169,7 @@ def write_model_card(folder, config):
     bits = config.get("image_bits") or 8
     if kind_of and not latent and (kind_of, bits) != ("RGB", 8):
         size += f", {kind_of} at {bits} bits"
-    objective_line = OBJECTIVE_WORDS[kind] + (f", SD3's timestep shift {shift:g}" if kind == "flow" and shift != 1 else "")
-    if kind == "flow":
-        objective_line += f"; noise levels drawn {config.get('flow_sigmas')}; sampler {config.get('sampler')}"
+    objective_line = kind.card_words(config)
     lines = [
         f"# {config.get('model')} trained with ddpm-train",
         "",
@@ -196,18 +190,16 @@ def write_model_card(folder, config):
     if grids:
         lines += [f"![samples after training](samples/{grids[-1].name})", ""]
     lines += ["## Use", ""]
-    if models.saves_pipeline(config) and not conditional and not latent:
+    if objectives.saves_pipeline(config) and not conditional and not latent:
         lines += ["```python", "from diffusers import DDPMPipeline", "",
                   'pipeline = DDPMPipeline.from_pretrained("USER/REPO")  # or this folder',
                   f"images = pipeline(batch_size=16, num_inference_steps={config.get('num_inference_steps')}).images",
                   "```", ""]  # fmt: skip
-        if kind == "flow":
-            lines += ["The pipeline's scheduler is `FlowMatchEulerDiscreteScheduler`"
-                      f" (shift {shift:g}): the network predicts noise - image at t = 1000 sigma.", ""]  # fmt: skip
+        lines += kind.pipeline_words(config)
     else:
         network = models.family_name(config["model"])
         why = ("a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
-               if kind == "edm" else "a DiT" if network == "dit" else "an EDM2 network")  # fmt: skip
+               if not kind.saves_pipeline else "a DiT" if network == "dit" else "an EDM2 network")  # fmt: skip
         lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER --num_images 16 --output samples/`.", ""]
         square = isinstance(sizes.sample_size(config.get("latent_size") or config.get("image_size")), int)
         if network == "dit" and square:  # docs/dit.md: DiTPipeline takes 1000 classes and DDPM's epsilon only
@@ -251,8 +243,8 @@ class RunDir:
         return (self.config or {}).get(key, default)
 
     def setting(self, name, default):
-        """A setting of the run (config.SETTINGS), as models.run_setting reads it; `default` outside a run."""
-        return models.run_setting(self.config or {}, name, default)
+        """A setting of the run (config.SETTINGS), as objectives.run_setting reads it; `default` outside a run."""
+        return objectives.run_setting(self.config or {}, name, default)
 
     @property
     def objective(self):
@@ -261,9 +253,10 @@ class RunDir:
         if self.config is None:
             saved = self.path / "scheduler" / "scheduler_config.json"
             scheduler = json.loads(saved.read_text()) if saved.is_file() else {}
-            if scheduler.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
-                return models.canonical_objective(f"flow:{scheduler.get('shift', 1.0)}")
-        return self.get("objective", "ddpm")
+            trained = objectives.from_scheduler(scheduler, self.path) if scheduler else None
+            if trained:
+                return trained["objective"]
+        return self.get("objective", objectives.DDPMObjective.name)
 
     @property
     def kept_ema(self):
@@ -325,9 +318,9 @@ class RunDir:
             with torch.no_grad():
                 for parameter, value in zip(unet.parameters(), shadow, strict=True):
                     parameter.copy_(value)
-        if not models.saves_pipeline(config):
+        if not objectives.saves_pipeline(config):
             return unet.eval(), None
-        return unet.eval(), models.run_noise_scheduler(config).config
+        return unet.eval(), objectives.run_noise_scheduler(config).config
 
 
     def decoder(self, device="cpu"):

@@ -26,11 +26,11 @@ copies.png in --output, the most copy-like samples each beside its nearest
 training image (copies.py, docs/copies.md).
 
 The samplers are diffusers schedulers built from the training schedule
-(`make_scheduler`); train.py uses the same ones for its grids and FID. A run
+(`objectives.make_scheduler`); train.py uses the same ones for its grids and FID. A run
 whose train_config.json says "objective": "edm" samples with EDM's
-Heun sampler instead (`edm_heun_sample`, 18 steps by default), stochastic
+Heun sampler instead (`objectives.edm_heun_sample`, 18 steps by default), stochastic
 (`--churn`, EDM's S_churn; 0 for the deterministic one). A flow run samples with
-Euler (its default), Heun or SiT's Euler-Maruyama SDE sampler (`make_flow_sampler`).
+Euler (its default), Heun or SiT's Euler-Maruyama SDE sampler (`objectives.make_flow_sampler`).
 Every sampler takes classifier-free guidance and autoguidance through
 `Guided`, which combines the network's outputs (docs/conditional.md).
 """
@@ -59,6 +59,7 @@ import data
 import latents
 import metrics
 import model as models
+import objectives
 import sizes
 from errors import ConfigError, OneLineParser, one_line_errors
 from rundir import RunDir
@@ -66,283 +67,7 @@ from rundir import RunDir
 if __name__ == "__main__":
     errors.ctrl_c_raises()  # imported: main's own handling from here
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver", "dpmsolver_sde")
-# DPM-Solver++'s stochastic form with 25 steps: fresh noise at each step corrects
-# the errors earlier steps made, at the cost of the deterministic solver (half of
-# DDIM-50's); on the built-in shapes it scored better than either
-# (BENCHMARKS.md; docs/sampling.md: Samplers).
-DEFAULT_SAMPLER = "dpmsolver_sde"
-DEFAULT_STEPS = 25
-# A flow run's samplers: the ODE's, diffusers' FlowMatchEulerDiscreteScheduler and FlowMatchHeunDiscreteScheduler
-# on their grid, and the SDE's, SiT's Euler-Maruyama (FlowEulerMaruyama) (make_flow_sampler). Euler is what the
-# run's DDPMPipeline holds. The default is Euler-Maruyama: at 25 steps it scored ahead of Euler 25 on both seeds
-# of the shapes (BENCHMARKS.md, "Flow matching"), and Heun 25 behind it.
-FLOW_SAMPLERS = ("euler", "heun", "euler_maruyama")
-DEFAULT_FLOW_SAMPLER = "euler_maruyama"
 GRID_IMAGES = 64
-
-
-# --- samplers ------------------------------------------------------------------------
-
-
-def make_scheduler(name, training_config, clip=True):
-    """The sampler `name` for a model trained with the DDPMScheduler config `training_config`.
-
-    Every sampler clips its estimate of the clean image to [-1, 1] at each
-    step. Without that, the estimate x0 = (x_t - sqrt(1 - abar) eps) / sqrt(abar)
-    of a model early in training is far outside the data range at high noise
-    (sqrt(abar) is 0.006 at t = 999), and the solver carries it into the
-    image: on a tiny model after 150 steps, 92% of DPM-Solver++'s pixels and
-    94% of DDIM's were saturated without clipping, 14% and 0.5% with it.
-    DDPM and DDIM call this clip_sample; DPM-Solver++ calls it thresholding,
-    which with sample_max_value=1 is plain clipping (diffusers recommends it
-    for pixel-space models).
-
-    Timesteps are "trailing" (Lin et al. 2024, "Common Diffusion Noise
-    Schedules and Sample Steps are Flawed"): the first step is t = T-1, the
-    noise level x_T ~ N(0, I) actually has. Set explicitly because
-    `from_config` would otherwise carry DDPMScheduler's "leading" over.
-    (diffusers' DDIM steps from t to t - T // steps; when the step count does
-    not divide T that is up to one timestep off the trailing schedule, which
-    is harmless.)
-
-    `clip` False: no clipping, for a latent run (latents are not confined to [-1, 1]; LDM's
-    samplers do not clip them).
-    """
-    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
-
-    if name == "ddpm":
-        # Ancestral sampling, Algorithm 2 of Ho et al. (2020): 1000 steps to be exact.
-        return DDPMScheduler.from_config(training_config, clip_sample=clip, clip_sample_range=1.0)
-    if name == "ddim":
-        # eta = 0: deterministic, so a grid from the same noise changes only as the model does.
-        return DDIMScheduler.from_config(
-            training_config, clip_sample=clip, clip_sample_range=1.0, set_alpha_to_one=True, timestep_spacing="trailing"
-        )
-    if name in ("dpmsolver", "dpmsolver_sde"):
-        return DPMSolverMultistepScheduler.from_config(
-            training_config,
-            # The SDE form adds fresh noise at each step (drawn from the per-image
-            # generators, as DDPM's), which corrects the model's errors of earlier steps.
-            algorithm_type="sde-dpmsolver++" if name == "dpmsolver_sde" else "dpmsolver++",
-            solver_order=2,
-            thresholding=clip,
-            sample_max_value=1.0,
-            timestep_spacing="trailing",
-            lower_order_final=True,  # first order for the last steps when there are < 15: more stable
-            final_sigmas_type="zero",  # the last step lands on the clean image
-        )
-    raise ConfigError(f"unknown --sampler '{name}': choose one of {', '.join(SAMPLERS)}")
-
-
-# --- EDM's sampler ----------------------------------------------------------------------
-# Deterministic Heun, Algorithm 1 of Karras et al. (2022) with S_churn = 0 (as
-# NVlabs/edm2 generate_images.py `edm_sampler`), on the probability-flow ODE
-# dx/dσ = (x - D(x; σ)) / σ (their eq. 3 with σ(t) = t, s(t) = 1).
-
-EDM_STEPS = 18  # EDM's CIFAR-10 setting: 18 steps, 35 network evaluations
-# S_churn of EDM's stochastic sampler (0: deterministic, EDM's CIFAR-10 setting). At 18 steps
-# any value from 7.5 up gives the largest fresh noise per step (γ = √2 - 1: EDM eq. 7's
-# min(S_churn / N, √2 - 1)). On the built-in shapes it scored better than the deterministic
-# sampler (BENCHMARKS.md), as the SDE form of DPM-Solver++ did for DDPM.
-EDM_CHURN = 20.0
-SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0  # EDM Table 1
-
-
-CHURN_HELP = ("an EDM run: S_churn of EDM's stochastic Heun sampler (Karras et al. 2022, Algorithm 2), fresh noise "
-              f"before each step; 0 is the deterministic sampler (default: {EDM_CHURN:g})")
-
-
-def karras_sigmas(num_steps, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO):
-    """EDM eq. 5: σ_i = (σ_max^(1/ρ) + i/(N-1) (σ_min^(1/ρ) - σ_max^(1/ρ)))^ρ for i < N, then σ_N = 0 (float64)."""
-    ramp = torch.linspace(0, 1, num_steps, dtype=torch.float64)
-    sigmas = (sigma_max ** (1 / rho) + ramp * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
-    return torch.cat([sigmas, sigmas.new_zeros(1)])
-
-
-def heun_sample(denoise, noise, sigmas, euler=False, churn=0.0, generators=None):
-    """Integrate the probability-flow ODE from x = noise σ_0 down `sigmas` (ending at 0) with D = denoise(x, σ).
-
-    EDM Algorithm 1, lines 3-8 (deterministic): an Euler step, then the
-    trapezoidal (Heun) correction except on the last step to σ = 0; `euler`
-    skips every correction (for comparison). N steps cost 2N - 1 evaluations.
-
-    `churn` > 0 is EDM's stochastic sampler (Algorithm 2, S_churn): before each
-    step, fresh noise raises σ_i to σ̂ = (1 + γ) σ_i, γ = min(churn / N, √2 - 1),
-    x̂ = x + √(σ̂² - σ_i²) ε (S_noise = 1), and the step runs from σ̂. The noise of
-    image k comes from `generators[k]`, so that an image depends only on its own seed.
-    """
-    sigmas = [float(s) for s in sigmas]  # Python numbers: no device sync in the loop
-    gamma = min(churn / (len(sigmas) - 1), math.sqrt(2) - 1)
-    x = noise.float() * sigmas[0]
-    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-        if gamma > 0:
-            sigma_hat = sigma * (1 + gamma)
-            x = x + math.sqrt(sigma_hat**2 - sigma**2) * image_noise(generators, x.shape[1:], x.device)
-            sigma = sigma_hat
-        d = (x - denoise(x, sigma)) / sigma
-        x_next = x + (sigma_next - sigma) * d
-        if not euler and sigma_next > 0:
-            d_next = (x_next - denoise(x_next, sigma_next)) / sigma_next
-            x_next = x + (sigma_next - sigma) * (d + d_next) / 2
-        x = x_next
-    return x
-
-
-@torch.no_grad()
-def edm_heun_sample(
-    net, noise, num_steps=EDM_STEPS, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO, sigma_data=models.SIGMA_DATA,
-    c_noise_scale=None, generator=None, device=None, euler=False, clip_denoised=True, autocast=contextlib.nullcontext,
-    churn=0.0, generators=None,
-):  # fmt: skip
-    """Images in [-1, 1] from `net` (trained with the EDM objective) by EDM's deterministic Heun sampler.
-
-    `noise`: unit Gaussian noise (N, C, H, W), or a shape to draw it for with
-    `generator` on `device`. `clip_denoised` clips each estimate D(x; σ) of the
-    clean image to [-1, 1], as the seed repository's sampler and every
-    make_scheduler sampler do (it keeps an under-trained model out of saturation).
-    c_noise_scale None: models.c_noise_scale_for(net). `churn` > 0: EDM's stochastic
-    sampler, its fresh noise from `generators` (one per image, required; heun_sample).
-    """
-    if not isinstance(noise, torch.Tensor):
-        noise = torch.randn(tuple(noise), generator=generator, device=device or "cpu")
-    scale = models.c_noise_scale_for(net) if c_noise_scale is None else c_noise_scale
-
-    def denoise(x, sigma):
-        with autocast():
-            denoised = models.edm_precondition(net, x, sigma, sigma_data, scale)
-        return denoised.clamp(-1, 1) if clip_denoised else denoised
-
-    sigmas = karras_sigmas(num_steps, sigma_min, sigma_max, rho)
-    x = heun_sample(denoise, noise.to(network_device(net)), sigmas, euler, churn, generators)
-    return x.clamp(-1, 1) if clip_denoised else x
-
-
-class EDMHeunSampler:
-    """EDM's Heun sampler in the place of a diffusers scheduler: `generate` calls `sample`.
-    `clip`: clip each D(x; σ) to [-1, 1], the range of images (not of latents)."""
-
-    def __init__(self, sigma_data=models.SIGMA_DATA, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO, churn=0.0,
-                 clip=True):  # fmt: skip
-        self.sigma_data, self.sigma_min, self.sigma_max, self.rho = sigma_data, sigma_min, sigma_max, rho
-        self.churn, self.clip = churn, clip
-        self.name = f"edm_heun_churn{churn:g}" if churn > 0 else "edm_heun"
-
-    def sample(self, net, noise, num_steps, autocast=contextlib.nullcontext, generators=None):
-        return edm_heun_sample(
-            net, noise, num_steps, self.sigma_min, self.sigma_max, self.rho, self.sigma_data, autocast=autocast,
-            churn=self.churn, generators=generators, clip_denoised=self.clip,
-        )  # fmt: skip
-
-
-# --- flow's SDE sampler: SiT's Euler-Maruyama ----------------------------------------------
-# SiT (Ma et al. 2024, willisma/SiT transport/) samples the reverse SDE of the linear path whose marginals are the
-# ODE's: in our σ (SiT's time is 1 - σ), with a diffusion coefficient w(σ),
-#     dx = [-v + w(σ) ∇log p_σ(x)] d(-σ) + √(2 w(σ)) dW,    ∇log p_σ(x) = -(x + (1 - σ) v) / σ
-# (the score of x_σ = (1 - σ) x0 + σ ε is -E[ε | x] / σ, and E[ε | x] = x + (1 - σ) v). Its sample.py and
-# sample_ddp.py default (train_utils.parse_sde_args): diffusion form "sigma", w = norm · σ (SiT's path's σ_t)
-# with norm 1; Euler-Maruyama on N - 1 equal steps from σ = 1 to σ = 0.04; then the "Mean" last step of 0.04,
-# the SDE's drift without noise, to σ = 0. N network evaluations in all, as Euler's N steps.
-SDE_DIFFUSION_NORM = 1.0
-SDE_LAST_STEP_SIZE = 0.04
-
-
-def flow_sde_sigmas(num_steps, shift=1.0, last_step_size=SDE_LAST_STEP_SIZE):
-    """The Euler-Maruyama sampler's N noise levels, then 0 (float64): SiT's grid, N equally spaced levels from 1
-    to `last_step_size` (1 alone for N = 1), each moved by SD3's shift (model.shift_sigmas) as training's σ
-    draw is and as Euler's grid is."""
-    sigmas = torch.linspace(1.0, last_step_size, num_steps, dtype=torch.float64)
-    return torch.cat([models.shift_sigmas(sigmas, shift), sigmas.new_zeros(1)])
-
-
-class FlowEulerMaruyama:
-    """SiT's Euler-Maruyama sampler for a flow run, in the place of a diffusers scheduler (`generate` drives it
-    as it drives FlowMatchEulerDiscreteScheduler: set_timesteps, then step per t in timesteps).
-
-    From σ to the next level σ' (Δ = σ - σ' > 0), with the network's v at t = 1000 σ:
-        w = norm · σ,    score = -(x + (1 - σ) v) / σ
-        mean = x + Δ (-v + w · score)
-        x' = mean + √(2 w Δ) z,   z ~ N(0, I) from image k's own generator
-    and on the last step (σ' = 0) x' = mean: SiT's "Mean" last step. Fresh noise at each step makes the
-    images depend on the seeds beyond the starting noise; `generate` passes the per-image generators.
-    """
-
-    name = "euler_maruyama"
-    init_noise_sigma = 1.0  # starts from pure noise at σ = 1
-
-    def __init__(self, shift=1.0, diffusion_norm=SDE_DIFFUSION_NORM, last_step_size=SDE_LAST_STEP_SIZE):
-        self.shift, self.diffusion_norm, self.last_step_size = float(shift), diffusion_norm, last_step_size
-        self.config = dict(shift=self.shift, diffusion_norm=diffusion_norm, last_step_size=last_step_size)
-        self.timesteps = None
-
-    def set_timesteps(self, num_inference_steps, device=None):
-        self.sigmas = flow_sde_sigmas(num_inference_steps, self.shift, self.last_step_size)
-        self.timesteps = (self.sigmas[:-1] * models.NUM_TRAIN_TIMESTEPS).to(device=device, dtype=torch.float32)
-        self._levels = [float(s) for s in self.sigmas]  # Python numbers: no device sync in the loop
-        self._index = 0
-
-    def step(self, model_output, timestep, sample, generator=None, return_dict=True):
-        sigma, sigma_next = self._levels[self._index], self._levels[self._index + 1]
-        self._index += 1
-        x, v = sample.float(), model_output.float()
-        w = self.diffusion_norm * sigma
-        score = -(x + (1 - sigma) * v) / sigma
-        x = x + (sigma - sigma_next) * (-v + w * score)
-        if sigma_next > 0:
-            x = x + math.sqrt(2 * w * (sigma - sigma_next)) * step_noise(generator, x)
-        return SimpleNamespace(prev_sample=x)
-
-
-def step_noise(generator, like):
-    """Unit Gaussian noise shaped as `like`: image k's from generators[k] (a list, as `generate` passes), or
-    from one generator, or the global one for None."""
-    if isinstance(generator, (list, tuple)):
-        return image_noise(generator, like.shape[1:], like.device).to(like.dtype)
-    if generator is None:
-        return torch.randn_like(like)
-    return torch.randn(like.shape, generator=generator, device=generator.device).to(like.device, like.dtype)
-
-
-def make_flow_sampler(name, training_config):
-    """A flow run's sampler `name` (FLOW_SAMPLERS) from its FlowMatchEulerDiscreteScheduler config (its shift).
-
-    Euler and Heun integrate the network's velocity v = ε - x0 as dx/dσ = v on diffusers' grid: N noise levels
-    from σ = 1 down to the shifted σ_min, each shifted (again, for the last: diffusers #13243), then 0. It is
-    the grid DDPMPipeline.from_pretrained(run) samples on, so both give the same images. "euler_maruyama" is
-    SiT's SDE sampler on SiT's grid with the same shift (FlowEulerMaruyama). No clipping: the estimate of x0
-    is not in the loop.
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler
-
-    if name == "euler":
-        return FlowMatchEulerDiscreteScheduler.from_config(training_config)
-    if name == "heun":
-        return FlowMatchHeunDiscreteScheduler.from_config(training_config)
-    if name == "euler_maruyama":
-        return FlowEulerMaruyama(shift=training_config.get("shift", 1.0))
-    raise ConfigError(f"--sampler {name} is DDPM's: a flow run samples with {flow_sampler_names()}")
-
-
-def flow_sampler_names():
-    """'euler, heun or euler_maruyama': the flow samplers, as an error line names them."""
-    return ", ".join(FLOW_SAMPLERS[:-1]) + " or " + FLOW_SAMPLERS[-1]
-
-
-def is_flow_sampler(scheduler):
-    return isinstance(scheduler, FlowEulerMaruyama) or type(scheduler).__name__ in (
-        "FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
-
-
-def make_sampler(objective, name, training_config=None, sigma_data=models.SIGMA_DATA, churn=EDM_CHURN, clip=True):
-    """What samples a run trained with `objective`: EDM's Heun sampler for "edm" (stochastic with
-    `churn` > 0), a flow run's make_flow_sampler, else make_scheduler(name, ...). `clip` False: a
-    latent run's, whose samples are latents, not images in [-1, 1]."""
-    kind = models.objective_kind(objective)
-    if kind == "edm":
-        return EDMHeunSampler(sigma_data, churn=churn, clip=clip)
-    if kind == "flow":
-        return make_flow_sampler(name, training_config or models.run_noise_scheduler(dict(objective=objective)).config)
-    return make_scheduler(name, training_config, clip)
 
 
 # --- guidance -----------------------------------------------------------------------------
@@ -363,19 +88,17 @@ class Guided(torch.nn.Module):
     The combination is linear in what the network outputs: for DDPM the
     eps/v/x0 prediction the sampler reads; for EDM, F of D = c_skip x + c_out F,
     whose coefficients both networks share, so it is the same combination of
-    the denoisers D. `edm` tells it that t is EDM's c_noise = ln(σ)/4, which each
-    network takes at its own scale (model.c_noise_scale_for).
+    the denoisers D. Each network takes t as the sampler gives it: `generate` hands
+    it each network with its own time input (Objective.timed).
     """
 
-    def __init__(self, net, scale=1.0, labels=None, null_label=None, guide=None, edm=False):
+    def __init__(self, net, scale=1.0, labels=None, null_label=None, guide=None):
         super().__init__()
         self.net, self.guide, self.scale = net, guide, float(scale)
-        self.labels, self.null_label, self.edm = labels, null_label, edm
+        self.labels, self.null_label = labels, null_label
         self.config = net.config
 
     def _call(self, net, x, t, labels):
-        if self.edm:
-            t = t * models.c_noise_scale_for(net)
         kwargs = {} if labels is None else dict(class_labels=labels)
         return net(x, t, return_dict=False, **kwargs)[0].float()
 
@@ -406,12 +129,12 @@ def parse_scales(text, flag):
     return scales
 
 
-def guided_network(net, objective, labels=None, scale=1.0, guide=None):
+def guided_network(net, labels=None, scale=1.0, guide=None):
     """`net` as `generate` calls it: itself when there is nothing to guide or condition, else Guided."""
     if labels is None and guide is None:
         return net
     num_classes = models.num_classes_of(net)
-    return Guided(net, scale, labels, models.null_label(num_classes), guide, edm=objective == "edm")
+    return Guided(net, scale, labels, models.null_label(num_classes), guide)
 
 
 def spread_labels(num_classes, count):
@@ -446,9 +169,7 @@ def check_guide(main, guide):
     the same objective, image size, classes and latent space (VAE and normalisation; none for
     pixel runs), and for DDPM the same noise schedule and prediction, since their outputs are
     combined as they are."""
-    keys = ["objective", "image_size", "class_names"]
-    if main.get("objective", "ddpm") == "ddpm":
-        keys += ["prediction_type", "beta_schedule", "num_train_timesteps", "zero_terminal_snr"]
+    keys = ["objective", "image_size", "class_names", *objectives.of(main.get("objective")).same]
     # the latent space as resume compares it: the encoder's weights and the normalisation, not the --vae text
     space, guide_space = latents.recorded_latent_space(main), latents.recorded_latent_space(guide)
     if space != guide_space:
@@ -456,7 +177,7 @@ def check_guide(main, guide):
                           "): guide with a run on the same VAE's latents, normalised the same way")  # fmt: skip
     for key in keys:
         if key == "num_train_timesteps":  # a setting (config.SETTINGS), not a flag
-            a, b = (models.run_setting(config, key, models.NUM_TRAIN_TIMESTEPS) for config in (main, guide))
+            a, b = (objectives.run_setting(config, key, objectives.NUM_TRAIN_TIMESTEPS) for config in (main, guide))
         else:
             a, b = main.get(key), guide.get(key)
         if key == "objective":
@@ -464,10 +185,6 @@ def check_guide(main, guide):
         if a != b:
             raise ConfigError(f"the guide was trained with {key} {b!r}, the model with {a!r}: "
                               f"guide with a run of the same {key.replace('_', ' ')}")  # fmt: skip
-
-
-def network_device(net):
-    return next(iter([*net.parameters(), *net.buffers()])).device
 
 
 def image_shape(net):
@@ -483,11 +200,6 @@ def image_seeds(seed, count):
     return [int(np.random.SeedSequence([seed % 2**64, i]).generate_state(1, np.uint64)[0]) for i in range(count)]
 
 
-def image_noise(generators, shape, device):
-    """A batch of unit Gaussian noise of `shape` per image, image k's drawn from `generators[k]`."""
-    return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
-
-
 def to_pixels(images, bits=8):
     """[-1, 1] floats -> uint8 [0, 255] (or with `bits` 16, uint16 [0, 65,535]) on the CPU, as a PNG stores them."""
     pixels = data.Pixels(bits=bits)
@@ -499,23 +211,21 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
              guidance_scale=1.0, guide=None, decode=None, bits=8):  # fmt: skip
     """uint8 images (len(seeds), C, S, S), uint16 with `bits` 16; image i starts from noise drawn with seed seeds[i].
 
-    `scheduler` is one of make_scheduler's, or an EDMHeunSampler for a network
-    trained with the EDM objective (`make_sampler` picks by the run's objective).
+    `scheduler` is one of objectives.make_scheduler's, or an objectives.EDMHeunSampler for a network
+    trained with the EDM objective (`objectives.make_sampler` picks by the run's objective).
     `labels`: image i's class (a conditional network); `guidance_scale` and
     `guide`: classifier-free guidance or autoguidance (Guided). `decode`: a latent
     run's latents -> images in [-1, 1] (RunDir.decoder: through its VAE).
     """
-    device = network_device(unet)
-    objective = "edm" if isinstance(scheduler, EDMHeunSampler) else "flow" if is_flow_sampler(scheduler) else "ddpm"
-    if objective == "flow":  # an EDM2 network takes its c_noise, not t = 1000 σ (model.flow_timestep)
-        unet = models.FlowTime(unet) if isinstance(models.unwrapped(unet), models.EDM2UNet) else unet
-        if guide is not None and isinstance(models.unwrapped(guide), models.EDM2UNet):
-            guide = models.FlowTime(guide)
+    device = objectives.network_device(unet)
+    kind = objectives.sampled_by(scheduler)  # each network called with its family's time input
+    unet = kind.timed(unet, models.family_of(unet).time_input)
+    guide = None if guide is None else kind.timed(guide, models.family_of(guide).time_input)
     labels = None if labels is None else torch.as_tensor(labels).to(device)
-    unet = guided_network(unet, objective, labels, guidance_scale, guide)
+    unet = guided_network(unet, labels, guidance_scale, guide)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    x = image_noise(generators, image_shape(unet), device)
-    if isinstance(scheduler, EDMHeunSampler):
+    x = objectives.image_noise(generators, image_shape(unet), device)
+    if isinstance(scheduler, objectives.EDMHeunSampler):
         x = scheduler.sample(unet, x, num_inference_steps, autocast, generators)
     else:
         scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history
@@ -592,14 +302,14 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=16, help="images generated at once")
     p.add_argument("--seed", type=int, default=0, help="image i's noise is seeded by (seed, i)")
     p.add_argument(
-        "--sampler", default=None, choices=SAMPLERS + FLOW_SAMPLERS,
-        help=f"diffusers scheduler that samples a DDPM run (default: {DEFAULT_SAMPLER}) or a flow run (default: "
-             f"{DEFAULT_FLOW_SAMPLER}; {flow_sampler_names()}); an EDM run always samples with EDM's Heun sampler",
+        "--sampler", default=None, choices=objectives.SAMPLERS + objectives.FLOW_SAMPLERS,
+        help=f"diffusers scheduler that samples a DDPM run (default: {objectives.DEFAULT_SAMPLER}) or a flow run (default: "
+             f"{objectives.DEFAULT_FLOW_SAMPLER}; {objectives.flow_sampler_names()}); an EDM run always samples with EDM's Heun sampler",
     )  # fmt: skip
-    p.add_argument("--churn", type=float, default=EDM_CHURN, help=CHURN_HELP)
+    p.add_argument("--churn", type=float, default=objectives.EDM_CHURN, help=objectives.CHURN_HELP)
     p.add_argument(
         "--num_inference_steps", type=int, default=None,
-        help=f"sampling steps (default: {DEFAULT_STEPS}; an EDM run {EDM_STEPS} Heun steps, {2 * EDM_STEPS - 1} evaluations)",
+        help=f"sampling steps (default: {objectives.DEFAULT_STEPS}; an EDM run {objectives.EDM_STEPS} Heun steps, {2 * objectives.EDM_STEPS - 1} evaluations)",
     )  # fmt: skip
     p.add_argument(
         "--ema", action=argparse.BooleanOptionalAction, default=None,
@@ -775,27 +485,18 @@ def _run(args, rank, world, group):
             f"{run_dir} holds a network of {image_shape(unet)[0]}-channel latents, in no run folder whose "
             "train_config.json names their VAE: sample it from its run's --output_dir (or a folder inside it)"
         )
-    if source.objective == "edm":
-        steps = args.num_inference_steps or EDM_STEPS
-        sigma_data = source.setting("sigma_data", models.SIGMA_DATA)
-        scheduler = make_sampler("edm", None, sigma_data=sigma_data, churn=args.churn, clip=decode is None)
-        sampler_name = scheduler.name
-    elif models.objective_kind(source.objective) == "flow":
-        steps = args.num_inference_steps or DEFAULT_STEPS
-        sampler_name = args.sampler or DEFAULT_FLOW_SAMPLER
-        scheduler = make_flow_sampler(sampler_name, training_config or models.run_noise_scheduler(config).config)
-    else:
-        steps = args.num_inference_steps or DEFAULT_STEPS
-        args.sampler = args.sampler or DEFAULT_SAMPLER
-        if args.sampler in FLOW_SAMPLERS:
-            raise ConfigError(f"--sampler {args.sampler} samples a flow run; {run_dir} is DDPM's: choose one of {', '.join(SAMPLERS)}")
-        training_config = training_config or models.run_noise_scheduler(config).config  # a DiT saves no pipeline
-        if training_config["num_train_timesteps"] < steps:
-            raise ConfigError(
-                f"--num_inference_steps ({steps}) cannot exceed the model's "
-                f"{training_config['num_train_timesteps']} training timesteps"
-            )
-        scheduler, sampler_name = make_scheduler(args.sampler, training_config, clip=decode is None), args.sampler
+    kind = objectives.of(source.objective)
+    steps, sampler_name = args.num_inference_steps or kind.default_steps, args.sampler or kind.default_sampler
+    if sampler_name not in kind.samplers:
+        owner = next(o for o in objectives.OBJECTIVES.values() if sampler_name in o.samplers)  # the flag's choices
+        raise ConfigError(f"--sampler {sampler_name} samples {owner.run_words}; {run_dir} is {kind.run_words}: "
+                          f"choose one of {', '.join(kind.samplers)}")  # fmt: skip
+    if training_config is None and config is not None:  # a run that saves no pipeline (a DiT's, EDM's)
+        training_config = objectives.run_noise_scheduler(config).config
+    kind.check_steps(steps, training_config)
+    scheduler = kind.sampler(source.objective, sampler_name, training_config, source.setting("sigma_data", objectives.SIGMA_DATA),
+                             args.churn, decode is None)  # fmt: skip
+    sampler_name = getattr(scheduler, "name", sampler_name)  # EDM's: its Heun sampler, with its churn
     labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
     guide = load_guide(args.guide, config, args.device, main=(source, unet)) if args.guide else None
     if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):

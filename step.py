@@ -16,6 +16,7 @@ import torch
 
 import data
 import model as models
+import objectives
 from errors import RunError
 
 
@@ -66,7 +67,7 @@ class TrainStep:
                 net = self.net if labels is None else functools.partial(self.net, class_labels=self.drop_labels(labels))
                 with self.autocast():
                     terms = self.objective.terms(net, x0)
-                    loss = models.total_loss(terms)
+                    loss = objectives.total_loss(terms)
                 self.mark("forward")
                 self._backward(loss)
                 self.mark("backward")

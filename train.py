@@ -51,6 +51,7 @@ import latents
 import memory
 import metrics
 import model as models
+import objectives
 import profiling
 import resume
 import rundir
@@ -225,7 +226,7 @@ def set_up_data(args, processes, unreadable):
     that a bad path or file fails in seconds; a latent run's encoded to latents, or read from their cache.
     `unreadable` (data.Unreadable) counts the images that cannot be read. Too few images for one step: a ConfigError."""
     resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
-    flow_sigmas = models.flow_sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
+    flow_sigmas = objectives.sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
     if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
         source = latent_source(args, unreadable)
         start_from = choose_start(args, processes, source.class_names, source.latent_space, flow_sigmas, resume_from)
@@ -294,7 +295,7 @@ def latent_data(args, source, processes):
     # back to the device, and after_epoch sends it away again (docs/performance.md, Memory).
     vae.to("cpu")
     # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
-    target_std = args.sigma_data if args.objective == "edm" else 1.0
+    target_std = objectives.of(args.objective).data_std(args)
     normalization = latents.normalization(cache, vae, args.latent_normalization, target_std)
     low, high = min(normalization["normalized_std"]), max(normalization["normalized_std"])
     if normalization["kind"] == "vae" and not 0.5 * target_std <= low <= high <= 2 * target_std:
@@ -781,11 +782,11 @@ class Evaluation:
 
     def pipeline_saved(self):
         """Whether output_dir holds the pipeline (or the network) of the run's end."""
-        return (self.output_dir / rundir.pipeline_mark(models.saves_pipeline(vars(self.args)))).is_file()
+        return (self.output_dir / rundir.pipeline_mark(objectives.saves_pipeline(vars(self.args)))).is_file()
 
     def save_network(self, network, folder):
         """`network` into `folder`, as a diffusers pipeline where the run saves one (with its noise schedule)."""
-        rundir.save_network(network, folder, self.pieces.noise_scheduler if models.saves_pipeline(vars(self.args)) else None)
+        rundir.save_network(network, folder, self.pieces.noise_scheduler if objectives.saves_pipeline(vars(self.args)) else None)
 
     def save_pipeline(self, step_number):
         """The EMA weights (or the raw ones) in output_dir, trained for `step_number` steps."""
@@ -794,7 +795,7 @@ class Evaluation:
         except OSError as e:
             note = f"running again saves it from the checkpoint of step {step_number}"
             raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
-        saved = "the pipeline to" if models.saves_pipeline(vars(self.args)) else "the network to"  # EDM, EDM2, DiT: unet/ alone
+        saved = "the pipeline to" if objectives.saves_pipeline(vars(self.args)) else "the network to"  # EDM, EDM2, DiT: unet/ alone
         self.processes.accelerator.print(f"saved {saved} {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
 
     def write_samples(self, epoch):

@@ -17,6 +17,7 @@ import fp8
 import init_from
 import loss_terms
 import model as models
+import objectives
 import sample
 
 
@@ -60,23 +61,13 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
         network.enable_gradient_checkpointing()
     if args.mixed_precision == "fp8":  # a DiT's block linear layers, in place: the same weights (fp8.py)
         fp8.convert(network)
-    if models.objective_kind(args.objective) == "flow":
-        noise_scheduler = models.make_flow_scheduler(models.flow_shift(args.objective))
-    else:
-        noise_scheduler = models.make_noise_scheduler(args.num_train_timesteps, args.beta_schedule, args.prediction_type,
-                                                      args.zero_terminal_snr, latents=bool(args.vae))  # fmt: skip
-    # The network's time input is decided here, from the bare network: the step calls it through wrappers
-    # (torch.compile's, DDP's, compiling.RegionalNetwork) that the objective is not to look through.
-    if args.objective == "edm":
-        objective = models.EDMObjective(*args.P_mean_std, args.sigma_data, args.loss_weighting,
-                                        c_noise_scale=models.c_noise_scale_for(network))  # fmt: skip
-    elif models.objective_kind(args.objective) == "flow":
-        objective = models.FlowObjective(models.flow_shift(args.objective), args.timestep_sampling, *args.P_mean_std,
-                                         c_noise=models.takes_c_noise(network))  # fmt: skip
-    else:
-        objective = models.ddpm_objective(noise_scheduler, args)
+    kind, family = objectives.of(args.objective), models.family(args.model)[0]
+    noise_scheduler = kind.noise_scheduler(vars(args))
+    # The network's time input is its family's (model.Family.time_input), not read off the wrappers the step
+    # calls it through (torch.compile's, DDP's, compiling.RegionalNetwork).
+    objective = kind.from_args(args, family.time_input, noise_scheduler)
     # --loss_terms (config.resolve checked where they apply): their blocks' hooks go on the bare network
-    objective = loss_terms.attach(objective, network, models.family(args.model)[0], loss_terms.parse(args.loss_terms))
+    objective = loss_terms.attach(objective, network, family, loss_terms.parse(args.loss_terms))
     objective.to(device)
     # Fused AdamW: one kernel for all parameters, and it can skip a step on the device
     # (step.NonFiniteGuard), so a NaN costs no host sync per step. channels_last converts
@@ -96,7 +87,7 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     ema = posthoc_ema.make_ema(args, network, write=write_ema, foreach=ema_foreach)
     if ema is not None:
         ema.to(device)
-    sampling_scheduler = sample.make_sampler(args.objective, args.sampler, noise_scheduler.config, args.sigma_data,
+    sampling_scheduler = objectives.make_sampler(args.objective, args.sampler, noise_scheduler.config, args.sigma_data,
                                              args.churn, clip=not args.vae)  # latents are not clipped to [-1, 1]
     return Pieces(network, model, noise_scheduler, objective, optimizer, lr_scheduler, ema, sampling_scheduler,
                   started_from)

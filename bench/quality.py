@@ -42,6 +42,7 @@ import torch
 
 import config
 import model as models
+import objectives
 import profiling
 import sample
 from bench import faces, labelled
@@ -203,11 +204,10 @@ def prepare_data(args, work):
 
 
 def sampler_flags(run_config):
-    """sample.py's flags that sample as the run sampled its grids: its sampler and steps (EDM: its churn)."""
+    """sample.py's flags that sample as the run sampled its grids: its sampler, steps and churn (EDM's)."""
     steps = ["--num_inference_steps", str(run_config["num_inference_steps"])] if run_config.get("num_inference_steps") else []
-    if models.objective_kind(run_config.get("objective", "ddpm")) == "edm":
-        return [*steps, "--churn", str(run_config.get("churn", 0))]
-    return [*steps, "--sampler", run_config["sampler"]] if run_config.get("sampler") else steps
+    sampler = ["--sampler", run_config["sampler"]] if run_config.get("sampler") else []
+    return [*steps, *sampler, "--churn", str(run_config.get("churn", 0))]  # the churn: EDM's Heun sampler's alone
 
 
 def score_checkpoint(args, checkpoint, run_config, scorer, generated):

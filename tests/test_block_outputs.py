@@ -7,18 +7,19 @@ import torch
 
 import compiling
 import model as models
+import objectives
 
 PRESETS = ("tiny", "edm2tiny", "dit-tiny")  # one network of each family
 
 
-class WithMiddleBlock(models.FlowObjective):
+class WithMiddleBlock(objectives.FlowObjective):
     """Flow matching plus a term on the middle repeated block's output: its mean square (a stand-in for a
     representation loss such as issue 66's)."""
 
     def __init__(self, network):
-        super().__init__(c_noise=models.takes_c_noise(network))
-        self.middle = models.block_names(network)[len(models.block_names(network)) // 2]
-        self.blocks = models.BlockOutputs(network, [self.middle])
+        super().__init__(c_noise=models.family_of(network).time_input == "c_noise")
+        self.middle = objectives.block_names(network)[len(objectives.block_names(network)) // 2]
+        self.blocks = objectives.BlockOutputs(network, [self.middle])
 
     def terms(self, net, x0):
         terms = super().terms(net, x0)
@@ -40,7 +41,7 @@ def test_a_term_reads_a_blocks_output_alike_in_every_compile_scope(preset, monke
             torch.manual_seed(1)
             terms = objective.terms(net, torch.rand(2, network.config.in_channels, 16, 16) * 2 - 1)
         terms["middle"].backward()
-        first_block = dict(network.named_modules())[models.block_names(network)[0]]
+        first_block = dict(network.named_modules())[objectives.block_names(network)[0]]
         first = next(p for p in first_block.parameters() if p.grad is not None)  # before the middle block: reached
         results[scope] = terms["flow"].item(), terms["middle"].item(), first.grad.clone()
         assert not objective.blocks.outputs  # read once, nothing left over for the next call

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 import config
 import ema as posthoc_ema
 import model as models
+import objectives
 import sample
 import train
 from conftest import ROOT
@@ -49,8 +50,8 @@ def test_an_edm2_run_writes_grids_checkpoints_and_a_network_that_sample_py_and_e
     assert not any("logvar" in k for k in load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors")))
 
     result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--output", str(tmp_path / "gen")]))
-    assert result["sampler"] == sample.EDMHeunSampler(churn=sample.EDM_CHURN).name
-    assert result["num_inference_steps"] == sample.EDM_STEPS
+    assert result["sampler"] == objectives.EDMHeunSampler(churn=objectives.EDM_CHURN).name
+    assert result["num_inference_steps"] == objectives.EDM_STEPS
     assert (tmp_path / "gen" / "grid.png").is_file()
     # EDM's stochastic sampler: other images than the ODE's from the same noise, each image its own noise
     def churned(churn, batch_size, folder):

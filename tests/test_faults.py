@@ -30,6 +30,7 @@ import flops
 import forked
 import metrics
 import model as models
+import objectives
 import rundir
 import train
 from conftest import ROOT
@@ -244,8 +245,8 @@ def inject_nan_at_call(monkeypatch, call):
 
         return loss
 
-    monkeypatch.setattr(models, "ddpm_loss", poisoned(models.ddpm_loss))
-    monkeypatch.setattr(models.FlowObjective, "loss", poisoned(models.FlowObjective.loss))
+    monkeypatch.setattr(objectives, "ddpm_loss", poisoned(objectives.ddpm_loss))
+    monkeypatch.setattr(objectives.FlowObjective, "loss", poisoned(objectives.FlowObjective.loss))
 
 
 def adam_steps(checkpoint_dir):

@@ -11,6 +11,7 @@ from PIL import Image
 
 import config
 import model as models
+import objectives
 import resume as rules
 import sample
 from errors import ConfigError
@@ -37,7 +38,7 @@ def test_the_loss_is_zero_for_the_true_velocity_at_t_1000_sigma():
 
         return forward
 
-    objective = models.FlowObjective(shift=3.0)
+    objective = objectives.FlowObjective(shift=3.0)
     assert objective.loss_at(network(noise - x0), x0, sigma, noise).item() < 1e-10
     x, t = seen[0]
     s = sigma.view(-1, 1, 1, 1)
@@ -50,10 +51,10 @@ def test_the_loss_is_zero_for_the_true_velocity_at_t_1000_sigma():
 def test_sigma_is_logit_normal_then_shifted(shift):
     """logit(σ) ~ N(0, 1) has median 1/2; the shift moves it to s / (1 + s) (3 -> 0.75), as SD3's eq. 23."""
     torch.manual_seed(0)
-    sigma = models.FlowObjective(shift=shift).sigmas(20000, "cpu")
+    sigma = objectives.FlowObjective(shift=shift).sigmas(20000, "cpu")
     assert 0 < sigma.min() and sigma.max() < 1
     assert sigma.median().item() == pytest.approx(shift / (1 + shift), abs=0.01)
-    uniform = models.FlowObjective(shift=1.0, timestep_sampling="uniform").sigmas(20000, "cpu")
+    uniform = objectives.FlowObjective(shift=1.0, timestep_sampling="uniform").sigmas(20000, "cpu")
     assert uniform.mean().item() == pytest.approx(0.5, abs=0.01) and uniform.std().item() == pytest.approx(12**-0.5, abs=0.01)
 
 
@@ -67,7 +68,7 @@ class PointVelocity(torch.nn.Module):
     def __init__(self, c):
         super().__init__()
         self.c = c
-        self.config = dict(sample_size=c.shape[-1], in_channels=c.shape[0])
+        self.config = dict(sample_size=c.shape[-1], in_channels=c.shape[0], _class_name="UNet2DModel")  # takes t
         self.dummy = torch.nn.Parameter(torch.zeros(()))
 
     def forward(self, x, t, return_dict=False):
@@ -79,7 +80,7 @@ class PointVelocity(torch.nn.Module):
 @pytest.mark.parametrize("shift", [1.0, 3.0])
 def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
-    scheduler = sample.make_flow_sampler(name, models.make_flow_scheduler(shift).config)
+    scheduler = objectives.make_flow_sampler(name, objectives.make_flow_scheduler(shift).config)
     images = sample.generate(PointVelocity(c), scheduler, [0, 1], 5)
     assert (images.float() - sample.to_pixels(c[None]).float()).abs().max() <= 1
 
@@ -87,7 +88,7 @@ def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
 def euler_maruyama_ends(c, seeds, steps, shift=1.0):
     """The float samples (before uint8) of SiT's Euler-Maruyama on PointVelocity(c), through sample.generate."""
     ends = []
-    scheduler = sample.make_flow_sampler("euler_maruyama", models.make_flow_scheduler(shift).config)
+    scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler(shift).config)
     sample.generate(PointVelocity(c), scheduler, seeds, steps, decode=lambda x: ends.append(x) or x)
     return ends[0]
 
@@ -101,14 +102,14 @@ def test_euler_maruyama_lands_near_the_one_image_as_steps_grow(shift):
     c = torch.linspace(-0.9, 0.9, 3 * 8 * 8).view(3, 8, 8)
     seeds = list(range(16))
     rms = {n: (euler_maruyama_ends(c, seeds, n, shift) - c).pow(2).mean().sqrt().item() for n in (3, 10, 200)}
-    last = models.shift_sigmas(sample.SDE_LAST_STEP_SIZE, shift)
+    last = objectives.shift_sigmas(objectives.SDE_LAST_STEP_SIZE, shift)
     assert rms[3] > rms[10] > rms[200] and rms[200] == pytest.approx(last, rel=0.15), rms
     error = (euler_maruyama_ends(c, seeds, 200, shift) - c).flatten()
     start = torch.stack([torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(s)) for s in seeds]).flatten()
     assert abs(torch.corrcoef(torch.stack([error, start]))[0, 1].item()) < 0.2
-    scheduler = sample.make_flow_sampler("euler_maruyama", models.make_flow_scheduler(shift).config)
+    scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler(shift).config)
     scheduler.set_timesteps(5)  # SiT's grid 1, 0.76, 0.52, 0.28, 0.04, shifted as Euler's and training's σ
-    grid = models.shift_sigmas(torch.tensor([1.0, 0.76, 0.52, 0.28, 0.04]), shift)
+    grid = objectives.shift_sigmas(torch.tensor([1.0, 0.76, 0.52, 0.28, 0.04]), shift)
     assert torch.allclose(scheduler.timesteps, 1000 * grid) and scheduler.sigmas[-1] == 0
 
 
@@ -116,7 +117,7 @@ def test_euler_maruyama_draws_its_noise_from_the_seeds():
     """Same seeds, same images; other seeds, other images; image i's noise (the start and every step's)
     from its own seed, whatever else is in the batch."""
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
-    scheduler = sample.make_flow_sampler("euler_maruyama", models.make_flow_scheduler().config)
+    scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler().config)
     images = sample.generate(PointVelocity(c), scheduler, [0, 1, 2], 4)
     assert torch.equal(images, sample.generate(PointVelocity(c), scheduler, [0, 1, 2], 4))
     assert not torch.equal(images, sample.generate(PointVelocity(c), scheduler, [3, 4, 5], 4))
@@ -147,7 +148,7 @@ def test_a_flow_pipeline_outside_its_run_samples_as_flow_and_guides_only_flow(fl
     assert sample.RunDir(alone).config is None and sample.RunDir(alone).objective == "flow:3"
     result = sample.main(sample.parse_args([str(alone), "--num_images", "1", "--num_inference_steps", "2",
                                             "--output", str(tmp_path / "s")]))  # fmt: skip
-    assert result["sampler"] == sample.DEFAULT_FLOW_SAMPLER
+    assert result["sampler"] == objectives.DEFAULT_FLOW_SAMPLER
     ddpm = tmp_path / "ddpm"
     train(ddpm, "--max_train_steps", 1, "--checkpointing_steps", 1)
     for model, guide in ((ddpm, alone), (alone, ddpm)):
@@ -172,7 +173,7 @@ def test_a_flow_run_saves_a_pipeline_that_diffusers_samples_as_train_py_does(flo
     seeds = [5, 6, 7]
     theirs = pipeline(batch_size=3, generator=[torch.Generator().manual_seed(s) for s in seeds], num_inference_steps=6,
                       output_type="np").images  # fmt: skip
-    scheduler = sample.make_flow_sampler("euler", pipeline.scheduler.config)
+    scheduler = objectives.make_flow_sampler("euler", pipeline.scheduler.config)
     ours = sample.generate(pipeline.unet, scheduler, seeds, 6).permute(0, 2, 3, 1).numpy()
     assert np.abs(np.round(theirs * 255) - ours.astype(np.float64)).max() <= 1
     assert ours.std() > 5  # images, not a constant
@@ -184,8 +185,8 @@ def test_sample_py_samples_a_flow_run_with_each_flow_sampler(flow_run, tmp_path)
                                        "--sampler", name, "--output", str(tmp_path / folder), *flags]))  # fmt: skip
         return np.asarray(Image.open(tmp_path / folder / "000001.png"))
 
-    first = [images(name, name) for name in sample.FLOW_SAMPLERS]
-    assert sample.FLOW_SAMPLERS == ("euler", "heun", "euler_maruyama")
+    first = [images(name, name) for name in objectives.FLOW_SAMPLERS]
+    assert objectives.FLOW_SAMPLERS == ("euler", "heun", "euler_maruyama")
     assert all(not np.array_equal(a, b) for i, a in enumerate(first) for b in first[i + 1 :])  # each its own sampler
     assert np.array_equal(images("euler_maruyama", "again"), first[2])  # the SDE's noise: the seed's
     assert not np.array_equal(images("euler_maruyama", "seed1", "--seed", "1"), first[2])
@@ -194,11 +195,11 @@ def test_sample_py_samples_a_flow_run_with_each_flow_sampler(flow_run, tmp_path)
     assert stopped.value.code == 2
 
 
-@pytest.mark.parametrize("name", sample.FLOW_SAMPLERS)
+@pytest.mark.parametrize("name", objectives.FLOW_SAMPLERS)
 def test_sample_py_refuses_a_flow_sampler_for_a_ddpm_run_in_one_line(tmp_path, capsys, name):
     from diffusers import DDPMPipeline
 
-    DDPMPipeline(unet=models.build_network("tiny", 16), scheduler=models.make_noise_scheduler()).save_pretrained(tmp_path / "ddpm")
+    DDPMPipeline(unet=models.build_network("tiny", 16), scheduler=objectives.make_noise_scheduler()).save_pretrained(tmp_path / "ddpm")
     with pytest.raises(SystemExit) as stopped:
         sample.main(sample.parse_args([str(tmp_path / "ddpm"), "--sampler", name, "--output", str(tmp_path / "out")]))
     err = capsys.readouterr().err.strip().splitlines()
@@ -262,9 +263,9 @@ def test_bad_flow_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, says):
 
 
 def test_the_shift_is_spelled_one_way():
-    assert [models.canonical_objective(x) for x in ("flow", "flow:1", "flow:3.0", "flow:0.5")] == ["flow", "flow", "flow:3", "flow:0.5"]
+    assert [objectives.canonical_objective(x) for x in ("flow", "flow:1", "flow:3.0", "flow:0.5")] == ["flow", "flow", "flow:3", "flow:0.5"]
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", "--objective", "flow:3.0"]))
-    assert args.objective == "flow:3" and args.sampler == sample.DEFAULT_FLOW_SAMPLER and args.prediction_type is None
+    assert args.objective == "flow:3" and args.sampler == objectives.DEFAULT_FLOW_SAMPLER and args.prediction_type is None
     assert config.resolve(args) is args and args.objective == "flow:3"  # idempotent
 
 
@@ -319,8 +320,8 @@ def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path
     sigma = torch.tensor([0.0, 0.5, 1 - 1 / 81, 1.0])
     network = models.build_network("edm2tiny", 16)
     assert isinstance(network, EDM2UNet)
-    assert models.takes_c_noise(network)
-    c_noise = models.flow_timestep(sigma, c_noise=True)
+    assert models.family_of(network).time_input == "c_noise"
+    c_noise = objectives.flow_timestep(sigma, c_noise=True)
     assert torch.isfinite(c_noise).all() and c_noise[1] == 0 and c_noise[2].item() == pytest.approx(np.log(80) / 4)
     out = tmp_path / "run"
     train(out, "--model", "edm2tiny", "--objective", "flow", "--max_train_steps", 4, "--save_images_epochs", 1)
@@ -353,21 +354,21 @@ RECORD_EACH_RANK = """
 import json, os, sys
 sys.path.insert(0, {root!r})
 import torch
-import model, rundir, train
+import model, objectives, rundir, train
 log = open(os.path.join({record!r}, "rank" + os.environ["RANK"] + ".jsonl"), "a", buffering=1)
-sigmas, loss_at, save_network = model.FlowObjective.sigmas, model.FlowObjective.loss_at, rundir.save_network
+sigmas, loss_at, save_network = objectives.FlowObjective.sigmas, objectives.FlowObjective.loss_at, rundir.save_network
 def drawn(self, n, device):
     sigma = sigmas(self, n, device)
     log.write(json.dumps(dict(sigma=sigma.tolist())) + "\\n")
     return sigma
 def loss(self, net, x0, sigma, noise):
-    weights = sum(p.double().sum().item() for p in model.unwrapped(net).parameters())
+    weights = sum(p.double().sum().item() for p in net.parameters())  # DDP's wrapper: the same parameters
     log.write(json.dumps(dict(images=x0.double().sum().item(), weights=weights)) + "\\n")
     return loss_at(self, net, x0, sigma, noise)
 def saved(*args, **kwargs):
     log.write(json.dumps(dict(saved=True)) + "\\n")
     return save_network(*args, **kwargs)
-model.FlowObjective.sigmas, model.FlowObjective.loss_at, rundir.save_network = drawn, loss, saved
+objectives.FlowObjective.sigmas, objectives.FlowObjective.loss_at, rundir.save_network = drawn, loss, saved
 train.main(train.parse_args(sys.argv[1:]))
 """
 

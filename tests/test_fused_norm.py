@@ -105,6 +105,7 @@ def unet_checks(batch=2):
 
     import fused_norm
     import model
+    import objectives
 
     calls = []
     original = fused_norm._fwd
@@ -137,7 +138,7 @@ def unet_checks(batch=2):
     with tempfile.TemporaryDirectory() as tmp:
         fused.save_pretrained(Path(tmp, "unet"))
         loaded = UNet2DModel.from_pretrained(Path(tmp, "unet")).double()
-        pipeline = DDPMPipeline(unet=fused, scheduler=model.make_noise_scheduler())
+        pipeline = DDPMPipeline(unet=fused, scheduler=objectives.make_noise_scheduler())
         pipeline.save_pretrained(Path(tmp, "pipeline"))
         reloaded = DDPMPipeline.from_pretrained(Path(tmp, "pipeline")).unet.double()
     fused.eval()

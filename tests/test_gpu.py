@@ -11,6 +11,7 @@ import torch
 import compiling
 import loss_terms
 import model as models
+import objectives
 import step as steps
 from test_step import assert_same_change, batches, shadows, tiny_parts
 from test_train import run, tensors_of
@@ -95,7 +96,7 @@ def test_the_loss_terms_train_alike_under_a_cuda_graph(graph_mode):
 
     def objective_of(unet):
         terms = loss_terms.parse("dispersive:0.25,deltafm:0.05,immiscible:8")
-        return loss_terms.attach(models.FlowObjective(), unet, models.FAMILIES["unet"], terms)
+        return loss_terms.attach(objectives.FlowObjective(), unet, models.FAMILIES["unet"], terms)
 
     assert_terms_train_alike_captured(graph_mode, objective_of, "dispersive")
 

@@ -14,6 +14,7 @@ import torch
 
 import latents
 import model as models
+import objectives
 import sample
 from test_edm_train import same
 from errors import ConfigError
@@ -29,7 +30,7 @@ class GaussianDenoiser(torch.nn.Module):
         self.register_buffer("means", torch.tensor(means, dtype=torch.float64))
         self.register_buffer("stds", torch.tensor(stds, dtype=torch.float64))
         classes = len(means) - 1
-        self.config = dict(in_channels=1, sample_size=size, num_classes=classes)
+        self.config = dict(in_channels=1, sample_size=size, num_classes=classes, _class_name="EDM2UNet")  # takes c_noise
 
     def exact(self, x, sigma, labels=None):
         index = torch.zeros(len(x), dtype=torch.long) if labels is None else labels
@@ -39,7 +40,7 @@ class GaussianDenoiser(torch.nn.Module):
 
     def forward(self, x_in, c_noise, class_labels=None, return_dict=False):
         sigma = (4 * torch.as_tensor(c_noise, dtype=torch.float64)).exp().reshape(-1, 1, 1, 1).expand(len(x_in), 1, 1, 1)
-        sd = models.SIGMA_DATA
+        sd = objectives.SIGMA_DATA
         c_in = 1 / (sigma**2 + sd**2).sqrt()
         x = x_in.double() / c_in
         c_skip, c_out = sd**2 / (sigma**2 + sd**2), sigma * sd / (sigma**2 + sd**2).sqrt()
@@ -47,7 +48,7 @@ class GaussianDenoiser(torch.nn.Module):
 
 
 def denoise(net, x, sigma):
-    return models.edm_precondition(net, x, sigma).double()
+    return objectives.edm_precondition(net, x, sigma).double()
 
 
 @pytest.mark.parametrize("w", [0.0, 1.0, 2.5])
@@ -55,7 +56,7 @@ def test_classifier_free_guidance_combines_the_exact_denoisers(w):
     net = GaussianDenoiser(means=[-0.5, 0.7, 0.1], stds=[0.3, 0.4, 0.6])  # classes 0, 1; null 2
     x, sigma = torch.randn(6, 1, 4, 4), 1.3
     labels = torch.tensor([0, 1, 0, 1, 1, 0])
-    guided = sample.guided_network(net, "edm", labels, w)
+    guided = sample.guided_network(net, labels, w)
     cond, uncond = net.exact(x, sigma, labels), net.exact(x, sigma, torch.full_like(labels, 2))
     torch.testing.assert_close(denoise(guided, x, sigma), uncond + w * (cond - uncond), atol=1e-5, rtol=1e-5)
 
@@ -65,7 +66,7 @@ def test_autoguidance_combines_the_exact_denoisers(w):
     main = GaussianDenoiser(means=[0.2], stds=[0.5])
     guide = GaussianDenoiser(means=[0.0], stds=[0.9])  # a worse model: too wide, off-centre
     x, sigma = torch.randn(5, 1, 4, 4), 0.7
-    guided = sample.guided_network(main, "edm", None, w, guide)
+    guided = sample.guided_network(main, None, w, guide)
     expected = main.exact(x, sigma) * w + guide.exact(x, sigma) * (1 - w)
     torch.testing.assert_close(denoise(guided, x, sigma), expected, atol=1e-5, rtol=1e-5)
 
@@ -77,7 +78,7 @@ def test_autoguidance_pulls_samples_away_from_the_guide():
     seeds = list(range(8))
     spread = {}
     for w in (1.0, 2.0):
-        images = sample.generate(main, sample.EDMHeunSampler(), seeds, 32, guidance_scale=w, guide=guide)
+        images = sample.generate(main, objectives.EDMHeunSampler(), seeds, 32, guidance_scale=w, guide=guide)
         spread[w] = (images.float() / 127.5 - 1).std().item()
     assert abs(spread[1.0] - 0.5) < 0.05, spread
     assert spread[2.0] < spread[1.0] - 0.05, spread
@@ -92,7 +93,7 @@ def test_ddpm_guidance_one_is_the_conditional_model_and_zero_the_unconditional()
     unet, seeds = tiny_conditional_unet(), [1, 2, 3, 4]
     labels = torch.tensor([0, 1, 2, 0])
     null = torch.full_like(labels, models.null_label(3))
-    scheduler = sample.make_scheduler("ddim", models.make_noise_scheduler().config)
+    scheduler = objectives.make_scheduler("ddim", objectives.make_noise_scheduler().config)
 
     def run(labels, w):
         return sample.generate(unet, scheduler, seeds, 4, labels=labels, guidance_scale=w)

@@ -5,6 +5,7 @@ tiny train.py run that logs its term and keeps it on resume."""
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import compiling
 import config
 import loss_terms
 import model as models
+import objectives
 import resume as rules
 from errors import ConfigError
 from test_train import TINY, run, scalars
@@ -23,11 +25,11 @@ PRESETS = ("tiny", "edm2tiny", "dit-tiny")  # one network of each family
 
 def objective_for(network, kind="flow"):
     """The objective `kind` as training.build makes it for the bare `network`."""
-    if kind == "edm":
-        return models.EDMObjective(c_noise_scale=models.c_noise_scale_for(network))
     if kind == "ddpm":
-        return models.DDPMObjective(models.make_noise_scheduler())
-    return models.FlowObjective(c_noise=models.takes_c_noise(network))
+        return objectives.DDPMObjective(objectives.make_noise_scheduler())
+    args = SimpleNamespace(objective=kind, P_mean_std=[-1.2, 1.2], sigma_data=0.5, loss_weighting="uncertainty",
+                           timestep_sampling="lognormal")  # fmt: skip
+    return objectives.of(kind).from_args(args, models.family_of(network).time_input, None)
 
 
 def with_terms(preset, text, kind="flow"):
@@ -100,7 +102,7 @@ def test_where_each_term_applies_it_resolves_to_its_spelling():
 
 def test_each_family_names_its_middle_block_and_layersyncs_blocks_scaled_to_its_depth():
     family = lambda preset: models.family(preset)[0]  # noqa: E731
-    names = lambda preset: models.block_names(models.build_network(preset, 32))  # noqa: E731
+    names = lambda preset: objectives.block_names(models.build_network(preset, 32))  # noqa: E731
     assert family("small").middle_block(names("small")) == "mid_block.resnets.1"  # the mid-block's output
     assert family("edm2small").middle_block(names("edm2small")) == "dec.8x8_in1"
     dit = [f"transformer_blocks.{i}" for i in range(28)]
@@ -145,7 +147,7 @@ def test_dispersive_and_the_nearest_noise_keep_fp32_under_autocast():
     x0 = (draws[0] + draws[1]) / 2 + 1e-4 * (draws[0] - draws[1])  # nearer the first, by 0.8 in 4,000
     torch.manual_seed(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(models.nearest_noise(x0, 2), draws[0])
+        assert torch.equal(objectives.nearest_noise(x0, 2), draws[0])
 
 
 def test_layersync_is_the_mean_negative_cosine_and_no_gradient_reaches_the_deep_block():
@@ -172,12 +174,12 @@ def test_deltafm_is_the_flow_error_less_lambda_times_the_error_against_another_i
     x0, noise, sigma = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4), torch.rand(3)
     velocity = torch.randn(3, 2, 4, 4)
     net = lambda x, t, return_dict=False: (velocity,)  # noqa: E731
-    terms = models.FlowObjective(contrast=0.05).terms_at(net, x0, sigma, noise)
+    terms = objectives.FlowObjective(contrast=0.05).terms_at(net, x0, sigma, noise)
     target = noise - x0
     assert terms["flow"].item() == pytest.approx(((velocity - target) ** 2).mean().item(), rel=1e-6)
     other = torch.stack([target[2], target[0], target[1]])  # each image's j: the one before it, the first's the last
     assert terms["deltafm"].item() == pytest.approx(-0.05 * ((velocity - other) ** 2).mean().item(), rel=1e-6)
-    assert list(models.FlowObjective().terms_at(net, x0, sigma, noise)) == ["flow"]  # no contrast, no term
+    assert list(objectives.FlowObjective().terms_at(net, x0, sigma, noise)) == ["flow"]  # no contrast, no term
 
 
 def test_immiscible_gives_each_image_the_nearest_of_its_draws():
@@ -186,14 +188,14 @@ def test_immiscible_gives_each_image_the_nearest_of_its_draws():
     chosen = [5, 0, 7]
     x0 = torch.stack([draws[j, b] for b, j in enumerate(chosen)]) + 0.01  # each image next to one of its draws
     torch.manual_seed(0)
-    assert torch.equal(models.nearest_noise(x0, 8), torch.stack([draws[j, b] for b, j in enumerate(chosen)]))
+    assert torch.equal(objectives.nearest_noise(x0, 8), torch.stack([draws[j, b] for b, j in enumerate(chosen)]))
     x0 = torch.randn(3, 2, 4, 4)
     torch.manual_seed(0)
-    picked = models.nearest_noise(x0, 8)
+    picked = objectives.nearest_noise(x0, 8)
     distance = ((draws - x0) ** 2).flatten(2).sum(-1)  # [k, B]
     assert torch.equal(picked, draws[distance.argmin(0), torch.arange(3)])
     # on the device, no host sync: one graph, no break
-    compiled = torch.compile(models.nearest_noise, backend="eager", fullgraph=True)
+    compiled = torch.compile(objectives.nearest_noise, backend="eager", fullgraph=True)
     assert compiled(x0, 8).shape == x0.shape
 
 
@@ -203,7 +205,7 @@ def test_immiscible_is_the_noise_each_objective_trains_on(kind):
     assert objective.noise_draws == 4 and not objective.readers
     x0 = images(network)
     torch.manual_seed(3)
-    expected = models.nearest_noise(x0.float(), 4)
+    expected = objectives.nearest_noise(x0.float(), 4)
     torch.manual_seed(3)
     assert torch.equal(objective.noise_like(x0.float()), expected)
     seen = []
@@ -257,7 +259,7 @@ def test_the_terms_are_alike_eager_and_compiled_whole_or_by_block(preset, monkey
             net = {"eager": network, "whole": torch.compile(network), "regional": compiling.RegionalNetwork(network)}[scope]
             torch.manual_seed(1)
             terms = objective.terms(net, images(network))
-        models.total_loss(terms).backward()
+        objectives.total_loss(terms).backward()
         first = next(p for p in network.parameters() if p.grad is not None)
         results[scope] = {name: term.item() for name, term in terms.items()}, first.grad.clone()
     for scope in ("whole", "regional"):

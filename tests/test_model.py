@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import model as models
+import objectives
 from errors import ConfigError
 
 
@@ -98,7 +99,7 @@ class Recorder(torch.nn.Module):
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
 def test_ddpm_loss_matches_the_scheduler(prediction_type):
-    scheduler = models.make_noise_scheduler(1000, "linear", prediction_type)
+    scheduler = objectives.make_noise_scheduler(1000, "linear", prediction_type)
     g = torch.Generator().manual_seed(0)
     clean = torch.rand(4, 3, 8, 8, generator=g) * 2 - 1
     noise = torch.randn(4, 3, 8, 8, generator=g)
@@ -106,7 +107,7 @@ def test_ddpm_loss_matches_the_scheduler(prediction_type):
     prediction = torch.randn(4, 3, 8, 8, generator=g)
     net = Recorder(prediction)
 
-    loss = models.ddpm_loss(net, clean, noise, t, scheduler.alphas_cumprod, prediction_type)
+    loss = objectives.ddpm_loss(net, clean, noise, t, scheduler.alphas_cumprod, prediction_type)
 
     torch.testing.assert_close(net.x, scheduler.add_noise(clean, noise, t))
     target = {
@@ -119,11 +120,11 @@ def test_ddpm_loss_matches_the_scheduler(prediction_type):
 
 def test_ddpm_loss_is_fp32_under_bf16_autocast():
     unet = models.build_network("tiny", 16)
-    scheduler = models.make_noise_scheduler()
+    scheduler = objectives.make_noise_scheduler()
     clean, noise = torch.rand(2, 3, 16, 16) * 2 - 1, torch.randn(2, 3, 16, 16)
     t = torch.tensor([5, 700])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = models.ddpm_loss(unet, clean, noise, t, scheduler.alphas_cumprod)
+        loss = objectives.ddpm_loss(unet, clean, noise, t, scheduler.alphas_cumprod)
     assert loss.dtype == torch.float32
     loss.backward()
     assert all(p.grad is not None for p in unet.parameters() if p.requires_grad)
@@ -138,43 +139,43 @@ class Echo(torch.nn.Module):
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
 def test_min_snr_gamma_weights_each_image_by_its_snr(prediction_type):
-    scheduler = models.make_noise_scheduler(prediction_type=prediction_type)
+    scheduler = objectives.make_noise_scheduler(prediction_type=prediction_type)
     abar = scheduler.alphas_cumprod
     g = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 3, 8, 8, generator=g)
     t = torch.tensor([0, 100, 500, 999])
-    per_image = torch.stack([models.ddpm_loss(Echo(), x0[i : i + 1], noise[i : i + 1], t[i : i + 1], abar, prediction_type)
+    per_image = torch.stack([objectives.ddpm_loss(Echo(), x0[i : i + 1], noise[i : i + 1], t[i : i + 1], abar, prediction_type)
                              for i in range(4)])  # fmt: skip
     snr = abar[t] / (1 - abar[t])
     gamma = 5.0
     weight = {"epsilon": snr.clamp(max=gamma) / snr, "v_prediction": snr.clamp(max=gamma) / (snr + 1),
               "sample": snr.clamp(max=gamma)}[prediction_type]  # fmt: skip
-    weighted = models.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type, snr_gamma=gamma)
+    weighted = objectives.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type, snr_gamma=gamma)
     torch.testing.assert_close(weighted, (per_image * weight).mean())
     assert weight.min() < 0.99 * weight.max()  # the weights differ: the check above could fail
     if prediction_type == "epsilon":  # gamma above every SNR: eps weights are all 1, the plain loss
-        plain = models.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type)
-        torch.testing.assert_close(models.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type, snr_gamma=1e9), plain)
+        plain = objectives.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type)
+        torch.testing.assert_close(objectives.ddpm_loss(Echo(), x0, noise, t, abar, prediction_type, snr_gamma=1e9), plain)
 
 
 def test_zero_terminal_snr_ends_in_pure_noise_and_trains_with_v_prediction():
-    scheduler = models.make_noise_scheduler(prediction_type="v_prediction", zero_terminal_snr=True)
-    assert scheduler.alphas_cumprod[-1] == 0 and models.make_noise_scheduler().alphas_cumprod[-1] > 0
+    scheduler = objectives.make_noise_scheduler(prediction_type="v_prediction", zero_terminal_snr=True)
+    assert scheduler.alphas_cumprod[-1] == 0 and objectives.make_noise_scheduler().alphas_cumprod[-1] > 0
     x0 = torch.randn(2, 3, 8, 8)
-    loss = models.ddpm_loss(Echo(), x0, torch.randn_like(x0), torch.tensor([999, 999]), scheduler.alphas_cumprod,
+    loss = objectives.ddpm_loss(Echo(), x0, torch.randn_like(x0), torch.tensor([999, 999]), scheduler.alphas_cumprod,
                             "v_prediction", snr_gamma=5.0)  # fmt: skip
     assert torch.isfinite(loss)
-    assert models.run_noise_scheduler(dict(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction",
+    assert objectives.run_noise_scheduler(dict(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction",
                                            zero_terminal_snr=True)).alphas_cumprod[-1] == 0  # fmt: skip
 
 
 @pytest.mark.parametrize("zero_terminal_snr", [False, True])
 def test_lognormal_timesteps_give_edms_noise_levels(zero_terminal_snr):
-    scheduler = models.make_noise_scheduler(prediction_type="v_prediction", zero_terminal_snr=zero_terminal_snr)
+    scheduler = objectives.make_noise_scheduler(prediction_type="v_prediction", zero_terminal_snr=zero_terminal_snr)
     torch.manual_seed(0)
     drawn = {}
     for sampling in ("uniform", "lognormal"):
-        objective = models.DDPMObjective(scheduler, timestep_sampling=sampling, P_mean=-0.5, P_std=0.8)
+        objective = objectives.DDPMObjective(scheduler, timestep_sampling=sampling, P_mean=-0.5, P_std=0.8)
         t = objective.timesteps(50_000, "cpu")
         assert t.dtype == torch.long and 0 <= t.min() and t.max() <= 999
         abar = scheduler.alphas_cumprod[t].double()

@@ -16,6 +16,7 @@ import config
 import latents
 import metrics
 import model as models
+import objectives
 import resume as rules
 from errors import ConfigError
 from test_config import OLD_RUNS, SAME_AS_OLD_RUN
@@ -63,7 +64,7 @@ def resolved(*flags):
     unless `flags` say otherwise."""
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", "--objective", "ddpm", *flags]))  # DDPM's keys too
     return vars(args) | dict(num_processes=1, num_classes=0, latent_space=None,
-                             flow_sigmas=models.flow_sigma_distribution(vars(args)))  # fmt: skip
+                             flow_sigmas=objectives.sigma_distribution(vars(args)))  # fmt: skip
 
 
 BASE = resolved()

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import checkpoint
 import model as models
+import objectives
 import rundir
 import sample
 import train
@@ -30,12 +31,12 @@ def tiny_unet():
 
 @pytest.fixture(scope="module")
 def training_config():
-    return models.make_noise_scheduler().config
+    return objectives.make_noise_scheduler().config
 
 
-@pytest.mark.parametrize("name", sample.SAMPLERS)
+@pytest.mark.parametrize("name", objectives.SAMPLERS)
 def test_each_sampler_gives_images_of_the_right_shape_and_range_deterministic_by_seed(name, tiny_unet, training_config):
-    scheduler = sample.make_scheduler(name, training_config)
+    scheduler = objectives.make_scheduler(name, training_config)
     seeds = sample.image_seeds(0, 3)
     images = sample.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
     assert images.shape == (3, 3, 16, 16) and images.dtype == torch.uint8
@@ -52,8 +53,8 @@ def test_each_sampler_gives_images_of_the_right_shape_and_range_deterministic_by
 
 def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(training_config):
     """The configuration that keeps fast samplers from saturating on an under-trained model."""
-    for name in sample.SAMPLERS:
-        scheduler = sample.make_scheduler(name, training_config)
+    for name in objectives.SAMPLERS:
+        scheduler = objectives.make_scheduler(name, training_config)
         clips = scheduler.config.get("clip_sample") or (
             scheduler.config.get("thresholding") and scheduler.config.sample_max_value == 1.0
         )
@@ -61,20 +62,20 @@ def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(traini
         scheduler.set_timesteps(25)
         if name != "ddpm":
             assert scheduler.timesteps[0] == training_config.num_train_timesteps - 1, name
-    assert sample.make_scheduler("dpmsolver", training_config).config.algorithm_type == "dpmsolver++"
-    assert sample.make_scheduler("dpmsolver_sde", training_config).config.algorithm_type == "sde-dpmsolver++"
+    assert objectives.make_scheduler("dpmsolver", training_config).config.algorithm_type == "dpmsolver++"
+    assert objectives.make_scheduler("dpmsolver_sde", training_config).config.algorithm_type == "sde-dpmsolver++"
 
 
 def test_the_sde_sampler_draws_fresh_noise_along_the_way(tiny_unet, training_config):
     """Same starting noise, same model: the SDE form ends elsewhere than the ODE form, because it
     adds noise at each step (that the noise follows the seeds: the parametrised test above)."""
     seeds = sample.image_seeds(0, 2)
-    ode = sample.generate(tiny_unet, sample.make_scheduler("dpmsolver", training_config), seeds, 4)
-    sde = sample.generate(tiny_unet, sample.make_scheduler("dpmsolver_sde", training_config), seeds, 4)
+    ode = sample.generate(tiny_unet, objectives.make_scheduler("dpmsolver", training_config), seeds, 4)
+    sde = sample.generate(tiny_unet, objectives.make_scheduler("dpmsolver_sde", training_config), seeds, 4)
     assert (ode.int() - sde.int()).abs().float().mean() > 2
 
 
-@pytest.mark.parametrize("name", sample.SAMPLERS)
+@pytest.mark.parametrize("name", objectives.SAMPLERS)
 def test_sampling_scheduler_in_train_is_the_same(name):
     """What train.py's grids and FID sample with (training.build's) is what sample.py makes of the run's
     noise scheduler, for each sampler and a v-prediction run with another beta schedule."""
@@ -84,7 +85,7 @@ def test_sampling_scheduler_in_train_is_the_same(name):
     args = config.resolve(config.parse_args(["--model", "tiny", "--image_size", "16", "--objective", "ddpm", "--sampler", name,
                                              "--prediction_type", "v_prediction", "--beta_schedule", "linear"]))  # fmt: skip
     pieces = training.build(args, total_steps=10)
-    expected = sample.make_scheduler(name, pieces.noise_scheduler.config)
+    expected = objectives.make_scheduler(name, pieces.noise_scheduler.config)
     assert type(pieces.sampling_scheduler) is type(expected)
     assert dict(pieces.sampling_scheduler.config) == dict(expected.config)
     assert expected.config.prediction_type == "v_prediction" and expected.config.beta_schedule == "linear"
@@ -194,7 +195,7 @@ def test_a_runs_settings_and_ema_are_read_from_its_train_config_json_of_today_or
     (run / "train_config.json").write_text(json.dumps(config))
 
     source = rundir.RunDir(run)
-    assert source.setting("sigma_data", models.SIGMA_DATA) == 0.25 and not source.kept_ema
+    assert source.setting("sigma_data", objectives.SIGMA_DATA) == 0.25 and not source.kept_ema
     unet, scheduler = source.load()
     assert scheduler["num_train_timesteps"] == 500
     raw = load_file(str(run / step / "model.safetensors"))  # no EMA kept: the raw weights, not the EMA's

@@ -9,6 +9,7 @@ import torch
 
 import data
 import metrics
+import objectives
 import sample
 import shapescore
 import train
@@ -267,7 +268,7 @@ def untrained_score(run_dir, scorer, samples):
     config = json.loads((run_dir / "train_config.json").read_text())
     torch.manual_seed(config["seed"])
     network = models.build_network(config["model"], config["image_size"]).eval()
-    scheduler = sample.make_sampler(config["objective"], config["sampler"], models.run_noise_scheduler(config).config)
+    scheduler = objectives.make_sampler(config["objective"], config["sampler"], objectives.run_noise_scheduler(config).config)
     batches = sample.generate_batches(network, scheduler, samples, 64, config["seed"], config["num_inference_steps"])
     reference = metrics.Reference.from_features(
         metrics.embed(scorer, [data.make_shapes(config["shapes_num_images"], SIZE, seed=config["seed"])], "cpu"), key={}

@@ -12,6 +12,7 @@ import compiling
 import data
 import ema as posthoc_ema
 import model as models
+import objectives
 import step as steps
 from errors import ConfigError, RunError, error_line
 
@@ -25,7 +26,7 @@ def tiny_parts(seed=0, ema_kind="standard", fused=True):
 
     torch.manual_seed(seed)
     unet = models.build_network("tiny", 16)
-    objective = models.DDPMObjective(models.make_noise_scheduler())
+    objective = objectives.DDPMObjective(objectives.make_noise_scheduler())
     optimizer = models.prepare_for_training(unet, False, fused, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
     lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=10)
     if ema_kind == "power":
@@ -61,14 +62,14 @@ def the_old_loop(images_per_step, seed=0):
     """The body of train.py's loop before the step function (commit 2a757ba), without accelerate."""
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts(seed)
     guard = steps.NonFiniteGuard(optimizer, "skip", CPU)
-    alphas_cumprod = models.make_noise_scheduler().alphas_cumprod
+    alphas_cumprod = objectives.make_noise_scheduler().alphas_cumprod
     torch.manual_seed(123)
     losses = []
     for step, images in enumerate(images_per_step, 1):
         clean = data.to_model_input(images, True)
         noise = torch.randn_like(clean)
         timesteps = torch.randint(0, 1000, (clean.shape[0],))
-        loss = models.ddpm_loss(unet, clean, noise, timesteps, alphas_cumprod, "epsilon")
+        loss = objectives.ddpm_loss(unet, clean, noise, timesteps, alphas_cumprod, "epsilon")
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
         guard.check(loss, grad_norm, step)
@@ -267,7 +268,7 @@ def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from
     for mode in (None, "default", "default"):
         torch.manual_seed(0)
         net = SmallNet()
-        objective = models.DDPMObjective(models.make_noise_scheduler())
+        objective = objectives.DDPMObjective(objectives.make_noise_scheduler())
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
         lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         step = steps.TrainStep(compiling.compile_network(net, mode), net, objective, optimizer, lr_scheduler, None, None, 1.0, True)
@@ -452,7 +453,7 @@ def test_with_several_processes_the_objectives_own_gradients_are_averaged():
 
     torch.manual_seed(0)
     unet = models.build_network("tiny", 16)
-    objective = models.EDMObjective(logvar_channels=8)
+    objective = objectives.EDMObjective(logvar_channels=8)
     optimizer = torch.optim.AdamW([*unet.parameters(), *objective.parameters()], lr=1e-3)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accelerator = TwoProcesses()

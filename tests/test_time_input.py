@@ -14,6 +14,7 @@ import torch
 import compiling
 import config
 import model as models
+import objectives
 import sample
 import step as steps
 import training
@@ -22,7 +23,7 @@ FAMILIES = {"unet": "tiny", "edm2": "edm2tiny", "dit": "dit-tiny"}  # the smalle
 SCOPES = ("eager", "whole", "regional")
 SAMPLING_STEPS = 2
 # EDM2's networks train with EDM or flow only (config refuses --objective ddpm for them).
-CASES = [(o, f) for o in models.OBJECTIVES for f in FAMILIES if not (o == "ddpm" and f == "edm2")]
+CASES = [(o, f) for o in objectives.OBJECTIVES for f in FAMILIES if not (o == "ddpm" and f == "edm2")]
 
 
 class TimeInputs:
@@ -81,10 +82,10 @@ def sampled(network, recorder, scheduler):
         assert torch.equal(t, t[:1].expand_as(t))
         if not received or received[-1] != t[0]:
             received.append(t[0])
-    if isinstance(scheduler, sample.EDMHeunSampler):
-        levels = sample.karras_sigmas(SAMPLING_STEPS, scheduler.sigma_min, scheduler.sigma_max, scheduler.rho)[:-1]
-    elif sample.is_flow_sampler(scheduler):
-        levels = scheduler.timesteps.double() / models.NUM_TRAIN_TIMESTEPS  # the samplers give t = 1000 σ
+    if isinstance(scheduler, objectives.EDMHeunSampler):
+        levels = objectives.karras_sigmas(SAMPLING_STEPS, scheduler.sigma_min, scheduler.sigma_max, scheduler.rho)[:-1]
+    elif objectives.is_flow_sampler(scheduler):
+        levels = scheduler.timesteps.double() / objectives.NUM_TRAIN_TIMESTEPS  # the samplers give t = 1000 σ
     else:
         levels = scheduler.timesteps  # DDPM's noise level is its timestep
     return levels, torch.stack(received)
@@ -93,7 +94,7 @@ def sampled(network, recorder, scheduler):
 def trained(objective, net, recorder, levels, image_shape):
     """What the network receives when the objective's loss is taken through `net` at these noise levels."""
     x0 = torch.zeros(len(levels), *image_shape)
-    if isinstance(objective, models.DDPMObjective):
+    if isinstance(objective, objectives.DDPMObjective):
         objective.timesteps = lambda n, device: levels.long()
         objective.loss(net, x0)
     else:
