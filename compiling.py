@@ -111,7 +111,7 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
     sooner = compile_s["whole"] - compile_s["regional"]
     if sooner <= 0:
         return "whole", "whole network"
-    cost = COMPILE_COSTS[models.family_name(args.model)].regional_step_cost[device_kind(device)] * step_s
+    cost = models.family(args.model)[0].compile_costs.regional_step_cost[device_kind(device)] * step_s
     if total_steps * cost < sooner:
         return "regional", (f"each repeated block compiled once ({sooner:.0f} s sooner than the whole network, "
                             f"whose faster step would repay that after {sooner / cost:,.0f} steps)")  # fmt: skip
@@ -119,64 +119,6 @@ def choose_compile_scope(args, device=None, total_steps=None, step_s=None, compi
                      f"{sooner / cost:,.0f} of this run's {total_steps:,} steps)")  # fmt: skip
 
 
-class CompileCosts(NamedTuple):
-    """What compiling one network family's step costs and saves, by which `plan_compile` weighs a compile
-    against the run. Each number is rounded from the records (BENCHMARKS.md), as the comments say."""
-
-    # How much slower a step compiled block by block runs than the whole network compiled as one graph (the
-    # glue between blocks stays eager, and no fusion crosses a block's edge), by device type ("cuda", "cpu");
-    # positive: choose_compile_scope divides by it. The CPU's from its record (Speed on a CPU, regional against
-    # whole: DiT the mean of its two models, the UNet rounded up); the GPU's from an H100's ladder rows
-    # (DiT-XL/2's regional row against the whole network's of earlier calls; ddpm32's two scopes in one
-    # session, under CUDA graphs, a mode in which train.py compiles the whole network anyway).
-    regional_step_cost: dict
-    # A cold compile of train.py's step (the first step: forward and backward) in seconds, by (device type,
-    # scope); a warm one (Inductor's cache holds the graphs) takes WARM_COMPILE_FRACTION of it. The GPU's
-    # whole-network compiles on an H100 and an H200, DiT-XL/2's regional one (one graph for every block) and
-    # ddpm32's regional one on an H100; the CPU's whole and regional, one thread, in Speed on a CPU. The GPU's
-    # regional share of the whole differs from the CPU's in both directions (DiT's far smaller, the UNet's
-    # larger: on an H100 ddpm32's regional compile took 1.06 of its whole one, under CUDA graphs), so a UNet's
-    # regional compile on a GPU is the whole one times that ratio, and auto compiles its whole network there.
-    cold_compile_s: dict
-    # The eager step on a GPU: its time is FLOPs / (peak * eager_mfu), no less than eager_launch_floor_s, and
-    # a compiled mode without CUDA graphs saves saved_share of it (SAVED_SHARE_CUDA_GRAPHS with them); from
-    # the H100's eager and compiled ladder rows (DiT-XL/2's; ref128's and adm64's, whose CUDA graphs set the
-    # launch-bound share, in the first H100 record).
-    eager_mfu: float
-    eager_launch_floor_s: float
-    saved_share: float
-    # The eager step replayed as one CUDA graph (`eager-graph`) keeps the eager kernels and loses the launch
-    # gaps between them: FLOPs / (peak * graph_mfu) plus graph_floor_s for its many small kernels, never less
-    # than the eager kernels' time, after EAGER_GRAPH_CAPTURE_S of warm-up steps and capture. The UNet's two
-    # numbers solve an H200's two rows (the eager step captured: ddpm32 at batch 128, 4.78 TFLOP, 45.2 ms;
-    # adm64 at batch 32, 1.47 TFLOP, 23.4 ms); its warm-up steps took 3.9 s in the bare run. A DiT's step is
-    # bound by its kernels eager (24.6% MFU, no floor), so a graph saves it nothing.
-    graph_mfu: float
-    graph_floor_s: float
-    # On a CPU, which has no peak in flops.py, the eager step's rate on a 2-core CPU takes the place of
-    # peak * MFU (issue 47's DiT-S/2 figures; the bare run's `small`), and compiling saves cpu_saved_share
-    # of it. A UNet's is 0: compiling `tiny` made its step slower in the sweep, so its compile never pays.
-    cpu_eager_flops: float
-    cpu_saved_share: float
-
-
-UNET_COSTS = CompileCosts(
-    regional_step_cost={"cuda": 0.52, "cpu": 0.14},
-    cold_compile_s={("cuda", "whole"): 100, ("cuda", "regional"): 100 * 1.06, ("cpu", "whole"): 90, ("cpu", "regional"): 78},
-    eager_mfu=0.116, eager_launch_floor_s=0.1, saved_share=0.40, graph_mfu=0.153, graph_floor_s=0.0137,
-    cpu_eager_flops=80e9, cpu_saved_share=0.0,
-)  # fmt: skip
-# Each network family's costs (model.FAMILIES). EDM2's blocks and steps are not measured: the UNet's.
-COMPILE_COSTS = {
-    "unet": UNET_COSTS,
-    "edm2": UNET_COSTS,
-    "dit": CompileCosts(
-        regional_step_cost={"cuda": 0.03, "cpu": 0.035},
-        cold_compile_s={("cuda", "whole"): 85, ("cuda", "regional"): 14, ("cpu", "whole"): 54, ("cpu", "regional"): 36},
-        eager_mfu=0.246, eager_launch_floor_s=0.02, saved_share=0.32, graph_mfu=0.246, graph_floor_s=0.0,
-        cpu_eager_flops=150e9, cpu_saved_share=0.19,
-    ),
-}  # fmt: skip
 WARM_COMPILE_FRACTION = 0.11
 SAVED_SHARE_CUDA_GRAPHS = 0.8  # a launch-bound step replayed as CUDA graphs
 EAGER_GRAPH_CAPTURE_S = 5
@@ -200,7 +142,7 @@ def predicted_compile_s(device, family, scope, warm_s=None):
     graphs (`warm_s`, from `remembered_compile_s`: Inductor's cache holds them)."""
     if warm_s is not None:
         return warm_s * WARM_COMPILE_FRACTION, "warm cache"
-    return COMPILE_COSTS[family].cold_compile_s[(device_kind(device), scope)], "cold cache"
+    return models.FAMILIES[family].compile_costs.cold_compile_s[(device_kind(device), scope)], "cold cache"
 
 
 def predicted_eager_s(device, family, flops_per_step, peak_flops):
@@ -209,9 +151,9 @@ def predicted_eager_s(device, family, flops_per_step, peak_flops):
     if device.type == "cuda":
         if not peak_flops:
             return None
-        costs = COMPILE_COSTS[family]
+        costs = models.FAMILIES[family].compile_costs
         return max(flops_per_step / (peak_flops * costs.eager_mfu), costs.eager_launch_floor_s)
-    return flops_per_step / COMPILE_COSTS[family].cpu_eager_flops
+    return flops_per_step / models.FAMILIES[family].compile_costs.cpu_eager_flops
 
 
 def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
@@ -220,14 +162,14 @@ def predicted_saving_s(device, family, mode, flops_per_step, peak_flops):
     if eager_s is None:
         return None
     if device.type == "cuda":
-        return eager_s * (SAVED_SHARE_CUDA_GRAPHS if mode in CUDA_GRAPH_MODES else COMPILE_COSTS[family].saved_share)
-    return eager_s * COMPILE_COSTS[family].cpu_saved_share
+        return eager_s * (SAVED_SHARE_CUDA_GRAPHS if mode in CUDA_GRAPH_MODES else models.FAMILIES[family].compile_costs.saved_share)
+    return eager_s * models.FAMILIES[family].compile_costs.cpu_saved_share
 
 
 def predicted_graph_s(family, flops_per_step, peak_flops):
     """The eager step's seconds replayed as one CUDA graph (`eager-graph`), predicted on a GPU of `peak_flops`:
     no less than the eager step's kernels take (a graph removes the gaps between launches, not the kernels)."""
-    costs = COMPILE_COSTS[family]
+    costs = models.FAMILIES[family].compile_costs
     kernels_s = flops_per_step / (peak_flops * costs.eager_mfu)
     return max(kernels_s, flops_per_step / (peak_flops * costs.graph_mfu) + costs.graph_floor_s)
 

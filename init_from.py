@@ -31,18 +31,6 @@ from edm2 import EDM2UNet
 from errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DiTTransformer2DModel, UNet2DModel
 
-# The network classes a source may hold, and the family (model.FAMILIES) each is; a saved DiT run's
-# config names DiTTransformer2DModel (dit.DiT.save_pretrained).
-CLASSES = {"UNet2DModel": (UNet2DModel, "unet"), "DiTTransformer2DModel": (DiTTransformer2DModel, "dit"),
-           "DiT": (DiTTransformer2DModel, "dit"), "EDM2UNet": (EDM2UNet, "edm2")}  # fmt: skip
-BUILDS = {"unet": UNet2DModel, "dit": DiT, "edm2": EDM2UNet}  # what the run's network is, by family
-
-# The config keys that give a family's parameter shapes: a preset whose settings agree on these is the source's.
-LAYOUT = {
-    "unet": ("block_out_channels", "layers_per_block", "down_block_types", "up_block_types"),
-    "dit": ("num_layers", "num_attention_heads", "attention_head_dim", "patch_size"),
-    "edm2": ("edm2_config", "channels", "channel_mult", "num_blocks", "attention_levels"),
-}
 # The config keys that are the run's, not the source's: its size, channels and classes.
 RUNS_OWN = {"sample_size", "in_channels", "out_channels", "num_class_embeds", "num_classes", "num_embeds_ada_norm"}
 
@@ -114,8 +102,8 @@ def find_network(folder, source):
 
 
 def preset_of(family, config, source):
-    """The preset whose network has the layout of the source's `config` (LAYOUT), or a ConfigError."""
-    keys = LAYOUT[family]
+    """The preset whose network has the layout of the source's `config` (model.Family.layout), or a ConfigError."""
+    keys = models.FAMILIES[family].layout
     for name, preset in models.PRESETS.items():
         if preset.family == family and all(_plain(preset.settings.get(k)) == _plain(config.get(k)) for k in keys):
             return name
@@ -126,7 +114,7 @@ def preset_of(family, config, source):
 def extra_settings(family, preset, config):
     """What the source's `config` sets beyond the preset's settings and the constructor's defaults (not the
     run's own size, channels and classes): the run's network is built with them (model.build_run_network)."""
-    params = inspect.signature(BUILDS[family].__init__).parameters
+    params = inspect.signature(models.FAMILIES[family].network_class.__init__).parameters
     built = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
     built |= dict(models.PRESETS[preset].settings)
     return {key: config[key] for key in sorted(config)
@@ -178,15 +166,17 @@ def read_source(source):
         name = config.get("_class_name")
         if name == "Transformer2DModel" and config.get("norm_type") == "ada_norm_zero":
             name = "DiTTransformer2DModel"  # facebook/DiT-XL-2-256's config, saved before diffusers had the class
-        if name not in CLASSES:
+        found = models.family_by_class(name)
+        if found is None:
+            known = sorted(c for kind in models.FAMILIES.values() for c in kind.classes)
             raise ConfigError(f"--init_from {source}: its network is a {name}, not one this project trains "
-                              f"({', '.join(sorted(CLASSES))})")  # fmt: skip
+                              f"({', '.join(known)})")  # fmt: skip
         if config.get("class_embed_type") is not None:
             raise ConfigError(f"--init_from {source}: its class embedding ({config['class_embed_type']}) is not a "
                               "label table, the one this project trains")  # fmt: skip
-        preset = preset_of(CLASSES[name][1], config, source)
+        preset = preset_of(found[0], config, source)
         trained, class_names = trained_as(scheduler, source), None
-        network = _load_model(CLASSES[name][0], where, source)
+        network = _load_model(found[1].source_class, where, source)
     family = models.family_name(preset)
     state = {k: v.detach() for k, v in network.state_dict().items()}  # the network goes: its tensors stay
     _LOADED.clear()

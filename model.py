@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
-from diffusers import UNet2DModel
+from diffusers import DiTTransformer2DModel, UNet2DModel
 
 import dit
 import edm2
@@ -229,6 +229,60 @@ def resolve_model_name(name, image_size):
     return name
 
 
+class CompileCosts(NamedTuple):
+    """What compiling one network family's step costs and saves, by which compiling.plan_compile weighs a compile
+    against the run. Each number is rounded from the records (BENCHMARKS.md), as the comments say."""
+
+    # How much slower a step compiled block by block runs than the whole network compiled as one graph (the
+    # glue between blocks stays eager, and no fusion crosses a block's edge), by device type ("cuda", "cpu");
+    # positive: compiling.choose_compile_scope divides by it. The CPU's from its record (Speed on a CPU, regional against
+    # whole: DiT the mean of its two models, the UNet rounded up); the GPU's from an H100's ladder rows
+    # (DiT-XL/2's regional row against the whole network's of earlier calls; ddpm32's two scopes in one
+    # session, under CUDA graphs, a mode in which train.py compiles the whole network anyway).
+    regional_step_cost: dict
+    # A cold compile of train.py's step (the first step: forward and backward) in seconds, by (device type,
+    # scope); a warm one (Inductor's cache holds the graphs) takes compiling.WARM_COMPILE_FRACTION of it. The GPU's
+    # whole-network compiles on an H100 and an H200, DiT-XL/2's regional one (one graph for every block) and
+    # ddpm32's regional one on an H100; the CPU's whole and regional, one thread, in Speed on a CPU. The GPU's
+    # regional share of the whole differs from the CPU's in both directions (DiT's far smaller, the UNet's
+    # larger: on an H100 ddpm32's regional compile took 1.06 of its whole one, under CUDA graphs), so a UNet's
+    # regional compile on a GPU is the whole one times that ratio, and auto compiles its whole network there.
+    cold_compile_s: dict
+    # The eager step on a GPU: its time is FLOPs / (peak * eager_mfu), no less than eager_launch_floor_s, and
+    # a compiled mode without CUDA graphs saves saved_share of it (compiling.SAVED_SHARE_CUDA_GRAPHS with them); from
+    # the H100's eager and compiled ladder rows (DiT-XL/2's; ref128's and adm64's, whose CUDA graphs set the
+    # launch-bound share, in the first H100 record).
+    eager_mfu: float
+    eager_launch_floor_s: float
+    saved_share: float
+    # The eager step replayed as one CUDA graph (`eager-graph`) keeps the eager kernels and loses the launch
+    # gaps between them: FLOPs / (peak * graph_mfu) plus graph_floor_s for its many small kernels, never less
+    # than the eager kernels' time, after compiling.EAGER_GRAPH_CAPTURE_S of warm-up steps and capture. The UNet's two
+    # numbers solve an H200's two rows (the eager step captured: ddpm32 at batch 128, 4.78 TFLOP, 45.2 ms;
+    # adm64 at batch 32, 1.47 TFLOP, 23.4 ms); its warm-up steps took 3.9 s in the bare run. A DiT's step is
+    # bound by its kernels eager (24.6% MFU, no floor), so a graph saves it nothing.
+    graph_mfu: float
+    graph_floor_s: float
+    # On a CPU, which has no peak in flops.py, the eager step's rate on a 2-core CPU takes the place of
+    # peak * MFU (issue 47's DiT-S/2 figures; the bare run's `small`), and compiling saves cpu_saved_share
+    # of it. A UNet's is 0: compiling `tiny` made its step slower in the sweep, so its compile never pays.
+    cpu_eager_flops: float
+    cpu_saved_share: float
+
+
+UNET_COSTS = CompileCosts(
+    regional_step_cost={"cuda": 0.52, "cpu": 0.14},
+    cold_compile_s={("cuda", "whole"): 100, ("cuda", "regional"): 100 * 1.06, ("cpu", "whole"): 90, ("cpu", "regional"): 78},
+    eager_mfu=0.116, eager_launch_floor_s=0.1, saved_share=0.40, graph_mfu=0.153, graph_floor_s=0.0137,
+    cpu_eager_flops=80e9, cpu_saved_share=0.0,
+)  # fmt: skip
+DIT_COSTS = CompileCosts(
+    regional_step_cost={"cuda": 0.03, "cpu": 0.035},
+    cold_compile_s={("cuda", "whole"): 85, ("cuda", "regional"): 14, ("cpu", "whole"): 54, ("cpu", "regional"): 36},
+    eager_mfu=0.246, eager_launch_floor_s=0.02, saved_share=0.32, graph_mfu=0.246, graph_floor_s=0.0,
+    cpu_eager_flops=150e9, cpu_saved_share=0.19,
+)  # fmt: skip
+
 class Family(NamedTuple):
     """What every preset of a network family shares, decided here once. A Preset names its family and
     holds the settings the family builds its network from."""
@@ -249,7 +303,14 @@ class Family(NamedTuple):
     # embedding was made for that), or "c_noise", EDM2's ln(σ)/4 into its Fourier features. Each objective gives
     # each in its own way (objectives.py: `time_input`).
     time_input: str = "timestep"
-    classes: tuple = ()  # the `_class_name`s its networks are saved as (config.json), the first its own
+    network_class: type = None  # the class it builds, and loads a run's saved network with (load_network)
+    # The `_class_name`s its networks are saved as (config.json), and the class --init_from loads such a source with.
+    classes: tuple = ()
+    source_class: type = None
+    layout: tuple = ()  # the config keys that give its parameters' shapes: a preset that agrees on them is a source's
+    compile_costs: CompileCosts = None  # what compiling its step costs and saves (compiling.plan_compile)
+    called: str = ""  # what a model card calls one ("a DiT")
+    card_lines: Callable = None  # (square) -> the model card's lines on loading its network alone, where it has some
 
 
 def _build_unet(settings, sample_size, channels, num_classes):
@@ -269,6 +330,17 @@ def _edm2_middle(names):
     """An EDM2 network's middle: the last of the decoder's blocks at the lowest resolution that come before its
     first decoder block (dec.RxR_in1, EDM2's mid-block), whose output the decoder's levels then widen."""
     return [name for name in names if "_in" in name.rsplit(".", 1)[-1]][-1]
+
+
+def _dit_card_lines(square):
+    """A DiT run's model card: how its network alone loads (diffusers' DiTTransformer2DModel takes square inputs
+    only, docs/images.md; DiTPipeline takes 1000 classes and DDPM's epsilon only, docs/dit.md)."""
+    if not square:
+        return ["diffusers' `DiTTransformer2DModel` takes square inputs only: load this network with ddpm-train's "
+                '`dit.DiT.from_pretrained("USER/REPO", subfolder="unet")`.', ""]  # fmt: skip
+    return ["The network alone loads in diffusers, with the same outputs:", "", "```python",
+            "from diffusers import DiTTransformer2DModel", "",
+            'net = DiTTransformer2DModel.from_pretrained("USER/REPO", subfolder="unet")  # or this folder', "```", ""]  # fmt: skip
 
 
 def _dit_middle(names):
@@ -293,15 +365,22 @@ def _dit_sync_blocks(names):
 
 FAMILIES = {
     "unet": Family(_build_unet, lambda settings: 2 ** (len(settings["block_out_channels"]) - 1), "halvings", "flow", True,
-                   _unet_middle, classes=("UNet2DModel",)),
+                   _unet_middle, network_class=UNet2DModel, classes=("UNet2DModel",), source_class=UNet2DModel,
+                   layout=("block_out_channels", "layers_per_block", "down_block_types", "up_block_types"),
+                   compile_costs=UNET_COSTS, called="a UNet"),
     "edm2": Family(lambda settings, size, channels, classes: EDM2UNet(sample_size=size, num_classes=classes,
                                                                       in_channels=channels, out_channels=channels, **settings),
                    lambda settings: 2 ** (len(settings["channel_mult"]) - 1), "halvings", "edm", False, _edm2_middle,
-                   time_input="c_noise", classes=("EDM2UNet",)),
+                   time_input="c_noise", network_class=EDM2UNet, classes=("EDM2UNet",), source_class=EDM2UNet,
+                   layout=("edm2_config", "channels", "channel_mult", "num_blocks", "attention_levels"),
+                   compile_costs=UNET_COSTS,  # EDM2's blocks and steps are not measured: the UNet's
+                   called="an EDM2 network"),
     "dit": Family(lambda settings, size, channels, classes: DiT(sample_size=size, num_classes=classes,
                                                                 in_channels=channels, out_channels=channels, **settings),
                   lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks,
-                  classes=("DiT", "DiTTransformer2DModel")),
+                  network_class=DiT, classes=("DiTTransformer2DModel", "DiT"), source_class=DiTTransformer2DModel,
+                  layout=("num_layers", "num_attention_heads", "attention_head_dim", "patch_size"),
+                  compile_costs=DIT_COSTS, called="a DiT", card_lines=_dit_card_lines),
 }  # fmt: skip
 
 
@@ -310,13 +389,18 @@ def family_name(name):
     return PRESETS[name].family
 
 
+def family_by_class(name):
+    """(family name, Family) whose networks are saved as class `name` (a config.json's `_class_name`), or None."""
+    return next(((key, kind) for key, kind in FAMILIES.items() if name in kind.classes), None)
+
+
 def family_of(net):
     """The Family whose `classes` hold the class of `net`, a network as built or loaded (its class's name, or the
     `_class_name` its config names); a class of no family is a ConfigError, never a guess at its time input."""
     name = (getattr(net, "config", None) or {}).get("_class_name") or type(net).__name__
-    for kind in FAMILIES.values():
-        if name in kind.classes:
-            return kind
+    found = family_by_class(name)
+    if found:
+        return found[1]
     raise ConfigError(f"a network of class {name} belongs to no network family (model.FAMILIES): add its family's entry")
 
 
@@ -450,11 +534,11 @@ def make_lr_scheduler(schedule, optimizer, warmup_steps, max_train_steps, ref_st
 def load_network(path):
     """The network saved with `save_pretrained` in folder `path` (config.json + weights), in eval mode.
 
-    A diffusers UNet2DModel, or edm2.EDM2UNet or dit.DiT when the config's _class_name says so.
+    The network class of the family whose saved classes hold the config's _class_name (a UNet2DModel where
+    it names none: a config of before diffusers wrote it).
     """
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{path}: no config.json, so no saved network")
-    name = json.loads(config_file.read_text()).get("_class_name")
-    builds = {"EDM2UNet": EDM2UNet, "DiT": DiT, "DiTTransformer2DModel": DiT}
-    return builds.get(name, UNet2DModel).from_pretrained(str(path)).eval()
+    found = family_by_class(json.loads(config_file.read_text()).get("_class_name"))
+    return (found[1] if found else FAMILIES["unet"]).network_class.from_pretrained(str(path)).eval()

@@ -197,19 +197,12 @@ def write_model_card(folder, config):
                   "```", ""]  # fmt: skip
         lines += kind.pipeline_words(config)
     else:
-        network = models.family_name(config["model"])
+        family = models.family(config["model"])[0]
         why = ("a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
-               if not kind.saves_pipeline else "a DiT" if network == "dit" else "an EDM2 network")  # fmt: skip
+               if not kind.saves_pipeline else family.called)  # fmt: skip
         lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER --num_images 16 --output samples/`.", ""]
-        square = isinstance(sizes.sample_size(config.get("latent_size") or config.get("image_size")), int)
-        if network == "dit" and square:  # docs/dit.md: DiTPipeline takes 1000 classes and DDPM's epsilon only
-            lines += ["The network alone loads in diffusers, with the same outputs:", "", "```python",
-                      "from diffusers import DiTTransformer2DModel", "",
-                      'net = DiTTransformer2DModel.from_pretrained("USER/REPO", subfolder="unet")  # or this folder',
-                      "```", ""]  # fmt: skip
-        elif network == "dit":  # docs/images.md: diffusers' DiT puts its patches back in a square
-            lines += ["diffusers' `DiTTransformer2DModel` takes square inputs only: load this network with ddpm-train's "
-                      '`dit.DiT.from_pretrained("USER/REPO", subfolder="unet")`.', ""]  # fmt: skip
+        if family.card_lines:
+            lines += family.card_lines(isinstance(sizes.sample_size(config.get("latent_size") or config.get("image_size")), int))
     lines += ["## Upload", "", "The folder is a model repository as it is:", "",
               "```bash", "hf upload USER/REPO THIS_FOLDER --exclude 'checkpoints/*'", "```", ""]  # fmt: skip
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).save(folder / "README.md")

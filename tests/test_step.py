@@ -617,7 +617,7 @@ def test_a_unets_step_on_a_gpu_compiles_its_whole_network_however_short_the_run(
         assert plan.mode == mode and plan.scope == "whole", plan
     assert "compiling (default, the whole network) would take about 100 s" in compiling.plan_compile(
         plan_flags(model="ref128"), CUDA, 1, 45.56e12, 100, H100_BF16, lambda mode, scope: None).why
-    assert compiling.UNET_COSTS.cold_compile_s[("cpu", "regional")] < compiling.UNET_COSTS.cold_compile_s[("cpu", "whole")]
+    assert models.UNET_COSTS.cold_compile_s[("cpu", "regional")] < models.UNET_COSTS.cold_compile_s[("cpu", "whole")]
 
 
 def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is_none(tmp_path):
@@ -634,10 +634,9 @@ def test_a_compiles_seconds_are_remembered_once_per_step_and_a_damaged_record_is
 
 
 def test_every_network_family_has_its_compile_costs_in_one_record():
-    """A family's compile costs live in one CompileCosts record: a preset of a family without one would fail
-    the compile plan with a KeyError."""
-    families = {models.family_name(name) for name in models.PRESETS}
-    assert families <= set(compiling.COMPILE_COSTS), families - set(compiling.COMPILE_COSTS)
-    for costs in compiling.COMPILE_COSTS.values():
+    """A family's compile costs live in its entry (model.Family.compile_costs), each a whole CompileCosts record:
+    a family without one would fail the compile plan of every GPU run."""
+    for costs in (kind.compile_costs for kind in models.FAMILIES.values()):
+        assert isinstance(costs, models.CompileCosts)
         assert set(costs.cold_compile_s) == {(d, s) for d in ("cuda", "cpu") for s in ("whole", "regional")}
         assert set(costs.regional_step_cost) == {"cuda", "cpu"} and min(costs.regional_step_cost.values()) > 0

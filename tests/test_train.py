@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 import compiling
+import model as models
 import step as steps
 import train
 from conftest import ROOT
@@ -326,7 +327,8 @@ def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache
     import compiling
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setitem(compiling.COMPILE_COSTS, "unet", compiling.UNET_COSTS._replace(cpu_saved_share=0.1))  # a prediction for the test: a CPU's UNet gains nothing
+    unet = models.FAMILIES["unet"]
+    monkeypatch.setitem(models.FAMILIES, "unet", unet._replace(compile_costs=unet.compile_costs._replace(cpu_saved_share=0.1)))  # a prediction for the test: a CPU's UNet gains nothing
     flags = ["--compile_mode", "auto", "--dry_run"]
     config = run(tmp_path / "short", *flags, "--max_train_steps", 40)
     assert config["step_compile_mode"] == "eager" and config["step_compile_scope"] == "regional"
