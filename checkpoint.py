@@ -87,11 +87,10 @@ def _fsync_tree(folder):
                 os.fsync(f.fileno())
 
 
-def save(accelerator, output_dir, step, state, total_limit=None, host=None):
+def save(accelerator, output_dir, step, state, total_limit=None):
     """Write checkpoint-STEP atomically and return its Flush, which the main process runs in a thread while
     training goes on: every file to disk, then the rename into place, then all but the newest `total_limit`
-    dropped. Call `wait()` on it before the next save, a stop or the end. (`host`: host_copy_for's None,
-    which train.py still passes.)
+    dropped. Call `wait()` on it before the next save, a stop or the end.
 
     `state` (JSON) goes into trainer_state.json beside accelerate's files;
     put `run_identity(config)` under "run" so that a resume can check it.
@@ -159,12 +158,6 @@ def cgroup_room(root=Path("/")):
     return None
 
 
-def host_copy_for(device):
-    """None: every checkpoint is written by save_state while the steps wait. Kept only because train.py still asks
-    for it (and hands it to `save`)."""
-    return None
-
-
 class Flush:
     """A checkpoint's way to disk, in a thread of the main process: the writes left to it (trainer_state.json),
     fsync of every file, the rename of the temporary folder into place (a checkpoint is only ever published
@@ -173,8 +166,6 @@ class Flush:
     Training goes on meanwhile: the files the thread flushes are already closed.
     The thread is not a daemon: a process that exits, even with an error, first publishes what it wrote.
     On another process, or before start(), it is done at once."""
-
-    copied, note = False, None  # train.py still reads these: no checkpoint is written from a host copy
 
     def __init__(self, output_dir, step, tmp, final, total_limit, waited_s, writes=()):
         self.output_dir, self.step, self.tmp, self.path, self.total_limit = output_dir, step, tmp, final, total_limit

@@ -290,10 +290,9 @@ class Plan:
         return max(0, int(room // (self.step_peak / self.batch_size)))
 
 
-def plan(trained, optimizer, ema, count, batch_size, num_processes=1, checkpointed_count=None):
+def plan(trained, optimizer, ema, count, batch_size, num_processes=1):
     """The Plan of a run: `trained` the tensors the step trains with (the network's parameters and buffers, the
-    objective's parameters), `count` count_step's result for its micro-batch. `checkpointed_count` is not read:
-    train.py still passes it, but no flag turns gradient checkpointing on, so nothing says what it would fit."""
+    objective's parameters), `count` count_step's result for its micro-batch."""
     trained = list(trained)
     gradients = tensor_bytes([t for t in trained if t.requires_grad])
     copies = len(ema.shadows) if hasattr(ema, "shadows") else (1 if ema is not None else 0)

@@ -399,16 +399,13 @@ def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps):
     return pieces
 
 
-def memory_plan(args, pieces, device, world):
+def memory_plan(args, pieces, world):
     """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
-    one micro-batch counted on the meta device; on a GPU also with gradient checkpointing, for the line's hint."""
+    one micro-batch counted on the meta device."""
     step_of = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
     count = memory.count_step(*step_of, args.gradient_checkpointing)
-    checkpointed = None
-    if device.type == "cuda" and not args.gradient_checkpointing:
-        checkpointed = memory.count_step(*step_of, True)
     trained = [*pieces.network.parameters(), *pieces.network.buffers(), *pieces.objective.parameters()]
-    return memory.plan(trained, pieces.optimizer, pieces.ema, count, args.train_batch_size, world, checkpointed)
+    return memory.plan(trained, pieces.optimizer, pieces.ema, count, args.train_batch_size, world)
 
 
 def announce(args, config, compile_why, accelerator, network, memory_plan, start_step, unreadable):
@@ -516,7 +513,7 @@ class Run:
         self.pieces = build_pieces(args, accelerator, self.total_steps, num_classes, self.config["lr_ref_steps"])
         self.config["params"] = sum(p.numel() for p in self.pieces.network.parameters())  # with a class embedding
         self.guard = step.NonFiniteGuard(self.pieces.optimizer, args.on_fault, self.device)
-        self.memory = memory_plan(args, self.pieces, self.device, self.world)
+        self.memory = memory_plan(args, self.pieces, self.world)
         self.startup.mark("network")
         self.checkpoints = Checkpoints(accelerator, self.output_dir, args.checkpoints_total_limit)
         self.step, self.skipped_before = 0, 0
@@ -694,7 +691,6 @@ class Checkpoints:
         self.last_saved = (None, None)  # (step, path) of this run's newest checkpoint
         self.flushing = None  # the checkpoint on its way to disk (checkpoint.Flush), behind the steps
         self.times = []  # run.json's checkpoint_times_s
-        self.host_copy = checkpoint.host_copy_for(accelerator.device)  # the state's copy that a checkpoint's thread writes
 
     def load(self, start_from, processes, ema, args):
         """The state of checkpoint `start_from` loaded on every process (`processes`: all stop where one cannot
@@ -726,8 +722,7 @@ class Checkpoints:
             raise RunError(f"the weights are not finite at step {step_number}: not saving a checkpoint; resume from the last one")
         with meter.paused("checkpointing"):
             self.flushed(meter)  # one checkpoint on its way to disk at a time
-            self.flushing = checkpoint.save(self.accelerator, self.output_dir, step_number, state, self.total_limit,
-                                            self.host_copy)  # fmt: skip
+            self.flushing = checkpoint.save(self.accelerator, self.output_dir, step_number, state, self.total_limit)
         self.last_saved = (step_number, self.flushing.path)
         return self.flushing.path
 
@@ -750,12 +745,10 @@ class Checkpoints:
             return
         self.flushing = None
         path = flush.wait()
-        self.times.append(dict(step=flush.step, waited=flush.waited_s, beside=flush.beside_s, copied=flush.copied))
+        self.times.append(dict(step=flush.step, waited=flush.waited_s, beside=flush.beside_s))
         if self.accelerator.is_main_process:  # the process that flushed it
-            held, rest = ("its copy", "written and on disk") if flush.copied else ("its writing", "on disk")
-            note = f"; {flush.note}" if flush.note else ""
-            meter.write(f"saved {path} (the steps waited {flush.waited_s:.1f} s for {held}; {rest} in {flush.beside_s:.1f} s "
-                        f"more, beside training{note})")  # fmt: skip
+            meter.write(f"saved {path} (the steps waited {flush.waited_s:.1f} s for its writing; on disk in {flush.beside_s:.1f} s "
+                        "more, beside training)")  # fmt: skip
 
 
 class Evaluation:

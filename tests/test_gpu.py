@@ -233,16 +233,6 @@ def test_reduce_overhead_through_main_captures_every_graph(tmp_path, model):
     assert manifest["compile_fallbacks"] == [] and manifest["cuda_graph_skips"] == []
 
 
-def test_a_checkpoints_host_copy_of_the_gpu_state_is_pinned_and_complete_when_it_returns():
-    import checkpoint
-
-    state = {"w": torch.randn(64, 2**20, device=CUDA)}  # 256 MiB: a copy still in flight would show
-    expected = state["w"].cpu()
-    copied = checkpoint.HostCopy().copy(state)
-    state["w"].add_(1.0)  # the next step, queued behind the copy
-    assert copied["w"].is_pinned() and torch.equal(copied["w"], expected)
-
-
 def test_fids_statistics_made_and_scored_on_the_gpu_are_the_cpus():
     """The reference's sums and the generated images' on the device (where train.py and sample.py make them),
     KID's rows and the scores back on the host: what the CPU makes, to the features' float32 rounding."""
