@@ -17,9 +17,7 @@
 #           once, by --variants regional,fp8),
 #           train.py's default (cold, in caches of its own) on 1,024 JPEGs of 256px encoded by a VAE of SD's
 #           architecture with random weights (made here: no download; the step does not depend on its weights),
-#           a checkpoint at step 60; the same again warm with its checkpoints written from a host copy beside
-#           the steps (dit-default-copy: bench/checkpoint_copy.py copy, against the default's wait), 12 steps of it
-#           profiled by operator (dit-profile: --profile operators),
+#           a checkpoint at step 60; 12 steps of it, warm, profiled by operator (dit-profile: --profile operators),
 #           facebookresearch/DiT's training step (bench/dit_reference.py, on random latents), then max_autotune
 #           beside the regional row, each block compiled once, with what time is left (its kernel search takes
 #           minutes: for it alone, ON_GPU_RUNS="dit-autotune");
@@ -147,8 +145,7 @@ run_within() {  # run_within NAME BUDGET_S command...: output to pack/NAME.log, 
 train_run() {  # train_run NAME BUDGET_S train.py flags...: the run's printed lines, run.json, config and last grid packed
   local name=$1 budget=$2 dir=$work/runs/$1
   shift 2
-  local script=(${TRAIN_PY:-train.py}) # TRAIN_PY="bench/checkpoint_copy.py copy": train.py with that choice
-  run_within "$name" "$budget" "$python" "${script[@]}" --output_dir "$dir" "$@"
+  run_within "$name" "$budget" "$python" train.py --output_dir "$dir" "$@"
   [[ -f $dir/run.json ]] && cp "$dir/run.json" "$pack/$name.run.json"
   [[ -f $dir/train_config.json ]] && cp "$dir/train_config.json" "$pack/$name.train_config.json"
   local grid
@@ -289,7 +286,7 @@ else
   # 1,024 images: 16 steps an epoch; 120 steps leave 115 timed after train.py's 5 warm-up steps
   dit=("${timing[@]}" --model dit-xl2 --image_size 256 --train_batch_size 64 --max_train_steps 120 --logging_steps 40 --compile_mode default)
   dit_images=1024
-  dit_checkpoints=(--checkpointing_steps 60) # one mid-run (its writing beside the next 60 steps, or not), one at the end
+  dit_checkpoints=(--checkpointing_steps 60) # one mid-run (its flush beside the next 60 steps), one at the end
   # Stable Diffusion's VAE (stabilityai/sd-vae-ft-mse's config.json): 8x, 4 channels, 83.7M parameters
   dit_vae='{"down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"], "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"], "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "sample_size": 256}'
   dit_reference=(--steps 30 --warmup 5)
@@ -384,11 +381,6 @@ dit)
   make_vae "$work/vae" "$dit_vae"
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \
     train_run dit-default-cold 200 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}" "${dit_checkpoints[@]}"
-  # The same run in the same caches (its compile warm), its checkpoints written from a host copy beside the steps
-  # instead of while they wait: the host copy's A/B (checkpoint.HOST_COPY_DEVICES; run.json's checkpointing and
-  # steps, checkpoint_times_s)
-  TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default TRAIN_PY="bench/checkpoint_copy.py copy" \
-    train_run dit-default-copy 120 --dataset "$work/data256" --vae "$work/vae,dataset" "${dit[@]}" "${dit_checkpoints[@]}"
   # Where the default step's time goes, by operator (the optimizer's, the EMA's, the clipping's share beside the
   # matmuls' and attention's: what is left for issue 48's 40%), in the same warm caches: --profile prints the top 15
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-default TRITON_CACHE_DIR=$work/triton-default \

@@ -47,9 +47,8 @@ def train_numbers(pack, row):
         notes.append(f"ready in {sum(run['startup_s'].values()):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in longest))
     if run.get("checkpoint_times_s"):  # what of each checkpoint the steps waited for, and what went on beside them
         times = run["checkpoint_times_s"]
-        copied = sum(bool(t.get("copied")) for t in times)
-        wall = f" of {run['train_wall_s']:.1f} s training" if run.get("train_wall_s") else ""  # the host copy's A/B: the whole
-        notes.append(f"{len(times)} checkpoint(s), {copied} from a host copy: the steps waited {sum(t['waited'] for t in times):.1f} s{wall}, "
+        wall = f" of {run['train_wall_s']:.1f} s training" if run.get("train_wall_s") else ""
+        notes.append(f"{len(times)} checkpoint(s): the steps waited {sum(t['waited'] for t in times):.1f} s{wall}, "
                      f"then {sum(t['beside'] for t in times):.1f} s beside training")  # fmt: skip
     if run.get("time_breakdown_s") and run.get("steps"):  # where a step's time went, on average (CUDA events)
         per_step = {k: 1000 * run["time_breakdown_s"].get(k, 0) / run["steps"] for k in STEP_PHASES}

@@ -21,7 +21,7 @@ RUNS = {
     "ref128": ["ref128-default-cold", "ref128-default-warm", "ref128-diffusers", "ref128-step-graph"],
     "adm64": ["adm64-auto-cold", "adm64-step-graph", "adm64-default", "adm64-diffusers"],
     "fused": ["ref128-fused", "adm64-fused"],
-    "dit": ["dit-default-cold", "dit-default-copy", "dit-profile", "dit-ladder", "dit-reference", "dit-autotune"],
+    "dit": ["dit-default-cold", "dit-profile", "dit-ladder", "dit-reference", "dit-autotune"],
     "cold": ["dit-regional", "dit-regional-inductor", "ddpm32-regional", "ddpm32-whole", "dit-whole", "bare-cold"],
     "terms": [f"{family}-{term}-s{seed}{score}" for family in ("dit-b2", "adm64") for seed in (1, 2) for term in ("none", "deltafm")
               for score in ("", "-score")],
@@ -136,7 +136,7 @@ def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
         (pack / f"{name}.run.json").write_text(json.dumps(dict(start_time="1970-01-01T00:03:30+00:00", median_step_time_s=ms / 1e3)))
     startup = dict(imports=4.0, accelerate=0.5, data=9.5, network=3.0, step=0.01)  # train.py's startup_s
     run = json.loads((pack / "dit-default-cold.run.json").read_text())
-    flushes = [dict(step=100, waited=0.5, beside=7.5, copied=True), dict(step=120, waited=4.5, beside=7.0, copied=False)]
+    flushes = [dict(step=100, waited=0.5, beside=7.5), dict(step=120, waited=4.5, beside=7.0)]
     breakdown = dict(data=1.5, forward=4.3, backward=9.2, optimizer=1.25, ema=0.75, step=0.0, compile=84.7)
     (pack / "dit-default-cold.run.json").write_text(json.dumps(run | dict(startup_s=startup, checkpoint_times_s=flushes, train_wall_s=80.0,
                                                                           time_breakdown_s=breakdown, steps=125)))  # fmt: skip
@@ -149,4 +149,4 @@ def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
     import profiling
 
     assert pack_summary.STEP_PHASES == profiling.STEP_PHASES
-    assert "2 checkpoint(s), 1 from a host copy: the steps waited 5.0 s of 80.0 s training, then 14.5 s beside training" in summary
+    assert "2 checkpoint(s): the steps waited 5.0 s of 80.0 s training, then 14.5 s beside training" in summary
