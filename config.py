@@ -49,6 +49,7 @@ import metrics
 import model as models
 import objectives
 import sample
+import sampling
 import sizes
 from errors import ConfigError, OneLineParser
 
@@ -76,7 +77,7 @@ SMALL = models.PRESETS["small"]
 # The bare `python train.py` on a CUDA GPU (the built-in shapes, --model auto at 32px):
 # `small` at batch 4 would leave an H100 idle (MFU well under 1%). These fill what the
 # command line leaves unset instead: Ho et al.'s CIFAR-10 UNet at batch 128 (on an H100
-# it learned recognisable digits: BENCHMARKS.md, Speed on a GPU), the
+# it learned recognisable shapes: BENCHMARKS.md, Speed on a GPU), the
 # small preset's DDPM settings (v-prediction, EDM's noise levels, no EMA: the CPU quality
 # ladder's winners), and 24 epochs of 16,384 generated images, 3,072 steps.
 GPU_BARE_RUN = dict(model="ddpm32", train_batch_size=128, num_epochs=24, shapes_num_images=16384,
@@ -209,8 +210,8 @@ def _P_mean_std(value, values):
 def _eval_guidance_scales(value, values):
     if value is None:
         return {}
-    scales = sample.parse_scales(value, "eval_guidance_scales")
-    grid = sample.parse_scales(values.get("guidance_scale", 1.0), "guidance_scale")
+    scales = sampling.parse_scales(value, "eval_guidance_scales")
+    grid = sampling.parse_scales(values.get("guidance_scale", 1.0), "guidance_scale")
     if scales == grid:
         return {}
     return {"guidance_scale": scales} if len(grid) == 1 and scales[0] == grid[0] else None  # the grid's comes first
@@ -427,8 +428,8 @@ def switch_or_value(group, name, help, default, metavar, **kwargs):
 
 
 def build_parser(prog="train.py", source=""):
-    p = Parser(prog=prog, description="Train a diffusion model (DDPM or EDM2) with accelerate.", formatter_class=_Help,
-               source=source)  # fmt: skip
+    p = Parser(prog=prog, description="Train a diffusion model (flow matching, DDPM or EDM; a UNet, EDM2's network or a "
+               "DiT) with accelerate.", formatter_class=_Help, source=source)  # fmt: skip
     p.add_argument(
         "--config",
         metavar="FILE",
@@ -536,7 +537,9 @@ def build_parser(prog="train.py", source=""):
     flag(t, "seed", "seeds the data, the model and the noise", 0, type=SEEDS)
     switch(t, "cpu", "train on the CPU even if a GPU is there (needed for several CPU processes: gloo)")
     flag(t, "compile_mode", "off: eager; auto: torch.compile, reduce-overhead (CUDA graphs) when a step is too small "
-         "to keep the GPU busy, else default (the rule and its measurements: compiling.py); torch.compile's modes; "
+         "to keep the GPU busy, else default, unless eager or eager-graph (on a CUDA GPU that can capture the step) "
+         "would end a run of known length sooner, compile or capture included (the rule and its measurements: "
+         "compiling.plan_compile); torch.compile's modes; "
          "step-graph: the whole step (forward, backward, optimizer, EMA) in one CUDA graph; eager-graph: the same "
          "around the eager network, nothing compiled (default: auto on a CUDA "
          "GPU, else off; python -m bench measures the other speed settings)", choices=("off", *compiling.COMPILE_MODES))  # fmt: skip
@@ -549,12 +552,14 @@ def build_parser(prog="train.py", source=""):
     flag(o, "save_images_epochs", "write a sample grid every N epochs", 2, type=at_least(1))
     flag(o, "eval_batch_size", f"images in a sample grid (FID samples max({metrics.FID_BATCH_SIZE}, this) at a time)", 16,
          type=at_least(1))  # fmt: skip
-    flag(o, "sampler", f"sampler for the grids and FID: DDPM's {', '.join(objectives.SAMPLERS)} (default: "
-         f"{objectives.DEFAULT_SAMPLER}); flow's {', '.join(objectives.FLOW_SAMPLERS)} (default: {objectives.DEFAULT_FLOW_SAMPLER})",
-         choices=objectives.SAMPLERS + objectives.FLOW_SAMPLERS)  # fmt: skip
+    ddpm, flow = objectives.DDPMObjective, objectives.FlowObjective
+    flag(o, "sampler", f"sampler for the grids and FID: DDPM's {', '.join(ddpm.samplers)} (default: "
+         f"{ddpm.default_sampler}); flow's {', '.join(flow.samplers)} (default: {flow.default_sampler})",
+         choices=ddpm.samplers + flow.samplers)  # fmt: skip
     flag(o, "churn", objectives.CHURN_HELP, objectives.EDM_CHURN, type=non_negative)
-    flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {objectives.DEFAULT_STEPS}; "
-         f"{objectives.EDM_STEPS} for EDM's Heun sampler, {2 * objectives.EDM_STEPS - 1} network evaluations)",
+    flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {ddpm.default_steps}; "
+         f"{objectives.EDMObjective.default_steps} for EDM's Heun sampler, {2 * objectives.EDMObjective.default_steps - 1} "
+         "network evaluations)",
          type=at_least(1))  # fmt: skip
     flag(o, "guidance_scale", "w in D = D_uncond + w (D_cond - D_uncond) for a conditional run (classifier-free "
          "guidance), or D = D_guide + w (D - D_guide) with --guide; 1: no guidance. Comma-separated: the grids take "
@@ -704,7 +709,7 @@ def resolve(args):
     if args.zero_terminal_snr and args.prediction_type != "v_prediction":
         raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
     objectives.of(args.objective).check(args)
-    args.loss_terms = loss_terms.spell(loss_terms.parse(args.loss_terms))
+    args.loss_terms = loss_terms.spell(loss_terms.parse(args.loss_terms, latents=bool(args.vae)))
     loss_terms.check(loss_terms.parse(args.loss_terms), objectives.of(args.objective),
                      models.family_name(args.model), args.train_batch_size)  # fmt: skip
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:
@@ -713,7 +718,7 @@ def resolve(args):
         args.ema_stds = posthoc_ema.parse_stds(args.ema_stds)
     if args.guide is not None and not Path(args.guide).exists():
         raise ConfigError(f"--guide {args.guide}: no such folder; point it at a run of the same data (its --output_dir)")
-    args.guidance_scale = sample.parse_scales(args.guidance_scale, "--guidance_scale")
+    args.guidance_scale = sampling.parse_scales(args.guidance_scale, "--guidance_scale")
     if any(w != 1 for w in args.guidance_scale) and not (args.class_conditional or args.guide):
         raise ConfigError("--guidance_scale guides a --class_conditional run (or one with --guide): add one of them, "
                           "or leave it at 1")  # fmt: skip
@@ -864,9 +869,11 @@ def _take_from_source(args):
                 f"--init_from {args.init_from}: no scheduler config beside it says how it was trained (a model folder "
                 "outside its pipeline): add --objective (with --prediction_type and --beta_schedule) as it was trained"
             )
+        if trained.get("refused"):
+            raise ConfigError(f"{trained['refused']}: add --objective to say what to train it with")
         args.objective = trained["objective"] or "ddpm"
     kind = objectives.of(args.objective)
-    if trained and objectives.of(trained["objective"]) is kind and kind.discrete:
+    if trained and trained["objective"] and objectives.of(trained["objective"]) is kind and kind.discrete:
         for name in ("prediction_type", "beta_schedule"):
             if getattr(args, name) is None:
                 setattr(args, name, trained[name])

@@ -70,13 +70,13 @@ def count_flops(fn):
     return counter.get_total_flops()
 
 
-# unet_flops' counts by their arguments, which fix the network (a preset's name) and its input: a process
+# network_flops' counts by their arguments, which fix the network (a preset's name) and its input: a process
 # that starts several runs (the test suite) counts each network once. Counting walks every
 # operation in Python, seconds for a network whose step takes milliseconds on a CPU.
 _COUNTED = {}
 
 
-def unet_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):
+def network_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):
     """{'params', 'flops_fwd', 'flops_fwdbwd'} of one training micro-batch, counted on the meta device.
 
     flops_fwdbwd is the forward and backward pass as executed: with
@@ -86,11 +86,11 @@ def unet_flops(model_name, image_size, batch_size, gradient_checkpointing=False,
     """
     key = (model_name, image_size, batch_size, bool(gradient_checkpointing), channels)
     if key not in _COUNTED:
-        _COUNTED[key] = _count_unet_flops(*key)
+        _COUNTED[key] = _count_network_flops(*key)
     return dict(_COUNTED[key])
 
 
-def _count_unet_flops(model_name, image_size, batch_size, gradient_checkpointing, channels):
+def _count_network_flops(model_name, image_size, batch_size, gradient_checkpointing, channels):
     unet = models.build_network(model_name, image_size, device="meta", channels=channels)
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
@@ -108,13 +108,13 @@ def _count_unet_flops(model_name, image_size, batch_size, gradient_checkpointing
 
 def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):
     """Model and hardware FLOPs of one optimizer step of `batch_size` images (on one device): the
-    denoiser's, at its input's size and channels (unet_flops); a latent run's VAE is not in them.
+    denoiser's, at its input's size and channels (network_flops); a latent run's VAE is not in them.
 
     model_flops: forward + backward, counted once (for MFU).
     hardware_flops: what runs, with checkpointing's recompute (for HFU).
     """
-    model = unet_flops(model_name, image_size, batch_size, channels=channels)
-    hardware = unet_flops(model_name, image_size, batch_size, True, channels) if gradient_checkpointing else model
+    model = network_flops(model_name, image_size, batch_size, channels=channels)
+    hardware = network_flops(model_name, image_size, batch_size, True, channels) if gradient_checkpointing else model
     return dict(params=model["params"], model_flops=model["flops_fwdbwd"], hardware_flops=hardware["flops_fwdbwd"])
 
 
@@ -302,7 +302,7 @@ def preset_table():
     for name, preset in models.PRESETS.items():
         if preset.family == "dit":
             continue
-        counted = unet_flops(name, preset.image_size, 1)
+        counted = network_flops(name, preset.image_size, 1)
         rows.append(f"| `{name}` | {preset.image_size} | {counted['params']:,} | {counted['flops_fwdbwd'] / 1e9:.2f} | "
                     f"{preset.description} |")  # fmt: skip
     return "\n".join([PRESET_TABLE_START, "", *rows, "", PRESET_TABLE_END])
@@ -352,7 +352,7 @@ def main(args):
             raise ConfigError(f"--channels must be at least 1 (got {args.channels})")
         size = sizes.parse(args.image_size)
         name = models.resolve_model_name(args.model, size)
-        per_image = unet_flops(name, size, 1, args.gradient_checkpointing, args.channels)
+        per_image = network_flops(name, size, 1, args.gradient_checkpointing, args.channels)
     # FLOPs are linear in the batch (tests/test_flops.py checks it), so count one image and scale.
     result = dict(
         model=name,

@@ -123,8 +123,12 @@ def extra_settings(family, preset, config):
 
 def trained_as(scheduler, source):
     """{objective, prediction_type, beta_schedule, zero_terminal_snr} of a diffusers scheduler config (None:
-    none); a schedule this project does not train is a ConfigError (objectives.from_scheduler)."""
-    return objectives.from_scheduler(scheduler, f"--init_from {source}")
+    none; objectives.from_scheduler); a schedule this project does not train: {objective: None, refused: the
+    line that says so}, for config to say unless --objective says what to train."""
+    try:
+        return objectives.from_scheduler(scheduler, f"--init_from {source}")
+    except ConfigError as e:
+        return dict(objective=None, refused=str(e))
 
 
 def state_sha256(state):

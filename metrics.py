@@ -641,7 +641,7 @@ class TrainingEvaluator:
         scale w of `scales`, record them; returns the result dict: the best scale's scores, and with
         several scales, every scale's under "scales".
 
-        The caller generates them (train.py, through sample.generate_batches), so that
+        The caller generates them (train.py, through sampling.generate_batches), so that
         this module needs nothing of the samplers.
         """
         scores = []

@@ -128,7 +128,8 @@ class Objective(torch.nn.Module):
     called, run_words, sampler_words = "", "", ""  # its short name, "a ... run", and how a refusal names its samplers
     tag = ""  # the model card's tag
     time_inputs = ("timestep", "c_noise")  # the families' time inputs (model.Family.time_input) it can give
-    samplers = ()  # its --sampler choices; () where it has one sampler of its own (EDM's)
+    samplers = ()  # its --sampler choices
+    sampler_classes = ()  # the classes of the samplers `sampler` makes (sampled_by)
     default_sampler = None
     default_steps = 25  # --num_inference_steps when unset
     saves_pipeline = True  # a DDPMPipeline where the family saves one (else its network alone in unet/)
@@ -259,7 +260,11 @@ class DDPMObjective(Objective):
     name, words, tag = "ddpm", "DDPM (Ho et al. 2020)", "ddpm"
     called, run_words, sampler_words = "DDPM", "a DDPM run", "DDPM's"
     time_inputs = ("timestep",)  # an EDM2 network's Fourier features take no DDPM timestep
+    # DPM-Solver++'s stochastic form with 25 steps: fresh noise at each step corrects the errors earlier steps made,
+    # at the cost of the deterministic solver (half of DDIM-50's); on the built-in shapes it scored better than
+    # either (BENCHMARKS.md; docs/sampling.md: Samplers).
     samplers, default_sampler = ("ddpm", "ddim", "dpmsolver", "dpmsolver_sde"), "dpmsolver_sde"
+    sampler_classes = ("DDPMScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler")  # make_scheduler's
     discrete = ddpm_schedule = True
     same = ("prediction_type", "beta_schedule", "num_train_timesteps", "zero_terminal_snr")
 
@@ -416,6 +421,7 @@ class EDMObjective(Objective):
     # --sampler is DDPM's and unused: its grids and sample.py sample with its Heun sampler (EDMHeunSampler)
     samplers, default_sampler = DDPMObjective.samplers, DDPMObjective.default_sampler
     default_steps = 18  # EDM's CIFAR-10 setting: 18 Heun steps, 35 network evaluations
+    sampler_classes = ("EDMHeunSampler",)
     saves_pipeline = False  # no diffusers pipeline samples it
     ddpm_schedule = True  # its grids read a DDPMScheduler's config
     sampled_as = "c_noise"  # its sampler steps through c_noise = ln(σ)/4 (edm_precondition)
@@ -570,6 +576,7 @@ class FlowObjective(Objective):
     # (FlowEulerMaruyama), the default: at 25 steps it scored ahead of Euler 25 on both seeds of the shapes
     # (BENCHMARKS.md, "Flow matching"), and Heun 25 behind it.
     samplers, default_sampler = ("euler", "heun", "euler_maruyama"), "euler_maruyama"
+    sampler_classes = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler", "FlowEulerMaruyama")
     shifts = True  # --objective flow:SHIFT
     defaults = dict(timestep_sampling="lognormal", P_mean_std=[0.0, 1.0])  # SD3's logit-normal(0, 1) σ (FLOW_P_MEAN, FLOW_P_STD)
     schedulers = ("FlowMatchEulerDiscreteScheduler",)  # the scheduler class its pipeline saves
@@ -712,20 +719,6 @@ class TimeInput(torch.nn.Module):
 
 # --- the samplers of each objective ----------------------------------------------------
 
-SAMPLERS = DDPMObjective.samplers
-# DPM-Solver++'s stochastic form with 25 steps: fresh noise at each step corrects
-# the errors earlier steps made, at the cost of the deterministic solver (half of
-# DDIM-50's); on the built-in shapes it scored better than either
-# (BENCHMARKS.md; docs/sampling.md: Samplers).
-DEFAULT_SAMPLER = DDPMObjective.default_sampler
-DEFAULT_STEPS = 25
-# A flow run's samplers: the ODE's, diffusers' FlowMatchEulerDiscreteScheduler and FlowMatchHeunDiscreteScheduler
-# on their grid, and the SDE's, SiT's Euler-Maruyama (FlowEulerMaruyama) (make_flow_sampler). Euler is what the
-# run's DDPMPipeline holds. The default is Euler-Maruyama: at 25 steps it scored ahead of Euler 25 on both seeds
-# of the shapes (BENCHMARKS.md, "Flow matching"), and Heun 25 behind it.
-FLOW_SAMPLERS = FlowObjective.samplers
-DEFAULT_FLOW_SAMPLER = FlowObjective.default_sampler
-
 # --- samplers ------------------------------------------------------------------------
 
 
@@ -776,7 +769,7 @@ def make_scheduler(name, training_config, clip=True):
             lower_order_final=True,  # first order for the last steps when there are < 15: more stable
             final_sigmas_type="zero",  # the last step lands on the clean image
         )
-    raise ConfigError(f"unknown --sampler '{name}': choose one of {', '.join(SAMPLERS)}")
+    raise ConfigError(f"unknown --sampler '{name}': choose one of {', '.join(DDPMObjective.samplers)}")
 
 
 # --- EDM's sampler ----------------------------------------------------------------------
@@ -784,7 +777,6 @@ def make_scheduler(name, training_config, clip=True):
 # NVlabs/edm2 generate_images.py `edm_sampler`), on the probability-flow ODE
 # dx/dσ = (x - D(x; σ)) / σ (their eq. 3 with σ(t) = t, s(t) = 1).
 
-EDM_STEPS = EDMObjective.default_steps
 # S_churn of EDM's stochastic sampler (0: deterministic, EDM's CIFAR-10 setting). At 18 steps
 # any value from 7.5 up gives the largest fresh noise per step (γ = √2 - 1: EDM eq. 7's
 # min(S_churn / N, √2 - 1)). On the built-in shapes it scored better than the deterministic
@@ -835,7 +827,7 @@ def heun_sample(denoise, noise, sigmas, euler=False, churn=0.0, generators=None)
 
 @torch.no_grad()
 def edm_heun_sample(
-    net, noise, num_steps=EDM_STEPS, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO, sigma_data=SIGMA_DATA,
+    net, noise, num_steps=EDMObjective.default_steps, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO, sigma_data=SIGMA_DATA,
     c_noise_scale=None, generator=None, device=None, euler=False, clip_denoised=True, autocast=contextlib.nullcontext,
     churn=0.0, generators=None,
 ):  # fmt: skip
@@ -948,7 +940,7 @@ def step_noise(generator, like):
 
 
 def make_flow_sampler(name, training_config):
-    """A flow run's sampler `name` (FLOW_SAMPLERS) from its FlowMatchEulerDiscreteScheduler config (its shift).
+    """A flow run's sampler `name` (FlowObjective.samplers) from its FlowMatchEulerDiscreteScheduler config (its shift).
 
     Euler and Heun integrate the network's velocity v = ε - x0 as dx/dσ = v on diffusers' grid: N noise levels
     from σ = 1 down to the shifted σ_min, each shifted (again, for the last: diffusers #13243), then 0. It is
@@ -964,17 +956,7 @@ def make_flow_sampler(name, training_config):
         return FlowMatchHeunDiscreteScheduler.from_config(training_config)
     if name == "euler_maruyama":
         return FlowEulerMaruyama(shift=training_config.get("shift", 1.0))
-    raise ConfigError(f"--sampler {name} is DDPM's: a flow run samples with {flow_sampler_names()}")
-
-
-def flow_sampler_names():
-    """'euler, heun or euler_maruyama': the flow samplers, as an error line names them."""
-    return ", ".join(FLOW_SAMPLERS[:-1]) + " or " + FLOW_SAMPLERS[-1]
-
-
-def is_flow_sampler(scheduler):
-    return isinstance(scheduler, FlowEulerMaruyama) or type(scheduler).__name__ in (
-        "FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
+    raise ConfigError(f"--sampler {name} is DDPM's: a flow run samples with {', '.join(FlowObjective.samplers)}")
 
 
 def make_sampler(objective, name, training_config=None, sigma_data=SIGMA_DATA, churn=EDM_CHURN, clip=True):
@@ -985,11 +967,8 @@ def make_sampler(objective, name, training_config=None, sigma_data=SIGMA_DATA, c
 
 
 def sampled_by(scheduler):
-    """The objective class whose samplers `scheduler` is one of (by its class's name)."""
-    name = type(scheduler).__name__
-    if name == EDMHeunSampler.__name__:
-        return EDMObjective
-    return FlowObjective if is_flow_sampler(scheduler) else DDPMObjective
+    """The objective class whose samplers `scheduler` is one of (Objective.sampler_classes)."""
+    return next(kind for kind in OBJECTIVES.values() if type(scheduler).__name__ in kind.sampler_classes)
 
 
 def network_device(net):

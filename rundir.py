@@ -36,11 +36,6 @@ def find_run_folder(path):
     return next((folder for folder in candidates if (folder / CONFIG_FILE).is_file()), None)
 
 
-def find_run_config(path):
-    """The train_config.json of the run that `path` belongs to, or None."""
-    return RunDir(path).config
-
-
 def kept_ema(config):
     """Whether a run with train_config.json `config` kept an EMA of its weights (True when unknown): its
     --ema is not none; a run of before --ema none wrote its --use_ema flag beside an `ema` that named the
@@ -246,7 +241,10 @@ class RunDir:
         if self.config is None:
             saved = self.path / "scheduler" / "scheduler_config.json"
             scheduler = json.loads(saved.read_text()) if saved.is_file() else {}
-            trained = objectives.from_scheduler(scheduler, self.path) if scheduler else None
+            try:
+                trained = objectives.from_scheduler(scheduler, self.path) if scheduler else None
+            except ConfigError:  # a DDPM schedule that --init_from does not train from: sampled as DDPM's all the same
+                trained = None
             if trained:
                 return trained["objective"]
         return self.get("objective", objectives.DDPMObjective.name)

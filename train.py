@@ -56,6 +56,7 @@ import profiling
 import resume
 import rundir
 import sample
+import sampling
 import sizes
 import step
 import training
@@ -378,14 +379,14 @@ def make_accelerator(args):
     )
 
 
-def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps):
+def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps, class_names=None):
     """Network, objective, optimizer, learning-rate schedule and EMA (training.Pieces), as the speed ladder's rows
     build them (training.build), prepared by accelerate and registered for checkpoints."""
     from accelerate.utils import broadcast
 
     pieces = training.build(args, total_steps, accelerator.device, num_classes=num_classes, lr_ref_steps=lr_ref_steps,
                             write_ema=accelerator.is_main_process, prepare=accelerator.prepare,
-                            unwrap=accelerator.unwrap_model)  # fmt: skip
+                            unwrap=accelerator.unwrap_model, class_names=class_names)  # fmt: skip
     # EDM's u(sigma) was drawn from this process's own seed, and DDP does not hold it: every process takes rank 0's,
     # as it does the network's weights, so that they all learn one weighting and a resume (rank 0's) continues it
     for tensor in pieces.objective.state_dict().values():
@@ -510,7 +511,8 @@ class Run:
             # network trained or its noise: with or without --guide, the same --seed trains the same weights
             guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None
         self.startup.mark("data to the device")
-        self.pieces = build_pieces(args, accelerator, self.total_steps, num_classes, self.config["lr_ref_steps"])
+        self.pieces = build_pieces(args, accelerator, self.total_steps, num_classes, self.config["lr_ref_steps"],
+                                   class_names)
         self.config["params"] = sum(p.numel() for p in self.pieces.network.parameters())  # with a class embedding
         self.guard = step.NonFiniteGuard(self.pieces.optimizer, args.on_fault, self.device)
         self.memory = memory_plan(args, self.pieces, self.world)
@@ -795,13 +797,13 @@ class Evaluation:
         """A grid of --eval_batch_size images from the EMA weights, from the same noise every time;
         a conditional run's rows go through the classes in turn."""
         args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
-        seeds = sample.image_seeds(args.seed, args.eval_batch_size)
-        labels = sample.grid_labels(self.num_classes, args.eval_batch_size, args.image_size)
-        images = sample.generate(self.averaged_network(), self.pieces.sampling_scheduler, seeds, args.num_inference_steps,
+        seeds = sampling.image_seeds(args.seed, args.eval_batch_size)
+        labels = sampling.grid_labels(self.num_classes, args.eval_batch_size, args.image_size)
+        images = sampling.generate(self.averaged_network(), self.pieces.sampling_scheduler, seeds, args.num_inference_steps,
                                  self.processes.accelerator.autocast, labels, args.guidance_scale[0], self.guide,
                                  self.decode)  # fmt: skip
         try:
-            sample.save_grid(images, path)
+            sampling.save_grid(images, path)
         except OSError as e:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 
@@ -812,11 +814,11 @@ class Evaluation:
         its best scale) in best/. A stop signal on any process abandons it at the next batch."""
         args, network, processes = self.args, self.averaged_network(), self.processes
         accelerator, counts = processes.accelerator, self.class_counts
-        labels = sample.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
+        labels = sampling.labels_as_in_data(counts, args.eval_num_samples, args.seed) if counts else None
         batch_size = metrics.fid_batch_size(args.eval_batch_size)
 
         def batches_for(w):
-            mine = sample.generate_batches(network, self.pieces.sampling_scheduler, args.eval_num_samples, batch_size,
+            mine = sampling.generate_batches(network, self.pieces.sampling_scheduler, args.eval_num_samples, batch_size,
                                            args.seed, args.num_inference_steps, accelerator.autocast, labels, w,
                                            self.guide, self.decode, shard=(processes.rank, processes.world))  # fmt: skip
             return self.gathered_samples(mine, args.eval_num_samples, batch_size, signals, epoch, step_number)
@@ -852,7 +854,7 @@ class Evaluation:
         self.last_copy_check = dict(found, epoch=epoch, step=step_number)
 
     def gathered_samples(self, mine, num_images, batch_size, signals, epoch, step_number):
-        """An evaluation's samples, every process's share gathered to the main process (sample.gathered), the
+        """An evaluation's samples, every process's share gathered to the main process (sampling.gathered), the
         processes agreeing on a stop signal before each round of batches."""
         processes = self.processes
 
@@ -862,7 +864,7 @@ class Evaluation:
                 raise agreement.Abandoned
 
         shape = (self.args.image_channels, *sizes.height_width(self.args.image_size))
-        return sample.gathered(mine, num_images, batch_size, shape, processes.rank, processes.world,
+        return sampling.gathered(mine, num_images, batch_size, shape, processes.rank, processes.world,
                                processes.main_work_group, unless_stopped)  # fmt: skip
 
 

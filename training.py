@@ -35,7 +35,7 @@ class Pieces:
 
 
 def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, write_ema=True, init_state=None,
-          ema_foreach=True, adam_foreach=True, prepare=None, unwrap=None):  # fmt: skip
+          ema_foreach=True, adam_foreach=True, prepare=None, unwrap=None, class_names=None):  # fmt: skip
     """The pieces of a run with configuration `args` (config.resolve's), `total_steps` long.
 
     The network is built on the CPU (with `init_state` loaded when given, else the weights of an --init_from
@@ -53,7 +53,7 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     network = models.build_run_network(dict(vars(args), num_classes=num_classes))  # a latent run's: its latents' size
     started_from = None
     if init_state is None and getattr(args, "init_source", None):
-        init_state, started_from = init_from.initial_state(args.init_source, network, num_classes)
+        init_state, started_from = init_from.initial_state(args.init_source, network, num_classes, class_names)
     if init_state is not None:
         network.load_state_dict(init_state)
     network.to(device)

@@ -45,6 +45,7 @@ import model as models
 import objectives
 import profiling
 import sample
+import sampling
 from bench import faces, labelled
 from errors import ConfigError, one_line_errors
 
@@ -143,7 +144,7 @@ def validate(args):
     for name, low in dict(quality_images=16, quality_evals=1, quality_samples=2).items():
         if getattr(args, name) < low:
             raise ConfigError(f"--{name} must be at least {low} (got {getattr(args, name)})")
-    args.guidance = sample.parse_scales(args.quality_guidance, "--quality_guidance") if args.quality_data == "labelled" else []
+    args.guidance = sampling.parse_scales(args.quality_guidance, "--quality_guidance") if args.quality_data == "labelled" else []
     try:
         args.extra = shlex.split(args.train_args)
     except ValueError as e:

@@ -55,7 +55,7 @@ def shuffled_patches(images, grid=4, seed=0):
 
 
 def grid_images(path, image_size, padding=2):
-    """The images of a grid PNG written by sample.save_grid (train.py's samples/NNNN.png):
+    """The images of a grid PNG written by sampling.save_grid (train.py's samples/NNNN.png):
     cells of `image_size` with `padding` pixels between them. Every cell is read, so pass
     full grids (an empty cell would read as a black image)."""
     if not Path(path).is_file():

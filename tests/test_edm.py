@@ -9,6 +9,7 @@ import torch
 import model as models
 import objectives
 import sample
+import sampling
 from errors import ConfigError
 
 
@@ -231,10 +232,10 @@ def test_tiny_unet_trains_with_the_objective_and_samples_with_heun():
                                         c_noise_scale=objectives.UNET_C_NOISE_SCALE)  # fmt: skip
     assert images.shape == (2, 3, 16, 16) and images.min() >= -1 and images.max() <= 1
     assert images.std() > 0.01
-    seeds = sample.image_seeds(0, 2)
-    uint8 = sample.generate(unet, objectives.make_sampler("edm", "dpmsolver"), seeds, 3)
+    seeds = sampling.image_seeds(0, 2)
+    uint8 = sampling.generate(unet, objectives.make_sampler("edm", "dpmsolver"), seeds, 3)
     assert uint8.shape == (2, 3, 16, 16) and uint8.dtype == torch.uint8
-    assert torch.equal(uint8, sample.generate(unet, objectives.make_sampler("edm", "dpmsolver"), seeds, 3))
+    assert torch.equal(uint8, sampling.generate(unet, objectives.make_sampler("edm", "dpmsolver"), seeds, 3))
 
 
 def test_load_network_reads_a_saved_unet(tmp_path):

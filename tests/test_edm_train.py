@@ -51,7 +51,7 @@ def test_an_edm2_run_writes_grids_checkpoints_and_a_network_that_sample_py_and_e
 
     result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--output", str(tmp_path / "gen")]))
     assert result["sampler"] == objectives.EDMHeunSampler(churn=objectives.EDM_CHURN).name
-    assert result["num_inference_steps"] == objectives.EDM_STEPS
+    assert result["num_inference_steps"] == objectives.EDMObjective.default_steps
     assert (tmp_path / "gen" / "grid.png").is_file()
     # EDM's stochastic sampler: other images than the ODE's from the same noise, each image its own noise
     def churned(churn, batch_size, folder):

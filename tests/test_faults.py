@@ -715,16 +715,16 @@ SHARED_EVALUATION = """
 import json, os, sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import metrics, sample, train
+import metrics, sample, sampling, train
 from test_metrics import TinyFeatures
 metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
 metrics.FID_BATCH_SIZE = 2
-made, embedded, generate_batches, embed = [], [], sample.generate_batches, metrics.embedded
+made, embedded, generate_batches, embed = [], [], sampling.generate_batches, metrics.embedded
 def recorded(batches, into):
     for batch in batches:
         into.append([len(batch), int(batch.long().sum())])
         yield batch
-sample.generate_batches = lambda *a, **k: recorded(generate_batches(*a, **k), made)
+sampling.generate_batches = lambda *a, **k: recorded(generate_batches(*a, **k), made)
 def generated(indexed, into):  # the generated images' batches: those without indices (the reference's have them)
     for batch, index in indexed:
         if index is None:

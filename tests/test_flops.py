@@ -31,7 +31,7 @@ def test_reference_model_params_and_flops():
     # The diffusers train_unconditional.py UNet: 113,673,219 parameters,
     # 372.17 GFLOP/img forward+backward counted on a CPU (SDPA counted 0),
     # 23.82 TFLOP per step at batch 64.
-    cost = flops.unet_flops("ref128", 128, 1)
+    cost = flops.network_flops("ref128", 128, 1)
     assert cost["params"] == 113_673_219
     assert cost["flops_fwd"] == pytest.approx(124.10e9, rel=0.005)
     assert cost["flops_fwdbwd"] == pytest.approx(372.17e9, rel=0.005)
@@ -39,8 +39,8 @@ def test_reference_model_params_and_flops():
 
 
 def test_flops_scale_linearly_with_batch():
-    one = flops.unet_flops("tiny", 16, 1)
-    four = flops.unet_flops("tiny", 16, 4)
+    one = flops.network_flops("tiny", 16, 1)
+    four = flops.network_flops("tiny", 16, 4)
     assert four["flops_fwd"] == 4 * one["flops_fwd"]
     assert four["flops_fwdbwd"] == 4 * one["flops_fwdbwd"]
 
@@ -68,7 +68,7 @@ def test_meta_count_equals_a_real_cpu_count_plus_attention():
     assert meta == real
     tokens, channels = (size // 4) ** 2, 64
     assert attention == 3 * 2 * (2 * batch * tokens * tokens * channels)
-    assert flops.unet_flops(name, size, batch)["flops_fwdbwd"] == sum(real.values()) + attention
+    assert flops.network_flops(name, size, batch)["flops_fwdbwd"] == sum(real.values()) + attention
 
 
 def test_gradient_checkpointing_adds_hardware_flops_only():
@@ -77,20 +77,20 @@ def test_gradient_checkpointing_adds_hardware_flops_only():
     assert checkpointed["model_flops"] == plain["model_flops"]
     assert checkpointed["hardware_flops"] > plain["hardware_flops"]
     # the recompute is at most one more forward pass
-    forward = flops.unet_flops("tiny", 16, 2)["flops_fwd"]
+    forward = flops.network_flops("tiny", 16, 2)["flops_fwd"]
     assert checkpointed["hardware_flops"] <= plain["hardware_flops"] + forward
 
 
 def test_a_network_is_counted_once_per_process(monkeypatch):
-    """unet_flops keeps its counts by their arguments: a second run of the same network and input (the
+    """network_flops keeps its counts by their arguments: a second run of the same network and input (the
     suite's many runs in one process) is not counted again; another input is."""
-    first = flops.unet_flops("tiny", 8, 3)
+    first = flops.network_flops("tiny", 8, 3)
     first["params"] = -1  # a caller's change to its copy is its own
     counted = []
     monkeypatch.setattr(flops, "count_flops", lambda fn: counted.append(fn) or 0)
-    assert flops.unet_flops("tiny", 8, 3) == dict(first, params=sum(p.numel() for p in models.build_network("tiny", 8).parameters()))
+    assert flops.network_flops("tiny", 8, 3) == dict(first, params=sum(p.numel() for p in models.build_network("tiny", 8).parameters()))
     assert not counted
-    assert flops.unet_flops("tiny", 8, 5)["flops_fwd"] == 0 and len(counted) == 2  # forward, forward and backward
+    assert flops.network_flops("tiny", 8, 5)["flops_fwd"] == 0 and len(counted) == 2  # forward, forward and backward
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def dit_shape(name, side, channels):
 def test_dit_xl2_forward_is_twice_the_papers_multiply_adds():
     """DiT's Table 4: XL/2 118.64 G 'flops' at 256px (32x32x4 latents), multiply-adds (DiT #14):
     237.3 GFLOP. This implementation runs the embedder 29 times (0.09 GFLOP) where the paper's runs once."""
-    cost = flops.unet_flops("dit-xl2", 32, 1, channels=4)
+    cost = flops.network_flops("dit-xl2", 32, 1, channels=4)
     assert cost["flops_fwd"] == pytest.approx(237.3e9, rel=0.005)
     assert cost["flops_fwd"] == pytest.approx(2 * 118.64e9, rel=0.005)
     shape = dit_shape("dit-xl2", 32, 4)
@@ -230,7 +230,7 @@ def test_dit_xl2_forward_is_twice_the_papers_multiply_adds():
 @pytest.mark.parametrize("name, side, channels", [("dit-tiny", 16, 3), ("dit-small", 32, 3), ("dit-tiny", 8, 4)])
 def test_dit_flops_equal_the_formula_from_its_modules(name, side, channels):
     batch = 3
-    cost = flops.unet_flops(name, side, batch, channels=channels)
+    cost = flops.network_flops(name, side, batch, channels=channels)
     assert cost["flops_fwd"] == batch * dit_forward_flops(**dit_shape(name, side, channels))
     assert cost["flops_fwdbwd"] == batch * dit_step_flops(**dit_shape(name, side, channels))
 
@@ -249,7 +249,7 @@ def test_a_count_on_cpu_tensors_equals_the_meta_devices(name):
         return lambda: net(x, t).sample.square().mean().backward()
 
     on_cpu = flops.count_flops(step("cpu"))
-    assert on_cpu == flops.count_flops(step("meta")) == flops.unet_flops(name, side, batch)["flops_fwdbwd"]
+    assert on_cpu == flops.count_flops(step("meta")) == flops.network_flops(name, side, batch)["flops_fwdbwd"]
     with FlopCounterMode(display=False) as plain:  # torch's own table: the CPU's attention kernel counts 0
         step("cpu")()
     missed = on_cpu - plain.get_total_flops()
@@ -288,7 +288,7 @@ def test_train_py_step_line_for_a_dit_has_flops_py_count_and_its_mfu(tmp_path, c
         3, "--logging_steps", 3, "--save_images_epochs", 100)  # fmt: skip
     line = re.search(r"^step 3/3 \|.*\| ([\d.e+-]+) TFLOP/step \| ([\d.e+-]+) TFLOP/s \| MFU ([\d.]+)%", capsys.readouterr().out, re.M)
     per_step = 4 * dit_step_flops(**dit_shape("dit-tiny", 16, 3))
-    assert per_step == 4 * flops.unet_flops("dit-tiny", 16, 1)["flops_fwdbwd"]
+    assert per_step == 4 * flops.network_flops("dit-tiny", 16, 1)["flops_fwdbwd"]
     assert line and line.group(1) == f"{per_step / 1e12:.4g}"
     assert float(line.group(3)) == pytest.approx(100 * float(line.group(2)) / 0.001, rel=1e-3, abs=0.051)
 

@@ -14,6 +14,7 @@ import model as models
 import objectives
 import resume as rules
 import sample
+import sampling
 from errors import ConfigError
 from test_resume import resolved, write_checkpoint
 from test_train import TINY
@@ -81,15 +82,15 @@ class PointVelocity(torch.nn.Module):
 def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
     scheduler = objectives.make_flow_sampler(name, objectives.make_flow_scheduler(shift).config)
-    images = sample.generate(PointVelocity(c), scheduler, [0, 1], 5)
-    assert (images.float() - sample.to_pixels(c[None]).float()).abs().max() <= 1
+    images = sampling.generate(PointVelocity(c), scheduler, [0, 1], 5)
+    assert (images.float() - sampling.to_pixels(c[None]).float()).abs().max() <= 1
 
 
 def euler_maruyama_ends(c, seeds, steps, shift=1.0):
-    """The float samples (before uint8) of SiT's Euler-Maruyama on PointVelocity(c), through sample.generate."""
+    """The float samples (before uint8) of SiT's Euler-Maruyama on PointVelocity(c), through sampling.generate."""
     ends = []
     scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler(shift).config)
-    sample.generate(PointVelocity(c), scheduler, seeds, steps, decode=lambda x: ends.append(x) or x)
+    sampling.generate(PointVelocity(c), scheduler, seeds, steps, decode=lambda x: ends.append(x) or x)
     return ends[0]
 
 
@@ -118,10 +119,10 @@ def test_euler_maruyama_draws_its_noise_from_the_seeds():
     from its own seed, whatever else is in the batch."""
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
     scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler().config)
-    images = sample.generate(PointVelocity(c), scheduler, [0, 1, 2], 4)
-    assert torch.equal(images, sample.generate(PointVelocity(c), scheduler, [0, 1, 2], 4))
-    assert not torch.equal(images, sample.generate(PointVelocity(c), scheduler, [3, 4, 5], 4))
-    split = [sample.generate(PointVelocity(c), scheduler, part, 4) for part in ([0], [1, 2])]
+    images = sampling.generate(PointVelocity(c), scheduler, [0, 1, 2], 4)
+    assert torch.equal(images, sampling.generate(PointVelocity(c), scheduler, [0, 1, 2], 4))
+    assert not torch.equal(images, sampling.generate(PointVelocity(c), scheduler, [3, 4, 5], 4))
+    split = [sampling.generate(PointVelocity(c), scheduler, part, 4) for part in ([0], [1, 2])]
     assert torch.equal(images, torch.cat(split))
 
 
@@ -148,7 +149,7 @@ def test_a_flow_pipeline_outside_its_run_samples_as_flow_and_guides_only_flow(fl
     assert sample.RunDir(alone).config is None and sample.RunDir(alone).objective == "flow:3"
     result = sample.main(sample.parse_args([str(alone), "--num_images", "1", "--num_inference_steps", "2",
                                             "--output", str(tmp_path / "s")]))  # fmt: skip
-    assert result["sampler"] == objectives.DEFAULT_FLOW_SAMPLER
+    assert result["sampler"] == objectives.FlowObjective.default_sampler
     ddpm = tmp_path / "ddpm"
     train(ddpm, "--max_train_steps", 1, "--checkpointing_steps", 1)
     for model, guide in ((ddpm, alone), (alone, ddpm)):
@@ -174,7 +175,7 @@ def test_a_flow_run_saves_a_pipeline_that_diffusers_samples_as_train_py_does(flo
     theirs = pipeline(batch_size=3, generator=[torch.Generator().manual_seed(s) for s in seeds], num_inference_steps=6,
                       output_type="np").images  # fmt: skip
     scheduler = objectives.make_flow_sampler("euler", pipeline.scheduler.config)
-    ours = sample.generate(pipeline.unet, scheduler, seeds, 6).permute(0, 2, 3, 1).numpy()
+    ours = sampling.generate(pipeline.unet, scheduler, seeds, 6).permute(0, 2, 3, 1).numpy()
     assert np.abs(np.round(theirs * 255) - ours.astype(np.float64)).max() <= 1
     assert ours.std() > 5  # images, not a constant
 
@@ -185,8 +186,8 @@ def test_sample_py_samples_a_flow_run_with_each_flow_sampler(flow_run, tmp_path)
                                        "--sampler", name, "--output", str(tmp_path / folder), *flags]))  # fmt: skip
         return np.asarray(Image.open(tmp_path / folder / "000001.png"))
 
-    first = [images(name, name) for name in objectives.FLOW_SAMPLERS]
-    assert objectives.FLOW_SAMPLERS == ("euler", "heun", "euler_maruyama")
+    first = [images(name, name) for name in objectives.FlowObjective.samplers]
+    assert objectives.FlowObjective.samplers == ("euler", "heun", "euler_maruyama")
     assert all(not np.array_equal(a, b) for i, a in enumerate(first) for b in first[i + 1 :])  # each its own sampler
     assert np.array_equal(images("euler_maruyama", "again"), first[2])  # the SDE's noise: the seed's
     assert not np.array_equal(images("euler_maruyama", "seed1", "--seed", "1"), first[2])
@@ -195,7 +196,7 @@ def test_sample_py_samples_a_flow_run_with_each_flow_sampler(flow_run, tmp_path)
     assert stopped.value.code == 2
 
 
-@pytest.mark.parametrize("name", objectives.FLOW_SAMPLERS)
+@pytest.mark.parametrize("name", objectives.FlowObjective.samplers)
 def test_sample_py_refuses_a_flow_sampler_for_a_ddpm_run_in_one_line(tmp_path, capsys, name):
     from diffusers import DDPMPipeline
 
@@ -265,7 +266,7 @@ def test_bad_flow_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, says):
 def test_the_shift_is_spelled_one_way():
     assert [objectives.canonical_objective(x) for x in ("flow", "flow:1", "flow:3.0", "flow:0.5")] == ["flow", "flow", "flow:3", "flow:0.5"]
     args = config.resolve(config.parse_args([*TINY, "--output_dir", "unused", "--objective", "flow:3.0"]))
-    assert args.objective == "flow:3" and args.sampler == objectives.DEFAULT_FLOW_SAMPLER and args.prediction_type is None
+    assert args.objective == "flow:3" and args.sampler == objectives.FlowObjective.default_sampler and args.prediction_type is None
     assert config.resolve(args) is args and args.objective == "flow:3"  # idempotent
 
 

@@ -1,4 +1,4 @@
-"""Classifier-free guidance and autoguidance (sample.Guided), label dropout, class labels for sampling.
+"""Classifier-free guidance and autoguidance (sampling.Guided), label dropout, class labels for sampling.
 
 The combination is checked on a Gaussian toy whose exact denoisers are known:
 data x0 ~ N(mu_c, s^2 I) for class c (and N(mu_null, s_null^2 I) for the null
@@ -16,6 +16,7 @@ import latents
 import model as models
 import objectives
 import sample
+import sampling
 from test_edm_train import same
 from errors import ConfigError
 
@@ -56,7 +57,7 @@ def test_classifier_free_guidance_combines_the_exact_denoisers(w):
     net = GaussianDenoiser(means=[-0.5, 0.7, 0.1], stds=[0.3, 0.4, 0.6])  # classes 0, 1; null 2
     x, sigma = torch.randn(6, 1, 4, 4), 1.3
     labels = torch.tensor([0, 1, 0, 1, 1, 0])
-    guided = sample.guided_network(net, labels, w)
+    guided = sampling.guided_network(net, labels, w)
     cond, uncond = net.exact(x, sigma, labels), net.exact(x, sigma, torch.full_like(labels, 2))
     torch.testing.assert_close(denoise(guided, x, sigma), uncond + w * (cond - uncond), atol=1e-5, rtol=1e-5)
 
@@ -66,7 +67,7 @@ def test_autoguidance_combines_the_exact_denoisers(w):
     main = GaussianDenoiser(means=[0.2], stds=[0.5])
     guide = GaussianDenoiser(means=[0.0], stds=[0.9])  # a worse model: too wide, off-centre
     x, sigma = torch.randn(5, 1, 4, 4), 0.7
-    guided = sample.guided_network(main, None, w, guide)
+    guided = sampling.guided_network(main, None, w, guide)
     expected = main.exact(x, sigma) * w + guide.exact(x, sigma) * (1 - w)
     torch.testing.assert_close(denoise(guided, x, sigma), expected, atol=1e-5, rtol=1e-5)
 
@@ -78,7 +79,7 @@ def test_autoguidance_pulls_samples_away_from_the_guide():
     seeds = list(range(8))
     spread = {}
     for w in (1.0, 2.0):
-        images = sample.generate(main, objectives.EDMHeunSampler(), seeds, 32, guidance_scale=w, guide=guide)
+        images = sampling.generate(main, objectives.EDMHeunSampler(), seeds, 32, guidance_scale=w, guide=guide)
         spread[w] = (images.float() / 127.5 - 1).std().item()
     assert abs(spread[1.0] - 0.5) < 0.05, spread
     assert spread[2.0] < spread[1.0] - 0.05, spread
@@ -96,7 +97,7 @@ def test_ddpm_guidance_one_is_the_conditional_model_and_zero_the_unconditional()
     scheduler = objectives.make_scheduler("ddim", objectives.make_noise_scheduler().config)
 
     def run(labels, w):
-        return sample.generate(unet, scheduler, seeds, 4, labels=labels, guidance_scale=w)
+        return sampling.generate(unet, scheduler, seeds, 4, labels=labels, guidance_scale=w)
 
     conditional, unconditional = run(labels, 1.0), run(null, 1.0)
     assert torch.equal(run(labels, 0.0), unconditional)
@@ -141,16 +142,16 @@ def test_class_labels_by_name_number_spread_and_as_in_the_data():
         sample.class_labels_for("0,,1", config, 3, 4, 0, False)
     with pytest.raises(ConfigError, match="class-conditional"):
         sample.class_labels_for("0", {}, 0, 4, 0, False)
-    assert sample.grid_labels(3, 16).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 4  # one row per class
+    assert sampling.grid_labels(3, 16).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 4  # one row per class
 
 
 def test_a_guide_must_match_the_run():
     main = dict(objective="ddpm", image_size=32, class_names=None, prediction_type="epsilon", beta_schedule="linear",
                 num_train_timesteps=1000, zero_terminal_snr=False)  # fmt: skip
-    sample.check_guide(main, dict(main))
+    sampling.check_guide(main, dict(main))
     for key, value in dict(image_size=16, objective="edm", prediction_type="v_prediction", class_names=["a", "b"]).items():
         with pytest.raises(ConfigError, match=key.replace("_", " ")):
-            sample.check_guide(main, main | {key: value})
+            sampling.check_guide(main, main | {key: value})
 
 
 def test_a_guide_must_be_of_the_same_latent_space_however_its_vae_is_spelled():
@@ -160,15 +161,15 @@ def test_a_guide_must_be_of_the_same_latent_space_however_its_vae_is_spelled():
     record = dict(vae="/a/vae", encoder_sha256="ab" * 32, normalization=norm)
     main = dict(objective="edm", image_size=32, class_names=None, vae="/a/vae",
                 latent_space=latents.latent_space(record["encoder_sha256"], norm), latents=record)  # fmt: skip
-    sample.check_guide(main, main | dict(vae="../a/vae,vae", latents=record | dict(vae="/b/vae")))  # spelled otherwise
-    sample.check_guide(main, {k: v for k, v in main.items() if k != "latent_space"})  # an older run's record says it
+    sampling.check_guide(main, main | dict(vae="../a/vae,vae", latents=record | dict(vae="/b/vae")))  # spelled otherwise
+    sampling.check_guide(main, {k: v for k, v in main.items() if k != "latent_space"})  # an older run's record says it
     other_weights = main | dict(latent_space=latents.latent_space("cd" * 32, norm))
     with pytest.raises(ConfigError, match=r"another latent space \(--vae: another VAE \(its encoder's weights"):
-        sample.check_guide(main, other_weights)
+        sampling.check_guide(main, other_weights)
     with pytest.raises(ConfigError, match="another latent space .the latents' normalisation"):
-        sample.check_guide(main, main | dict(latent_space=latents.latent_space("ab" * 32, dict(kind="dataset"))))
+        sampling.check_guide(main, main | dict(latent_space=latents.latent_space("ab" * 32, dict(kind="dataset"))))
     with pytest.raises(ConfigError, match=r"\(--vae: pixels -> latents\)"):
-        sample.check_guide(main, dict(main, latent_space=None, latents=None))
+        sampling.check_guide(main, dict(main, latent_space=None, latents=None))
 
 
 # --- a conditional run through train.py and sample.py -------------------------------------------

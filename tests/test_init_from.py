@@ -91,8 +91,10 @@ def test_the_scheduler_decides_the_objective_unless_the_command_line_does(tmp_pa
 def test_a_schedule_this_project_does_not_train_is_refused(tmp_path):
     folder = tmp_path / "other"
     DDPMPipeline(unet=tiny_unet(), scheduler=DDPMScheduler(num_train_timesteps=500)).save_pretrained(str(folder))
-    with pytest.raises(config.ConfigError, match="500 steps"):
+    with pytest.raises(config.ConfigError, match="500 steps.*: add --objective"):
         resolved("--init_from", folder)
+    args = resolved("--init_from", folder, "--objective", "flow")  # --objective says what to train: its weights start it
+    assert args.objective == "flow" and args.init_source["trained"]["refused"]
 
 
 def test_a_bare_model_folder_loads_and_needs_an_objective(tmp_path):
@@ -314,3 +316,11 @@ def test_a_conditional_run_keeps_its_labels_for_its_classes_and_an_unconditional
     assert (other.network.class_embedding.weight == null).all() and "a new label table" in other.started_from
     dropped = training.build(resolved("--init_from", source), 10)
     assert dropped.network.class_embedding is None and "its label table dropped" in dropped.started_from
+    # as many classes, other names: a new table, not the source's rows by index (train.py passes the names)
+    from test_metrics import image_folder
+
+    for name in ("ant", "bee", "cat"):
+        image_folder(tmp_path / "abc" / name, n=4)
+    run(tmp_path / "renamed", "--init_from", source, "--class_conditional", "--dataset", tmp_path / "abc",
+        "--objective", "ddpm", "--max_train_steps", 1)  # fmt: skip
+    assert "a new label table for this run's 3 classes" in capsys.readouterr().out

@@ -353,6 +353,11 @@ def test_the_vae_flag_and_what_its_config_says_before_any_weights_load(tmp_path,
         latents.normalization_kind(unscaled, "vae")
 
 
+def test_immiscible_alone_takes_the_authors_k_for_latents(vae):
+    argv = [*TINY, "--vae", str(vae), "--loss_terms", "immiscible"]
+    assert config_module.resolve(config_module.parse_args(argv)).loss_terms == "immiscible:64"  # 4 on pixels
+
+
 def test_the_encoder_takes_a_bounded_number_of_pixels_at_once(tmp_path, vae, monkeypatch):
     """A batch of 64 images and their flips at 256px through SD's VAE at once held 21 GiB: the encoder gets
     ENCODE_PIXELS at a time, and the latents are the same."""

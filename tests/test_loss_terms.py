@@ -50,7 +50,8 @@ def test_the_flag_reads_names_and_values_in_one_spelling():
     assert loss_terms.parse(None) == loss_terms.parse("none") == loss_terms.parse("") == {}
     assert loss_terms.parse("immiscible:16, dispersive:0.5") == {"dispersive": 0.5, "immiscible": 16}  # METHODS' order
     assert loss_terms.parse("dispersive,layersync,deltafm,immiscible") == dict(dispersive=0.25, layersync=0.2,
-                                                                               deltafm=0.05, immiscible=64)  # fmt: skip
+                                                                               deltafm=0.05, immiscible=4)  # fmt: skip
+    assert loss_terms.parse("immiscible", latents=True) == dict(immiscible=64)  # the authors' k for latents
     assert loss_terms.spell(loss_terms.parse("deltafm:0.050,dispersive")) == "dispersive:0.25,deltafm:0.05"
     assert loss_terms.spell({}) == "none"
 
@@ -92,7 +93,7 @@ def test_a_term_where_it_does_not_apply_is_refused_in_one_line(flags, says):
 def test_where_each_term_applies_it_resolves_to_its_spelling():
     assert resolved().loss_terms == "none"
     assert resolved("--loss_terms", "immiscible:8,dispersive", "--objective", "ddpm").loss_terms == "dispersive:0.25,immiscible:8"
-    assert resolved("--model", "edm2tiny", "--loss_terms", "dispersive,immiscible").loss_terms == "dispersive:0.25,immiscible:64"
+    assert resolved("--model", "edm2tiny", "--loss_terms", "dispersive,immiscible").loss_terms == "dispersive:0.25,immiscible:4"
     assert resolved("--model", "dit-tiny", "--loss_terms", "layersync,deltafm").loss_terms == "layersync:0.2,deltafm:0.05"
     assert resolved("--loss_terms", "dispersive", "--train_batch_size", 2).loss_terms == "dispersive:0.25"
 

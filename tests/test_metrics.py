@@ -16,6 +16,7 @@ import data
 import metrics
 import rundir
 import sample
+import sampling
 import train
 from conftest import ROOT
 from errors import ConfigError
@@ -460,7 +461,7 @@ def test_a_stop_signal_during_the_grid_or_an_evaluation_leaves_it_and_keeps_the_
     monkeypatch.setattr(metrics, "FID_BATCH_SIZE", 2)
     weights = tmp_path / "inception.pth"
     weights.touch()
-    generated, generate = [], sample.generate
+    generated, generate = [], sampling.generate
     signal_at = 1 if during == "grid" else 2  # epoch 0's grid is the first call, its evaluation's batches next
 
     def signalled(*args, **kwargs):
@@ -469,7 +470,7 @@ def test_a_stop_signal_during_the_grid_or_an_evaluation_leaves_it_and_keeps_the_
             os.kill(os.getpid(), signal.SIGTERM)
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(sample, "generate", signalled)
+    monkeypatch.setattr(sampling, "generate", signalled)
     out, flags = tmp_path / "run", ("--max_train_steps", 6, "--eval_every_epochs", 1, "--eval_num_samples", 6,
                                     "--fid_weights", weights)  # fmt: skip
     with pytest.raises(SystemExit) as stopped:
@@ -480,7 +481,7 @@ def test_a_stop_signal_during_the_grid_or_an_evaluation_leaves_it_and_keeps_the_
     assert "stopped by SIGTERM at step 2: saved" in stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
     assert (out / "samples" / "0000.png").is_file() and not (out / "eval_results.json").exists()
-    monkeypatch.setattr(sample, "generate", generate)
+    monkeypatch.setattr(sampling, "generate", generate)
     run(out, *flags)  # the same command: on from step 2, the evaluations of epochs 1 and 2
     assert "resumed from" in capsys.readouterr().out
     assert [r["step"] for r in json.loads((out / "eval_results.json").read_text())] == [4, 6]

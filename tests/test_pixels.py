@@ -11,6 +11,7 @@ import config
 import data
 import metrics
 import sample
+import sampling
 import train
 from test_latents import make_kl
 from test_train import TINY
@@ -108,9 +109,9 @@ def test_inception_takes_each_kind_as_8_bit_rgb():
 
 
 def test_pngs_are_written_in_the_data_s_own_mode(tmp_path):
-    sample.save_image(torch.full((1, 4, 4), 65535, dtype=torch.uint16), tmp_path / "a.png")
-    sample.save_grid(torch.zeros(4, 4, 4, 4, dtype=torch.uint8), tmp_path / "grid.png")
-    sample.save_grid(torch.zeros(4, 1, 4, 4, dtype=torch.uint16), tmp_path / "gray.png")
+    sampling.save_image(torch.full((1, 4, 4), 65535, dtype=torch.uint16), tmp_path / "a.png")
+    sampling.save_grid(torch.zeros(4, 4, 4, 4, dtype=torch.uint8), tmp_path / "grid.png")
+    sampling.save_grid(torch.zeros(4, 1, 4, 4, dtype=torch.uint16), tmp_path / "gray.png")
     with Image.open(tmp_path / "a.png") as a, Image.open(tmp_path / "grid.png") as g, Image.open(tmp_path / "gray.png") as l:
         assert (a.mode, np.asarray(a).max(), g.mode, l.mode) == ("I;16", 65535, "RGBA", "L")
 
@@ -210,7 +211,7 @@ def test_sixteen_bit_colour_reaches_the_batch_and_sample_py_writes_it_back(tmp_p
     assert (args.image_channels, args.image_bits) == (3, 16) and "2 RGB;16" in data.survey_lines(args)[0]
     images, _, _ = data.load_images(args, data.Unreadable(strict=True))
     assert images.dtype == torch.uint16 and images[:, :, 0, 0].tolist() == [[1000] * 3, [1100] * 3]
-    written = sample.save_image(images[1], tmp_path / "000000.png")
+    written = sampling.save_image(images[1], tmp_path / "000000.png")
     assert written.name == "000000.tif" and tifffile.imread(written)[0, 0].tolist() == [1100] * 3
 
 

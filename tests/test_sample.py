@@ -18,6 +18,7 @@ import model as models
 import objectives
 import rundir
 import sample
+import sampling
 import train
 from conftest import ROOT
 from errors import ConfigError
@@ -34,26 +35,26 @@ def training_config():
     return objectives.make_noise_scheduler().config
 
 
-@pytest.mark.parametrize("name", objectives.SAMPLERS)
+@pytest.mark.parametrize("name", objectives.DDPMObjective.samplers)
 def test_each_sampler_gives_images_of_the_right_shape_and_range_deterministic_by_seed(name, tiny_unet, training_config):
     scheduler = objectives.make_scheduler(name, training_config)
-    seeds = sample.image_seeds(0, 3)
-    images = sample.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
+    seeds = sampling.image_seeds(0, 3)
+    images = sampling.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
     assert images.shape == (3, 3, 16, 16) and images.dtype == torch.uint8
     assert images.float().std() > 5  # images, not a constant
 
-    again = sample.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
+    again = sampling.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
     assert torch.equal(images, again)
-    other = sample.generate(tiny_unet, scheduler, sample.image_seeds(1, 3), num_inference_steps=4)
+    other = sampling.generate(tiny_unet, scheduler, sampling.image_seeds(1, 3), num_inference_steps=4)
     assert not torch.equal(images, other)
     # image i depends on its own seed only, not on what else is in the batch
-    split = torch.cat([sample.generate(tiny_unet, scheduler, seeds[:1], 4), sample.generate(tiny_unet, scheduler, seeds[1:], 4)])
+    split = torch.cat([sampling.generate(tiny_unet, scheduler, seeds[:1], 4), sampling.generate(tiny_unet, scheduler, seeds[1:], 4)])
     assert (split.int() - images.int()).abs().max() <= 1
 
 
 def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(training_config):
     """The configuration that keeps fast samplers from saturating on an under-trained model."""
-    for name in objectives.SAMPLERS:
+    for name in objectives.DDPMObjective.samplers:
         scheduler = objectives.make_scheduler(name, training_config)
         clips = scheduler.config.get("clip_sample") or (
             scheduler.config.get("thresholding") and scheduler.config.sample_max_value == 1.0
@@ -69,13 +70,13 @@ def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(traini
 def test_the_sde_sampler_draws_fresh_noise_along_the_way(tiny_unet, training_config):
     """Same starting noise, same model: the SDE form ends elsewhere than the ODE form, because it
     adds noise at each step (that the noise follows the seeds: the parametrised test above)."""
-    seeds = sample.image_seeds(0, 2)
-    ode = sample.generate(tiny_unet, objectives.make_scheduler("dpmsolver", training_config), seeds, 4)
-    sde = sample.generate(tiny_unet, objectives.make_scheduler("dpmsolver_sde", training_config), seeds, 4)
+    seeds = sampling.image_seeds(0, 2)
+    ode = sampling.generate(tiny_unet, objectives.make_scheduler("dpmsolver", training_config), seeds, 4)
+    sde = sampling.generate(tiny_unet, objectives.make_scheduler("dpmsolver_sde", training_config), seeds, 4)
     assert (ode.int() - sde.int()).abs().float().mean() > 2
 
 
-@pytest.mark.parametrize("name", objectives.SAMPLERS)
+@pytest.mark.parametrize("name", objectives.DDPMObjective.samplers)
 def test_sampling_scheduler_in_train_is_the_same(name):
     """What train.py's grids and FID sample with (training.build's) is what sample.py makes of the run's
     noise scheduler, for each sampler and a v-prediction run with another beta schedule."""
@@ -206,7 +207,7 @@ def test_a_runs_settings_and_ema_are_read_from_its_train_config_json_of_today_or
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and "cannot exceed the model's 500 training timesteps" in line
     with pytest.raises(sample.ConfigError, match="the guide was trained with num_train_timesteps 1000, the model with 500"):
-        sample.check_guide(config, json.loads((tiny_run / "train_config.json").read_text()))
+        sampling.check_guide(config, json.loads((tiny_run / "train_config.json").read_text()))
 
 
 def test_sample_reports_the_share_of_copies_of_the_training_images_and_their_picture(tiny_run, tmp_path, monkeypatch, capsys):
@@ -220,7 +221,7 @@ def test_sample_reports_the_share_of_copies_of_the_training_images_and_their_pic
     # samples that are the run's training images (its shapes, its seed), the third mirrored: all copies
     shapes = data.builtin_images(32, 16, json.loads((tiny_run / "train_config.json").read_text())["seed"])[0]
     copied = torch.stack([shapes[0], shapes[1], shapes[2].flip(-1), shapes[3]])
-    monkeypatch.setattr(sample, "generate_batches", lambda *a, **k: iter([copied[:2], copied[2:]]))
+    monkeypatch.setattr(sampling, "generate_batches", lambda *a, **k: iter([copied[:2], copied[2:]]))
     result = sample_main(tiny_run, "--num_images", 4, "--batch_size", 2, "--output", tmp_path / "b")
     assert result["copy_share"] == 1 and result["median_ratio"] == 0
     assert "copies 100.0% (4 of 4 samples nearer one of 32 training images and their mirror images" in capsys.readouterr().out
@@ -345,7 +346,7 @@ def test_ctrl_c_is_one_line_and_exit_130_while_importing_and_while_sampling(tiny
         yield torch.zeros(2, 3, 16, 16, dtype=torch.uint8)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sample, "generate_batches", interrupted)
+    monkeypatch.setattr(sampling, "generate_batches", interrupted)
     with pytest.raises(SystemExit) as exit_info:
         sample_main(tiny_run, "--num_images", 4, "--batch_size", 2, "--output", tmp_path / "y")
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -407,3 +408,12 @@ def test_a_checkpoint_removed_while_it_is_read_says_so(tiny_run, tmp_path, monke
     monkeypatch.setattr(safetensors.torch, "load_model", removed_meanwhile)
     with pytest.raises(ConfigError, match="was removed while it was read .*run the command again"):
         rundir.RunDir(folder).load()
+
+
+def test_a_pipeline_outside_a_run_says_its_objective_by_its_scheduler(tmp_path):
+    """Flow's scheduler says flow with its shift; DDPM's says DDPM, a schedule --init_from would refuse too."""
+    from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+    for name, scheduler in (("flow", FlowMatchEulerDiscreteScheduler(shift=3.0)), ("odd", DDPMScheduler(num_train_timesteps=500))):
+        scheduler.save_pretrained(str(tmp_path / name / "scheduler"))
+    assert rundir.RunDir(tmp_path / "flow").objective == "flow:3" and rundir.RunDir(tmp_path / "odd").objective == "ddpm"

@@ -11,6 +11,7 @@ import data
 import metrics
 import objectives
 import sample
+import sampling
 import shapescore
 import train
 from bench import trust as trusttool
@@ -171,7 +172,7 @@ def test_the_scorer_is_cached_by_size_seed_and_training(tmp_path, monkeypatch):
 
 def test_a_grid_png_reads_back_as_its_images(tmp_path):
     images = data.make_shapes(9, 16, seed=2)
-    sample.save_grid(images, tmp_path / "grid.png")
+    sampling.save_grid(images, tmp_path / "grid.png")
     assert torch.equal(trusttool.grid_images(tmp_path / "grid.png", 16), images)
     with pytest.raises(ConfigError, match="not a grid of 32px images"):
         trusttool.grid_images(tmp_path / "grid.png", 32)
@@ -239,7 +240,7 @@ def test_a_run_on_the_shapes_is_scored_offline_during_training_and_by_sample_py(
 
 
 def test_the_trust_table_scores_known_sets_and_a_grid(test_scorer, tmp_path, capsys):
-    sample.save_grid(data.make_shapes(4, SIZE, seed=7), tmp_path / "grid.png")
+    sampling.save_grid(data.make_shapes(4, SIZE, seed=7), tmp_path / "grid.png")
     rows = trusttool.main(trusttool.parse_args([str(tmp_path / "grid.png"), "--image_size", str(SIZE), "--num_images", "64"]))
     names = [name for name, _, _ in rows]
     assert names[0] == "real, another seed" and names[-2:] == ["real, 4 images", "grid.png"] and "uniform noise" in names
@@ -269,7 +270,7 @@ def untrained_score(run_dir, scorer, samples):
     torch.manual_seed(config["seed"])
     network = models.build_network(config["model"], config["image_size"]).eval()
     scheduler = objectives.make_sampler(config["objective"], config["sampler"], objectives.run_noise_scheduler(config).config)
-    batches = sample.generate_batches(network, scheduler, samples, 64, config["seed"], config["num_inference_steps"])
+    batches = sampling.generate_batches(network, scheduler, samples, 64, config["seed"], config["num_inference_steps"])
     reference = metrics.Reference.from_features(
         metrics.embed(scorer, [data.make_shapes(config["shapes_num_images"], SIZE, seed=config["seed"])], "cpu"), key={}
     )  # fmt: skip

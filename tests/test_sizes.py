@@ -19,6 +19,7 @@ import latents
 import metrics
 import model as models
 import sample
+import sampling
 import shapescore
 import sizes
 from errors import ConfigError
@@ -87,14 +88,14 @@ def test_flops_of_a_wide_step_are_the_counters(name):
     x, t = torch.empty(2, 3, 16, 24, device="meta"), torch.zeros(2, device="meta")
     with FlopCounterMode(display=False) as counter:
         network(x, t, return_dict=False)[0].float().square().mean().backward()
-    assert flops.unet_flops(name, WIDE, 2)["flops_fwdbwd"] == counter.get_total_flops() > 0
+    assert flops.network_flops(name, WIDE, 2)["flops_fwdbwd"] == counter.get_total_flops() > 0
 
 
 def test_a_wide_grid_has_fewer_columns(tmp_path):
-    sample.save_grid(torch.zeros(16, 3, 8, 32, dtype=torch.uint8), tmp_path / "grid.png")
+    sampling.save_grid(torch.zeros(16, 3, 8, 32, dtype=torch.uint8), tmp_path / "grid.png")
     with Image.open(tmp_path / "grid.png") as grid:
         assert grid.size == (2 * 32 + 3 * 2, 8 * 8 + 9 * 2)  # 2 columns of 8 rows: about as wide as tall
-    assert sample.grid_labels(2, 16, "32x8").tolist() == [0, 0, 1, 1] * 4
+    assert sampling.grid_labels(2, 16, "32x8").tolist() == [0, 0, 1, 1] * 4
 
 
 def assert_same_weights(straight, resumed, *parts):

@@ -3,7 +3,7 @@ every objective, network family and compile scope (eager, whole, regional).
 
 The objective is built as train.py builds it (training.build), and the step calls the network through a
 wrapper: torch.compile's for the whole network, compiling.RegionalNetwork for its blocks. Sampling calls the bare
-network (sample.generate with the run's own sampler). A forward pre-hook on the bare network records what it
+network (sampling.generate with the run's own sampler). A forward pre-hook on the bare network records what it
 gets both ways. Compiling uses Dynamo's eager backend: the graphs are traced as Inductor's would be, in a
 fraction of the time, and the wrappers are the ones the step uses.
 """
@@ -16,14 +16,20 @@ import config
 import model as models
 import objectives
 import sample
+import sampling
 import step as steps
 import training
 
 FAMILIES = {"unet": "tiny", "edm2": "edm2tiny", "dit": "dit-tiny"}  # the smallest preset of each
 SCOPES = ("eager", "whole", "regional")
 SAMPLING_STEPS = 2
-# EDM2's networks train with EDM or flow only (config refuses --objective ddpm for them).
-CASES = [(o, f) for o in objectives.OBJECTIVES for f in FAMILIES if not (o == "ddpm" and f == "edm2")]
+# Each objective with each family whose time input it gives (config refuses --objective ddpm for EDM2's networks).
+CASES = [(o, f) for o, kind in objectives.OBJECTIVES.items() for f in FAMILIES
+         if models.FAMILIES[f].time_input in kind.time_inputs]  # fmt: skip
+
+
+def test_every_family_has_a_preset_here():
+    assert set(FAMILIES) == set(models.FAMILIES)
 
 
 class TimeInputs:
@@ -76,7 +82,7 @@ def run_pieces(objective, preset):
 def sampled(network, recorder, scheduler):
     """The noise levels the sampler steps through and what the network received at each, in order."""
     network.eval()
-    sample.generate(network, scheduler, sample.image_seeds(0, 1), SAMPLING_STEPS)
+    sampling.generate(network, scheduler, sampling.image_seeds(0, 1), SAMPLING_STEPS)
     received = []
     for t in recorder.take():  # one time input for the batch per call; EDM's Heun calls twice at a level
         assert torch.equal(t, t[:1].expand_as(t))
@@ -84,7 +90,7 @@ def sampled(network, recorder, scheduler):
             received.append(t[0])
     if isinstance(scheduler, objectives.EDMHeunSampler):
         levels = objectives.karras_sigmas(SAMPLING_STEPS, scheduler.sigma_min, scheduler.sigma_max, scheduler.rho)[:-1]
-    elif objectives.is_flow_sampler(scheduler):
+    elif objectives.sampled_by(scheduler) is objectives.FlowObjective:
         levels = scheduler.timesteps.double() / objectives.NUM_TRAIN_TIMESTEPS  # the samplers give t = 1000 σ
     else:
         levels = scheduler.timesteps  # DDPM's noise level is its timestep
@@ -111,5 +117,5 @@ def test_training_gives_the_network_the_time_input_sampling_gives_it(networks, o
     pieces = run_pieces(objective_name, FAMILIES[family])
     levels, at_sampling = sampled(network, recorder, pieces.sampling_scheduler)
     network.train()
-    at_training = trained(pieces.objective, wrapped[scope], recorder, levels, sample.image_shape(network))
+    at_training = trained(pieces.objective, wrapped[scope], recorder, levels, sampling.image_shape(network))
     torch.testing.assert_close(at_training, at_sampling, rtol=1e-5, atol=1e-5)
