@@ -91,19 +91,19 @@ def network_flops(model_name, image_size, batch_size, gradient_checkpointing=Fal
 
 
 def _count_network_flops(model_name, image_size, batch_size, gradient_checkpointing, channels):
-    unet = models.build_network(model_name, image_size, device="meta", channels=channels)
+    net = models.build_network(model_name, image_size, device="meta", channels=channels)
     if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+        net.enable_gradient_checkpointing()
     x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
 
     def forward():
-        return unet(x, t, return_dict=False)[0]
+        return net(x, t, return_dict=False)[0]
 
     with torch.no_grad():
         fwd = count_flops(forward)
     fwdbwd = count_flops(lambda: forward().float().square().mean().backward())
-    return dict(params=sum(p.numel() for p in unet.parameters()), flops_fwd=fwd, flops_fwdbwd=fwdbwd)
+    return dict(params=sum(p.numel() for p in net.parameters()), flops_fwd=fwd, flops_fwdbwd=fwdbwd)
 
 
 def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):

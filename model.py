@@ -493,8 +493,8 @@ def fused_adamw_available(parameters):
     return all(p.device.type in devices and p.is_floating_point() for p in parameters)
 
 
-def prepare_for_training(unet, channels_last=False, fused_adam=False, also=(), foreach=True, **adamw):
-    """Put `unet` in the memory format it trains in and build its AdamW; returns the optimizer.
+def prepare_for_training(net, channels_last=False, fused_adam=False, also=(), foreach=True, **adamw):
+    """Put `net` in the memory format it trains in and build its AdamW; returns the optimizer.
 
     channels_last (NHWC) converts the parameters in place, so checkpoints and
     the saved pipeline see the same module. AdamW is fused (one kernel reads
@@ -506,8 +506,8 @@ def prepare_for_training(unet, channels_last=False, fused_adam=False, also=(), f
     weighting). `adamw`: lr, betas, weight_decay, eps.
     """
     if channels_last:
-        unet.to(memory_format=torch.channels_last)
-    parameters = list(unet.parameters()) + list(also)
+        net.to(memory_format=torch.channels_last)
+    parameters = list(net.parameters()) + list(also)
     if fused_adam and fused_adamw_available(parameters):
         return torch.optim.AdamW(parameters, fused=True, **adamw)
     return torch.optim.AdamW(parameters, foreach=foreach, **adamw)

@@ -257,14 +257,14 @@ def _run(args, rank, world, group):
     source = RunDir(run_dir)
     config = source.config
     ema = source.kept_ema if args.ema is None else args.ema  # which weights sample, as recorded below
-    unet, training_config = source.load(ema=ema)
-    unet.to(args.device)
+    net, training_config = source.load(ema=ema)
+    net.to(args.device)
     decode = source.decoder(args.device)  # a latent run's VAE, as its train_config.json records it; else None
     # a network of pixels takes the channels its run recorded (1, 3 or 4); one of no run, grayscale or RGB
     recorded = (config or {}).get("image_channels")
-    if decode is None and sampling.image_shape(unet)[0] not in ([recorded] if recorded else [1, 3]):
+    if decode is None and sampling.image_shape(net)[0] not in ([recorded] if recorded else [1, 3]):
         raise ConfigError(
-            f"{run_dir} holds a network of {sampling.image_shape(unet)[0]}-channel latents, in no run folder whose "
+            f"{run_dir} holds a network of {sampling.image_shape(net)[0]}-channel latents, in no run folder whose "
             "train_config.json names their VAE: sample it from its run's --output_dir (or a folder inside it)"
         )
     kind = objectives.of(source.objective)
@@ -279,16 +279,16 @@ def _run(args, rank, world, group):
     scheduler = kind.sampler(source.objective, sampler_name, training_config, source.setting("sigma_data", objectives.SIGMA_DATA),
                              args.churn, decode is None)  # fmt: skip
     sampler_name = getattr(scheduler, "name", sampler_name)  # EDM's: its Heun sampler, with its churn
-    labels = class_labels_for(args.class_labels, config, models.num_classes_of(unet), args.num_images, args.seed, args.fid)
-    guide = load_guide(args.guide, config, args.device, main=(source, unet)) if args.guide else None
+    labels = class_labels_for(args.class_labels, config, models.num_classes_of(net), args.num_images, args.seed, args.fid)
+    guide = load_guide(args.guide, config, args.device, main=(source, net)) if args.guide else None
     if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):
         raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "
                           "no classes, so give --guide RUN (a weaker run or checkpoint) or drop --guidance_scale")  # fmt: skip
     # The Inception weights and the reference statistics before any sampling: rank 0 loads the network (a missing
     # file fails now) and looks for them; found nowhere, every process makes its share (make_reference).
     evaluation, failed = None, [None, False]  # rank 0's error, whether the statistics are to be made
-    image_size = source.get("image_size") if decode is not None else sizes.of(*sampling.image_shape(unet)[1:])
-    channels = sampling.image_shape(unet)[0] if decode is None else 3
+    image_size = source.get("image_size") if decode is not None else sizes.of(*sampling.image_shape(net)[1:])
+    channels = sampling.image_shape(net)[0] if decode is None else 3
     bits = data.pixels_of(config or {}).bits if decode is None else 8  # a 16-bit run's PNGs are 16-bit
     if args.fid and rank == 0:
         try:
@@ -326,7 +326,7 @@ def _run(args, rank, world, group):
 
     for w in args.guidance_scales:
         grid, measured, done = [], [], 0  # measured: the copy check's samples
-        mine = sampling.generate_batches(unet, scheduler, args.num_images, args.batch_size, args.seed, steps,
+        mine = sampling.generate_batches(net, scheduler, args.num_images, args.batch_size, args.seed, steps,
                                 labels=labels, guidance_scale=w, guide=guide, decode=decode, shard=(rank, world),
                                 bits=bits)  # fmt: skip
         shape = (channels, *sizes.height_width(image_size))

@@ -156,7 +156,7 @@ def to_pixels(images, bits=8):
 
 
 @torch.no_grad()
-def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nullcontext, labels=None,
+def generate(net, scheduler, seeds, num_inference_steps, autocast=contextlib.nullcontext, labels=None,
              guidance_scale=1.0, guide=None, decode=None, bits=8):  # fmt: skip
     """uint8 images (len(seeds), C, S, S), uint16 with `bits` 16; image i starts from noise drawn with seed seeds[i].
 
@@ -166,29 +166,29 @@ def generate(unet, scheduler, seeds, num_inference_steps, autocast=contextlib.nu
     `guide`: classifier-free guidance or autoguidance (Guided). `decode`: a latent
     run's latents -> images in [-1, 1] (RunDir.decoder: through its VAE).
     """
-    device = objectives.network_device(unet)
+    device = objectives.network_device(net)
     kind = objectives.sampled_by(scheduler)  # each network called with its family's time input
-    unet = kind.timed(unet, models.family_of(unet).time_input)
+    net = kind.timed(net, models.family_of(net).time_input)
     guide = None if guide is None else kind.timed(guide, models.family_of(guide).time_input)
     labels = None if labels is None else torch.as_tensor(labels).to(device)
-    unet = guided_network(unet, labels, guidance_scale, guide)
+    net = guided_network(net, labels, guidance_scale, guide)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    x = objectives.image_noise(generators, image_shape(unet), device)
+    x = objectives.image_noise(generators, image_shape(net), device)
     if isinstance(scheduler, objectives.EDMHeunSampler):
-        x = scheduler.sample(unet, x, num_inference_steps, autocast, generators)
+        x = scheduler.sample(net, x, num_inference_steps, autocast, generators)
     else:
         scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history
         x = x * getattr(scheduler, "init_noise_sigma", 1.0)  # a flow scheduler starts at σ = 1 and has none
         scale = getattr(scheduler, "scale_model_input", lambda x, t: x)
         for t in scheduler.timesteps:
             with autocast():
-                model_output = unet(scale(x, t), t, return_dict=False)[0]
+                model_output = net(scale(x, t), t, return_dict=False)[0]
             # the DDPM sampler's fresh noise comes from the same per-image generators
             x = scheduler.step(model_output.float(), t, x, generator=generators).prev_sample
     return to_pixels(x if decode is None else decode(x), bits)
 
 
-def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inference_steps, autocast=contextlib.nullcontext,
+def generate_batches(net, scheduler, num_images, batch_size, seed, num_inference_steps, autocast=contextlib.nullcontext,
                      labels=None, guidance_scale=1.0, guide=None, decode=None, shard=(0, 1), bits=8):  # fmt: skip
     """Yield uint8 (with `bits` 16, uint16) batches of `num_images` images in all; image i depends only on (seed, i) (and its label).
     `shard` (rank, world): batches rank, rank + world, ... of them alone (one process's of several)."""
@@ -196,7 +196,7 @@ def generate_batches(unet, scheduler, num_images, batch_size, seed, num_inferenc
     rank, world = shard
     for start in range(rank * batch_size, num_images, world * batch_size):
         part = None if labels is None else labels[start : start + batch_size]
-        yield generate(unet, scheduler, seeds[start : start + batch_size], num_inference_steps, autocast, part,
+        yield generate(net, scheduler, seeds[start : start + batch_size], num_inference_steps, autocast, part,
                        guidance_scale, guide, decode, bits)  # fmt: skip
 
 
