@@ -48,7 +48,6 @@ import loss_terms
 import metrics
 import model as models
 import objectives
-import sample
 import sampling
 import sizes
 from errors import ConfigError, OneLineParser

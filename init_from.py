@@ -26,10 +26,7 @@ import model as models
 import objectives
 import rundir
 import sizes
-from dit import DiT
-from edm2 import EDM2UNet
-from errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
-from diffusers import DiTTransformer2DModel, UNet2DModel
+from errors import ConfigError, error_line
 
 # The config keys that are the run's, not the source's: its size, channels and classes.
 RUNS_OWN = {"sample_size", "in_channels", "out_channels", "num_class_embeds", "num_classes", "num_embeds_ada_norm"}

@@ -14,13 +14,11 @@ from types import MappingProxyType
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DiTTransformer2DModel, UNet2DModel
 
 import dit
-import edm2
 import sizes
 from dit import DiT
 from edm2 import EDM2UNet

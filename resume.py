@@ -17,7 +17,6 @@ import config
 import ema as posthoc_ema
 import latents
 import loss_terms
-import model as models
 import objectives
 from errors import ConfigError
 

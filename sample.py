@@ -41,22 +41,17 @@ if __name__ == "__main__":  # a Ctrl-C while torch and diffusers import: one lin
     errors.quit_on_ctrl_c("sample.py")
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 import checkpoint
 import copies
 import data
-import latents
 import metrics
 import model as models
 import objectives

@@ -15,7 +15,6 @@ import math
 import torch
 
 import data
-import model as models
 import objectives
 from errors import RunError
 

@@ -18,7 +18,6 @@ import init_from
 import loss_terms
 import model as models
 import objectives
-import sample
 
 
 @dataclass

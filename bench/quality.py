@@ -41,10 +41,7 @@ from pathlib import Path
 import torch
 
 import config
-import model as models
-import objectives
 import profiling
-import sample
 import sampling
 from bench import faces, labelled
 from errors import ConfigError, one_line_errors
