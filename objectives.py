@@ -426,15 +426,19 @@ class EDMObjective(Objective):
     ddpm_schedule = True  # its grids read a DDPMScheduler's config
     sampled_as = "c_noise"  # its sampler steps through c_noise = ln(σ)/4 (edm_precondition)
 
+    @staticmethod
+    def scale_for(kind):
+        """What c_noise is multiplied by for a family whose time input is `kind`: UNET_C_NOISE_SCALE for a timestep."""
+        return UNET_C_NOISE_SCALE if kind == "timestep" else 1.0
+
     @classmethod
     def time_input(cls, kind):
-        scale = UNET_C_NOISE_SCALE if kind == "timestep" else 1.0
+        scale = cls.scale_for(kind)
         return lambda c_noise, x: c_noise * scale
 
     @classmethod
     def from_args(cls, args, kind, noise_scheduler):
-        return cls(*args.P_mean_std, args.sigma_data, args.loss_weighting,
-                   c_noise_scale=UNET_C_NOISE_SCALE if kind == "timestep" else 1.0)  # fmt: skip
+        return cls(*args.P_mean_std, args.sigma_data, args.loss_weighting, c_noise_scale=cls.scale_for(kind))
 
     @classmethod
     def noise_scheduler(cls, config):
