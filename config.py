@@ -18,10 +18,8 @@ what train.py always does; `python -m bench` sets the speed ones on the
 configurations it builds); a run's train_config.json records them apart from
 its flags, under "settings" (`recorded`). The code reads today's flags only
 (what --augment says of flips: `data.random_flips`). A flag that was removed
-(`REMOVED`) is a one-line error on the command line naming what replaced it;
-in a file (a run's train_config.json of an earlier version, its settings
-included) its value is translated when something says the same now, else the
-same error.
+(`REMOVED`) is a one-line error naming what replaced it, on the command line
+and in a file alike (a run's train_config.json of an earlier version).
 """
 
 import argparse
@@ -33,7 +31,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import torch
 
@@ -141,158 +138,38 @@ SETTING_NAMES = (*SETTINGS, *(name for name in SPEED_SETTINGS if name not in SET
 ADAM_BETAS = (0.95, 0.999)
 
 
-class Removed(NamedTuple):
-    """A flag train.py no longer has: what to use instead, and `same(value, values)`: the
-    flags that say what `value` said (`values`: all of its file's), {} when train.py does it
-    anyway, None when nothing does."""
-
-    instead: str
-    same: Callable
-    switch: bool = False  # it had a --no- spelling
-
-
-def _always(expected):
-    """What train.py now always does: that value (or unset) says nothing; any other, nothing says."""
-    return lambda value, values: {} if value is None or value == expected or (
-        isinstance(value, float) and math.isclose(value, expected)) else None  # fmt: skip
-
-
-def _dropped(value, values):
-    """How fast a run went or what its report said, never its weights or scores: no value matters now."""
-    return {}
-
-
-def _compile(value, values):
-    mode = values.get("compile_mode")
-    if value is None:
-        return {}
-    if value is True:
-        return {"compile_mode": mode if mode not in (None, "off") else "auto"}  # auto on a CPU: compiled
-    return {"compile_mode": "off"} if value is False else None
-
-
-def _use_ema(value, values):
-    kind = values.get("ema")
-    if value is None:
-        return {}
-    if value is True and kind != "none":
-        return {"ema": kind if kind in ("standard", "power") else "standard"}
-    return {"ema": "none"} if value is False and kind != "power" else None
-
-
-def _label_column(value, values):
-    conditional = values.get("class_conditional")
-    if value is None or not conditional:  # read by a conditional run only
-        return {}
-    return {"class_conditional": value} if conditional in (True, value) else None
-
-
-def _preload_max_gib(value, values):
-    preload = values.get("preload_data", True)
-    if value is None or value == data.PRELOAD_MAX_GIB or preload is False:
-        return {}
-    return {"preload_data": value} if preload in (True, value) else None
-
-
-def _adam_betas(value, values):
-    beta1, beta2 = (values.get(key) for key in ("adam_beta1", "adam_beta2"))
-    return {"adam_betas": [ADAM_BETAS[0] if beta1 is None else beta1, ADAM_BETAS[1] if beta2 is None else beta2]}
-
-
-def _P_mean_std(value, values):
-    mean, std = values.get("P_mean"), values.get("P_std")
-    if mean is None and std is None:
-        return {}
-    return None if mean is None or std is None else {"P_mean_std": [mean, std]}
-
-
-def _eval_guidance_scales(value, values):
-    if value is None:
-        return {}
-    scales = sampling.parse_scales(value, "eval_guidance_scales")
-    grid = sampling.parse_scales(values.get("guidance_scale", 1.0), "guidance_scale")
-    if scales == grid:
-        return {}
-    return {"guidance_scale": scales} if len(grid) == 1 and scales[0] == grid[0] else None  # the grid's comes first
-
-
-def _on_fault(other_key):
-    """--on_fault for one of the two flags it replaced, where the other (and --on_fault) agree."""
-
-    def same(value, values):
-        said = [v in (True, "stop") for v in (value, values.get(other_key)) if v is not None]
-        wanted = "stop" if any(said) else "skip"
-        if not said:
-            return {}
-        return {"on_fault": wanted} if len(set(said)) == 1 and values.get("on_fault") in (None, wanted) else None
-
-    return same
-
-
-def _augment(value, values):
-    crop, flip = values.get("center_crop"), values.get("random_flip")
-    if crop is None and flip is None:
-        return {}
-    return {"augment": ",".join(w for w, on in (("flip", flip is not False), ("crop", crop is False)) if on) or "none"}
-
-
-_FAULT = "use --on_fault skip or stop (it decides for non-finite steps and unreadable images alike)"
+# Flags train.py no longer has that a user could still type (from diffusers' examples or this
+# project's earlier versions): each is a one-line error naming what to use instead, on the command
+# line and in a --config file. A run's train_config.json of such a version is refused the same way.
 _BENCH = "the rows of python -m bench and its --{0} set it on the step they time"
 REMOVED = {
-    "compile": Removed("use --compile_mode off, auto or a mode", _compile, switch=True),
-    "use_ema": Removed("use --ema none, standard or power", _use_ema, switch=True),
-    "preload_max_gib": Removed("use --preload_data MAX_GIB", _preload_max_gib),
-    "resume_from_checkpoint": Removed("use --resume CHECKPOINT (or --resume: the newest)", _dropped),
-    "label_column": Removed("use --class_conditional LABEL_COLUMN", _label_column),
-    "adam_beta1": Removed("use --adam_betas BETA1,BETA2", _adam_betas),
-    "adam_beta2": Removed("use --adam_betas BETA1,BETA2", _adam_betas),
-    "P_mean": Removed("use --P_mean_std MEAN,STD", _P_mean_std),
-    "P_std": Removed("use --P_mean_std MEAN,STD", _P_mean_std),
-    "eval_guidance_scales": Removed("use --guidance_scale W1,W2,...: the grids take the first, evaluation each",
-                                    _eval_guidance_scales),
-    "on_nonfinite": Removed(_FAULT, _on_fault("strict_data")),
-    "strict_data": Removed(_FAULT, _on_fault("on_nonfinite"), switch=True),
-    "center_crop": Removed("use --augment crop for random crops (flip,crop for both; none)", _augment, switch=True),
-    "random_flip": Removed("use --augment none for no flips (flip,crop adds random crops)", _augment, switch=True),
-    "fid_batch_size": Removed(f"FID samples max({metrics.FID_BATCH_SIZE}, --eval_batch_size) images at a time", _dropped),
-    "sigma_data": Removed("EDM's sigma_data is 0.5", _always(SETTINGS["sigma_data"])),
-    "num_train_timesteps": Removed("DDPM's T is 1000", _always(SETTINGS["num_train_timesteps"])),
-    "loss_weighting": Removed("EDM learns its loss weighting (EDM2's uncertainty)", _always(SETTINGS["loss_weighting"])),
-    "label_dropout": Removed("a conditional run drops 10% of its labels", _always(SETTINGS["label_dropout"])),
-    "adam_epsilon": Removed("AdamW's epsilon is 1e-8", _always(SETTINGS["adam_epsilon"])),
-    "ema_inv_gamma": Removed("the EMA's warm-up has inv_gamma 1 (--ema_power shapes it)", _always(SETTINGS["ema_inv_gamma"])),
-    "channels_last": Removed("train.py runs NCHW; " + _BENCH.format("channels_last"), _always(False), switch=True),
-    "fused_norm": Removed("train.py runs without it; " + _BENCH.format("fused_norm"), _always(False), switch=True),
-    "fused_adam": Removed("train.py always runs fused AdamW; " + _BENCH.format("no-fused_adam"), _always(True), switch=True),
-    "allow_tf32": Removed("train.py always allows TF32; " + _BENCH.format("no-allow_tf32"), _always(True), switch=True),
-    "cudnn_benchmark": Removed("train.py turns it on with a CUDA GPU; " + _BENCH.format("cudnn_benchmark"), _dropped,
-                               switch=True),
-    "gradient_checkpointing": Removed("to fit memory, lower --train_batch_size and raise --gradient_accumulation_steps, "
-                                      "or train on latents (--vae)", _always(False), switch=True),
-    "timing_warmup_steps": Removed("the timing leaves out the first 5 steps", _dropped),
-    "compile_scope": Removed("train.py compiles each repeated block once for a short run, the whole network for a long "
-                             "one (compiling.choose_compile_scope); " + _BENCH.format("compile_scope whole"), _dropped),
-    "peak_tflops": Removed("MFU is against flops.py's PEAK_TFLOPS (add a GPU there)", _dropped),
-    "profile_steps": Removed("--profile records 3 steps", _dropped),
-    "profile_top": Removed("--profile's table has 15 rows", _dropped),
-    "profile_stack": Removed("--profile records no Python stacks", _dropped, switch=True),
-    "profile_only": Removed("use --profile with --max_train_steps", _always(False), switch=True),
+    "compile": "use --compile_mode off, auto or a mode",
+    "use_ema": "use --ema none, standard or power",
+    "preload_max_gib": "use --preload_data MAX_GIB",
+    "resume_from_checkpoint": "use --resume CHECKPOINT (or --resume: the newest)",
+    "label_column": "use --class_conditional LABEL_COLUMN",
+    "adam_beta1": "use --adam_betas BETA1,BETA2",
+    "adam_beta2": "use --adam_betas BETA1,BETA2",
+    "adam_epsilon": "AdamW's epsilon is 1e-8",
+    "ema_inv_gamma": "the EMA's warm-up has inv_gamma 1 (--ema_power shapes it)",
+    "P_mean": "use --P_mean_std MEAN,STD",
+    "P_std": "use --P_mean_std MEAN,STD",
+    "eval_guidance_scales": "use --guidance_scale W1,W2,...: the grids take the first, evaluation each",
+    "on_nonfinite": "use --on_fault skip or stop (it decides for non-finite steps and unreadable images alike)",
+    "strict_data": "use --on_fault skip or stop (it decides for non-finite steps and unreadable images alike)",
+    "center_crop": "use --augment crop for random crops (flip,crop for both; none)",
+    "random_flip": "use --augment none for no flips (flip,crop adds random crops)",
+    "channels_last": "train.py runs NCHW; " + _BENCH.format("channels_last"),
+    "fused_norm": "train.py runs without it; " + _BENCH.format("fused_norm"),
+    "fused_adam": "train.py always runs fused AdamW; " + _BENCH.format("no-fused_adam"),
+    "allow_tf32": "train.py always allows TF32; " + _BENCH.format("no-allow_tf32"),
+    "cudnn_benchmark": "train.py turns it on with a CUDA GPU; " + _BENCH.format("cudnn_benchmark"),
+    "gradient_checkpointing": "to fit memory, lower --train_batch_size and raise --gradient_accumulation_steps, "
+                              "or train on latents (--vae)",
+    "compile_scope": "train.py compiles each repeated block once for a short run, the whole network for a long "
+                     "one (compiling.choose_compile_scope); " + _BENCH.format("compile_scope whole"),
+    "profile_only": "use --profile with --max_train_steps",
 }  # fmt: skip
-
-
-def translate(values, only=None):
-    """`values` (a file's, a preset's, an old checkpoint's record) with each removed key (of `only`,
-    when given; the others are left out) replaced by the flags that say the same now. A value that
-    nothing says now: ConfigError "KEY VALUE has no equivalent now (--KEY was removed: ...)"."""
-    kept = {key: value for key, value in values.items() if key not in REMOVED}
-    for key, value in values.items():
-        if key in REMOVED and (only is None or key in only):
-            same = REMOVED[key].same(value, values)
-            if same is None:
-                raise ConfigError(f"{key} {json.dumps(value)} has no equivalent now (--{key} was removed: "
-                                  f"{REMOVED[key].instead})")  # fmt: skip
-            kept |= same
-    return kept
 
 
 class Parser(OneLineParser):
@@ -374,7 +251,7 @@ class _Removed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         key = option_string.removeprefix("--").removeprefix("no-")
-        parser.error(f"{option_string} was removed: {REMOVED[key].instead}")
+        parser.error(f"{option_string} was removed: {REMOVED[key]}")
 
 
 class _SwitchOrValue(argparse.Action):
@@ -435,8 +312,8 @@ def build_parser(prog="train.py", source=""):
         default=None,
         help="a YAML or JSON file of flags (a run's train_config.json too); flags on the command line override it",
     )
-    for key, removed in REMOVED.items():
-        p.add_argument(f"--{key}", *[f"--no-{key}"] * removed.switch, action=_Removed)
+    for key in REMOVED:
+        p.add_argument(f"--{key}", f"--no-{key}", action=_Removed)
 
     d = p.add_argument_group("data")
     flag(d, "dataset", "'shapes' (built in, no files), a folder of images, a dataset saved with datasets' "
@@ -650,17 +527,12 @@ def file_flags(path, parser):
             raise ConfigError(f"--config {path}: '{typed_only[0]}' acts only when typed: pass --{typed_only[0]} on "
                               "the command line")  # fmt: skip
     values = {k: v for k, v in raw.items() if k not in DERIVED_KEYS and k not in INVOCATION_KEYS}
-    settings = values.pop("settings", None) or {}  # a run's (`recorded`): removed flags, read as REMOVED says
-    if not isinstance(settings, dict):
-        raise ConfigError(f"--config {path}: settings holds a {type(settings).__name__}, not 'setting: value' lines")
-    values = settings | values
-    unknown = [key for key in values if key not in actions and key not in REMOVED]
-    if unknown:
-        raise ConfigError(f"--config {path}: '{unknown[0]}' is not a flag of train.py")
-    try:
-        values = translate(values)  # a run's train_config.json of an earlier version, or a run's settings
-    except ConfigError as e:
-        raise ConfigError(f"--config {path}: {e}") from None
+    values.pop("settings", None)  # a run's (`recorded`): what its train.py did, as today's does
+    for key in values:
+        if key in REMOVED:  # a file of yours, or a run's train_config.json of an earlier version
+            raise ConfigError(f"--config {path}: '{key}' was removed: {REMOVED[key]}")
+        if key not in actions:
+            raise ConfigError(f"--config {path}: '{key}' is not a flag of train.py")
     return [word for key, value in values.items() for word in _words(actions[key], key, value, path)]
 
 
@@ -747,7 +619,7 @@ def _fill_settings(args):
 def recorded(args):
     """What a run's train_config.json records of the resolved configuration `args`: its flags and what
     `resolve` found (a latent run's size, channels, normalisation and VAE: DERIVED_KEYS), with its
-    settings (SETTING_NAMES) apart under "settings"; `file_flags` reads them back as REMOVED says."""
+    settings (SETTING_NAMES) apart under "settings", which `file_flags` leaves: today's train.py does them."""
     flags = {name: value for name, value in vars(args).items() if name not in SETTING_NAMES}
     return dict(flags, settings={name: getattr(args, name) for name in SETTING_NAMES})
 
@@ -859,7 +731,7 @@ def _take_from_source(args):
     if record is None:
         return
     init_from.check_fits(record, models.network_channels(vars(args)), bool(args.vae))
-    patch = models.PRESETS[args.model].settings.get("patch_size") if models.family_name(args.model) == "dit" else None
+    patch = models.PRESETS[args.model].settings.get("patch_size")  # a DiT's
     record["adapted"] = init_from.adaptations(record, network_size(args), patch)
     trained = record["trained"]
     if args.objective is None:
@@ -889,11 +761,11 @@ def _fill_from_preset(args):
     args.model = models.resolve_model_name(args.model, network_size(args))
     models.check_image_size(args.model, args.image_size, args.latents["factor"] if args.latents else 1)
     preset = models.PRESETS[args.model]
-    edm2_network = models.family_name(args.model) == "edm2"
     defaulted = args.objective is None
     if defaulted:
         args.objective = default_objective(args.model, args.dataset)
-    kind, time_input = objectives.of(args.objective), models.family(args.model)[0].time_input
+    kind, family = objectives.of(args.objective), models.family(args.model)[0]
+    time_input = family.time_input
     if time_input not in kind.time_inputs:
         givers = [name for name, other in objectives.OBJECTIVES.items() if time_input in other.time_inputs]
         raise ConfigError(f"--model {args.model} is trained with --objective {' or '.join(givers)}: "
@@ -902,7 +774,7 @@ def _fill_from_preset(args):
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
     ddpm = dict(preset.ddpm) if kind.discrete else {}
     fallbacks = PRESET_FALLBACKS | (CONDITIONAL_FALLBACKS if args.class_conditional and kind.discrete else {})
-    for name, value in translate(fallbacks | ddpm | dict(preset.flags)).items():
+    for name, value in (fallbacks | ddpm | dict(preset.flags)).items():
         if not kind.ddpm_schedule and name in DDPM_ONLY:
             continue  # none for a flow run: its train_config.json must not read back as DDPM's flags
         if getattr(args, name) is None:
@@ -911,7 +783,7 @@ def _fill_from_preset(args):
         args.learning_rate = preset.learning_rate
     decay = preset.lr_decay
     if args.lr_scheduler is None:
-        args.lr_scheduler = decay["schedule"] if decay else "constant_with_warmup" if edm2_network else "cosine"
+        args.lr_scheduler = decay["schedule"] if decay else family.lr_schedule
     if args.lr_scheduler == "inverse_sqrt" and args.lr_ref_steps is None:
         images_per_step = args.train_batch_size * num_processes() * args.gradient_accumulation_steps
         args.lr_ref_steps = lr_ref_steps(args.model, images_per_step)

@@ -309,6 +309,7 @@ class Family(NamedTuple):
     compile_costs: CompileCosts = None  # what compiling its step costs and saves (compiling.plan_compile)
     called: str = ""  # what a model card calls one ("a DiT")
     card_lines: Callable = None  # (square) -> the model card's lines on loading its network alone, where it has some
+    lr_schedule: str = "cosine"  # --lr_scheduler where its preset names none (EDM2's: constant after warm-up)
 
 
 def _build_unet(settings, sample_size, channels, num_classes):
@@ -372,7 +373,7 @@ FAMILIES = {
                    time_input="c_noise", network_class=EDM2UNet, classes=("EDM2UNet",), source_class=EDM2UNet,
                    layout=("edm2_config", "channels", "channel_mult", "num_blocks", "attention_levels"),
                    compile_costs=UNET_COSTS,  # EDM2's blocks and steps are not measured: the UNet's
-                   called="an EDM2 network"),
+                   called="an EDM2 network", lr_schedule="constant_with_warmup"),
     "dit": Family(lambda settings, size, channels, classes: DiT(sample_size=size, num_classes=classes,
                                                                 in_channels=channels, out_channels=channels, **settings),
                   lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks,

@@ -70,16 +70,6 @@ PIXEL_RUN = {"latent_space": None}
 COMPARED_AS = {"mixed_precision": lambda value: value == "fp16",
                "augment": lambda value: "crop" in str(value).split(",")}  # fmt: skip
 
-# Removed flags (config.REMOVED) that were identity keys: an older checkpoint's record of them
-# is translated into today's flags (an old run's use_ema false is --ema none) and compared as
-# those; a value that no flag says now (fused_adam false, sigma_data 0.25) refuses the resume.
-# The settings they became (config.SETTINGS) are the same for every run; a run's train_config.json
-# records them under "settings", and those are read as an older run's record of the flags.
-REMOVED_IDENTITY = (
-    "label_column", "center_crop", "num_train_timesteps", "sigma_data", "loss_weighting", "adam_beta1",
-    "adam_beta2", "adam_epsilon", "fused_adam", "use_ema", "ema_inv_gamma",
-)  # fmt: skip
-
 # Flags that may change on resume, and why: the checkpoint neither holds them nor means
 # something else under them.
 CHANGES_ON_RESUME = {
@@ -152,20 +142,20 @@ def saved_identity(start):
     Each key from the checkpoint's own record ("run" in trainer_state.json), else from its
     run's train_config.json (a checkpoint written before the key was checked), else its
     default (identity_defaults); a key with none of these is left out and not compared.
-    A record of a removed flag (REMOVED_IDENTITY) counts as the flags that say the same now.
+    A checkpoint whose record names a flag that is gone (config.REMOVED) is refused in one line.
     """
     start = Path(start)
     recorded = checkpoint.read_state(start).get("run") or {}
     run_config = start.parent.parent / "train_config.json"  # output_dir/checkpoints/checkpoint-STEP
     in_a_run = start.parent.name == "checkpoints" and run_config.is_file()
     written = json.loads(run_config.read_text()) if in_a_run else {}
-    written = (written.get("settings") or {}) | written  # its settings (config.recorded), as an older run's beside its flags
     if not recorded and not written:
         return None
-    try:  # the record first; the train_config.json tells what it leaves out (an old record's use_ema: which EMA)
-        known = config.translate(written | recorded, only=REMOVED_IDENTITY)
-    except ConfigError as e:
-        raise ConfigError(f"cannot resume {start}: {e}; use --overwrite_output_dir or another --output_dir") from None
+    known = written | recorded  # the record first; the train_config.json tells what it leaves out
+    gone = [key for key in known if key in config.REMOVED or key in config.SETTINGS]
+    if gone:
+        raise ConfigError(f"cannot resume {start}: it was written by an earlier train.py, whose --{gone[0]} is gone; "
+                          f"resume it with that version, or start a new run from its weights with --init_from {start}")
     if "flow_sigmas" not in known:  # derived from what the run recorded: none of flow's before flow runs
         known["flow_sigmas"] = objectives.sigma_distribution(known)
     if "latent_space" not in known and known.get("latents"):  # a latent run of before latent_space

@@ -60,6 +60,7 @@ import config
 import data
 import flops
 import model as models
+import objectives
 import profiling
 import step as steps
 import training
@@ -111,13 +112,18 @@ def input_words(workload):
 TRAIN_DEFAULTS = config.parse_args([])
 
 
+def takes_ddpm(model):
+    """Whether DDPM gives preset `model`'s family the time input it takes (EDM2's networks train EDM)."""
+    return models.family(model)[0].time_input in objectives.OBJECTIVES["ddpm"].time_inputs
+
+
 def train_defaults(workload, *flags):
     """train.py's defaults, resolved by config.py for a workload's model (its learning rate is the preset's),
     with `flags` (config.py's refusals apply). A latent workload's network takes its latents' side and channels,
     as a --vae run's does (latent_size, latent_channels: config._fill_latents)."""
     # a UNet's or DiT's DDPM step, whatever the preset's default objective: the check compares DDPM's loss (flow's
     # step is the same network's forward and backward, its noise drawn another way); EDM2's networks train EDM
-    ddpm = [] if models.family_name(workload["model"]) == "edm2" else ["--objective", "ddpm"]
+    ddpm = ["--objective", "ddpm"] if takes_ddpm(workload["model"]) else []
     args = config.resolve(config.parse_args(["--model", workload["model"], "--image_size", str(workload["image_size"]), *ddpm, *flags]))
     if workload.get("channels"):
         args.latent_size, args.latent_channels = workload["image_size"], workload["channels"]
@@ -948,7 +954,7 @@ def validate(args):
         unknown = [v for v in args.variants if v not in names]
         if unknown or not args.variants:
             raise ConfigError(f"unknown --variants '{','.join(unknown)}': choose from {', '.join(names)}")
-    if models.family_name(WORKLOADS.get(args.workload, WORKLOADS["tiny"])["model"]) == "edm2":
+    if not takes_ddpm(WORKLOADS.get(args.workload, WORKLOADS["tiny"])["model"]):
         raise ConfigError(f"--workload {args.workload}: the ladder times the DDPM step; compare EDM2 with --sweep model")
     try:
         Path(args.output).mkdir(parents=True, exist_ok=True)
