@@ -71,7 +71,7 @@ def choose_compile_mode(args, device, num_processes, flops_per_micro_batch):
         return None, "eager (--compile_mode off)"
     cuda = device.type == "cuda"
     requested = args.compile_mode
-    blockers = graph_blockers(args, device, num_processes)
+    blockers = graph_blockers(args, device, num_processes, requested)
     if requested != "auto":
         if requested in CUDA_GRAPH_MODES and blockers:
             raise ConfigError(f"--compile_mode {requested} cannot capture CUDA graphs here: {blockers[0]}; use --compile_mode default")
@@ -218,8 +218,9 @@ def plan_compile(args, device, num_processes, flops_per_micro_batch, total_steps
     return CompilePlan(mode, scope, f"{why}; {scope_why}")
 
 
-def graph_blockers(args, device, num_processes):
-    """Why this run cannot capture CUDA graphs (empty: it can)."""
+def graph_blockers(args, device, num_processes, mode="eager-graph"):
+    """Why this run cannot capture CUDA graphs in `mode` (empty: it can); a step graph (STEP_GRAPH_MODES) holds the
+    optimizer too."""
     found = []
     if device.type != "cuda":
         found.append("CUDA graphs need a CUDA GPU")
@@ -233,6 +234,8 @@ def graph_blockers(args, device, num_processes):
         found.append("--on_fault stop reads the loss on the host every step")
     if not args.fused_adam:
         found.append("AdamW not fused (the non-finite skip happens inside the fused optimizer)")
+    if mode in STEP_GRAPH_MODES and getattr(args, "optimizer", "adamw") == "muon":
+        found.append("--optimizer muon (the non-finite guard and Muon's learning rate are read on the host)")
     return found
 
 

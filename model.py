@@ -481,35 +481,7 @@ def null_label(num_classes):
     return num_classes
 
 
-# --- the training step's fast path (shared by train.py and python -m bench) ---------
-
-
-def fused_adamw_available(parameters):
-    """Whether torch has a fused AdamW kernel for every parameter's device and dtype."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    devices = _get_fused_kernels_supported_devices()
-    return all(p.device.type in devices and p.is_floating_point() for p in parameters)
-
-
-def prepare_for_training(net, channels_last=False, fused_adam=False, also=(), foreach=True, **adamw):
-    """Put `net` in the memory format it trains in and build its AdamW; returns the optimizer.
-
-    channels_last (NHWC) converts the parameters in place, so checkpoints and
-    the saved pipeline see the same module. AdamW is fused (one kernel reads
-    each parameter, gradient and moment once per step) when `fused_adam` and
-    torch has the kernel for the device, else foreach (a few multi-tensor
-    kernels); never the per-parameter loop, unless `foreach` is None: then
-    torch picks, as diffusers' example builds its AdamW (the speed ladder's
-    yardstick). `also`: more parameters to train (EDM's learned loss
-    weighting). `adamw`: lr, betas, weight_decay, eps.
-    """
-    if channels_last:
-        net.to(memory_format=torch.channels_last)
-    parameters = list(net.parameters()) + list(also)
-    if fused_adam and fused_adamw_available(parameters):
-        return torch.optim.AdamW(parameters, fused=True, **adamw)
-    return torch.optim.AdamW(parameters, foreach=foreach, **adamw)
+# --- the learning-rate schedule (shared by train.py and python -m bench) -------------
 
 
 def make_lr_scheduler(schedule, optimizer, warmup_steps, max_train_steps, ref_steps=None):

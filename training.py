@@ -1,7 +1,7 @@
 """The training pieces, built once for train.py and the speed ladder alike.
 
 `build(args, ...)` turns a resolved configuration (config.resolve) into the network, the
-noise schedule, the objective, AdamW, the learning-rate schedule and the EMA, in the order
+noise schedule, the objective, the optimizer (optimizer.py), the learning-rate schedule and the EMA, in the order
 and with the settings train.py trains with: a row of `python -m bench` and a training run
 built from the same configuration train the same step. What differs is what each does
 with the pieces next (train.py hands them to accelerate and registers them for
@@ -18,6 +18,7 @@ import init_from
 import loss_terms
 import model as models
 import objectives
+import optimizer as optimizers
 
 
 @dataclass
@@ -68,11 +69,13 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
     # --loss_terms (config.resolve checked where they apply): their blocks' hooks go on the bare network
     objective = loss_terms.attach(objective, network, family, loss_terms.parse(args.loss_terms))
     objective.to(device)
-    # Fused AdamW: one kernel for all parameters, and it can skip a step on the device
-    # (step.NonFiniteGuard), so a NaN costs no host sync per step. channels_last converts
-    # the network in place first.
-    optimizer = models.prepare_for_training(
-        network, args.channels_last, args.fused_adam, also=objective.parameters(),  # EDM's u(sigma) trains too
+    if args.channels_last:  # NHWC, the parameters converted in place: checkpoints and the saved pipeline see them
+        network.to(memory_format=torch.channels_last)
+    # --optimizer: AdamW, or Muon for the blocks' matrices and AdamW for the rest (optimizer.py). A fused AdamW is
+    # one kernel for all its parameters, and it can skip a step on the device (step.NonFiniteGuard), so a NaN
+    # costs no host sync per step.
+    optimizer = optimizers.build(
+        args.optimizer, network, args.fused_adam, also=objective.parameters(),  # EDM's u(sigma) trains too
         foreach=adam_foreach, lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
     )  # fmt: skip

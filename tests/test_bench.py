@@ -14,6 +14,7 @@ from PIL import Image
 import checkpoint
 import config
 import model as models
+import optimizer as optimizers
 import training
 from bench import speed as bench
 from conftest import ROOT
@@ -97,7 +98,7 @@ def test_fused_and_foreach_adamw_take_the_same_steps():
         torch.manual_seed(0)
         unet = models.build_network("tiny", 16)
         start = torch.cat([p.detach().reshape(-1).clone() for p in unet.parameters()])
-        optimizer = models.prepare_for_training(unet, False, fused, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, eps=1e-8)
+        optimizer = optimizers.build("adamw", unet, fused, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, eps=1e-8)
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
             for p in unet.parameters():

@@ -13,6 +13,7 @@ import data
 import ema as posthoc_ema
 import model as models
 import objectives
+import optimizer as optimizers
 import step as steps
 from errors import ConfigError, RunError, error_line
 
@@ -27,7 +28,7 @@ def tiny_parts(seed=0, ema_kind="standard", fused=True):
     torch.manual_seed(seed)
     unet = models.build_network("tiny", 16)
     objective = objectives.DDPMObjective(objectives.make_noise_scheduler())
-    optimizer = models.prepare_for_training(unet, False, fused, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
+    optimizer = optimizers.build("adamw", unet, fused, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
     lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=10)
     if ema_kind == "power":
         ema = posthoc_ema.PowerEMA(unet.parameters(), [0.05, 0.1])
@@ -195,7 +196,7 @@ def test_the_captured_step_trains_as_the_eager_step_on_a_gpu():
         unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
         unet.to(cuda), objective.to(cuda), ema.to(cuda)
         start = [p.detach().clone() for p in unet.parameters()]
-        optimizer = models.prepare_for_training(unet, False, True, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
+        optimizer = optimizers.build("adamw", unet, True, lr=1e-3, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
         lr_scheduler = type(lr_scheduler)(optimizer, lr_scheduler.lr_lambdas[0])
         guard = steps.NonFiniteGuard(optimizer, "skip", cuda)
         step = compiling.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True),
