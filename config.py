@@ -37,6 +37,7 @@ import torch
 import checkpoint
 import compiling
 import data
+import dit
 import ema as posthoc_ema
 import fp8
 import init_from
@@ -377,8 +378,12 @@ def build_parser(prog="train.py", source=""):
     flag(m, "loss_terms", "more terms of the loss, NAME or NAME:VALUE comma-separated (a name alone: its paper's "
          "value): dispersive:WEIGHT (Wang & He 2025, on the middle block; 0.25), layersync:WEIGHT (DiTs; 0.2), "
          "deltafm:WEIGHT (contrastive flow matching, --objective flow; 0.05), immiscible:K (each image's noise the "
-         "nearest of K draws; 64); a resumed run keeps its own (docs/loss_terms.md) (default: none)",
+         "nearest of K draws; 4 on pixels, 64 on latents); a resumed run keeps its own (docs/loss_terms.md) (default: none)",
          metavar="NAME[:VALUE],...")  # fmt: skip
+    flag(m, "token_routing", "DiT: the share of tokens that skip from an early block to a late one while training and "
+         "rejoin unchanged (TREAD, Krause et al. 2025), SHARE or SHARE:FIRST-LAST (blocks counted from 1; default: "
+         "TREAD's blocks 3 to 11 of 12, scaled to the depth); every token at sampling (docs/token_routing.md)", 0.0,
+         metavar="SHARE[:FIRST-LAST]", type=dit.routing_flag)  # fmt: skip
     switch(m, "zero_terminal_snr", "DDPM: rescale the betas to zero SNR at t = T (Lin et al. 2024); needs "
            "--prediction_type v_prediction")  # fmt: skip
 
@@ -400,6 +405,8 @@ def build_parser(prog="train.py", source=""):
     flag(t, "adam_betas", "AdamW's beta1,beta2", ",".join(map(str, ADAM_BETAS)), metavar="BETA1,BETA2",
          type=Range(numbers(2, "pair"), lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"))  # fmt: skip
     flag(t, "weight_decay", "AdamW weight decay", 1e-6, type=non_negative)
+    flag(t, "optimizer", "adamw; muon: torch.optim.Muon for the blocks' 2-D weights (a fused adaLN matrix split "
+         "per modulation), AdamW for the rest, at one --learning_rate (docs/muon.md)", "adamw", choices=("adamw", "muon"))  # fmt: skip
     flag(t, "max_grad_norm", "clip gradients to this norm (0: off)", 1.0, type=non_negative)
     flag(t, "ema", "the average of the weights that samples, is saved and is scored: none (the raw weights), "
          "standard (decay with warm-up: --ema_max_decay, --ema_power) or power (Karras et al. 2024's power-function "
@@ -581,8 +588,14 @@ def resolve(args):
         raise ConfigError("--zero_terminal_snr needs --prediction_type v_prediction (at zero SNR eps says nothing of the image)")
     objectives.of(args.objective).check(args)
     args.loss_terms = loss_terms.spell(loss_terms.parse(args.loss_terms, latents=bool(args.vae)))
+    if args.token_routing:
+        kind, settings = models.family(args.model)
+        if not kind.routes_tokens:
+            raise ConfigError(f"--token_routing routes a DiT's tokens past its middle blocks, not {kind.called}'s: "
+                              f"drop it for --model {args.model}")  # fmt: skip
+        dit.routing(args.token_routing, settings["num_layers"])  # its blocks are the network's
     loss_terms.check(loss_terms.parse(args.loss_terms), objectives.of(args.objective),
-                     models.family_name(args.model), args.train_batch_size)  # fmt: skip
+                     models.family_name(args.model), args.train_batch_size, bool(args.token_routing))  # fmt: skip
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--logger wandb needs the wandb package: pip install wandb (or use --logger tensorboard)")
     if isinstance(args.ema_stds, str):

@@ -22,11 +22,18 @@ The forward pass has UNet2DModel's signature: `timestep` may be a number or one 
 sine-cosine embedding of their rows and columns (a square's is diffusers' own), and the forward pass,
 diffusers' but for its output, puts the patches back in rows and columns (diffusers' assumes a square).
 diffusers' DiTTransformer2DModel loads only a square network.
+
+Token routing (TREAD, Krause et al. 2025; --token_routing): while training, a random share of each image's
+tokens skips from an early block to a late one and rejoins there unchanged; the others go through. The
+count routed is fixed (static shapes for compile and CUDA graphs) and drawn on the device. Sampling, and
+anything run without gradients or in eval mode (the EMA copy), sees every token through every block.
 """
 
+import argparse
 import copy
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +42,52 @@ from diffusers.configuration_utils import register_to_config
 from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
+from errors import ConfigError
+
 # (layers, hidden size, heads) of DiT's Table 1; the MLP is 4x wide, heads are 64 wide but XL's 72.
 SIZES = {"s": (12, 384, 6), "b": (12, 768, 12), "l": (24, 1024, 16), "xl": (28, 1152, 16)}
 PATCHES = (2, 4, 8)
+
+
+class Routing(NamedTuple):
+    """--token_routing: the share of tokens routed, from block `first` to block `last` (0-based, inclusive)."""
+
+    share: float
+    first: int
+    last: int
+
+    def words(self, depth):
+        return f"token routing: {self.share:.0%} of the tokens skip blocks {self.first + 1}-{self.last + 1} of {depth}"
+
+
+def routing_flag(text):
+    """--token_routing's value as typed, checked: SHARE in [0, 1) or SHARE:FIRST-LAST (blocks from 1)."""
+    share, _, blocks = str(text).partition(":")
+    try:
+        first, last = (int(b) for b in blocks.split("-")) if blocks else (1, 1)
+        ok = 0 <= float(share) < 1 and 1 <= first <= last
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"give a share in [0, 1), or SHARE:FIRST-LAST with blocks counted from 1 "
+                                         f"(got '{text}')")  # fmt: skip
+    return str(text) if blocks else float(share)
+
+
+def routing(text, depth):
+    """The Routing --token_routing `text` asks of `depth` blocks, or None (share 0). Without blocks: TREAD's,
+    from the 3rd block to the 11th of DiT-B's 12 (CompVis/tread), scaled to `depth`. ConfigError: a block past it."""
+    share, _, blocks = str(text).partition(":")
+    if float(share) == 0:
+        return None
+    if blocks:
+        first, last = (int(b) - 1 for b in blocks.split("-"))
+    else:
+        first = min(max(1, round(depth / 6)), depth - 1)
+        last = max(first, depth - 1 - max(1, round(depth / 12)))
+    if last >= depth or first > last:
+        raise ConfigError(f"--token_routing {text}: this network has blocks 1 to {depth}")
+    return Routing(float(share), first, last)
 
 
 def dit_kwargs(size, patch):
@@ -81,6 +131,7 @@ class DiT(DiTTransformer2DModel):
             self.width, embed.height, embed.width = width, height // patch_size, width // patch_size
             embed.register_buffer("pos_embed", positions(self.inner_dim, embed.height, embed.width), persistent=False)
         self._tie()
+        self.routing = None  # a Routing while training with --token_routing (training.build)
         self.register_state_dict_post_hook(_tied_held_once)
         self.register_load_state_dict_pre_hook(_tied_filled_in)
 
@@ -105,10 +156,16 @@ class DiT(DiTTransformer2DModel):
         labels, p, channels = class_labels.reshape(-1), self.patch_size, self.out_channels
         rows, columns = sample.shape[-2] // p, sample.shape[-1] // p
         x = self.pos_embed(sample)
-        for block in self.transformer_blocks:
+        route = self.routing if self.training and torch.is_grad_enabled() else None
+        for i, block in enumerate(self.transformer_blocks):
+            if route and i == route.first:  # the kept tokens go on; the others wait here, as they are
+                waiting, kept = x, kept_tokens(x, route.share)
+                x = x.gather(1, kept)
             inputs = (x, None, None, None, timestep, cross_attention_kwargs, labels)
             checkpointed = torch.is_grad_enabled() and self.gradient_checkpointing
             x = self._gradient_checkpointing_func(block, *inputs) if checkpointed else block(*inputs)
+            if route and i == route.last:
+                x = waiting.scatter(1, kept, x)
         conditioning = self.transformer_blocks[0].norm1.emb(timestep, labels, hidden_dtype=x.dtype)
         shift, scale = self.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)
         x = self.proj_out_2(self.norm_out(x) * (1 + scale[:, None]) + shift[:, None])
@@ -137,6 +194,14 @@ class DiT(DiTTransformer2DModel):
         net = super().from_pretrained(*args, **kwargs)
         net._tie()  # the loader may have replaced the tied module's tensors one block at a time
         return net
+
+
+def kept_tokens(x, share):
+    """The gather index (batch, kept, width) of the tokens of `x` (batch, tokens, width) that go through the routed
+    blocks: a random set of each image's, all but int(tokens x share), drawn on x's device."""
+    batch, tokens, width = x.shape
+    kept = torch.rand(batch, tokens, device=x.device).argsort(dim=1)[:, : tokens - int(tokens * share)]
+    return kept.unsqueeze(-1).expand(-1, -1, width)
 
 
 def positions(dim, rows, columns):

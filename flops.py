@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+import dit
 import model as models
 import sizes
 from errors import ConfigError, OneLineParser, one_line_errors
@@ -76,24 +77,27 @@ def count_flops(fn):
 _COUNTED = {}
 
 
-def network_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):
+def network_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3, routing=None):
     """{'params', 'flops_fwd', 'flops_fwdbwd'} of one training micro-batch, counted on the meta device.
 
     flops_fwdbwd is the forward and backward pass as executed: with
-    `gradient_checkpointing` it includes the recomputed forward passes.
+    `gradient_checkpointing` it includes the recomputed forward passes; with `routing` (--token_routing's
+    value) a DiT's routed blocks on the tokens they take. flops_fwd is sampling's: every token.
     `image_size` and `channels` are the network's input: a latent run's latents (the VAE's
     channels at the image size over its factor).
     """
-    key = (model_name, image_size, batch_size, bool(gradient_checkpointing), channels)
+    key = (model_name, image_size, batch_size, bool(gradient_checkpointing), channels, routing or None)
     if key not in _COUNTED:
         _COUNTED[key] = _count_network_flops(*key)
     return dict(_COUNTED[key])
 
 
-def _count_network_flops(model_name, image_size, batch_size, gradient_checkpointing, channels):
+def _count_network_flops(model_name, image_size, batch_size, gradient_checkpointing, channels, routing):
     net = models.build_network(model_name, image_size, device="meta", channels=channels)
     if gradient_checkpointing:
         net.enable_gradient_checkpointing()
+    if routing:
+        net.routing = dit.routing(routing, len(net.transformer_blocks))
     x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
 
@@ -106,15 +110,16 @@ def _count_network_flops(model_name, image_size, batch_size, gradient_checkpoint
     return dict(params=sum(p.numel() for p in net.parameters()), flops_fwd=fwd, flops_fwdbwd=fwdbwd)
 
 
-def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3):
+def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3, routing=None):
     """Model and hardware FLOPs of one optimizer step of `batch_size` images (on one device): the
-    denoiser's, at its input's size and channels (network_flops); a latent run's VAE is not in them.
+    denoiser's, at its input's size and channels, its tokens routed as `routing` says (network_flops); a
+    latent run's VAE is not in them.
 
     model_flops: forward + backward, counted once (for MFU).
     hardware_flops: what runs, with checkpointing's recompute (for HFU).
     """
-    model = network_flops(model_name, image_size, batch_size, channels=channels)
-    hardware = network_flops(model_name, image_size, batch_size, True, channels) if gradient_checkpointing else model
+    model = network_flops(model_name, image_size, batch_size, channels=channels, routing=routing)
+    hardware = network_flops(model_name, image_size, batch_size, True, channels, routing) if gradient_checkpointing else model
     return dict(params=model["params"], model_flops=model["flops_fwdbwd"], hardware_flops=hardware["flops_fwdbwd"])
 
 

@@ -36,11 +36,12 @@ class Method(NamedTuple):
     pairs: bool = False  # compares the images of a batch: nothing to compare at batch size 1
     count: bool = False  # the value is a whole number of at least 2, not a weight
     latent_default: float = None  # the value a name alone takes in a latent run (--vae), where it differs
+    reads_blocks: bool = False  # it reads blocks' outputs, which --token_routing leaves with part of the tokens
 
 
 METHODS = {
-    "dispersive": Method(0.25, "a weight", pairs=True),  # Wang & He's λ 0.25 (their code: 0.25 * disp_loss)
-    "layersync": Method(0.2, "a weight", families=("dit",),
+    "dispersive": Method(0.25, "a weight", pairs=True, reads_blocks=True),  # Wang & He's λ 0.25 (their code: 0.25 * disp_loss)
+    "layersync": Method(0.2, "a weight", families=("dit",), reads_blocks=True,
                         why="it aligns a shallow block's tokens with a deep block's of the same width: a DiT's "
                             "blocks all share one, a UNet's change resolution and channels from level to level"),  # fmt: skip
     "deltafm": Method(0.05, "a weight", objectives=(objectives.FlowObjective,), pairs=True,
@@ -92,9 +93,9 @@ def spell(terms):
     return ",".join(f"{name}:{value:g}" for name, value in terms.items()) or NONE
 
 
-def check(terms, objective, family, batch_size):
+def check(terms, objective, family, batch_size, routed=False):
     """ConfigError (one line) for a term of `terms` that does not apply to objective class `objective` (objectives.of),
-    network family `family` (model.FAMILIES' key) or a micro-batch of `batch_size` images."""
+    network family `family` (model.FAMILIES' key), a micro-batch of `batch_size` images or a `routed` network."""
     for name in terms:
         method = METHODS[name]
         if objective not in method.objectives:
@@ -103,6 +104,9 @@ def check(terms, objective, family, batch_size):
         if family not in method.families:
             raise ConfigError(f"--loss_terms {name} applies to {' and '.join(method.families)} networks, not a "
                               f"{family}: {method.why}")  # fmt: skip
+        if method.reads_blocks and routed:
+            raise ConfigError(f"--loss_terms {name} reads blocks' outputs, which --token_routing leaves with part of "
+                              "the tokens: drop one of them")  # fmt: skip
         if method.pairs and batch_size < 2:
             raise ConfigError(f"--loss_terms {name} compares the images of a batch: at --train_batch_size 1 there is "
                               "nothing to compare; use 2 or more, or drop it")  # fmt: skip

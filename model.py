@@ -310,6 +310,7 @@ class Family(NamedTuple):
     called: str = ""  # what a model card calls one ("a DiT")
     card_lines: Callable = None  # (square) -> the model card's lines on loading its network alone, where it has some
     lr_schedule: str = "cosine"  # --lr_scheduler where its preset names none (EDM2's: constant after warm-up)
+    routes_tokens: bool = False  # --token_routing applies (a DiT's blocks all take the same tokens: dit.py)
 
 
 def _build_unet(settings, sample_size, channels, num_classes):
@@ -379,7 +380,7 @@ FAMILIES = {
                   lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks,
                   network_class=DiT, classes=("DiTTransformer2DModel", "DiT"), source_class=DiTTransformer2DModel,
                   layout=("num_layers", "num_attention_heads", "attention_head_dim", "patch_size"),
-                  compile_costs=DIT_COSTS, called="a DiT", card_lines=_dit_card_lines),
+                  compile_costs=DIT_COSTS, called="a DiT", card_lines=_dit_card_lines, routes_tokens=True),
 }  # fmt: skip
 
 

@@ -43,7 +43,7 @@ RUN_IDENTITY = (
     "loss_terms",
     # the optimizer's saved param groups (and the LR schedule's base LR): loading them restores these, so a
     # new value would be silently ignored
-    "learning_rate", "adam_betas", "weight_decay",
+    "learning_rate", "adam_betas", "weight_decay", "optimizer",
     # the EMA saved: its kind (none too), the power EMA's widths, and the decay settings EMAModel's state restores
     "ema", "ema_stds", "ema_max_decay", "ema_power",
     # fp16 saves a GradScaler's state and loads one: compared as fp16 or not (bf16 <-> no saves the same)
@@ -77,9 +77,9 @@ CHANGES_ON_RESUME = {
     "holds its position and base LR)": (
         "num_epochs", "max_train_steps", "lr_scheduler", "lr_warmup_steps", "lr_ref_steps",
     ),
-    "which noise levels a step draws, how its loss is weighted and clipped: drawn or applied afresh each step, "
-    "nothing of them saved": (
-        "timestep_sampling", "P_mean_std", "snr_gamma", "max_grad_norm",
+    "which noise levels a step draws, which tokens it routes past the middle blocks, how its loss is weighted and "
+    "clipped: drawn or applied afresh each step, nothing of them saved": (
+        "timestep_sampling", "P_mean_std", "snr_gamma", "max_grad_norm", "token_routing",
     ),
     "how the data is read, not which images nor their order (data.epoch_batches: the seed and the epoch)": (
         "preload_data", "dataloader_num_workers",

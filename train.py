@@ -110,7 +110,7 @@ def describe_run(args, device, world, num_images):
     train_config.json, and what --dry_run prints. `num_images` None: not known before the data loads."""
     # The denoiser's step: a latent run's at its latents' size and channels (the VAE encodes once, before it)
     cost = flops.step_flops(args.model, network_size(args), args.train_batch_size, args.gradient_checkpointing,
-                            models.network_channels(vars(args)))  # fmt: skip
+                            models.network_channels(vars(args)), args.token_routing)  # fmt: skip
     images_per_step = args.train_batch_size * world * args.gradient_accumulation_steps
     steps_per_epoch = num_images // images_per_step if num_images else None
     total_steps = args.max_train_steps or (args.num_epochs * steps_per_epoch if steps_per_epoch else None)
@@ -427,13 +427,14 @@ def announce(args, config, compile_why, accelerator, network, memory_plan, start
     latent = f" as {sizes.with_channels(args.latent_size, args.latent_channels)} latents" if args.vae else ""
     skipped = f" ({unreadable} unreadable so far: skipped)" if unreadable else ""  # preloaded: all
     precision = fp8.describe(network, device) if args.mixed_precision == "fp8" else ""
+    routed = f" ({network.routing.words(len(network.transformer_blocks))})" if args.token_routing else ""
     total_steps = config["total_train_steps"]
     accelerator.print(
         f"training {args.model} ({config['params']:,} parameters, --objective {args.objective}) "
         f"on {config['num_images']} images{skipped} at {sizes.spelled(args.image_size)}{latent}: "
         f"{total_steps} steps of {config['global_batch_size']} images, mixed precision {args.mixed_precision}{precision}, "
         f"{config['num_processes']} process(es) on {config['device']}; {config['model_flops_per_step'] / 1e12:.4g} TFLOP per "
-        f"step; {peak_words}; step {compile_why}"
+        f"step{routed}; {peak_words}; step {compile_why}"
     )
     cuda = device.type == "cuda"
     # on a CPU the host memory free now (a container's limit included; None where unknown)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+import dit
 import ema as posthoc_ema
 import fp8
 import init_from
@@ -61,6 +62,8 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
         network.enable_gradient_checkpointing()
     if args.mixed_precision == "fp8":  # a DiT's block linear layers, in place: the same weights (fp8.py)
         fp8.convert(network)
+    if args.token_routing:  # a DiT's (config.resolve): routed while it trains, every token otherwise
+        network.routing = dit.routing(args.token_routing, len(network.transformer_blocks))
     kind, family = objectives.of(args.objective), models.family(args.model)[0]
     noise_scheduler = kind.noise_scheduler(vars(args))
     # The network's time input is its family's (model.Family.time_input), not read off the wrappers the step

@@ -91,7 +91,7 @@ WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 # The rows a workload runs without --variants (the others: every row but a DiT's). A DiT has no GroupNorm for the
 # UNet's rungs: it gets train.py's step eager, compiled, and as train.py picks (--compile_mode auto), and DIT_ROWS.
 WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "fp8", "flash_attention", "cudnn_attention",
-                            "max_autotune", "train_default")
+                            "max_autotune", "routed", "train_default")
                      for name in ("dit", "dit-small", "dit-tiny", "dit-s2", "dit-b2")}  # fmt: skip
 
 
@@ -389,6 +389,10 @@ DIT_ROWS = (
     ("max_autotune", "torch.compile mode 'max-autotune-no-cudagraphs': Inductor times its matmul templates "
      "against cuBLAS and keeps the fastest", 122, "its search is for a GPU's kernels (minutes of compile)",
      dict(compile_mode="max-autotune-no-cudagraphs")),
+    # TREAD's routing (issue 76): 62% of the step's FLOPs at DiT-XL/2 (blocks 6-26 of 28 on half the tokens); its
+    # gathers and scatters cost a little. Another function of the weights: its check is not against the fp32 step's.
+    ("routed", "--token_routing 0.5: half of each image's tokens skip TREAD's middle blocks (dit.py)", 75, None,
+     dict(token_routing="0.5")),
 )  # fmt: skip
 
 
@@ -451,7 +455,8 @@ class TrainingStep:
     def __init__(self, settings, workload, init_state, images, device):
         # fp8: training.build swaps a DiT's block linear layers for FP8 ones; config.py refuses a UNet's, or a GPU's
         # without FP8 tensor cores
-        t = self.train_args = train_defaults(workload, *(["--mixed_precision", "fp8"] if settings["precision"] == "fp8" else []))
+        t = self.train_args = train_defaults(workload, *(["--mixed_precision", "fp8"] if settings["precision"] == "fp8" else []),
+                                             "--token_routing", settings.get("token_routing", "0"))  # fmt: skip
         set_backend_flags(settings)
         self.device, self.images = device, images
         t.channels_last, t.fused_adam, t.fused_norm = settings["channels_last"], settings["fused_adam"], settings["fused_norm"]
@@ -537,7 +542,7 @@ def check_variant(step, settings, inputs, reference, device):
     step.optimizer.zero_grad(set_to_none=True)
     precision = matmul_precision(settings, device)
     result = dict(precision=precision, tolerance=TOLERANCE[precision], first_call_s=first_call_s, compile_phases_s=phases)
-    if reference is None:
+    if reference is None or settings.get("token_routing"):  # routed: another function of the weights than the step's
         return result | dict(passed=None, loss_rel_err=None, grad_rel_err=None)
     ref_loss, ref_gradients = reference
     loss_err = abs(loss - ref_loss) / abs(ref_loss)
@@ -725,7 +730,11 @@ def run_workload(name, args, device, peaks, print_line, save):
                 release_memory(device, forget_compiled=row["status"] != "ok" or uses_cuda_graphs(row))
                 if row["status"] == "ok":
                     precision = matmul_precision(variant["settings"], device)
-                    add_rates(row, flops_per_step, batch_size, peaks["bf16"], peaks[precision])
+                    if variant["settings"].get("token_routing"):  # the routed step's FLOPs, as executed
+                        row["flops_per_step"] = batch_size * flops.step_flops(
+                            workload["model"], workload["image_size"], 1, channels=channels_of(workload),
+                            routing=variant["settings"]["token_routing"])["model_flops"]  # fmt: skip
+                    add_rates(row, row["flops_per_step"], batch_size, peaks["bf16"], peaks[precision])
             group.append(row)
             save(group)
         timed = [r for r in group if r["status"] == "ok"]

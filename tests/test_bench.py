@@ -488,14 +488,18 @@ def test_a_dit_workload_runs_train_pys_step_eager_compiled_and_as_train_py_picks
 def test_bench_times_a_dit_on_latents(tmp_path, capsys):
     """A latent workload's step takes float latents of its channels (a --vae run's batch after its cache), checked against
     the fp32 eager step on them, with the DiT's FLOPs at its latents' size and channels."""
-    argv = ["--workload", "dit-tiny", "--variants", "eager,train_default", "--steps", "2", "--warmup", "1",
+    argv = ["--workload", "dit-tiny", "--variants", "eager,routed,train_default", "--steps", "2", "--warmup", "1",
             "--output", str(tmp_path), "--tag", "dit"]  # fmt: skip
     assert bench.main(bench.parse_args(argv)) == 0
     rows = json.loads((tmp_path / "dit.json").read_text())["results"]
     workload = bench.WORKLOADS["dit-tiny"]
     per_image = bench.flops.step_flops("dit-tiny", 8, 1, channels=4)
     assert per_image["params"] == sum(p.numel() for p in models.build_network("dit-tiny", 8, channels=4).parameters())
-    assert [r["variant"] for r in rows] == ["eager", "train_default"]
+    assert [r["variant"] for r in rows] == ["eager", "routed", "train_default"]
+    routed = rows.pop(1)  # its tokens routed: its own FLOPs, and no check against the step it does not compute
+    assert routed["status"] == "ok" and routed["check"]["passed"] is None
+    assert routed["flops_per_step"] == 4 * bench.flops.step_flops("dit-tiny", 8, 1, channels=4, routing="0.5")["model_flops"]
+    assert routed["flops_per_step"] < rows[0]["flops_per_step"]
     # the same step on a CPU, its timed steps drawing the same noise: the same mean loss, to the bit
     assert rows[1]["loss_vs_first"] == 0.0 and rows[0]["mean_loss"] == rows[1]["mean_loss"]
     for r in rows:
@@ -515,6 +519,7 @@ def test_each_dit_row_is_the_compiled_step_with_one_change():
     assert rows["max_autotune"]["settings"] == dict(compiled, compile_mode="max-autotune-no-cudagraphs")
     assert rows["cudnn_attention"]["settings"] == dict(compiled, sdpa_backend="CUDNN_ATTENTION")
     assert rows["flash_attention"]["settings"] == dict(compiled, sdpa_backend="FLASH_ATTENTION")
+    assert rows["routed"]["settings"] == dict(compiled, token_routing="0.5")
     assert all(rows[name]["predicted_ms"]["dit"] for name in bench.DIT_ROWS_BY_NAME)  # written down before measuring
     # --compile_scope regional: the same changes on the `regional` row (each repeated block compiled once)
     regional = {v["name"]: v["settings"] for v in bench.all_variants({"compile_scope": "regional"})}

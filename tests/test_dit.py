@@ -144,12 +144,14 @@ def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, mo
     assert exit_info.value.code == 2
 
 
-def test_a_dit_run_resumes_bit_identically(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("routing", ["0", "0.5"])
+def test_a_dit_run_resumes_bit_identically(tmp_path, capsys, monkeypatch, routing):
     """The shared embedder's tensors are one in the checkpoint (the state dict holds them once) and one
-    module again after loading."""
+    module again after loading; with --token_routing, the tokens routed are drawn again the same."""
     from accelerate import Accelerator
 
-    flags = [*DIT, "--max_train_steps", 4, "--checkpointing_steps", 2, "--train_batch_size", 4, "--class_conditional"]
+    flags = [*DIT, "--max_train_steps", 4, "--checkpointing_steps", 2, "--train_batch_size", 4, "--class_conditional",
+             "--token_routing", routing]  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, *flags)
     (resumed / "checkpoints").mkdir(parents=True)
@@ -200,14 +202,16 @@ def test_a_dit_checkpoint_is_saved_without_accelerate_s_shared_tensor_warning(tm
     assert all(torch.equal(p, saved[name]) for name, p in net.named_parameters())
 
 
-def test_two_processes_train_a_dit_as_one(tmp_path):
-    """Each rank its own σ and images, the same weights at every step (gradients averaged), rank 0 alone saving."""
+@pytest.mark.parametrize("routing", ["0", "0.5"])
+def test_two_processes_train_a_dit_as_one(tmp_path, routing):
+    """Each rank its own σ and images (and tokens routed), the same weights at every step (gradients averaged),
+    rank 0 alone saving."""
     from test_flow import assert_trained_as_one, two_flow_ranks
     from test_train import TINY
 
     out = tmp_path / "run"
     ranks, events = two_flow_ranks(tmp_path, [*TINY, *DIT, "--objective", "flow", "--max_train_steps", 3,
-                                              "--output_dir", out, "--logger", "none"])  # fmt: skip
+                                              "--output_dir", out, "--logger", "none", "--token_routing", routing])  # fmt: skip
     assert ranks.codes == [0, 0], ranks
     assert_trained_as_one(events, steps=3)
     assert json.loads((out / "train_config.json").read_text())["num_processes"] == 2

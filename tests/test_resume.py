@@ -40,6 +40,7 @@ CHANGED = dict(
     image_channels=1, image_bits=16,  # a grayscale set's, of 16 bits (issue 64)
     init_from="google/ddpm-cifar10-32",  # a fine-tune's source (issue 65)
     loss_terms="dispersive:0.25",  # the objective's terms (issue 66)
+    optimizer="muon",  # what the optimizer's saved state is (issue 76)
 )  # fmt: skip
 
 # How a refusal names a change of each identity key: "--flag before -> after", or in words.
