@@ -2,7 +2,7 @@
 # One part of the GPU evidence, sized for one call of a lent GPU machine (8 minutes on a freshly
 # started one, cold compiles included), packed into two files:
 #
-#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, graphs, ref128, adm64, fused, dit, cold or terms; FOLDER: $OUT, else bench/results/gpu
+#   bash bench/on_gpu.sh PART [FOLDER]     PART: tests, graphs, ref128, adm64, fused, dit, cold, terms or routing; FOLDER: $OUT, else bench/results/gpu
 #
 #   graphs  the launch-bound step captured without compiling (--compile_mode eager-graph, issue 67): its CUDA tests,
 #           the speed ladder's eager and eager_graph rows for ddpm32 (batch 128, the GPU bare run's step) and adm64
@@ -28,6 +28,9 @@
 #           torch's timing, not at the ladder's start) and for ddpm32 at batch 128 in the mode `auto` gives it (the GPU bare
 #           run's step): compile seconds (1st call s), the step, peak memory; then the GPU bare run itself
 #           (`python train.py`), start to last grid
+#   routing issue 76's levers on DiT-XL/2 (batch 64, random 32x32x4 latents), each repeated block compiled once: the
+#           speed ladder's regional row against its routed row (--token_routing 0.5) and its muon row (--optimizer
+#           muon): ms a step, img/s, MFU (the routed row's against its routed FLOPs), compile seconds, peak memory
 #   terms   issue 66's loss terms at GPU scale (docs/loss_terms.md): DiT-B/2 and adm64 on the labelled photos, the default
 #           against each of ON_GPU_TERMS (default "deltafm"), seeds 1 and 2, each run then scored (class match and photos
 #           FD, bench/labelled.py); sized for a longer loan than one call (below, at the part)
@@ -61,8 +64,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
-case $part in tests | graphs | ref128 | adm64 | fused | dit | cold | terms) ;; *)
-  echo "usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold|terms [FOLDER]" >&2
+case $part in tests | graphs | ref128 | adm64 | fused | dit | cold | terms | routing) ;; *)
+  echo "usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold|terms|routing [FOLDER]" >&2
   exit 2
   ;;
 esac
@@ -267,6 +270,7 @@ if ((cpu)); then
   dit_autotune=(--workload dit-tiny --variants eager --steps 1 --warmup 0)
   cold_dit=(--workload dit-tiny --steps 2 --warmup 1)
   cold_bare=(--workload tiny --steps 2 --warmup 1)
+  routing_ladder=(--workload dit-tiny --variants eager,routed,muon --steps 2 --warmup 1)
   terms_dit=(--model dit-tiny --image_size 16 --max_train_steps 2)
   terms_adm=(--model tiny --image_size 16 --max_train_steps 2)
   terms_run=(--cpu --train_batch_size 4 --num_inference_steps 2 --eval_batch_size 4)
@@ -298,6 +302,7 @@ else
   dit_autotune=(--workload dit --steps 20 --warmup 3 --compile_scope regional --variants regional,max_autotune)
   cold_dit=(--workload dit --steps 20 --warmup 3)
   cold_bare=(--workload ddpm32 --steps 50 --warmup 5)
+  routing_ladder=(--workload dit --steps 20 --warmup 3 --compile_scope regional --variants regional,routed,muon)
   # 30 minutes a run at the step each is expected to take (the part's comment): DiT's batch, adm64's (seed 004's)
   terms_dit=(--model dit-b2 --image_size 32 --train_batch_size 256 --max_train_steps "${TERMS_DIT_STEPS:-18000}")
   terms_adm=(--model adm64 --image_size 64 --train_batch_size 32 --max_train_steps "${TERMS_ADM_STEPS:-90000}")
@@ -402,6 +407,9 @@ cold)
   cold_run ddpm32-whole 110 "${cold_bare[@]}" --variants train_default --compile_scope whole
   cold_run dit-whole 160 "${cold_dit[@]}" --variants compiled
   TORCHINDUCTOR_CACHE_DIR=$work/inductor-bare TRITON_CACHE_DIR=$work/triton-bare train_run bare-cold 200 "${bare[@]}"
+  ;;
+routing)
+  bench_run dit-routing 420 "${routing_ladder[@]}"
   ;;
 terms)
   # Issue 66, item 4: do the loss terms win at GPU scale, where their papers measured them? The labelled photos

@@ -91,7 +91,7 @@ WORKLOAD_GROUPS = {"all": ("ref128", "adm64")}
 # The rows a workload runs without --variants (the others: every row but a DiT's). A DiT has no GroupNorm for the
 # UNet's rungs: it gets train.py's step eager, compiled, and as train.py picks (--compile_mode auto), and DIT_ROWS.
 WORKLOAD_VARIANTS = {name: ("eager", "compiled", "regional", "fp8", "flash_attention", "cudnn_attention",
-                            "max_autotune", "routed", "train_default")
+                            "max_autotune", "routed", "muon", "train_default")
                      for name in ("dit", "dit-small", "dit-tiny", "dit-s2", "dit-b2")}  # fmt: skip
 
 
@@ -393,6 +393,10 @@ DIT_ROWS = (
     # gathers and scatters cost a little. Another function of the weights: its check is not against the fp32 step's.
     ("routed", "--token_routing 0.5: half of each image's tokens skip TREAD's middle blocks (dit.py)", 75, None,
      dict(token_routing="0.5")),
+    # Muon (issue 76): Newton-Schulz on every block matrix, 20.5 TFLOP in bf16 a step (docs/muon.md), one matrix at
+    # a time: about 40 ms at half the bf16 peak, and some 4,000 small kernels more.
+    ("muon", "--optimizer muon: torch.optim.Muon for the blocks' matrices, AdamW for the rest (optimizer.py)", 165, None,
+     dict(optimizer="muon")),
 )  # fmt: skip
 
 
@@ -456,7 +460,8 @@ class TrainingStep:
         # fp8: training.build swaps a DiT's block linear layers for FP8 ones; config.py refuses a UNet's, or a GPU's
         # without FP8 tensor cores
         t = self.train_args = train_defaults(workload, *(["--mixed_precision", "fp8"] if settings["precision"] == "fp8" else []),
-                                             "--token_routing", settings.get("token_routing", "0"))  # fmt: skip
+                                             "--token_routing", settings.get("token_routing", "0"),
+                                             "--optimizer", settings.get("optimizer", "adamw"))  # fmt: skip
         set_backend_flags(settings)
         self.device, self.images = device, images
         t.channels_last, t.fused_adam, t.fused_norm = settings["channels_last"], settings["fused_adam"], settings["fused_norm"]

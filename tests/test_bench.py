@@ -520,6 +520,7 @@ def test_each_dit_row_is_the_compiled_step_with_one_change():
     assert rows["cudnn_attention"]["settings"] == dict(compiled, sdpa_backend="CUDNN_ATTENTION")
     assert rows["flash_attention"]["settings"] == dict(compiled, sdpa_backend="FLASH_ATTENTION")
     assert rows["routed"]["settings"] == dict(compiled, token_routing="0.5")
+    assert rows["muon"]["settings"] == dict(compiled, optimizer="muon")
     assert all(rows[name]["predicted_ms"]["dit"] for name in bench.DIT_ROWS_BY_NAME)  # written down before measuring
     # --compile_scope regional: the same changes on the `regional` row (each repeated block compiled once)
     regional = {v["name"]: v["settings"] for v in bench.all_variants({"compile_scope": "regional"})}

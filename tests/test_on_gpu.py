@@ -22,6 +22,7 @@ RUNS = {
     "adm64": ["adm64-auto-cold", "adm64-step-graph", "adm64-default", "adm64-diffusers"],
     "fused": ["ref128-fused", "adm64-fused"],
     "dit": ["dit-default-cold", "dit-profile", "dit-ladder", "dit-reference", "dit-autotune"],
+    "routing": ["dit-routing"],
     "cold": ["dit-regional", "dit-regional-inductor", "ddpm32-regional", "ddpm32-whole", "dit-whole", "bare-cold"],
     "terms": [f"{family}-{term}-s{seed}{score}" for family in ("dit-b2", "adm64") for seed in (1, 2) for term in ("none", "deltafm")
               for score in ("", "-score")],
@@ -77,7 +78,7 @@ def test_the_deadline_skips_runs_but_every_part_writes_its_pack(tmp_path, part):
 
 def test_an_unknown_part_is_one_line_and_exit_2(tmp_path):
     done = on_gpu("all", tmp_path)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold|terms [FOLDER]"]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold|terms|routing [FOLDER]"]
 
 
 def test_the_terms_part_trains_a_term_on_the_labelled_photos_and_scores_it(tmp_path):
