@@ -62,7 +62,7 @@ def test_a_fused_matrix_is_orthogonalized_one_block_of_rows_at_a_time():
     whole = torch.nn.Parameter(fused.detach().clone())
     muon = dict(lr=0.1, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
     split = optimizers.SplitMuon([{"params": [fused], "chunks": 6}], **muon)
-    separate, together = torch.optim.Muon(apart, **muon), torch.optim.Muon([whole], **muon)
+    separate, together = optimizers.SplitMuon(apart, **muon), optimizers.SplitMuon([whole], **muon)  # torch's, unsplit
     for _ in range(2):  # the second step with momentum
         grad = torch.randn_like(fused)
         fused.grad, whole.grad = grad, grad.clone()
@@ -73,6 +73,21 @@ def test_a_fused_matrix_is_orthogonalized_one_block_of_rows_at_a_time():
     assert torch.equal(fused.detach(), torch.cat([p.detach() for p in apart]))
     assert not torch.allclose(fused, whole)  # the whole matrix orthogonalized at once steps elsewhere
     assert len(split.state_dict()["state"]) == 1 and split.state[fused]["momentum_buffer"].shape == fused.shape
+
+
+def test_on_a_cpu_newton_schulz_runs_in_float32_and_torch_s_own_is_back_after_the_step():
+    """torch's Newton-Schulz is bf16, some 30x slower than float32 on a CPU without bf16 units."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    p.grad = torch.randn(8, 16)
+    before = p.detach().clone()
+    optimizers.SplitMuon([p], lr=0.1, weight_decay=0.0).step()
+    update = p.grad.lerp(torch.zeros(8, 16).lerp(p.grad, 1 - 0.95), 0.95)  # torch's first Nesterov momentum step
+    stepped = before - p.detach()
+    in_fp32 = 0.1 * optimizers.newton_schulz_fp32(update, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    assert optimizers._muon._zeropower_via_newtonschulz is not optimizers.newton_schulz_fp32
+    in_bf16 = 0.1 * optimizers._muon._zeropower_via_newtonschulz(update, (3.4445, -4.775, 2.0315), 5, 1e-7).float()
+    assert (stepped - in_fp32).abs().max() < 1e-6 < 1e-4 < (stepped - in_bf16).abs().max()
 
 
 def test_the_lr_schedule_moves_muons_learning_rate_too_after_a_load():
