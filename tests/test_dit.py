@@ -202,16 +202,17 @@ def test_a_dit_checkpoint_is_saved_without_accelerate_s_shared_tensor_warning(tm
     assert all(torch.equal(p, saved[name]) for name, p in net.named_parameters())
 
 
-@pytest.mark.parametrize("routing", ["0", "0.5"])
-def test_two_processes_train_a_dit_as_one(tmp_path, routing):
-    """Each rank its own σ and images (and tokens routed), the same weights at every step (gradients averaged),
-    rank 0 alone saving."""
+@pytest.mark.parametrize("routing, optimizer", [("0", "adamw"), ("0.5", "adamw"), ("0", "muon")])
+def test_two_processes_train_a_dit_as_one(tmp_path, routing, optimizer):
+    """Each rank its own σ and images (and tokens routed), the same weights at every step (gradients averaged, and
+    Muon's orthogonalized alike in each), rank 0 alone saving."""
     from test_flow import assert_trained_as_one, two_flow_ranks
     from test_train import TINY
 
     out = tmp_path / "run"
     ranks, events = two_flow_ranks(tmp_path, [*TINY, *DIT, "--objective", "flow", "--max_train_steps", 3,
-                                              "--output_dir", out, "--logger", "none", "--token_routing", routing])  # fmt: skip
+                                              "--output_dir", out, "--logger", "none", "--token_routing", routing,
+                                              "--optimizer", optimizer])  # fmt: skip
     assert ranks.codes == [0, 0], ranks
     assert_trained_as_one(events, steps=3)
     assert json.loads((out / "train_config.json").read_text())["num_processes"] == 2

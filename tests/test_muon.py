@@ -146,7 +146,8 @@ def test_a_step_graph_refuses_muon_and_auto_does_not_capture_it():
 @pytest.mark.parametrize("name", ["dit-tiny", "tiny"])
 def test_a_muon_run_learns_and_resumes_bit_identically(tmp_path, capsys, name):
     flags = ["--model", name, "--optimizer", "muon", "--max_train_steps", 8, "--checkpointing_steps", 4,
-             "--train_batch_size", 4, "--save_images_epochs", 100, "--logging_steps", 4]  # fmt: skip
+             "--train_batch_size", 4, "--save_images_epochs", 100, "--logging_steps", 4,
+             "--class_conditional", "--image_size", "24x16"]  # fmt: skip (labels, and a non-square grid)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, *flags)
     (resumed / "checkpoints").mkdir(parents=True)
@@ -161,7 +162,7 @@ def test_a_muon_run_learns_and_resumes_bit_identically(tmp_path, capsys, name):
     assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
     state, again = (torch.load(folder / "optimizer.bin", weights_only=False) for folder in end)
     assert same(state, again)
-    matrices = sum(len(group) for group in optimizers.muon_matrices(models.build_network(name, 16)).values())
+    matrices = sum(len(group) for group in optimizers.muon_matrices(models.build_network(name, 16, num_classes=4)).values())
     assert len(state["muon"]["state"]) == matrices  # a momentum buffer for each matrix Muon trained
     assert all(buffer["momentum_buffer"].ndim == 2 for buffer in state["muon"]["state"].values())
     assert all("exp_avg" in moments for moments in state["adamw"]["state"].values())
