@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import model as models
+import optimizer as optimizers
 import sizes
 from errors import ConfigError, OneLineParser
 
@@ -232,16 +233,16 @@ def tensor_bytes(tensors):
 
 
 def optimizer_state_bytes(optimizer):
-    """Bytes AdamW's state will hold once its first step has made it: two moments per trained parameter
-    (three with amsgrad), each of its parameter's dtype; None for another optimizer. The per-parameter step
-    counts (one number each) are left out."""
+    """Bytes the optimizer's state will hold once its first step has made it: AdamW's two moments per trained
+    parameter (three with amsgrad), Muon's one momentum buffer per matrix (--optimizer muon holds both), each
+    of its parameter's dtype; None for another optimizer. The per-parameter step counts are left out."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW | torch.optim.Muon | optimizers.MuonAdamW):
         return None
     total = 0
     for group in inner.param_groups:
-        moments = 3 if group.get("amsgrad") else 2
-        total += moments * sum(p.numel() * p.element_size() for p in group["params"] if p.requires_grad)
+        buffers = 1 if "ns_steps" in group else 3 if group.get("amsgrad") else 2  # Muon's groups say ns_steps
+        total += buffers * sum(p.numel() * p.element_size() for p in group["params"] if p.requires_grad)
     return total
 
 
@@ -309,7 +310,7 @@ def plan_line(p, capacity=None, where=None, compiled=False):
     fits, and about the largest batch that does.
     `compiled`: the step is compiled, and holds less than the eager count of its activations."""
     parts = [f"weights {gib(p.weights)}", f"gradients {gib(p.gradients)}"]
-    parts.append(f"AdamW {gib(p.optimizer)}" if p.optimizer is not None else "optimizer state not counted")
+    parts.append(f"optimizer {gib(p.optimizer)}" if p.optimizer is not None else "optimizer state not counted")
     if p.ema_copies:
         parts.append(f"EMA {gib(p.ema)}" + (f" ({p.ema_copies} copies)" if p.ema_copies > 1 else ""))
     if p.buckets:

@@ -112,7 +112,7 @@ def test_the_line_says_what_fits_on_a_gpu():
     plan = memory.Plan(gib, gib, 2 * gib, gib, step_peak=9 * gib, batch_size=64)
     assert plan.activations == 8 * gib and plan.total == 13 * gib
     line = memory.plan_line(plan, 40 * gib, "this GPU", compiled=True)
-    assert line.startswith("memory: weights 1 + gradients 1 + AdamW 2 + EMA 1 + activations 8 (eager count")
+    assert line.startswith("memory: weights 1 + gradients 1 + optimizer 2 + EMA 1 + activations 8 (eager count")
     # room for the batch: 40 - 4 GiB that do not grow, over 9/64 GiB an image (the gradients counted as growing)
     assert line.endswith("= 13 GiB of 40 on this GPU; about batch 256 would fit")  # no gradient checkpointing: no flag has it
     small = memory.plan_line(plan, 10 * gib)
@@ -191,7 +191,7 @@ def test_a_latent_run_says_what_it_holds_and_keeps_its_vae_off_the_device_but_wh
 
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("memory: weights"))
-    assert re.fullmatch(r"memory: weights [\d.e-]+ \+ gradients [\d.e-]+ \+ AdamW [\d.e-]+ \+ EMA [\d.e-]+ \+ "
+    assert re.fullmatch(r"memory: weights [\d.e-]+ \+ gradients [\d.e-]+ \+ optimizer [\d.e-]+ \+ EMA [\d.e-]+ \+ "
                         r"activations [\d.e-]+ = [\d.e-]+ GiB of [\d.e-]+ on this machine's free memory; about batch "
                         r"\d+ would fit", line), line  # fmt: skip
     assert re.search(r"^memory: peak not measured on a CPU \(estimated [\d.e-]+ GiB\)$", out, re.M)
