@@ -180,6 +180,7 @@ CHANGED_ON_RESUME = [
 # (tests/test_latent_train.py, test_the_same_vae_spelled_otherwise_resumes).
 FOLDER_CHANGES = ["--no-preload_data", "--dataloader_num_workers", 1]
 EDM_CHANGES = ["--churn", 10]
+DIT_CHANGES = ["--token_routing", "0.5"]  # a DiT's: a run trained with every token goes on routing half
 WITH_A_PATH = ["guide", "fid_weights"]
 INVOCATION = ["output_dir", "config", "dry_run", "overwrite_output_dir"]
 ELSEWHERE = ["vae"]
@@ -190,7 +191,7 @@ def flags_of(argv):
 
 
 def test_every_flag_declared_safe_is_tried_on_a_real_resume():
-    tried = flags_of(CHANGED_ON_RESUME) | flags_of(EDM_CHANGES) | flags_of(FOLDER_CHANGES)
+    tried = flags_of(CHANGED_ON_RESUME) | flags_of(EDM_CHANGES) | flags_of(FOLDER_CHANGES) | flags_of(DIT_CHANGES)
     tried |= set(WITH_A_PATH + INVOCATION + ELSEWHERE)
     assert tried == set(SAFE)
 
@@ -257,6 +258,13 @@ def test_a_folder_with_an_unreadable_image_resumed_streamed_trains_as_preloaded(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     saved = [json.loads((run / "train_config.json").read_text()) for run in (straight, resumed)]
     assert saved[0]["num_images"] == saved[1]["num_images"] == 9 and saved[1]["data_path"] == "streamed"
+
+
+def test_a_dit_run_resumed_with_its_tokens_routed_trains_on(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(out, "--max_train_steps", 2, *FEW, "--model", "dit-tiny")
+    said = trains_on(out, capsys, 2, "--max_train_steps", 3, "--model", "dit-tiny", *DIT_CHANGES)
+    assert "(token routing: 50% of the tokens skip blocks 2-2 of 2)" in said and (out / "checkpoints" / "checkpoint-3").is_dir()
 
 
 def test_an_edm_run_resumed_with_another_churn_and_no_objective_trains_on_as_edm(tmp_path, capsys):
