@@ -60,34 +60,40 @@ class Routing(NamedTuple):
         return f"token routing: {self.share:.0%} of the tokens skip blocks {self.first + 1}-{self.last + 1} of {depth}"
 
 
+def _routing_parts(text):
+    """(share, (first, last) counted from 1 or None) of --token_routing's `text`; ValueError where it is neither
+    SHARE in [0, 1) nor SHARE:FIRST-LAST with 1 <= FIRST <= LAST."""
+    share, _, blocks = str(text).partition(":")
+    first_last = tuple(int(b) for b in blocks.split("-")) if blocks else None
+    if not 0 <= float(share) < 1 or first_last and not (len(first_last) == 2 and 1 <= first_last[0] <= first_last[1]):
+        raise ValueError(text)
+    return float(share), first_last
+
+
 def routing_flag(text):
     """--token_routing's value as typed, checked: SHARE in [0, 1) or SHARE:FIRST-LAST (blocks from 1)."""
-    share, _, blocks = str(text).partition(":")
     try:
-        first, last = (int(b) for b in blocks.split("-")) if blocks else (1, 1)
-        ok = 0 <= float(share) < 1 and 1 <= first <= last
+        share, blocks = _routing_parts(text)
     except ValueError:
-        ok = False
-    if not ok:
         raise argparse.ArgumentTypeError(f"give a share in [0, 1), or SHARE:FIRST-LAST with blocks counted from 1 "
-                                         f"(got '{text}')")  # fmt: skip
-    return str(text) if blocks else float(share)
+                                         f"(got '{text}')") from None  # fmt: skip
+    return str(text) if blocks else share
 
 
 def routing(text, depth):
     """The Routing --token_routing `text` asks of `depth` blocks, or None (share 0). Without blocks: TREAD's,
     from the 3rd block to the 11th of DiT-B's 12 (CompVis/tread), scaled to `depth`. ConfigError: a block past it."""
-    share, _, blocks = str(text).partition(":")
-    if float(share) == 0:
+    share, blocks = _routing_parts(text)
+    if share == 0:
         return None
     if blocks:
-        first, last = (int(b) - 1 for b in blocks.split("-"))
+        first, last = (b - 1 for b in blocks)
     else:
         first = min(max(1, round(depth / 6)), depth - 1)
         last = max(first, depth - 1 - max(1, round(depth / 12)))
-    if last >= depth or first > last:
+    if last >= depth:
         raise ConfigError(f"--token_routing {text}: this network has blocks 1 to {depth}")
-    return Routing(float(share), first, last)
+    return Routing(share, first, last)
 
 
 def dit_kwargs(size, patch):
