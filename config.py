@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+import captions
 import checkpoint
 import compiling
 import data
@@ -99,7 +100,7 @@ DERIVED_KEYS = (
     "total_train_steps", "total_epochs", "params", "model_flops_per_step", "hardware_flops_per_step",
     "step_compile_mode", "step_compile_scope", "device", "num_classes", "class_names", "class_counts",
     "latent_size", "latent_channels", "latent_normalization", "latents", "latent_space", "flow_sigmas",
-    "image_channels", "image_bits", "data_survey", "init_source",
+    "image_channels", "image_bits", "data_survey", "init_source", "text_dim", "text_length", "num_captions",
 )  # fmt: skip
 
 # What one command asks for once, not what a run is: a file read with --config never
@@ -328,6 +329,12 @@ def build_parser(prog="train.py", source=""):
                     "(--guidance_scale): the subfolders of a folder, a datasets ClassLabel column (or the column "
                     "LABEL_COLUMN), or the built-in shapes' kinds; a tenth of the labels are dropped in training",
                     False, "LABEL_COLUMN")  # fmt: skip
+    flag(d, "text_encoder", "train from captions (a metadata.jsonl or a .txt beside each image, or a dataset's "
+         "text/caption/prompt column): a transformers CLIP or T5 text encoder (a folder, a pipeline folder with "
+         "text_encoder/ and tokenizer/, or a Hub id), each caption encoded once and cached beside the latents; a UNet "
+         "preset attends to the embeddings; a tenth of the captions are dropped in training (docs/text.md)",
+         metavar="ID_OR_PATH")  # fmt: skip
+    flag(d, "caption_column", "the captions' column of a datasets dataset (default: text, caption or prompt)")
     flag(d, "image_size", "train at this size: a side (64) or width x height (96x64); each image is resized to "
          f"cover it and cropped (default: {DEFAULT_IMAGE_SIZE}, or the --init_from source's)")  # fmt: skip
     flag(d, "augment", "random left-right flips (flip), random crops after resizing instead of the centre, "
@@ -576,10 +583,12 @@ def resolve(args):
     for name, kind in _ranges().items():
         kind.check(name, getattr(args, name))
     args.image_size = None if args.image_size is None else sizes.parse(args.image_size)
+    _check_captions(args)
     _fill_from_source(args)
     _fill_gpu_bare_run(args)
     _fill_pixels(args)
     _fill_latents(args)
+    args.text_dim, args.text_length = captions.encoder_settings(args.text_encoder) if args.text_encoder else (None, None)
     _take_from_source(args)
     _fill_from_preset(args)
     _fill_from_machine(args)
@@ -594,6 +603,9 @@ def resolve(args):
             raise ConfigError(f"--token_routing routes a DiT's tokens past its middle blocks, not {kind.called}'s: "
                               f"drop it for --model {args.model}")  # fmt: skip
         dit.routing(args.token_routing, settings["num_layers"])  # its blocks are the network's
+    if args.text_encoder and not models.family(args.model)[0].text_build:
+        raise ConfigError(f"--text_encoder: {models.family(args.model)[0].called} cannot attend to captions yet; train a "
+                          "UNet preset (--model small, ref128, ...) from captions (docs/text.md)")  # fmt: skip
     loss_terms.check(loss_terms.parse(args.loss_terms), objectives.of(args.objective),
                      models.family_name(args.model), args.train_batch_size, bool(args.token_routing))  # fmt: skip
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:
@@ -603,13 +615,29 @@ def resolve(args):
     if args.guide is not None and not Path(args.guide).exists():
         raise ConfigError(f"--guide {args.guide}: no such folder; point it at a run of the same data (its --output_dir)")
     args.guidance_scale = sampling.parse_scales(args.guidance_scale, "--guidance_scale")
-    if any(w != 1 for w in args.guidance_scale) and not (args.class_conditional or args.guide):
-        raise ConfigError("--guidance_scale guides a --class_conditional run (or one with --guide): add one of them, "
-                          "or leave it at 1")  # fmt: skip
+    if any(w != 1 for w in args.guidance_scale) and not (args.class_conditional or args.text_encoder or args.guide):
+        raise ConfigError("--guidance_scale guides a --class_conditional or --text_encoder run (or one with --guide): add "
+                          "one of them, or leave it at 1")  # fmt: skip
     if args.fid_weights is not None and not Path(args.fid_weights).is_file():
         raise ConfigError(f"--fid_weights {args.fid_weights}: no such file")
     checkpoint.check_writable(args.output_dir, "--output_dir")
     return args
+
+
+def _check_captions(args):
+    """A captioned run (--text_encoder) trains on a folder or dataset's captions, on pixels, not on class labels:
+    checked before the images are looked at."""
+    if not args.text_encoder:
+        if args.caption_column:
+            raise ConfigError("--caption_column names the captions a --text_encoder run trains from: add --text_encoder")
+        return
+    if args.class_conditional:
+        raise ConfigError("--text_encoder conditions on captions, --class_conditional on class labels: pick one")
+    if args.dataset == data.BUILTIN:
+        raise ConfigError("--text_encoder trains from captions, and the built-in shapes have none: point --dataset "
+                          "at captioned images (docs/text.md)")  # fmt: skip
+    if args.vae:
+        raise ConfigError("--text_encoder trains on pixels for now: drop --vae (docs/text.md)")
 
 
 def _fill_settings(args):

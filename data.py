@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps
 from torchvision.transforms import v2 as T
 
+import captions
 import sizes
 from errors import ConfigError
 
@@ -1038,6 +1039,15 @@ def _check_builtin_labels(args):
             f"--class_conditional {label_column_of(args)} names a column of a datasets dataset; the built-in shapes "
             "are labelled by kind: use --class_conditional alone"
         )
+
+
+def run_captions(args):
+    """Each image's captions (captions.py) in the order of the run's dataset: a folder's metadata.jsonl or .txt
+    files, or a dataset's text column (--caption_column). No image is decoded."""
+    dataset = open_run_dataset(args)
+    if isinstance(dataset, FileImages):
+        return captions.folder_captions(Path(args.dataset).expanduser(), dataset.paths)
+    return captions.column_captions(dataset.dataset, args.caption_column, args.dataset)
 
 
 def open_run_dataset(args):

@@ -77,32 +77,34 @@ def count_flops(fn):
 _COUNTED = {}
 
 
-def network_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3, routing=None):
+def network_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3, routing=None, text=None):
     """{'params', 'flops_fwd', 'flops_fwdbwd'} of one training micro-batch, counted on the meta device.
 
     flops_fwdbwd is the forward and backward pass as executed: with
     `gradient_checkpointing` it includes the recomputed forward passes; with `routing` (--token_routing's
     value) a DiT's routed blocks on the tokens they take. flops_fwd is sampling's: every token.
     `image_size` and `channels` are the network's input: a latent run's latents (the VAE's
-    channels at the image size over its factor).
+    channels at the image size over its factor). `text`: a captioned run's embeddings' (width, tokens), which its
+    network's cross-attention reads.
     """
-    key = (model_name, image_size, batch_size, bool(gradient_checkpointing), channels, routing or None)
+    key = (model_name, image_size, batch_size, bool(gradient_checkpointing), channels, routing or None, text and tuple(text))
     if key not in _COUNTED:
         _COUNTED[key] = _count_network_flops(*key)
     return dict(_COUNTED[key])
 
 
-def _count_network_flops(model_name, image_size, batch_size, gradient_checkpointing, channels, routing):
-    net = models.build_network(model_name, image_size, device="meta", channels=channels)
+def _count_network_flops(model_name, image_size, batch_size, gradient_checkpointing, channels, routing, text):
+    net = models.build_network(model_name, image_size, device="meta", channels=channels, text_dim=text and text[0])
     if gradient_checkpointing:
         net.enable_gradient_checkpointing()
     if routing:
         net.routing = dit.routing(routing, len(net.transformer_blocks))
     x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
+    captioned = models.stand_in_captions(net, batch_size, text)
 
     def forward():
-        return net(x, t, return_dict=False)[0]
+        return net(x, t, return_dict=False, **captioned)[0]
 
     with torch.no_grad():
         fwd = count_flops(forward)
@@ -110,7 +112,7 @@ def _count_network_flops(model_name, image_size, batch_size, gradient_checkpoint
     return dict(params=sum(p.numel() for p in net.parameters()), flops_fwd=fwd, flops_fwdbwd=fwdbwd)
 
 
-def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3, routing=None):
+def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False, channels=3, routing=None, text=None):
     """Model and hardware FLOPs of one optimizer step of `batch_size` images (on one device): the
     denoiser's, at its input's size and channels, its tokens routed as `routing` says (network_flops); a
     latent run's VAE is not in them.
@@ -118,8 +120,8 @@ def step_flops(model_name, image_size, batch_size, gradient_checkpointing=False,
     model_flops: forward + backward, counted once (for MFU).
     hardware_flops: what runs, with checkpointing's recompute (for HFU).
     """
-    model = network_flops(model_name, image_size, batch_size, channels=channels, routing=routing)
-    hardware = network_flops(model_name, image_size, batch_size, True, channels, routing) if gradient_checkpointing else model
+    model = network_flops(model_name, image_size, batch_size, channels=channels, routing=routing, text=text)
+    hardware = network_flops(model_name, image_size, batch_size, True, channels, routing, text) if gradient_checkpointing else model
     return dict(params=model["params"], model_flops=model["flops_fwdbwd"], hardware_flops=hardware["flops_fwdbwd"])
 
 

@@ -176,19 +176,20 @@ class AutocastLike(torch.overrides.TorchFunctionMode):
 _COUNTED = {}
 
 
-def count_step(model_name, image_size, batch_size, channels=3, precision="no", gradient_checkpointing=False):
+def count_step(model_name, image_size, batch_size, channels=3, precision="no", gradient_checkpointing=False, text=None):
     """{'peak', 'gradients'}: the most bytes one eager forward and backward of `batch_size` inputs hold at
     once beyond the weights (the gradients included, as they are made), and the gradients' bytes, counted on
     the meta device (no memory, no arithmetic) with CUDA autocast's casts where `precision` is bf16, fp16 or fp8
-    and attention as a fused kernel holds it (AutocastLike). The loss is the output's mean square, in fp32."""
-    key = (model_name, image_size, batch_size, channels, precision, bool(gradient_checkpointing))
+    and attention as a fused kernel holds it (AutocastLike). The loss is the output's mean square, in fp32.
+    `text`: a captioned run's embeddings' (width, tokens) (flops.network_flops)."""
+    key = (model_name, image_size, batch_size, channels, precision, bool(gradient_checkpointing), text and tuple(text))
     if key not in _COUNTED:
         _COUNTED[key] = _count_step(*key)
     return dict(_COUNTED[key])
 
 
-def _count_step(model_name, image_size, batch_size, channels, precision, gradient_checkpointing):
-    net = models.build_network(model_name, image_size, device="meta", channels=channels)
+def _count_step(model_name, image_size, batch_size, channels, precision, gradient_checkpointing, text):
+    net = models.build_network(model_name, image_size, device="meta", channels=channels, text_dim=text and text[0])
     # fp8: torchao's Float8Linear keeps its input and weight for the backward in the autocast's bf16 and casts to
     # FP8 inside the matmul, so the step holds what a bf16 step holds (fp8.py)
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp8=torch.bfloat16).get(precision)
@@ -201,9 +202,10 @@ def _count_step(model_name, image_size, batch_size, channels, precision, gradien
     weights = tracker.now
     x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
+    captioned = models.stand_in_captions(net, batch_size, text)
     with tracker:
         with AutocastLike(dtype) as casts:
-            out = net(x, t, return_dict=False)[0]
+            out = net(x, t, return_dict=False, **captioned)[0]
             casts.cache.clear()  # autocast's cache ends with its region; the backward keeps what it saved
             out.float().square().mean().backward()
         del out

@@ -10,13 +10,13 @@ what each one costs.
 import json
 import math
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Callable, NamedTuple
 
 import torch
 
 from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
-from diffusers import DiTTransformer2DModel, UNet2DModel
+from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 
 import dit
 import sizes
@@ -311,6 +311,10 @@ class Family(NamedTuple):
     card_lines: Callable = None  # (square) -> the model card's lines on loading its network alone, where it has some
     lr_schedule: str = "cosine"  # --lr_scheduler where its preset names none (EDM2's: constant after warm-up)
     routes_tokens: bool = False  # --token_routing applies (a DiT's blocks all take the same tokens: dit.py)
+    # A captioned run's (--text_encoder) network: (settings, sample_size, channels, text_dim) -> one attending to the
+    # captions' embeddings, and its class; None where the family takes no captions.
+    text_build: Callable = None
+    text_class: type = None
 
 
 def _build_unet(settings, sample_size, channels, num_classes):
@@ -319,6 +323,46 @@ def _build_unet(settings, sample_size, channels, num_classes):
     net = UNet2DModel(sample_size=sample_size, in_channels=channels, out_channels=channels, **settings, **classes)
     net._repeated_blocks = UNET_REPEATED_BLOCKS  # diffusers 0.42.1 declares none for UNet2DModel
     return net
+
+
+class TextUNet(UNet2DConditionModel):
+    """diffusers' UNet2DConditionModel whose `class_labels` are caption ids: it attends to row i of its `captions`
+    (captions.Embeddings: each caption's cached embeddings and token mask, the empty caption last), so that the
+    step, the grids and guidance hand it ids as they hand a class-conditional network its labels."""
+
+    captions = None  # set for a run (train.py) or a sampling (sample.py); never saved: the weights hold no words
+
+    def forward(self, sample, timestep, class_labels=None, **kwargs):
+        table = self.captions
+        return super().forward(sample, timestep, encoder_hidden_states=table.embeddings[class_labels].to(sample.dtype),
+                               encoder_attention_mask=table.mask[class_labels], **kwargs)  # fmt: skip
+
+
+def _build_text_unet(settings, sample_size, channels, text_dim):
+    """A captioned run's UNet: the preset's blocks as a UNet2DConditionModel, cross-attention (with the
+    self-attention and feed-forward of diffusers' transformer block) where the preset has attention and in the
+    middle, attending to `text_dim`-wide embeddings. Its heads keep the preset's width (UNet2DModel's
+    attention_head_dim, 8 where it names none; UNet2DConditionModel takes heads a block instead)."""
+    settings = dict(settings)
+    width = settings.pop("attention_head_dim", 8)
+    down = tuple(b.replace("AttnDown", "CrossAttnDown") for b in settings.pop("down_block_types"))
+    up = tuple(b.replace("AttnUp", "CrossAttnUp") for b in settings.pop("up_block_types"))
+    heads = tuple(max(1, c // width) for c in settings["block_out_channels"])
+    net = TextUNet(sample_size=sample_size, in_channels=channels, out_channels=channels, down_block_types=down,
+                   up_block_types=up, attention_head_dim=heads, cross_attention_dim=text_dim, **settings)  # fmt: skip
+    net._repeated_blocks = UNET_REPEATED_BLOCKS
+    return net
+
+
+def stand_in_captions(net, batch_size, text, device="meta"):
+    """The kwargs that call a network counted on `device` (flops.py, memory.py) as a step calls it: for a TextUNet
+    (`text`: its embeddings' (width, tokens)), the class_labels of a stand-in caption every image attends to."""
+    if not text:
+        return {}
+    width, length = text
+    net.captions = SimpleNamespace(embeddings=torch.empty(1, length, width, device=device),
+                                   mask=torch.ones(1, length, dtype=torch.bool, device=device))  # fmt: skip
+    return dict(class_labels=torch.zeros(batch_size, dtype=torch.long, device=device))
 
 
 def _unet_middle(names):
@@ -365,9 +409,9 @@ def _dit_sync_blocks(names):
 
 FAMILIES = {
     "unet": Family(_build_unet, lambda settings: 2 ** (len(settings["block_out_channels"]) - 1), "halvings", "flow", True,
-                   _unet_middle, network_class=UNet2DModel, classes=("UNet2DModel",), source_class=UNet2DModel,
+                   _unet_middle, network_class=UNet2DModel, classes=("UNet2DModel", "TextUNet"), source_class=UNet2DModel,
                    layout=("block_out_channels", "layers_per_block", "down_block_types", "up_block_types"),
-                   compile_costs=UNET_COSTS, called="a UNet"),
+                   compile_costs=UNET_COSTS, called="a UNet", text_build=_build_text_unet, text_class=TextUNet),
     "edm2": Family(lambda settings, size, channels, classes: EDM2UNet(sample_size=size, num_classes=classes,
                                                                       in_channels=channels, out_channels=channels, **settings),
                    lambda settings: 2 ** (len(settings["channel_mult"]) - 1), "halvings", "edm", False, _edm2_middle,
@@ -431,7 +475,7 @@ def check_image_size(name, image_size, factor=1):
         )
 
 
-def build_network(name, image_size, device=None, num_classes=0, channels=3, settings=None):
+def build_network(name, image_size, device=None, num_classes=0, channels=3, settings=None, text_dim=0):
     """A fresh network of preset `name` for inputs of `image_size` (sizes: a side or "WxH") and `channels`
     channels (3 for images; a latent run's: its VAE's latent channels at its latent size), built by
     its family (FAMILIES): a UNet2DModel, an EDM2UNet or a DiT.
@@ -442,11 +486,15 @@ def build_network(name, image_size, device=None, num_classes=0, channels=3, sett
     more, added to its time embedding; an EDM2UNet gets EDM2's one-hot label
     input, the null label an all-zero one.
     `settings`: what a run's --init_from source's config sets beyond the preset's (init_from.extra_settings).
+    `text_dim` > 0: a captioned run's network (Family.text_build), attending to embeddings that wide.
     """
     check_image_size(name, image_size)
     kind, preset_settings = family(name)
+    settings = dict(preset_settings) | dict(settings or {})
     with torch.device(device or "cpu"):
-        return kind.build(dict(preset_settings) | dict(settings or {}), sizes.sample_size(image_size), channels, num_classes)
+        if text_dim:
+            return kind.text_build(settings, sizes.sample_size(image_size), channels, text_dim)
+        return kind.build(settings, sizes.sample_size(image_size), channels, num_classes)
 
 
 # The UNet's blocks that regional compilation (compiling.RegionalNetwork) compiles once per shape: its ResNet
@@ -466,11 +514,14 @@ def build_run_network(config):
     beyond the preset (its record's "settings": google's DDPM UNets' time embedding, say)."""
     return build_network(config["model"], config.get("latent_size") or config["image_size"],
                          num_classes=config.get("num_classes") or 0, channels=network_channels(config),
-                         settings=(config.get("init_source") or {}).get("settings"))  # fmt: skip
+                         settings=(config.get("init_source") or {}).get("settings"), text_dim=config.get("text_dim") or 0)  # fmt: skip
 
 
 def num_classes_of(net):
-    """The classes a network was built for (0: unconditional), read from its config."""
+    """The classes a network was built for (0: unconditional), read from its config; a TextUNet's: its captions
+    but the empty one, so that its null label is the empty caption's id."""
+    if getattr(net, "captions", None) is not None:
+        return len(net.captions.embeddings) - 1
     config = net.config
     if "num_class_embeds" in config:  # UNet2DModel: one embedding more, the null label
         return (config["num_class_embeds"] or 1) - 1
@@ -512,5 +563,7 @@ def load_network(path):
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{path}: no config.json, so no saved network")
-    found = family_by_class(json.loads(config_file.read_text()).get("_class_name"))
-    return (found[1] if found else FAMILIES["unet"]).network_class.from_pretrained(str(path)).eval()
+    name = json.loads(config_file.read_text()).get("_class_name")
+    kind = family_by_class(name)[1] if family_by_class(name) else FAMILIES["unet"]
+    network_class = kind.text_class if kind.text_class and kind.text_class.__name__ == name else kind.network_class
+    return network_class.from_pretrained(str(path)).eval()

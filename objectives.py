@@ -684,8 +684,10 @@ OBJECTIVES = {kind.name: kind for kind in (DDPMObjective, EDMObjective, FlowObje
 
 def saves_pipeline(config):
     """Whether a run (its train_config.json or flags) saves a diffusers DDPMPipeline, as its objective and its
-    network's family both allow (a UNet2DModel with DDPM or flow), or its network alone in unet/."""
-    return of(config.get("objective")).saves_pipeline and models.family(config["model"])[0].saves_pipeline
+    network's family both allow (a UNet2DModel with DDPM or flow), or its network alone in unet/ (a captioned
+    run's too: a DDPMPipeline takes no words)."""
+    return (of(config.get("objective")).saves_pipeline and models.family(config["model"])[0].saves_pipeline
+            and not config.get("text_encoder"))  # fmt: skip
 
 
 def sigma_distribution(config):

@@ -29,6 +29,8 @@ RUN_IDENTITY = (
     # --init_from's source gives the network settings beyond its preset (a DDPM UNet's time embedding), and a
     # checkpoint means nothing under another's (its weights, not the source's, are what a resume loads)
     "model", "image_size", "class_conditional", "num_classes", "init_from",
+    # a captioned run's encoder and its width: the cross-attention's weights fit those embeddings alone
+    "text_encoder", "caption_column", "text_dim",
     # ... and the images' channels (config._fill_pixels: a gray set that gained a colour image trains RGB), and their
     # bits: what a value of the data the network learned means
     "image_channels", "image_bits",
@@ -59,7 +61,7 @@ RUN_IDENTITY = (
 
 # Identity keys train.py computes (config.DERIVED_KEYS), not flags, and what a run that did
 # not record one had: num_classes 0, unconditional (None: always recorded, or see PIXEL_RUN).
-DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None, "flow_sigmas": None,
+DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None, "flow_sigmas": None, "text_dim": None,
                     "image_channels": 3, "image_bits": 8}  # fmt: skip
 
 # Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels,

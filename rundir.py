@@ -147,14 +147,16 @@ def write_model_card(folder, config):
     folder = Path(folder)
     run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
     kind = objectives.of(config.get("objective"))
-    conditional, latent = bool(config.get("num_classes")), bool(config.get("latents"))
+    captioned = bool(config.get("text_encoder"))
+    conditional, latent = bool(config.get("num_classes")) or captioned, bool(config.get("latents"))
     dataset = str(config.get("dataset") or "")
     shown = "the built-in shapes" if dataset == "shapes" else f"`{dataset}`" if dataset else "its data"
     hub_dataset = dataset if dataset.count("/") == 1 and not Path(dataset).exists() else None
-    tags = ["ddpm-train", kind.tag, "class-conditional" if conditional else "unconditional"]
+    tags = ["ddpm-train", kind.tag, "text-to-image" if captioned else "class-conditional" if conditional else "unconditional"]
     if latent:
         tags.append("latent-diffusion")
-    data = ModelCardData(library_name="diffusers", pipeline_tag=None if conditional else "unconditional-image-generation",
+    pipeline_tag = "text-to-image" if captioned else None if conditional else "unconditional-image-generation"
+    data = ModelCardData(library_name="diffusers", pipeline_tag=pipeline_tag,
                          tags=tags, datasets=[hub_dataset] if hub_dataset else None)  # fmt: skip
     grids = sorted((folder / "samples").glob("*.png"))
     size = sizes.spelled(config.get("image_size")) + (
@@ -179,6 +181,7 @@ def write_model_card(folder, config):
         f"| FLOPs | {config.get('model_flops_per_step', 0) / 1e12:.4g} TFLOP per step"
         + (f"; {run['mfu'] * 100:.1f}% MFU on {run.get('device', {}).get('name', 'its device')}" if run.get("mfu") else "")
         + " |",
+        f"| captions | {config.get('num_captions')} distinct, embedded by `{config.get('text_encoder')}` |" if captioned else
         f"| classes | {', '.join(map(str, config.get('class_names') or [])) or 'none (unconditional)'} |",
         "",
     ]
@@ -193,10 +196,12 @@ def write_model_card(folder, config):
         lines += kind.pipeline_words(config)
     else:
         family = models.family(config["model"])[0]
-        why = ("a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
+        why = ("a network of captions" if captioned else "a class-conditional network" if conditional else "latents to decode" if latent else "EDM's sampler"
                if not kind.saves_pipeline else family.called)  # fmt: skip
-        lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER --num_images 16 --output samples/`.", ""]
-        if family.card_lines:
+        prompt = ' --prompt "..."' if captioned else ""
+        lines += [f"This run needs ddpm-train's sampler ({why}): `python sample.py FOLDER{prompt} --num_images 16 --output "
+                  "samples/`.", ""]  # fmt: skip
+        if family.card_lines and not captioned:
             lines += family.card_lines(isinstance(sizes.sample_size(config.get("latent_size") or config.get("image_size")), int))
     lines += ["## Upload", "", "The folder is a model repository as it is:", "",
               "```bash", "hf upload USER/REPO THIS_FOLDER --exclude 'checkpoints/*'", "```", ""]  # fmt: skip

@@ -6,6 +6,7 @@
     python sample.py ddpm-output/best --fid --dataset path/to/images --fid_weights weights-inception.pth
     python sample.py ddpm-output --class_labels circle,square --guidance_scale 2 --output cfg/     # a conditional run
     python sample.py ddpm-output --guide small-run --guidance_scale 2 --output auto/            # autoguidance
+    python sample.py text-run --prompt "a red square" --prompt "green" --guidance_scale 3 --output p/  # from captions
     python sample.py ddpm-output --fid --num_images 1024 --guidance_scale 1,1.5,2,3             # one score per w
 
 RUN_DIR is a training run's --output_dir (its saved pipeline, or its newest
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+import captions
 import checkpoint
 import copies
 import data
@@ -98,6 +100,9 @@ def parse_args(argv=None):
     g.add_argument("--class_labels", default=None,
                    help="a conditional run: comma-separated class names or numbers, taken in turn by image i "
                         "(default: spread over the classes in runs; with --fid, drawn as in the data)")  # fmt: skip
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a captioned run (--text_encoder): what to draw; repeat it for several, taken in turn by image i")  # fmt: skip
+    g.add_argument("--prompt_file", default=None, metavar="FILE", help="a captioned run: prompts, one a line (after --prompt's)")
     g.add_argument("--guidance_scale", default="1",
                    help="w: classifier-free guidance of a conditional run, or autoguidance with --guide (1: none); "
                         "with --fid a comma-separated list, scored in turn")  # fmt: skip
@@ -154,6 +159,32 @@ def validate(args):
     if len(args.guidance_scales) > 1 and not args.fid:
         raise ConfigError("several --guidance_scale values are for --fid: give one to write images")
     return args
+
+
+def labels_of(args, config, net):
+    """Image i's label: a captioned run's prompt (prompt_labels), else its class (class_labels_for), else None."""
+    if (config or {}).get("text_encoder"):
+        return prompt_labels(args, config, net)
+    if args.prompt or args.prompt_file:
+        raise ConfigError(f"--prompt is for a run trained from captions (--text_encoder); {args.run_dir} was not")
+    return class_labels_for(args.class_labels, config, models.num_classes_of(net), args.num_images, args.seed, args.fid)
+
+
+def prompt_labels(args, config, net):
+    """Image i's label for a captioned run: prompt i (in turn) of --prompt and --prompt_file, each encoded by the run's
+    text encoder, beside the empty prompt that guidance takes; the network attends to them (model.TextUNet)."""
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        try:
+            prompts += [line.strip() for line in Path(args.prompt_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompt_file {args.prompt_file}: cannot read it as UTF-8 text ({e})") from None
+    if not prompts:
+        raise ConfigError(f"{args.run_dir} was trained from captions: say what to draw with --prompt TEXT (or --prompt_file FILE)")
+    encoder = captions.load_text_encoder(config["text_encoder"])
+    embeddings, mask, lengths = captions.encode(encoder, prompts + [""], args.device)
+    net.captions = captions.Embeddings(embeddings, mask, lengths, None, len(prompts) + 1).to(args.device)
+    return torch.arange(args.num_images) % len(prompts)
 
 
 def class_labels_for(spec, config, num_classes, count, seed, as_in_data):
@@ -274,7 +305,7 @@ def _run(args, rank, world, group):
     scheduler = kind.sampler(source.objective, sampler_name, training_config, source.setting("sigma_data", objectives.SIGMA_DATA),
                              args.churn, decode is None)  # fmt: skip
     sampler_name = getattr(scheduler, "name", sampler_name)  # EDM's: its Heun sampler, with its churn
-    labels = class_labels_for(args.class_labels, config, models.num_classes_of(net), args.num_images, args.seed, args.fid)
+    labels = labels_of(args, config, net)
     guide = load_guide(args.guide, config, args.device, main=(source, net)) if args.guide else None
     if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):
         raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "

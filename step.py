@@ -14,6 +14,7 @@ import math
 
 import torch
 
+import captions
 import data
 import objectives
 from errors import RunError
@@ -31,7 +32,7 @@ class TrainStep:
     `mark(phase)` is called at each phase boundary (train.py's Breakdown).
 
     A micro-batch is a uint8 image tensor, or (images, labels) for a
-    class-conditional run: each label is replaced by `null_label` with
+    class-conditional or captioned run: each label is replaced by `null_label` with
     probability `label_dropout` (drawn on the device), so that the network
     learns the unconditional model classifier-free guidance needs beside the
     conditional one (Ho & Salimans 2022).
@@ -82,7 +83,10 @@ class TrainStep:
         return losses
 
     def drop_labels(self, labels):
-        """`labels` with each replaced by the null label with probability label_dropout."""
+        """`labels` with each replaced by the null label with probability label_dropout. A captioned run's labels are
+        each image's caption ids (captions.caption_table): one of them is drawn first."""
+        if labels.dim() == 2:
+            labels = captions.draw(labels)
         if not self.label_dropout:
             return labels
         dropped = torch.rand(labels.shape, device=labels.device) < self.label_dropout

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 import agreement
+import captions
 import checkpoint
 import compiling
 import copies
@@ -110,7 +111,7 @@ def describe_run(args, device, world, num_images):
     train_config.json, and what --dry_run prints. `num_images` None: not known before the data loads."""
     # The denoiser's step: a latent run's at its latents' size and channels (the VAE encodes once, before it)
     cost = flops.step_flops(args.model, network_size(args), args.train_batch_size, args.gradient_checkpointing,
-                            models.network_channels(vars(args)), args.token_routing)  # fmt: skip
+                            models.network_channels(vars(args)), args.token_routing, text_shape(args))  # fmt: skip
     images_per_step = args.train_batch_size * world * args.gradient_accumulation_steps
     steps_per_epoch = num_images // images_per_step if num_images else None
     total_steps = args.max_train_steps or (args.num_epochs * steps_per_epoch if steps_per_epoch else None)
@@ -133,6 +134,11 @@ def describe_run(args, device, world, num_images):
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
     )
     return config, plan.why
+
+
+def text_shape(args):
+    """A captioned run's embeddings' (width, tokens), which its network attends to; None for other runs."""
+    return (args.text_dim, args.text_length) if getattr(args, "text_dim", None) else None
 
 
 def describe(args):
@@ -208,6 +214,7 @@ class RunData(NamedTuple):
     decode: object = None  # a latent run's latents -> images, for the grids and FID
     vae: object = None  # a latent run's VAE: on the CPU but while grids and FID samples are decoded
     dataset_contents: object = None  # a latent run's: what its images hold (data.dataset_identity), for FID's key
+    captions: object = None  # a captioned run's distinct captions, the empty one last (captions.caption_table)
 
 
 class LatentSource(NamedTuple):
@@ -235,9 +242,12 @@ def set_up_data(args, processes, unreadable):
         found = RunData(dataset, labels, source.class_names, start_from, flow_sigmas, source.latent_space, record,
                         decode, source.vae, source.dataset_contents)  # fmt: skip
     else:
+        # a captioned run's captions, read before any image decodes: a bad one stops the run here (captions.py)
+        texts, choices = captions.caption_table(data.run_captions(args)) if args.text_encoder else (None, None)
         images, labels, class_names = data.load_images(args, unreadable)
         start_from = choose_start(args, processes, class_names, None, flow_sigmas, resume_from)
-        found = RunData(images, labels, class_names, start_from, flow_sigmas)
+        found = RunData(images, labels if choices is None else choices, class_names, start_from, flow_sigmas,
+                        captions=texts)  # fmt: skip
     if len(found.images) < args.train_batch_size * processes.world * args.gradient_accumulation_steps:
         raise ConfigError(
             f"the dataset has {len(found.images)} images, fewer than one optimizer step takes ({args.train_batch_size} "
@@ -404,7 +414,7 @@ def memory_plan(args, pieces, world):
     """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
     one micro-batch counted on the meta device."""
     step_of = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
-    count = memory.count_step(*step_of, args.gradient_checkpointing)
+    count = memory.count_step(*step_of, args.gradient_checkpointing, text_shape(args))
     trained = [*pieces.network.parameters(), *pieces.network.buffers(), *pieces.objective.parameters()]
     return memory.plan(trained, pieces.optimizer, pieces.ema, count, args.train_batch_size, world)
 
@@ -483,6 +493,9 @@ class Run:
         self.unreadable = data.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
         found = set_up_data(args, self.processes, self.unreadable)
         images, labels, class_names = found.images, found.labels, found.class_names
+        # a captioned run's captions, each encoded once (or read from their cache: captions.cached_embeddings)
+        table = found.captions and captions.cached_embeddings(captions.load_text_encoder(args.text_encoder),
+                                                              found.captions, device=self.device, log=accelerator.print)  # fmt: skip
         self.startup.mark("data")
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
         self.startup.mark("FLOPs and compile plan")
@@ -497,7 +510,11 @@ class Run:
         # The classes of a conditional run, kept with it: sample.py takes their names.
         num_classes = len(class_names) if class_names else 0
         self.config |= dict(num_classes=num_classes, class_names=class_names, flow_sigmas=found.flow_sigmas,
-                            class_counts=None if labels is None else torch.bincount(labels, minlength=num_classes).tolist())  # fmt: skip
+                            class_counts=None if labels is None or table else torch.bincount(labels, minlength=num_classes).tolist())  # fmt: skip
+        # What a label stands for: a class, or a captioned run's caption (its ids; the empty caption's is the null label)
+        self.conditions = len(found.captions) - 1 if table else num_classes
+        if table:
+            self.config["num_captions"] = self.conditions
         self.steps_per_epoch, self.total_steps = self.config["steps_per_epoch"], self.config["total_train_steps"]
         if args.eval_every_epochs:
             prepare_reference(args, evaluator, self.processes, images, found.dataset_contents)
@@ -515,6 +532,8 @@ class Run:
         self.pieces = build_pieces(args, accelerator, self.total_steps, num_classes, self.config["lr_ref_steps"],
                                    class_names)
         self.config["params"] = sum(p.numel() for p in self.pieces.network.parameters())  # with a class embedding
+        if table:  # what its cross-attention reads: the step, the grids and FID give it caption ids (model.TextUNet)
+            self.pieces.network.captions = table.to(self.device)
         self.guard = step.NonFiniteGuard(self.pieces.optimizer, args.on_fault, self.device)
         self.memory = memory_plan(args, self.pieces, self.world)
         self.startup.mark("network")
@@ -525,8 +544,9 @@ class Run:
             self.startup.mark("resume")
         elif self.pieces.started_from:  # --init_from, on a fresh start only: a resume's weights are its checkpoint's
             accelerator.print(self.pieces.started_from)
+        counts = self.config["class_counts"] or (table and torch.bincount(labels[:, 0], minlength=self.conditions).tolist())
         self.evaluation = Evaluation(args, self.processes, self.pieces, evaluator, guide, found.decode, found.vae,
-                                     num_classes, self.config["class_counts"], images)  # fmt: skip
+                                     self.conditions, counts, images, found.captions)  # fmt: skip
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             announce(args, self.config, self.compile_why, accelerator, self.pieces.network, self.memory, self.step,
@@ -548,7 +568,7 @@ class Run:
                                pieces.ema, self.guard, self.args.max_grad_norm, data.random_flips(self.args),
                                accelerator=self.accelerator,
                                mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
-                               null_label=models.null_label(self.config["num_classes"]))  # fmt: skip
+                               null_label=models.null_label(self.conditions))  # fmt: skip
         fast = compiling.FastStep(whole, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
         if compiling.compiles(mode) and self.step < self.total_steps:
             loaded = compiling.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)
@@ -761,10 +781,12 @@ class Evaluation:
     evaluates; `decode` and `vae`: a latent run's, else None; `images`: what the data was loaded into, which the
     copy check searches (copies.check)."""
 
-    def __init__(self, args, processes, pieces, evaluator, guide, decode, vae, num_classes, class_counts, images):
+    def __init__(self, args, processes, pieces, evaluator, guide, decode, vae, num_classes, class_counts, images,
+                 texts=None):  # fmt: skip
         self.args, self.output_dir, self.processes, self.pieces = args, Path(args.output_dir), processes, pieces
         self.evaluator, self.guide, self.decode, self.vae = evaluator, guide, decode, vae
         self.num_classes, self.class_counts = num_classes, class_counts  # a conditional run's: labels drawn as in the data
+        self.texts = texts  # a captioned run's captions (its labels are their ids): the grid's rows take the first
         self.images = images
         self.last_copy_check = None  # the latest evaluation's copy check, for run.json
     def vae_to_cpu(self):
@@ -799,12 +821,17 @@ class Evaluation:
         a conditional run's rows go through the classes in turn."""
         args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
         seeds = sampling.image_seeds(args.seed, args.eval_batch_size)
-        labels = sampling.grid_labels(self.num_classes, args.eval_batch_size, args.image_size)
+        rows = sampling.grid_rows(args.eval_batch_size, args.image_size)
+        labels = sampling.grid_labels(min(self.num_classes, rows) if self.texts else self.num_classes,
+                                      args.eval_batch_size, args.image_size)  # fmt: skip
         images = sampling.generate(self.averaged_network(), self.pieces.sampling_scheduler, seeds, args.num_inference_steps,
                                  self.processes.accelerator.autocast, labels, args.guidance_scale[0], self.guide,
                                  self.decode)  # fmt: skip
         try:
             sampling.save_grid(images, path)
+            if self.texts:  # the prompt of each row, beside the grid
+                path.with_suffix(".txt").write_text("".join(f"row {r + 1}: {self.texts[r % self.num_classes]}\n"
+                                                            for r in range(rows)))  # fmt: skip
         except OSError as e:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 

@@ -162,7 +162,7 @@ def test_a_switch_with_a_value_takes_none_in_its_no_form(capsys):
 
 def test_guidance_needs_labels_or_a_guide(capsys):
     assert resolved("--class_conditional", "--guidance_scale", "1,2").guidance_scale == [1.0, 2.0]
-    assert "--guidance_scale guides a --class_conditional run (or one with --guide)" in one_line_error(
+    assert "--guidance_scale guides a --class_conditional or --text_encoder run (or one with --guide)" in one_line_error(
         capsys, ["--guidance_scale", "1,2", "--dry_run"])  # fmt: skip
 
 

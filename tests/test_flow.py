@@ -363,7 +363,8 @@ def drawn(self, n, device):
     log.write(json.dumps(dict(sigma=sigma.tolist())) + "\\n")
     return sigma
 def loss(self, net, x0, sigma, noise):
-    weights = sum(p.double().sum().item() for p in net.parameters())  # DDP's wrapper: the same parameters
+    called = getattr(net, "func", net)  # a conditional run's partial (step.TrainStep): the network it calls
+    weights = sum(p.double().sum().item() for p in called.parameters())  # DDP's wrapper: the same parameters
     log.write(json.dumps(dict(images=x0.double().sum().item(), weights=weights)) + "\\n")
     return loss_at(self, net, x0, sigma, noise)
 def saved(*args, **kwargs):

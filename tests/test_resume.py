@@ -41,6 +41,7 @@ CHANGED = dict(
     init_from="google/ddpm-cifar10-32",  # a fine-tune's source (issue 65)
     loss_terms="dispersive:0.25",  # the objective's terms (issue 66)
     optimizer="muon",  # what the optimizer's saved state is (issue 76)
+    text_encoder="openai/clip-vit-base-patch32", caption_column="caption", text_dim=768,  # a captioned run's (issue 77)
 )  # fmt: skip
 
 # How a refusal names a change of each identity key: "--flag before -> after", or in words.

@@ -1,0 +1,264 @@
+"""Training from captions (captions.py, --text_encoder): captions read and refused, a real tiny CLIP encoder written
+with save_pretrained and read back by the real loading code, its embeddings cached once, a UNet that attends to
+them, a run that resumes bit for bit, grids labelled by their prompts, and sample.py --prompt."""
+
+import json
+import shutil
+import string
+
+import pytest
+import torch
+from PIL import Image
+
+import captions
+import config
+import flops
+import latents
+import model as models
+import sample
+from errors import ConfigError
+from test_train import run, tensors_of
+
+COLOURS = ("red", "green", "blue", "yellow")
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    """A randomly initialised 2-layer CLIP text model and its tokenizer (letters, digits and punctuation, no
+    merges), saved as transformers saves them: the folder a user's `--text_encoder` names."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    folder = tmp_path_factory.mktemp("clip")
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in string.ascii_lowercase + string.digits + string.punctuation:
+        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16).save_pretrained(folder)
+    torch.manual_seed(0)
+    CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                                 pad_token_id=1)).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "cache"))  # no test reads another's, or the user's
+
+
+def captioned_folder(folder, count=16):
+    """`count` flat-coloured images, a metadata.jsonl giving each one caption or (odd ones) two."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(count):
+        colour = COLOURS[i % len(COLOURS)]
+        Image.new("RGB", (20, 18), colour).save(folder / f"{i:02d}.png")
+        text = [f"a {colour} square", colour] if i % 2 else f"a {colour} square"
+        rows.append(json.dumps({"file_name": f"{i:02d}.png", "text": text}))
+    (folder / captions.METADATA).write_text("\n".join(rows) + "\n")
+    return folder
+
+
+# --- captions in ---
+
+
+def test_captions_come_from_metadata_jsonl_and_from_txt_files(tmp_path):
+    folder = captioned_folder(tmp_path / "set", 4)
+    paths = sorted(folder.glob("*.png"))
+    assert captions.folder_captions(folder, paths) == [["a red square"], ["a green square", "green"],
+                                                        ["a blue square"], ["a yellow square", "yellow"]]  # fmt: skip
+    (folder / captions.METADATA).unlink()
+    for i, path in enumerate(paths):
+        path.with_suffix(".txt").write_text(f"first {i}\n\n  second {i}  \n")
+    assert captions.folder_captions(folder, paths)[3] == ["first 3", "second 3"]  # lines, stripped, blank ones left
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda f: (f / "01.txt").unlink(), "1 of 4 images under"),
+    (lambda f: (f / "01.txt").write_text("  \n"), "01.txt is empty"),
+    (lambda f: (f / "01.txt").write_bytes(b"\xff\xfe caption"), "01.txt is not UTF-8 text"),
+    (lambda f: (f / captions.METADATA).write_text('{"file_name": "07.png", "text": "x"}\n'), "names 07.png, which is not in"),
+    (lambda f: (f / captions.METADATA).write_text("not json\n"), "line 1 is not JSON"),
+    (lambda f: (f / captions.METADATA).write_text('{"file_name": "00.png", "text": ""}\n'), "the caption is empty"),
+])  # fmt: skip
+def test_a_bad_caption_is_one_line_that_says_what_to_change(tmp_path, damage, words):
+    folder = tmp_path / "set"
+    captioned_folder(folder, 4)
+    (folder / captions.METADATA).unlink()
+    for path in folder.glob("*.png"):
+        path.with_suffix(".txt").write_text("a caption")
+    damage(folder)
+    with pytest.raises(ConfigError, match=words) as e:
+        captions.folder_captions(folder, sorted(folder.glob("*.png")))
+    assert "\n" not in str(e.value)
+
+
+def test_a_datasets_text_column_is_found_by_name_or_named():
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"image": [0, 1], "caption": [["a cat"], ["a dog", "two dogs"]], "note": ["x", "y"]})
+    assert captions.column_captions(rows, None, "set") == [["a cat"], ["a dog", "two dogs"]]
+    assert captions.column_captions(rows, "note", "set") == [["x"], ["y"]]
+    with pytest.raises(ConfigError, match="has no column 'words'.*--caption_column"):
+        captions.column_captions(rows, "words", "set")
+    with pytest.raises(ConfigError, match="no text/caption/prompt column"):
+        captions.column_captions(rows.remove_columns("caption"), None, "set")
+
+
+def test_each_of_an_images_captions_is_drawn_as_often_and_the_empty_one_is_last():
+    texts, choices = captions.caption_table([["a cat"], ["a dog", "two dogs", "a cat"]])
+    assert texts == ["a cat", "a dog", "two dogs", ""]
+    assert choices.tolist() == [[0, -1, -1], [1, 2, 0]]
+    drawn = captions.draw(choices.repeat(3000, 1), torch.Generator().manual_seed(0)).view(3000, 2)
+    assert (drawn[:, 0] == 0).all()  # padding never drawn
+    assert torch.bincount(drawn[:, 1], minlength=3).tolist() == pytest.approx([1000, 1000, 1000], abs=90)
+
+
+# --- the encoder and its cache ---
+
+
+def test_an_encoder_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_not_one(clip, tmp_path):
+    encoder = captions.load_text_encoder(str(clip))
+    assert type(encoder.model).__name__ == "CLIPTextModel" and encoder.max_length == 16
+    assert not encoder.model.training and not any(p.requires_grad for p in encoder.model.parameters())
+    assert captions.encoder_settings(str(clip)) == (32, 16)
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(clip, pipeline / "text_encoder", ignore=shutil.ignore_patterns("tokenizer*"))
+    shutil.copytree(clip, pipeline / "tokenizer", ignore=shutil.ignore_patterns("model*", "config.json"))
+    assert captions.load_text_encoder(str(pipeline)).tokenizer("a cat").input_ids == encoder.tokenizer("a cat").input_ids
+    with pytest.raises(ConfigError, match="holds no text encoder"):
+        captions.load_text_encoder(str(tmp_path))
+    models.build_network("tiny", 16).save_pretrained(tmp_path / "unet")
+    with pytest.raises(ConfigError, match="name a CLIP or T5 text encoder"):
+        captions.load_text_encoder(str(tmp_path / "unet"))
+    with pytest.raises(ConfigError, match="hf download nobody/none-such"):  # offline: the tests' HF_HUB_OFFLINE
+        captions.load_text_encoder("nobody/none-such")
+
+
+def test_captions_are_encoded_once_and_a_preempted_encode_keeps_its_pieces(clip, monkeypatch):
+    encoder = captions.load_text_encoder(str(clip))
+    texts = [f"caption {i}" for i in range(9)] + ["x" * 30, ""]  # 10 tokens each (letters, the digit, start, end); 32
+    monkeypatch.setattr(captions, "PIECE", 4)
+    lines = []
+    first = captions.cached_embeddings(encoder, texts, log=lines.append)
+    assert first.encoded == 11 and first.embeddings.shape == (11, 16, 32) and first.embeddings.dtype == captions.STORED
+    assert first.mask[-1].sum() == 2 and first.lengths[-1] == 2  # the empty caption: its start and end tokens
+    whole, _, _ = captions.encode(encoder, texts)
+    assert torch.equal(first.embeddings, whole)  # in pieces, as in one
+    (first.folder / "piece-000000004.pt").unlink()  # as a preempted encode leaves it
+    again = captions.cached_embeddings(encoder, texts, log=lines.append)
+    assert again.encoded == 4 and torch.equal(again.embeddings, first.embeddings)
+    assert captions.cached_embeddings(encoder, texts, log=lines.append).encoded == 0
+    assert lines[-1].startswith("captions: 10 distinct captions, 12.2 tokens on average, 1 cut at 16 tokens (read from")
+    next(encoder.model.parameters()).data += 1  # other weights: another key, another folder
+    assert captions.cached_embeddings(encoder, texts, log=None).folder != first.folder
+
+
+# --- configuration ---
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model", "dit-tiny"], "a DiT cannot attend to captions yet"),
+    (["--class_conditional"], "pick one"),
+    (["--dataset", "shapes"], "the built-in shapes have none"),
+    (["--vae", "{vae}"], "trains on pixels for now: drop --vae"),
+])  # fmt: skip
+def test_a_captioned_run_that_cannot_be_is_refused_in_one_line(clip, tmp_path, flags, words):
+    from test_latents import make_kl
+
+    data = captioned_folder(tmp_path / "data", 4)
+    base = ["--dataset", str(data), "--text_encoder", str(clip), "--image_size", "16", "--output_dir", str(tmp_path / "o")]
+    flags = [f.format(vae=make_kl(tmp_path / "vae")) if f == "{vae}" else f for f in flags]
+    with pytest.raises(ConfigError, match=words):
+        config.resolve(config.parse_args([*base, *flags]))
+
+
+def test_caption_column_alone_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="add --text_encoder"):
+        config.resolve(config.parse_args(["--caption_column", "text", "--output_dir", str(tmp_path)]))
+
+
+def test_the_flops_count_the_cross_attention():
+    plain = flops.network_flops("tiny", 16, 2)
+    text = flops.network_flops("tiny", 16, 2, text=(32, 16))
+    net = models.build_network("tiny", 16, text_dim=32)
+    assert type(net).__name__ == "TextUNet" and text["params"] == sum(p.numel() for p in net.parameters())
+    assert text["flops_fwdbwd"] > plain["flops_fwdbwd"] and flops.network_flops("tiny", 16, 2, text=(32, 8))["flops_fwd"] < text["flops_fwd"]
+
+
+@pytest.mark.parametrize("scope", ["whole", "regional"])
+def test_a_compiled_captioned_unet_gives_the_eager_outputs(clip, scope, monkeypatch):
+    """Dynamo's eager backend traces the graphs as Inductor's would: the caption lookup in the forward, whole
+    (one graph) and in the repeated blocks (its cross-attention's Attention among them)."""
+    import compiling
+
+    real = torch.compile
+    monkeypatch.setattr(compiling.torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="eager", **kw))
+    torch.manual_seed(0)
+    net = models.build_network("tiny", 16, text_dim=32)
+    texts, _ = captions.caption_table([["a cat"], ["a dog"]])
+    net.captions = captions.cached_embeddings(captions.load_text_encoder(str(clip)), texts, log=None)
+    x, t, ids = torch.randn(3, 3, 16, 16), torch.tensor([3, 500, 900]), torch.tensor([0, 1, 2])
+    call = real(net, backend="eager", fullgraph=True) if scope == "whole" else compiling.RegionalNetwork(net)
+    eager = net(x, t, class_labels=ids, return_dict=False)[0]
+    assert torch.allclose(call(x, t, class_labels=ids, return_dict=False)[0], eager, atol=1e-5)
+    assert not torch.allclose(eager[0], net(x, t, class_labels=ids.flip(0), return_dict=False)[0][0])  # it reads them
+
+
+# --- a run ---
+
+RUN = ["--text_encoder", "{clip}", "--dataset", "{data}", "--train_batch_size", 4, "--max_train_steps", 8,
+       "--checkpointing_steps", 4, "--save_images_epochs", 100, "--eval_batch_size", 8]  # fmt: skip
+
+
+def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(clip, tmp_path, capsys):
+    data = captioned_folder(tmp_path / "data")
+    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    config_ = run(straight, *flags)
+    out = capsys.readouterr().out
+    assert "captions: 6 distinct captions" in out and "(encoded 7 into" in out  # green and yellow have two
+    assert config_["num_captions"] == 6 and config_["text_dim"] == 32 and config_["num_classes"] == 0
+    grid = sorted((straight / "samples").glob("*.txt"))[-1].read_text().splitlines()
+    assert grid[:3] == ["row 1: a red square", "row 2: a green square", "row 3: green"]  # each row's prompt
+    assert "text-to-image" in (straight / "README.md").read_text() and not (straight / "model_index.json").exists()
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
+    run(resumed, *flags)
+    out = capsys.readouterr().out
+    assert "(read from" in out and "resumed from" in out  # the second run encodes nothing
+    a, _ = tensors_of(straight / "unet")
+    b, _ = tensors_of(resumed / "unet")
+    assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
+    assert any("attn2.to_k" in k for k in a)  # cross-attention, trained
+    written = tmp_path / "samples"
+    sample.main(sample.parse_args([str(straight), "--prompt", "a red square", "--prompt", "blue", "--num_images", "2",
+                                   "--guidance_scale", "3", "--num_inference_steps", "2", "--output", str(written),
+                                   "--no-copies", "--device", "cpu"]))  # fmt: skip
+    assert (written / "000001.png").is_file()
+    with pytest.raises(SystemExit):
+        sample.main(sample.parse_args([str(straight), "--num_images", "1", "--output", str(tmp_path / "x"), "--device", "cpu"]))
+    assert "trained from captions: say what to draw with --prompt" in capsys.readouterr().err
+
+
+def test_prompts_are_for_a_captioned_run_and_a_prompt_file_must_be_readable(tmp_path):
+    args = sample.parse_args(["run", "--prompt", "a cat"])
+    with pytest.raises(ConfigError, match="--prompt is for a run trained from captions"):
+        sample.labels_of(args, {"objective": "flow"}, models.build_network("tiny", 16))
+    args = sample.parse_args(["run", "--prompt_file", str(tmp_path / "none.txt")])
+    with pytest.raises(ConfigError, match="none.txt: cannot read it as UTF-8 text"):
+        sample.labels_of(args, {"text_encoder": "unread"}, None)
+
+
+def test_two_processes_train_a_captioned_run_as_one(clip, tmp_path):
+    """Two gloo processes: both read the captions' cache (rank 0 encoded its one piece; the other waited at the
+    barrier), each draws its own σ and images, the gradients are averaged, rank 0 alone saves."""
+    from test_flow import assert_trained_as_one, two_flow_ranks
+    from test_train import TINY
+
+    data, out = captioned_folder(tmp_path / "data"), tmp_path / "run"
+    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    ranks, events = two_flow_ranks(tmp_path, [*TINY, *flags, "--max_train_steps", 3, "--output_dir", out, "--logger", "none"])  # the last wins
+    assert ranks.codes == [0, 0], ranks
+    assert_trained_as_one(events, steps=3)
+    assert ranks.out0.count("captions: 6 distinct captions") == 1 and "(encoded 7 into" in ranks.out0
+    assert type(models.load_network(out / "unet")).__name__ == "TextUNet"
