@@ -246,10 +246,15 @@ def encoder_identity(encoder):
     )
 
 
+def _is_t5(model):
+    return "T5" in type(model).__name__
+
+
 @torch.no_grad()
 def encode(encoder, captions, device=None):
-    """(embeddings (N, max_length, D) in STORED, attention mask (N, max_length) bool, each caption's tokens before
-    cutting) of `captions`, padded to the encoder's length; the empty caption too is encoded as it is."""
+    """(embeddings (N, max_length, D) in STORED, the mask (N, max_length) bool of the positions the network attends
+    to, each caption's tokens before cutting) of `captions`, padded to the encoder's length; the empty caption too is
+    encoded as it is."""
     model = encoder.model.to(device or "cpu")
     parts = []
     for start in range(0, len(captions), ENCODE_BATCH):
@@ -258,7 +263,10 @@ def encode(encoder, captions, device=None):
                                    return_tensors="pt").to(model.device)  # fmt: skip
         hidden = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
         lengths = torch.tensor([len(ids) for ids in encoder.tokenizer(batch, verbose=False)["input_ids"]])
-        parts.append((hidden.to("cpu", STORED), tokens.attention_mask.bool().cpu(), lengths))
+        # what the network attends to: a T5 caption's tokens (PixArt-α's mask); every CLIP position, padding too, as
+        # Stable Diffusion trains and its pipeline samples
+        mask = tokens.attention_mask.bool() if _is_t5(model) else torch.ones_like(tokens.attention_mask, dtype=torch.bool)
+        parts.append((hidden.to("cpu", STORED), mask.cpu(), lengths))
     return tuple(torch.cat(column) for column in zip(*parts))
 
 

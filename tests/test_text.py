@@ -134,6 +134,19 @@ def test_an_encoder_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_not
         captions.load_text_encoder("nobody/none-such")
 
 
+def test_a_t5_encoder_pads_to_pixart_s_length_and_masks_the_padding(tmp_path):
+    """T5's embeddings are read with their tokens' mask (PixArt-α's); CLIP's at every position (Stable Diffusion's)."""
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    letters = [("▁" * space + c, -3.0) for space in (0, 1) for c in string.ascii_lowercase]
+    T5Tokenizer(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0), *letters], extra_ids=0).save_pretrained(tmp_path)
+    T5EncoderModel(T5Config(vocab_size=56, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
+    encoder = captions.load_text_encoder(str(tmp_path))
+    assert type(encoder.model).__name__ == "T5EncoderModel" and captions.encoder_settings(str(tmp_path)) == (16, 120)
+    embeddings, mask, lengths = captions.encode(encoder, ["a cat", ""])
+    assert embeddings.shape == (2, 120, 16) and mask.sum(1).tolist() == lengths.tolist() == [5, 1]  # ▁a ▁c a t </s>
+
+
 def test_captions_are_encoded_once_and_a_preempted_encode_keeps_its_pieces(clip, monkeypatch):
     encoder = captions.load_text_encoder(str(clip))
     texts = [f"caption {i}" for i in range(9)] + ["x" * 30, ""]  # 10 tokens each (letters, the digit, start, end); 32
@@ -141,7 +154,7 @@ def test_captions_are_encoded_once_and_a_preempted_encode_keeps_its_pieces(clip,
     lines = []
     first = captions.cached_embeddings(encoder, texts, log=lines.append)
     assert first.encoded == 11 and first.embeddings.shape == (11, 16, 32) and first.embeddings.dtype == captions.STORED
-    assert first.mask[-1].sum() == 2 and first.lengths[-1] == 2  # the empty caption: its start and end tokens
+    assert first.lengths[-1] == 2 and first.mask.all()  # the empty caption's start and end; CLIP: every position
     whole, _, _ = captions.encode(encoder, texts)
     assert torch.equal(first.embeddings, whole)  # in pieces, as in one
     (first.folder / "piece-000000004.pt").unlink()  # as a preempted encode leaves it
