@@ -625,7 +625,7 @@ def resolve(args):
 
 
 def _check_captions(args):
-    """A captioned run (--text_encoder) trains on a folder or dataset's captions, on pixels, not on class labels:
+    """A captioned run (--text_encoder) trains on a folder or dataset's captions, not on class labels:
     checked before the images are looked at."""
     if not args.text_encoder:
         if args.caption_column:
@@ -636,8 +636,6 @@ def _check_captions(args):
     if args.dataset == data.BUILTIN:
         raise ConfigError("--text_encoder trains from captions, and the built-in shapes have none: point --dataset "
                           "at captioned images (docs/text.md)")  # fmt: skip
-    if args.vae:
-        raise ConfigError("--text_encoder trains on pixels for now: drop --vae (docs/text.md)")
 
 
 def _fill_settings(args):

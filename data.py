@@ -1184,13 +1184,15 @@ def images_to_encode(args, unreadable):
     identity: what the images are, for the latent cache's key (latents.cache_key); images: a
     callable, called only to encode them (a cache miss), that returns uint8 batches of every
     readable image once, each batch with its labels, (images, labels), when the run is
-    class-conditional; count: how many images there are (some may prove unreadable).
+    class-conditional (a captioned run's: each image's index in the dataset, which its captions are read by); count: how many images there are (some may prove unreadable).
 
     `images(start=0, stop=None)` gives those of the dataset's items [start, stop) only (a shard of
     the encoding): when `start` is a multiple of 64, the very batches of 64 that the whole pass gives
     for those items. A range of unreadable images only gives no batch; the whole dataset unreadable
     is an error."""
     labelled = dict(zip(LABELLING, (bool(args.class_conditional), label_column_of(args))))
+    if getattr(args, "text_encoder", None):  # a captioned run's latents keep each image's index, its captions' key
+        labelled["indexed"] = True
     if args.dataset == BUILTIN:
         _check_builtin_labels(args)
         count = args.shapes_num_images
@@ -1210,6 +1212,8 @@ def images_to_encode(args, unreadable):
     def decoded(start=0, stop=None):
         start, stop = _item_range(start, stop, len(dataset))
         labels = None if dataset.labels is None else dataset.labels[start:stop]
+        if "indexed" in labelled:
+            labels = torch.arange(start, stop)
         whole = (start, stop) == (0, len(dataset))
         items = dataset if whole else torch.utils.data.Subset(dataset, range(start, stop))
         return decoded_batches(items, args.dataloader_num_workers, unreadable=unreadable, labels=labels,

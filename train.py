@@ -235,15 +235,17 @@ def set_up_data(args, processes, unreadable):
     `unreadable` (data.Unreadable) counts the images that cannot be read. Too few images for one step: a ConfigError."""
     resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
     flow_sigmas = objectives.sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
+    # a captioned run's captions, read before any image decodes: a bad one stops the run here (captions.py)
+    texts, choices = captions.caption_table(data.run_captions(args)) if args.text_encoder else (None, None)
     if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
         source = latent_source(args, unreadable)
         start_from = choose_start(args, processes, source.class_names, source.latent_space, flow_sigmas, resume_from)
         dataset, labels, record, decode = latent_data(args, source, processes)
-        found = RunData(dataset, labels, source.class_names, start_from, flow_sigmas, source.latent_space, record,
-                        decode, source.vae, source.dataset_contents)  # fmt: skip
+        # a captioned run's latents are labelled by their images' indices (an unreadable image has none)
+        found = RunData(dataset, labels if choices is None else choices[labels], source.class_names, start_from,
+                        flow_sigmas, source.latent_space, record, decode, source.vae, source.dataset_contents,
+                        captions=texts)  # fmt: skip
     else:
-        # a captioned run's captions, read before any image decodes: a bad one stops the run here (captions.py)
-        texts, choices = captions.caption_table(data.run_captions(args)) if args.text_encoder else (None, None)
         images, labels, class_names = data.load_images(args, unreadable)
         start_from = choose_start(args, processes, class_names, None, flow_sigmas, resume_from)
         found = RunData(images, labels if choices is None else choices, class_names, start_from, flow_sigmas,

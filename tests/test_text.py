@@ -16,6 +16,7 @@ import flops
 import latents
 import model as models
 import sample
+import train
 from errors import ConfigError
 from test_train import run, tensors_of
 
@@ -173,14 +174,10 @@ def test_captions_are_encoded_once_and_a_preempted_encode_keeps_its_pieces(clip,
     (["--model", "dit-tiny"], "a DiT cannot attend to captions yet"),
     (["--class_conditional"], "pick one"),
     (["--dataset", "shapes"], "the built-in shapes have none"),
-    (["--vae", "{vae}"], "trains on pixels for now: drop --vae"),
 ])  # fmt: skip
 def test_a_captioned_run_that_cannot_be_is_refused_in_one_line(clip, tmp_path, flags, words):
-    from test_latents import make_kl
-
     data = captioned_folder(tmp_path / "data", 4)
     base = ["--dataset", str(data), "--text_encoder", str(clip), "--image_size", "16", "--output_dir", str(tmp_path / "o")]
-    flags = [f.format(vae=make_kl(tmp_path / "vae")) if f == "{vae}" else f for f in flags]
     with pytest.raises(ConfigError, match=words):
         config.resolve(config.parse_args([*base, *flags]))
 
@@ -275,3 +272,22 @@ def test_two_processes_train_a_captioned_run_as_one(clip, tmp_path):
     assert_trained_as_one(events, steps=3)
     assert ranks.out0.count("captions: 6 distinct captions") == 1 and "(encoded 7 into" in ranks.out0
     assert type(models.load_network(out / "unet")).__name__ == "TextUNet"
+
+
+def test_a_captioned_run_on_latents_reads_each_latent_s_captions_by_its_image(clip, tmp_path, capsys):
+    """The latents keep their images' indices: an unreadable image is left out of the cache, and the images after it
+    keep their own captions."""
+    from test_latents import make_kl
+
+    data = captioned_folder(tmp_path / "data")
+    (data / "05.png").write_bytes(b"not a png")  # its latent missing: every later row one place up
+    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    found = []
+    real = train.set_up_data
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train, "set_up_data", lambda *a: found.append(real(*a)) or found[-1])
+        config_ = run(tmp_path / "run", *flags, "--vae", make_kl(tmp_path / "vae"), "--max_train_steps", 2)
+    assert config_["latents"] and config_["num_captions"] == 6 and "captions: 6 distinct" in capsys.readouterr().out
+    texts, choices = captions.caption_table(captions.folder_captions(data, sorted(data.glob("*.png"))))
+    kept = [i for i in range(16) if i != 5]
+    assert torch.equal(found[0].labels, choices[kept])  # row r: image kept[r]'s captions
