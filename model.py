@@ -564,6 +564,7 @@ def load_network(path):
     if not config_file.is_file():
         raise ConfigError(f"{path}: no config.json, so no saved network")
     name = json.loads(config_file.read_text()).get("_class_name")
+    # a captioned run's network: its own class (a checkpoint's) or the diffusers class it is (a StableDiffusionPipeline's)
+    text = [k.text_class for k in FAMILIES.values() if k.text_class and name in (k.text_class.__name__, k.text_class.__base__.__name__)]
     kind = family_by_class(name)[1] if family_by_class(name) else FAMILIES["unet"]
-    network_class = kind.text_class if kind.text_class and kind.text_class.__name__ == name else kind.network_class
-    return network_class.from_pretrained(str(path)).eval()
+    return (text[0] if text else kind.network_class).from_pretrained(str(path)).eval()

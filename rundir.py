@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
-from diffusers import DDPMPipeline
+from diffusers import DDPMPipeline, StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.utils import logging as diffusers_logging
 import safetensors.torch
 
@@ -110,10 +110,23 @@ def pipeline_mark(pipeline):
     return "model_index.json" if pipeline else "unet/config.json"
 
 
-def save_network(unet, folder, noise_scheduler=None):
+def stable_diffusion_parts(config, vae, encoder):
+    """A captioned run's parts of a diffusers StableDiffusionPipeline beside its network and scheduler (its VAE, text
+    encoder and tokenizer), where the pipeline samples what it trained: a UNet on latents scaled by its VAE's
+    scaling_factor alone, with a CLIP encoder and DDPM's objective (the pipeline's schedulers step DDPM's noise);
+    else None (sample.py samples it)."""
+    normalization = (config.get("latents") or {}).get("normalization") or {}
+    if not (config.get("text_encoder") and config.get("objective") == "ddpm" and "CLIP" in type(encoder.model).__name__
+            and normalization.get("kind") == "vae" and not normalization.get("shift_factor")
+            and "latents_mean" not in normalization and normalization.get("target_std") == 1.0):  # fmt: skip
+        return None
+    return dict(vae=vae, text_encoder=encoder.model, tokenizer=encoder.tokenizer)
+
+
+def save_network(unet, folder, noise_scheduler=None, text=None):
     """What RunDir.load reads back: a DDPMPipeline in `folder` (a DDPM run: pass its
-    `noise_scheduler`), or the network alone in folder/unet (an EDM run: no diffusers
-    pipeline samples it; model.load_network reads it).
+    `noise_scheduler`), a StableDiffusionPipeline (`text`: stable_diffusion_parts', with the scheduler), or the
+    network alone in folder/unet (an EDM run: no diffusers pipeline samples it; model.load_network reads it).
 
     Its mark (pipeline_mark) goes first; the network is written whole into folder/STAGING, then moved into
     place with the mark last. A save cut short (a kill, a full disk) leaves no mark, and train.py's next start
@@ -123,7 +136,12 @@ def save_network(unet, folder, noise_scheduler=None):
     (folder / mark).unlink(missing_ok=True)
     staging = folder / STAGING
     shutil.rmtree(staging, ignore_errors=True)  # what a save cut short left
-    if noise_scheduler is not None:
+    if text is not None:  # the network as diffusers' own class: model.TextUNet adds no weights
+        plain = UNet2DConditionModel.from_config(unet.config)
+        plain.load_state_dict(unet.state_dict())
+        StableDiffusionPipeline(unet=plain, scheduler=noise_scheduler, safety_checker=None, feature_extractor=None,
+                                requires_safety_checker=False, **text).save_pretrained(str(staging))  # fmt: skip
+    elif noise_scheduler is not None:
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(str(staging))
     else:
         unet.save_pretrained(str(staging / "unet"))
@@ -188,7 +206,14 @@ def write_model_card(folder, config):
     if grids:
         lines += [f"![samples after training](samples/{grids[-1].name})", ""]
     lines += ["## Use", ""]
-    if objectives.saves_pipeline(config) and not conditional and not latent:
+    index = folder / "model_index.json"
+    if index.is_file() and json.loads(index.read_text()).get("_class_name") == "StableDiffusionPipeline":
+        lines += ["```python", "from diffusers import StableDiffusionPipeline", "",
+                  'pipeline = StableDiffusionPipeline.from_pretrained("USER/REPO")  # or this folder',
+                  f'images = pipeline("a prompt", num_inference_steps={config.get("num_inference_steps")}, '
+                  f"guidance_scale={config.get('guidance_scale', [1])[0]}).images", "```", "",
+                  "`python sample.py FOLDER --prompt TEXT` samples it too.", ""]  # fmt: skip
+    elif objectives.saves_pipeline(config) and not conditional and not latent:
         lines += ["```python", "from diffusers import DDPMPipeline", "",
                   'pipeline = DDPMPipeline.from_pretrained("USER/REPO")  # or this folder',
                   f"images = pipeline(batch_size=16, num_inference_steps={config.get('num_inference_steps')}).images",
@@ -292,6 +317,9 @@ class RunDir:
                     f"{CONFIG_FILE} in it or above it says how it was trained: copy its run's {CONFIG_FILE} into it"
                 )
             return models.load_network(folder / "unet"), None
+        if json.loads((folder / "model_index.json").read_text()).get("_class_name") == "StableDiffusionPipeline":
+            scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+            return models.load_network(folder / "unet"), scheduler  # a captioned run's (sample.py encodes the prompts)
         with quiet_loading():
             pipeline = DDPMPipeline.from_pretrained(str(folder))
         return pipeline.unet.eval(), pipeline.scheduler.config

@@ -496,8 +496,8 @@ class Run:
         found = set_up_data(args, self.processes, self.unreadable)
         images, labels, class_names = found.images, found.labels, found.class_names
         # a captioned run's captions, each encoded once (or read from their cache: captions.cached_embeddings)
-        table = found.captions and captions.cached_embeddings(captions.load_text_encoder(args.text_encoder),
-                                                              found.captions, device=self.device, log=accelerator.print)  # fmt: skip
+        encoder = captions.load_text_encoder(args.text_encoder) if found.captions else None
+        table = encoder and captions.cached_embeddings(encoder, found.captions, device=self.device, log=accelerator.print)
         self.startup.mark("data")
         self.config, self.compile_why = describe_run(args, self.device, self.world, len(images))
         self.startup.mark("FLOPs and compile plan")
@@ -548,7 +548,8 @@ class Run:
             accelerator.print(self.pieces.started_from)
         counts = self.config["class_counts"] or (table and torch.bincount(labels[:, 0], minlength=self.conditions).tolist())
         self.evaluation = Evaluation(args, self.processes, self.pieces, evaluator, guide, found.decode, found.vae,
-                                     self.conditions, counts, images, found.captions)  # fmt: skip
+                                     self.conditions, counts, images, found.captions,
+                                     encoder and rundir.stable_diffusion_parts(self.config, found.vae, encoder))  # fmt: skip
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             announce(args, self.config, self.compile_why, accelerator, self.pieces.network, self.memory, self.step,
@@ -784,11 +785,12 @@ class Evaluation:
     copy check searches (copies.check)."""
 
     def __init__(self, args, processes, pieces, evaluator, guide, decode, vae, num_classes, class_counts, images,
-                 texts=None):  # fmt: skip
+                 texts=None, stable_diffusion=None):  # fmt: skip
         self.args, self.output_dir, self.processes, self.pieces = args, Path(args.output_dir), processes, pieces
         self.evaluator, self.guide, self.decode, self.vae = evaluator, guide, decode, vae
         self.num_classes, self.class_counts = num_classes, class_counts  # a conditional run's: labels drawn as in the data
         self.texts = texts  # a captioned run's captions (its labels are their ids): the grid's rows take the first
+        self.stable_diffusion = stable_diffusion  # a captioned run's pipeline parts (rundir.stable_diffusion_parts), or None
         self.images = images
         self.last_copy_check = None  # the latest evaluation's copy check, for run.json
     def vae_to_cpu(self):
@@ -802,11 +804,13 @@ class Evaluation:
 
     def pipeline_saved(self):
         """Whether output_dir holds the pipeline (or the network) of the run's end."""
-        return (self.output_dir / rundir.pipeline_mark(objectives.saves_pipeline(vars(self.args)))).is_file()
+        pipeline = objectives.saves_pipeline(vars(self.args)) or self.stable_diffusion is not None
+        return (self.output_dir / rundir.pipeline_mark(pipeline)).is_file()
 
     def save_network(self, network, folder):
         """`network` into `folder`, as a diffusers pipeline where the run saves one (with its noise schedule)."""
-        rundir.save_network(network, folder, self.pieces.noise_scheduler if objectives.saves_pipeline(vars(self.args)) else None)
+        pipeline = objectives.saves_pipeline(vars(self.args)) or self.stable_diffusion is not None
+        rundir.save_network(network, folder, self.pieces.noise_scheduler if pipeline else None, self.stable_diffusion)
 
     def save_pipeline(self, step_number):
         """The EMA weights (or the raw ones) in output_dir, trained for `step_number` steps."""
@@ -815,7 +819,8 @@ class Evaluation:
         except OSError as e:
             note = f"running again saves it from the checkpoint of step {step_number}"
             raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
-        saved = "the pipeline to" if objectives.saves_pipeline(vars(self.args)) else "the network to"  # EDM, EDM2, DiT: unet/ alone
+        pipeline = objectives.saves_pipeline(vars(self.args)) or self.stable_diffusion is not None
+        saved = "the pipeline to" if pipeline else "the network to"  # EDM, EDM2, DiT: unet/ alone
         self.processes.accelerator.print(f"saved {saved} {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
 
     def write_samples(self, epoch):

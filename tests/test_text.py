@@ -291,3 +291,24 @@ def test_a_captioned_run_on_latents_reads_each_latent_s_captions_by_its_image(cl
     texts, choices = captions.caption_table(captions.folder_captions(data, sorted(data.glob("*.png"))))
     kept = [i for i in range(16) if i != 5]
     assert torch.equal(found[0].labels, choices[kept])  # row r: image kept[r]'s captions
+
+
+def test_a_ddpm_run_on_a_vae_s_latents_with_clip_saves_a_stable_diffusion_pipeline(clip, tmp_path):
+    """Stable Diffusion's recipe (a UNet on latents scaled by the VAE's scaling_factor, a CLIP encoder, DDPM): the
+    run saves diffusers' StableDiffusionPipeline, which generates from a prompt; sample.py reads it too."""
+    from diffusers import StableDiffusionPipeline
+    from test_latents import make_kl
+
+    data, out = captioned_folder(tmp_path / "data"), tmp_path / "run"
+    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    run(out, *flags, "--vae", make_kl(tmp_path / "vae", scaling_factor=0.5), "--objective", "ddpm", "--max_train_steps", 2)
+    pipeline = StableDiffusionPipeline.from_pretrained(out)
+    images = pipeline("a red square", num_inference_steps=2, guidance_scale=3, output_type="np").images
+    assert images.shape == (1, 16, 16, 3) and "StableDiffusionPipeline.from_pretrained" in (out / "README.md").read_text()
+    written = tmp_path / "samples"
+    sample.main(sample.parse_args([str(out), "--prompt", "green", "--num_images", "1", "--num_inference_steps", "2",
+                                   "--output", str(written), "--no-copies", "--device", "cpu"]))  # fmt: skip
+    assert (written / "000000.png").is_file()
+    # with flow matching (its scheduler has no init_noise_sigma for the pipeline), the network alone
+    run(tmp_path / "flow", *flags, "--vae", make_kl(tmp_path / "vae"), "--max_train_steps", 2)
+    assert not (tmp_path / "flow" / "model_index.json").exists() and (tmp_path / "flow" / "unet").is_dir()
