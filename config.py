@@ -332,7 +332,7 @@ def build_parser(prog="train.py", source=""):
     flag(d, "text_encoder", "train from captions (a metadata.jsonl or a .txt beside each image, or a dataset's "
          "text/caption/prompt column): a transformers CLIP or T5 text encoder (a folder, a pipeline folder with "
          "text_encoder/ and tokenizer/, or a Hub id), each caption encoded once and cached beside the latents; a UNet "
-         "preset attends to the embeddings; a tenth of the captions are dropped in training (docs/text.md)",
+         "or DiT preset attends to the embeddings; a tenth of the captions are dropped in training (docs/text.md)",
          metavar="ID_OR_PATH")  # fmt: skip
     flag(d, "caption_column", "the captions' column of a datasets dataset (default: text, caption or prompt)")
     flag(d, "image_size", "train at this size: a side (64) or width x height (96x64); each image is resized to "
@@ -605,7 +605,10 @@ def resolve(args):
         dit.routing(args.token_routing, settings["num_layers"])  # its blocks are the network's
     if args.text_encoder and not models.family(args.model)[0].text_build:
         raise ConfigError(f"--text_encoder: {models.family(args.model)[0].called} cannot attend to captions yet; train a "
-                          "UNet preset (--model small, ref128, ...) from captions (docs/text.md)")  # fmt: skip
+                          "UNet or DiT preset (--model small, dit-b2, ...) from captions (docs/text.md)")  # fmt: skip
+    if args.text_encoder and args.token_routing:
+        raise ConfigError("--token_routing routes a class-conditional DiT's tokens; a captioned DiT (PixArt-α's blocks) "
+                          "does not route them yet: drop one of them")  # fmt: skip
     loss_terms.check(loss_terms.parse(args.loss_terms), objectives.of(args.objective),
                      models.family_name(args.model), args.train_batch_size, bool(args.token_routing))  # fmt: skip
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:

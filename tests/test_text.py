@@ -171,7 +171,8 @@ def test_captions_are_encoded_once_and_a_preempted_encode_keeps_its_pieces(clip,
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--model", "dit-tiny"], "a DiT cannot attend to captions yet"),
+    (["--model", "edm2tiny"], "an EDM2 network cannot attend to captions yet"),
+    (["--model", "dit-tiny", "--token_routing", "0.5"], "does not route them yet"),
     (["--class_conditional"], "pick one"),
     (["--dataset", "shapes"], "the built-in shapes have none"),
 ])  # fmt: skip
@@ -195,8 +196,9 @@ def test_the_flops_count_the_cross_attention():
     assert text["flops_fwdbwd"] > plain["flops_fwdbwd"] and flops.network_flops("tiny", 16, 2, text=(32, 8))["flops_fwd"] < text["flops_fwd"]
 
 
+@pytest.mark.parametrize("network", ["tiny", "dit-tiny"])
 @pytest.mark.parametrize("scope", ["whole", "regional"])
-def test_a_compiled_captioned_unet_gives_the_eager_outputs(clip, scope, monkeypatch):
+def test_a_compiled_captioned_network_gives_the_eager_outputs(clip, scope, network, monkeypatch):
     """Dynamo's eager backend traces the graphs as Inductor's would: the caption lookup in the forward, whole
     (one graph) and in the repeated blocks (its cross-attention's Attention among them)."""
     import compiling
@@ -204,7 +206,7 @@ def test_a_compiled_captioned_unet_gives_the_eager_outputs(clip, scope, monkeypa
     real = torch.compile
     monkeypatch.setattr(compiling.torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="eager", **kw))
     torch.manual_seed(0)
-    net = models.build_network("tiny", 16, text_dim=32)
+    net = models.build_network(network, 16, text_dim=32)
     texts, _ = captions.caption_table([["a cat"], ["a dog"]])
     net.captions = captions.cached_embeddings(captions.load_text_encoder(str(clip)), texts, log=None)
     x, t, ids = torch.randn(3, 3, 16, 16), torch.tensor([3, 500, 900]), torch.tensor([0, 1, 2])
@@ -220,9 +222,10 @@ RUN = ["--text_encoder", "{clip}", "--dataset", "{data}", "--train_batch_size", 
        "--checkpointing_steps", 4, "--save_images_epochs", 100, "--eval_batch_size", 8]  # fmt: skip
 
 
-def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(clip, tmp_path, capsys):
+@pytest.mark.parametrize("network", ["tiny", "dit-tiny"])
+def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(clip, tmp_path, capsys, network):
     data = captioned_folder(tmp_path / "data")
-    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    flags = [str(f).format(clip=clip, data=data) for f in RUN] + ["--model", network]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     config_ = run(straight, *flags)
     out = capsys.readouterr().out
