@@ -12,6 +12,9 @@ training crop. No download:
     python sample.py RUN --num_images 300 --guidance_scale 2 --output GEN   # the classes spread in runs
     python -m bench.labelled score DIR GEN --run RUN   # "class match 71.3% ± 2.6 (SE, 300 images, ...); photos FD 9.1"
     python -m bench.labelled trust DIR              # the scores of known image sets: how far to trust them
+    python -m bench.labelled captions DIR           # DIR/train/metadata.jsonl from the class names, and DIR/clip
+    python train.py --dataset DIR/train --text_encoder DIR/clip --image_size 32 ...    # from the captions
+    python sample.py RUN --prompt "a photo of a cat" --num_images 30 --output GEN/cat  # ... a folder a class
 
 The main score ("class match") is the share of generated images that a classifier, fitted on
 the held-apart crops alone, puts in the class they were asked for. The classifier is a
@@ -120,6 +123,41 @@ def write(folder, **kwargs):
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image).save(path)
     return {split: len(labels) for split, (_, labels) in sets.items()}
+
+
+# The captions of issue 77's measurement: each crop's class name in these templates, one drawn each step.
+TEMPLATES = ("a photo of a {}", "a close-up photo of the {}", "a picture of {}", "{}")
+
+
+def write_captions(folder):
+    """folder/train/metadata.jsonl (HF ImageFolder's layout, docs/text.md): each training crop captioned with its
+    class name in every one of TEMPLATES. Returns the number of images captioned."""
+    train = Path(folder) / "train"
+    paths = sorted(train.glob("*/*.png"))
+    rows = [json.dumps(dict(file_name=str(p.relative_to(train)), text=[t.format(p.parent.name) for t in TEMPLATES]))
+            for p in paths]  # fmt: skip
+    (train / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return len(rows)
+
+
+def write_random_clip(folder, seed=0):
+    """A randomly initialised 2-layer CLIP text model (width 32, 16 positions) and a tokenizer of single letters,
+    digits and punctuation, as transformers saves them: a --text_encoder for a machine with no encoder to download
+    (its embeddings tell captions apart, and know no meaning)."""
+    import string
+
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in string.ascii_lowercase + string.digits + string.punctuation:
+        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16).save_pretrained(folder)
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                            pad_token_id=1)  # fmt: skip
+    CLIPTextModel(config).save_pretrained(folder)
+    return Path(folder)
 
 
 def read_image(path):
@@ -391,6 +429,9 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write", help="write the set: DIR/train (train.py's --dataset) and DIR/held")
     w.add_argument("folder")
+    c = sub.add_parser("captions", help="caption the training crops (DIR/train/metadata.jsonl) and write a random "
+                       "CLIP text encoder to DIR/clip, for a --text_encoder run")  # fmt: skip
+    c.add_argument("folder")
     s = sub.add_parser("score", help="class match and photos FD of a folder of generated images")
     s.add_argument("set", help="the folder `write` made")
     s.add_argument("generated", help="sample.py --output's folder, or a folder of class folders")
@@ -406,6 +447,9 @@ def main(argv=None):
         counts = write(args.folder)
         print(f"wrote {counts['train']} training images to {Path(args.folder) / 'train'} and {counts['held']} held-apart "
               f"images to {Path(args.folder) / 'held'} ({len(PHOTOS)} classes, {SIDE}px)")  # fmt: skip
+    elif args.command == "captions":
+        count, clip = write_captions(args.folder), write_random_clip(Path(args.folder) / "clip")
+        print(f"captioned {count} training images ({len(TEMPLATES)} templates each) and wrote a random CLIP to {clip}")
     elif args.command == "score":
         result = score(args.set, args.generated, args.run, args.class_labels, args.grid)
         print(format_match(result))

@@ -26,19 +26,10 @@ COLOURS = ("red", "green", "blue", "yellow")
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     """A randomly initialised 2-layer CLIP text model and its tokenizer (letters, digits and punctuation, no
-    merges), saved as transformers saves them: the folder a user's `--text_encoder` names."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    merges), saved as transformers saves them (bench/labelled.py): the folder a user's `--text_encoder` names."""
+    from bench import labelled
 
-    folder = tmp_path_factory.mktemp("clip")
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in string.ascii_lowercase + string.digits + string.punctuation:
-        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
-    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16).save_pretrained(folder)
-    torch.manual_seed(0)
-    CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
-                                 pad_token_id=1)).save_pretrained(folder)  # fmt: skip
-    return folder
+    return labelled.write_random_clip(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.fixture(autouse=True)
@@ -315,3 +306,14 @@ def test_a_ddpm_run_on_a_vae_s_latents_with_clip_saves_a_stable_diffusion_pipeli
     # with flow matching (its scheduler has no init_noise_sigma for the pipeline), the network alone
     run(tmp_path / "flow", *flags, "--vae", make_kl(tmp_path / "vae"), "--max_train_steps", 2)
     assert not (tmp_path / "flow" / "model_index.json").exists() and (tmp_path / "flow" / "unet").is_dir()
+
+
+def test_the_labelled_set_s_captions_are_its_class_names_in_templates(tmp_path):
+    from bench import labelled
+
+    for name in ("cat", "coins"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "train" / name / "0000.png")
+    assert labelled.write_captions(tmp_path) == 2
+    paths = sorted((tmp_path / "train").glob("*/*.png"))
+    assert captions.folder_captions(tmp_path / "train", paths)[1] == [t.format("coins") for t in labelled.TEMPLATES]
