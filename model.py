@@ -375,7 +375,8 @@ def _build_text_dit(settings, sample_size, channels, text_dim):
     `text_dim`-wide embeddings. A wide image's patches get the sine-cosine positions of their rows and columns."""
     side = sample_size if isinstance(sample_size, int) else max(sample_size)
     return TextDiT(in_channels=channels, out_channels=channels, sample_size=side, caption_channels=text_dim,
-                   cross_attention_dim=settings["num_attention_heads"] * settings["attention_head_dim"], **settings)  # fmt: skip
+                   cross_attention_dim=settings["num_attention_heads"] * settings["attention_head_dim"],
+                   use_additional_conditions=False, **settings)  # fmt: skip  (PixArt's size inputs: its 1024px model's)
 
 
 def stand_in_captions(net, batch_size, text, device="meta"):

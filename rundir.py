@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
-from diffusers import DDPMPipeline, StableDiffusionPipeline, UNet2DConditionModel
+import diffusers
+from diffusers import DDPMPipeline
 from diffusers.utils import logging as diffusers_logging
 import safetensors.torch
 
@@ -110,22 +111,37 @@ def pipeline_mark(pipeline):
     return "model_index.json" if pipeline else "unet/config.json"
 
 
-def stable_diffusion_parts(config, vae, encoder):
-    """A captioned run's parts of a diffusers StableDiffusionPipeline beside its network and scheduler (its VAE, text
-    encoder and tokenizer), where the pipeline samples what it trained: a UNet on latents scaled by its VAE's
-    scaling_factor alone, with a CLIP encoder and DDPM's objective (the pipeline's schedulers step DDPM's noise);
-    else None (sample.py samples it)."""
+# A captioned run's diffusers pipeline: (pipeline class, its network's folder, the family and encoder it takes)
+TEXT_PIPELINES = {"StableDiffusionPipeline": ("unet", "unet", "CLIP"), "PixArtAlphaPipeline": ("transformer", "dit", "T5")}
+
+
+def text_pipeline_parts(config, vae, encoder):
+    """A captioned run's diffusers pipeline beside its network and scheduler: {"pipeline": its class name, and its
+    VAE, text encoder and tokenizer}, where the pipeline samples what the run trained: Stable Diffusion's recipe (a
+    UNet, a CLIP encoder) or PixArt-α's (a DiT, a T5 encoder), on latents scaled by the VAE's scaling_factor alone,
+    with DDPM's objective (the pipelines' schedulers step DDPM's noise); else None (sample.py samples it)."""
     normalization = (config.get("latents") or {}).get("normalization") or {}
-    if not (config.get("text_encoder") and config.get("objective") == "ddpm" and "CLIP" in type(encoder.model).__name__
-            and normalization.get("kind") == "vae" and not normalization.get("shift_factor")
-            and "latents_mean" not in normalization and normalization.get("target_std") == 1.0):  # fmt: skip
+    if not (config.get("text_encoder") and config.get("objective") == "ddpm" and normalization.get("kind") == "vae"
+            and not normalization.get("shift_factor") and "latents_mean" not in normalization
+            and normalization.get("target_std") == 1.0):  # fmt: skip
         return None
-    return dict(vae=vae, text_encoder=encoder.model, tokenizer=encoder.tokenizer)
+    family = models.family_name(config["model"])
+    for name, (_, wanted, words) in TEXT_PIPELINES.items():
+        if family == wanted and words in type(encoder.model).__name__:
+            return dict(pipeline=name, vae=vae, text_encoder=encoder.model, tokenizer=encoder.tokenizer)
+    return None
+
+
+def text_pipeline_of(folder):
+    """The captioned-run pipeline class name folder/model_index.json names (TEXT_PIPELINES), else None."""
+    index = Path(folder) / "model_index.json"
+    name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    return name if name in TEXT_PIPELINES else None
 
 
 def save_network(unet, folder, noise_scheduler=None, text=None):
     """What RunDir.load reads back: a DDPMPipeline in `folder` (a DDPM run: pass its
-    `noise_scheduler`), a StableDiffusionPipeline (`text`: stable_diffusion_parts', with the scheduler), or the
+    `noise_scheduler`), a StableDiffusionPipeline or PixArtAlphaPipeline (`text`: text_pipeline_parts', with the scheduler), or the
     network alone in folder/unet (an EDM run: no diffusers pipeline samples it; model.load_network reads it).
 
     Its mark (pipeline_mark) goes first; the network is written whole into folder/STAGING, then moved into
@@ -136,11 +152,14 @@ def save_network(unet, folder, noise_scheduler=None, text=None):
     (folder / mark).unlink(missing_ok=True)
     staging = folder / STAGING
     shutil.rmtree(staging, ignore_errors=True)  # what a save cut short left
-    if text is not None:  # the network as diffusers' own class: model.TextUNet adds no weights
-        plain = UNet2DConditionModel.from_config(unet.config)
+    if text is not None:  # the network as diffusers' own class: model.TextUNet and TextDiT add no weights
+        text = dict(text)
+        name = text.pop("pipeline")
+        plain = type(unet).__base__.from_config(unet.config)
         plain.load_state_dict(unet.state_dict())
-        StableDiffusionPipeline(unet=plain, scheduler=noise_scheduler, safety_checker=None, feature_extractor=None,
-                                requires_safety_checker=False, **text).save_pretrained(str(staging))  # fmt: skip
+        if name == "StableDiffusionPipeline":
+            text.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        getattr(diffusers, name)(scheduler=noise_scheduler, **{TEXT_PIPELINES[name][0]: plain}, **text).save_pretrained(str(staging))
     elif noise_scheduler is not None:
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(str(staging))
     else:
@@ -206,12 +225,13 @@ def write_model_card(folder, config):
     if grids:
         lines += [f"![samples after training](samples/{grids[-1].name})", ""]
     lines += ["## Use", ""]
-    index = folder / "model_index.json"
-    if index.is_file() and json.loads(index.read_text()).get("_class_name") == "StableDiffusionPipeline":
-        lines += ["```python", "from diffusers import StableDiffusionPipeline", "",
-                  'pipeline = StableDiffusionPipeline.from_pretrained("USER/REPO")  # or this folder',
+    pipeline = text_pipeline_of(folder)
+    if pipeline:
+        binning = ", use_resolution_binning=False" if pipeline == "PixArtAlphaPipeline" else ""  # its sizes: 256 to 1024
+        lines += ["```python", f"from diffusers import {pipeline}", "",
+                  f'pipeline = {pipeline}.from_pretrained("USER/REPO")  # or this folder',
                   f'images = pipeline("a prompt", num_inference_steps={config.get("num_inference_steps")}, '
-                  f"guidance_scale={config.get('guidance_scale', [1])[0]}).images", "```", "",
+                  f"guidance_scale={config.get('guidance_scale', [1])[0]}{binning}).images", "```", "",
                   "`python sample.py FOLDER --prompt TEXT` samples it too.", ""]  # fmt: skip
     elif objectives.saves_pipeline(config) and not conditional and not latent:
         lines += ["```python", "from diffusers import DDPMPipeline", "",
@@ -317,9 +337,9 @@ class RunDir:
                     f"{CONFIG_FILE} in it or above it says how it was trained: copy its run's {CONFIG_FILE} into it"
                 )
             return models.load_network(folder / "unet"), None
-        if json.loads((folder / "model_index.json").read_text()).get("_class_name") == "StableDiffusionPipeline":
+        if text_pipeline_of(folder):  # a captioned run's (sample.py encodes the prompts)
             scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-            return models.load_network(folder / "unet"), scheduler  # a captioned run's (sample.py encodes the prompts)
+            return models.load_network(folder / TEXT_PIPELINES[text_pipeline_of(folder)][0]), scheduler
         with quiet_loading():
             pipeline = DDPMPipeline.from_pretrained(str(folder))
         return pipeline.unet.eval(), pipeline.scheduler.config

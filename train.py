@@ -549,7 +549,7 @@ class Run:
         counts = self.config["class_counts"] or (table and torch.bincount(labels[:, 0], minlength=self.conditions).tolist())
         self.evaluation = Evaluation(args, self.processes, self.pieces, evaluator, guide, found.decode, found.vae,
                                      self.conditions, counts, images, found.captions,
-                                     encoder and rundir.stable_diffusion_parts(self.config, found.vae, encoder))  # fmt: skip
+                                     encoder and rundir.text_pipeline_parts(self.config, found.vae, encoder))  # fmt: skip
         self.epoch_started_at = None  # the step each epoch of this run began at
         if self.step < self.total_steps:
             announce(args, self.config, self.compile_why, accelerator, self.pieces.network, self.memory, self.step,
@@ -785,12 +785,12 @@ class Evaluation:
     copy check searches (copies.check)."""
 
     def __init__(self, args, processes, pieces, evaluator, guide, decode, vae, num_classes, class_counts, images,
-                 texts=None, stable_diffusion=None):  # fmt: skip
+                 texts=None, text_pipeline=None):  # fmt: skip
         self.args, self.output_dir, self.processes, self.pieces = args, Path(args.output_dir), processes, pieces
         self.evaluator, self.guide, self.decode, self.vae = evaluator, guide, decode, vae
         self.num_classes, self.class_counts = num_classes, class_counts  # a conditional run's: labels drawn as in the data
         self.texts = texts  # a captioned run's captions (its labels are their ids): the grid's rows take the first
-        self.stable_diffusion = stable_diffusion  # a captioned run's pipeline parts (rundir.stable_diffusion_parts), or None
+        self.text_pipeline = text_pipeline  # a captioned run's pipeline and its parts (rundir.text_pipeline_parts), or None
         self.images = images
         self.last_copy_check = None  # the latest evaluation's copy check, for run.json
     def vae_to_cpu(self):
@@ -804,13 +804,13 @@ class Evaluation:
 
     def pipeline_saved(self):
         """Whether output_dir holds the pipeline (or the network) of the run's end."""
-        pipeline = objectives.saves_pipeline(vars(self.args)) or self.stable_diffusion is not None
+        pipeline = objectives.saves_pipeline(vars(self.args)) or self.text_pipeline is not None
         return (self.output_dir / rundir.pipeline_mark(pipeline)).is_file()
 
     def save_network(self, network, folder):
         """`network` into `folder`, as a diffusers pipeline where the run saves one (with its noise schedule)."""
-        pipeline = objectives.saves_pipeline(vars(self.args)) or self.stable_diffusion is not None
-        rundir.save_network(network, folder, self.pieces.noise_scheduler if pipeline else None, self.stable_diffusion)
+        pipeline = objectives.saves_pipeline(vars(self.args)) or self.text_pipeline is not None
+        rundir.save_network(network, folder, self.pieces.noise_scheduler if pipeline else None, self.text_pipeline)
 
     def save_pipeline(self, step_number):
         """The EMA weights (or the raw ones) in output_dir, trained for `step_number` steps."""
@@ -819,7 +819,7 @@ class Evaluation:
         except OSError as e:
             note = f"running again saves it from the checkpoint of step {step_number}"
             raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
-        pipeline = objectives.saves_pipeline(vars(self.args)) or self.stable_diffusion is not None
+        pipeline = objectives.saves_pipeline(vars(self.args)) or self.text_pipeline is not None
         saved = "the pipeline to" if pipeline else "the network to"  # EDM, EDM2, DiT: unet/ alone
         self.processes.accelerator.print(f"saved {saved} {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
 

@@ -126,14 +126,20 @@ def test_an_encoder_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_not
         captions.load_text_encoder("nobody/none-such")
 
 
-def test_a_t5_encoder_pads_to_pixart_s_length_and_masks_the_padding(tmp_path):
-    """T5's embeddings are read with their tokens' mask (PixArt-α's); CLIP's at every position (Stable Diffusion's)."""
+def write_t5(folder):
+    """A randomly initialised 1-layer T5 encoder (width 16) and a Unigram tokenizer of single letters."""
     from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
     letters = [("▁" * space + c, -3.0) for space in (0, 1) for c in string.ascii_lowercase]
-    T5Tokenizer(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0), *letters], extra_ids=0).save_pretrained(tmp_path)
-    T5EncoderModel(T5Config(vocab_size=56, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
-    encoder = captions.load_text_encoder(str(tmp_path))
+    T5Tokenizer(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0), *letters], extra_ids=0).save_pretrained(folder)
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(vocab_size=56, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(folder)
+    return folder
+
+
+def test_a_t5_encoder_pads_to_pixart_s_length_and_masks_the_padding(tmp_path):
+    """T5's embeddings are read with their tokens' mask (PixArt-α's); CLIP's at every position (Stable Diffusion's)."""
+    encoder = captions.load_text_encoder(str(write_t5(tmp_path)))
     assert type(encoder.model).__name__ == "T5EncoderModel" and captions.encoder_settings(str(tmp_path)) == (16, 120)
     embeddings, mask, lengths = captions.encode(encoder, ["a cat", ""])
     assert embeddings.shape == (2, 120, 16) and mask.sum(1).tolist() == lengths.tolist() == [5, 1]  # ▁a ▁c a t </s>
@@ -317,3 +323,19 @@ def test_the_labelled_set_s_captions_are_its_class_names_in_templates(tmp_path):
     assert labelled.write_captions(tmp_path) == 2
     paths = sorted((tmp_path / "train").glob("*/*.png"))
     assert captions.folder_captions(tmp_path / "train", paths)[1] == [t.format("coins") for t in labelled.TEMPLATES]
+
+
+def test_a_ddpm_dit_on_a_vae_s_latents_with_t5_saves_a_pixart_alpha_pipeline(tmp_path):
+    """PixArt-α's recipe (its blocks, a T5 encoder, DDPM on latents): the run saves diffusers' PixArtAlphaPipeline,
+    which generates from a prompt."""
+    from diffusers import PixArtAlphaPipeline
+    from test_latents import make_kl
+
+    data, out = captioned_folder(tmp_path / "data"), tmp_path / "run"
+    flags = [str(f).format(clip=write_t5(tmp_path / "t5"), data=data) for f in RUN]
+    run(out, *flags, "--model", "dit-tiny", "--vae", make_kl(tmp_path / "vae", scaling_factor=0.5), "--objective", "ddpm",
+        "--max_train_steps", 2)  # fmt: skip
+    pipeline = PixArtAlphaPipeline.from_pretrained(out)
+    images = pipeline("a red square", num_inference_steps=2, guidance_scale=3, output_type="np",
+                      use_resolution_binning=False).images  # fmt: skip
+    assert images.shape == (1, 16, 16, 3) and "PixArtAlphaPipeline.from_pretrained" in (out / "README.md").read_text()
