@@ -339,3 +339,19 @@ def test_a_ddpm_dit_on_a_vae_s_latents_with_t5_saves_a_pixart_alpha_pipeline(tmp
     images = pipeline("a red square", num_inference_steps=2, guidance_scale=3, output_type="np",
                       use_resolution_binning=False).images  # fmt: skip
     assert images.shape == (1, 16, 16, 3) and "PixArtAlphaPipeline.from_pretrained" in (out / "README.md").read_text()
+
+
+def test_a_saved_datasets_dataset_trains_from_its_caption_column_with_edm(clip, tmp_path, capsys):
+    """A Hub-layout dataset (save_to_disk): its `caption` column found by name; EDM's objective calls the network
+    as the others do."""
+    import datasets
+
+    colours = [COLOURS[i % 4] for i in range(8)]
+    rows = datasets.Dataset.from_dict({"image": [Image.new("RGB", (16, 16), c) for c in colours],
+                                       "caption": [f"a {c} square" for c in colours]},
+                                      features=datasets.Features(image=datasets.Image(), caption=datasets.Value("string")))  # fmt: skip
+    rows.save_to_disk(str(tmp_path / "saved"))
+    flags = [str(f).format(clip=clip, data=tmp_path / "saved") for f in RUN]
+    config_ = run(tmp_path / "run", *flags, "--objective", "edm", "--max_train_steps", 2)
+    assert config_["num_captions"] == 4 and "captions: 4 distinct captions" in capsys.readouterr().out
+    assert (tmp_path / "run" / "unet" / "config.json").is_file()
