@@ -194,9 +194,7 @@ def _config(id_or_path):
             raise ConfigError(f"--text_encoder {id_or_path}: {local} is not a JSON object; check its files") from None
     try:
         config = transformers.AutoConfig.from_pretrained(where, subfolder=subfolder or "")
-    except (OSError, ValueError) as e:
-        if local.is_file():
-            raise ConfigError(f"--text_encoder {id_or_path}: cannot read {local} ({latents._first_line(e)})") from None
+    except (OSError, ValueError) as e:  # offline, or no such repository (a folder's config.json was read above)
         raise ConfigError(
             f"--text_encoder {id_or_path}: no such folder, and it cannot be had from the Hugging Face Hub "
             f"({latents._first_line(e)}): on a machine that reaches the Hub run `hf download {id_or_path} --local-dir "

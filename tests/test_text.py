@@ -71,6 +71,9 @@ def test_captions_come_from_metadata_jsonl_and_from_txt_files(tmp_path):
     (lambda f: (f / captions.METADATA).write_text('{"file_name": "07.png", "text": "x"}\n'), "names 07.png, which is not in"),
     (lambda f: (f / captions.METADATA).write_text("not json\n"), "line 1 is not JSON"),
     (lambda f: (f / captions.METADATA).write_text('{"file_name": "00.png", "text": ""}\n'), "the caption is empty"),
+    (lambda f: (f / captions.METADATA).write_text('{"file_name": "00.png"}\n'), 'needs "file_name" and "text"'),
+    (lambda f: (f / captions.METADATA).write_text('{"file_name": "00.png", "text": 5}\n'), "not int"),
+    (lambda f: (f / captions.METADATA).write_bytes(b"\xff\xfe"), "metadata.jsonl is not UTF-8 text"),
 ])  # fmt: skip
 def test_a_bad_caption_is_one_line_that_says_what_to_change(tmp_path, damage, words):
     folder = tmp_path / "set"
@@ -124,6 +127,11 @@ def test_an_encoder_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_not
         captions.load_text_encoder(str(tmp_path / "unet"))
     with pytest.raises(ConfigError, match="hf download nobody/none-such"):  # offline: the tests' HF_HUB_OFFLINE
         captions.load_text_encoder("nobody/none-such")
+    with pytest.raises(ConfigError, match="no such folder; check the path"):
+        captions.load_text_encoder(str(tmp_path / "none-such"))
+    (tmp_path / "unet" / "config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match="config.json is not a JSON object"):
+        captions.load_text_encoder(str(tmp_path / "unet"))
 
 
 def write_t5(folder):
