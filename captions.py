@@ -265,6 +265,7 @@ def encode(encoder, captions, device=None):
         # Stable Diffusion trains and its pipeline samples
         mask = tokens.attention_mask.bool() if _is_t5(model) else torch.ones_like(tokens.attention_mask, dtype=torch.bool)
         parts.append((hidden.to("cpu", STORED), mask.cpu(), lengths))
+    model.to("cpu")  # its device's memory back to training
     return tuple(torch.cat(column) for column in zip(*parts))
 
 
