@@ -286,7 +286,7 @@ def test_guidance_without_labels_or_a_guide_is_one_line(tmp_path, capsys):
 
     with pytest.raises(SystemExit):
         train.main(train.parse_args(["--guidance_scale", "2", "--dry_run"]))
-    assert "--guidance_scale guides a --class_conditional run" in capsys.readouterr().err
+    assert "--guidance_scale guides a --class_conditional or --text_encoder run" in capsys.readouterr().err
     for bad in ("1,x", "-1", ",", "2,-1"):
         with pytest.raises(SystemExit):
             train.main(train.parse_args(["--class_conditional", "--guidance_scale", bad, "--dry_run"]))
