@@ -140,10 +140,10 @@ def write_captions(folder):
     return len(rows)
 
 
-def write_random_clip(folder, seed=0):
-    """A randomly initialised 2-layer CLIP text model (width 32, 16 positions) and a tokenizer of single letters,
-    digits and punctuation, as transformers saves them: a --text_encoder for a machine with no encoder to download
-    (its embeddings tell captions apart, and know no meaning)."""
+def write_random_clip(folder, seed=0, positions=77):
+    """A randomly initialised 2-layer CLIP text model (width 32, CLIP's 77 positions) and a tokenizer of single
+    letters, digits and punctuation (a token a character), as transformers saves them: a --text_encoder for a machine
+    with no encoder to download (its embeddings tell captions apart, and know no meaning)."""
     import string
 
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -151,10 +151,10 @@ def write_random_clip(folder, seed=0):
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for c in string.ascii_lowercase + string.digits + string.punctuation:
         vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
-    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16).save_pretrained(folder)
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=positions).save_pretrained(folder)
     torch.manual_seed(seed)
     config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
+                            num_attention_heads=2, max_position_embeddings=positions, bos_token_id=0, eos_token_id=1,
                             pad_token_id=1)  # fmt: skip
     CLIPTextModel(config).save_pretrained(folder)
     return Path(folder)

@@ -29,7 +29,7 @@ def clip(tmp_path_factory):
     merges), saved as transformers saves them (bench/labelled.py): the folder a user's `--text_encoder` names."""
     from bench import labelled
 
-    return labelled.write_random_clip(tmp_path_factory.mktemp("clip"))
+    return labelled.write_random_clip(tmp_path_factory.mktemp("clip"), positions=16)  # short: a test cuts a caption
 
 
 @pytest.fixture(autouse=True)
