@@ -592,5 +592,6 @@ def load_network(path):
     name = json.loads(config_file.read_text()).get("_class_name")
     # a captioned run's network: its own class (a checkpoint's) or the diffusers class it is (a StableDiffusionPipeline's)
     text = [k.text_class for k in FAMILIES.values() if k.text_class and name in (k.text_class.__name__, k.text_class.__base__.__name__)]
-    kind = family_by_class(name)[1] if family_by_class(name) else FAMILIES["unet"]
+    found = family_by_class(name)
+    kind = found[1] if found else FAMILIES["unet"]
     return (text[0] if text else kind.network_class).from_pretrained(str(path)).eval()

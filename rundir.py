@@ -337,9 +337,10 @@ class RunDir:
                     f"{CONFIG_FILE} in it or above it says how it was trained: copy its run's {CONFIG_FILE} into it"
                 )
             return models.load_network(folder / "unet"), None
-        if text_pipeline_of(folder):  # a captioned run's (sample.py encodes the prompts)
+        text = text_pipeline_of(folder)
+        if text:  # a captioned run's (sample.py encodes the prompts)
             scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-            return models.load_network(folder / TEXT_PIPELINES[text_pipeline_of(folder)][0]), scheduler
+            return models.load_network(folder / TEXT_PIPELINES[text][0]), scheduler
         with quiet_loading():
             pipeline = DDPMPipeline.from_pretrained(str(folder))
         return pipeline.unet.eval(), pipeline.scheduler.config

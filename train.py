@@ -802,15 +802,18 @@ class Evaluation:
         """A copy of the network with the EMA weights (the raw ones without an EMA)."""
         return posthoc_ema.averaged_copy(self.processes.accelerator.unwrap_model(self.pieces.model), self.pieces.ema)
 
+    def saves_a_pipeline(self):
+        """Whether the run saves a diffusers pipeline (a DDPMPipeline, or a captioned run's), not its network alone."""
+        return objectives.saves_pipeline(vars(self.args)) or self.text_pipeline is not None
+
     def pipeline_saved(self):
         """Whether output_dir holds the pipeline (or the network) of the run's end."""
-        pipeline = objectives.saves_pipeline(vars(self.args)) or self.text_pipeline is not None
-        return (self.output_dir / rundir.pipeline_mark(pipeline)).is_file()
+        return (self.output_dir / rundir.pipeline_mark(self.saves_a_pipeline())).is_file()
 
     def save_network(self, network, folder):
         """`network` into `folder`, as a diffusers pipeline where the run saves one (with its noise schedule)."""
-        pipeline = objectives.saves_pipeline(vars(self.args)) or self.text_pipeline is not None
-        rundir.save_network(network, folder, self.pieces.noise_scheduler if pipeline else None, self.text_pipeline)
+        scheduler = self.pieces.noise_scheduler if self.saves_a_pipeline() else None
+        rundir.save_network(network, folder, scheduler, self.text_pipeline)
 
     def save_pipeline(self, step_number):
         """The EMA weights (or the raw ones) in output_dir, trained for `step_number` steps."""
@@ -819,8 +822,7 @@ class Evaluation:
         except OSError as e:
             note = f"running again saves it from the checkpoint of step {step_number}"
             raise RunError(checkpoint.cannot_write(f"the pipeline to {self.output_dir}", e, note)) from None
-        pipeline = objectives.saves_pipeline(vars(self.args)) or self.text_pipeline is not None
-        saved = "the pipeline to" if pipeline else "the network to"  # EDM, EDM2, DiT: unet/ alone
+        saved = "the pipeline to" if self.saves_a_pipeline() else "the network to"  # EDM, EDM2, DiT: unet/ alone
         self.processes.accelerator.print(f"saved {saved} {self.output_dir}; sample grids in {self.output_dir / 'samples'}")
 
     def write_samples(self, epoch):
