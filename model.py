@@ -341,15 +341,18 @@ class TextUNet(UNet2DConditionModel):
 def _build_text_unet(settings, sample_size, channels, text_dim):
     """A captioned run's UNet: the preset's blocks as a UNet2DConditionModel, cross-attention (with the
     self-attention and feed-forward of diffusers' transformer block) where the preset has attention and in the
-    middle, attending to `text_dim`-wide embeddings. Its heads keep the preset's width (UNet2DModel's
-    attention_head_dim, 8 where it names none; UNet2DConditionModel takes heads a block instead)."""
+    middle, attending to `text_dim`-wide embeddings, and the caption pooled by attention and added to the time
+    embedding that every ResNet reads (diffusers' addition_embed_type "text", Imagen's pooled text): a preset with
+    attention in its middle alone did not follow its prompts (docs/text.md). Its heads keep the preset's width
+    (UNet2DModel's attention_head_dim, 8 where it names none; UNet2DConditionModel takes heads a block instead)."""
     settings = dict(settings)
     width = settings.pop("attention_head_dim", 8)
     down = tuple(b.replace("AttnDown", "CrossAttnDown") for b in settings.pop("down_block_types"))
     up = tuple(b.replace("AttnUp", "CrossAttnUp") for b in settings.pop("up_block_types"))
     heads = tuple(max(1, c // width) for c in settings["block_out_channels"])
     net = TextUNet(sample_size=sample_size, in_channels=channels, out_channels=channels, down_block_types=down,
-                   up_block_types=up, attention_head_dim=heads, cross_attention_dim=text_dim, **settings)  # fmt: skip
+                   up_block_types=up, attention_head_dim=heads, cross_attention_dim=text_dim, addition_embed_type="text",
+                   addition_embed_type_num_heads=max(1, text_dim // 64), **settings)  # fmt: skip  (CLIP-L: 12 heads)
     net._repeated_blocks = UNET_REPEATED_BLOCKS
     return net
 

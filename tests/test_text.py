@@ -200,6 +200,19 @@ def test_the_flops_count_the_cross_attention():
     assert type(net).__name__ == "TextUNet" and text["params"] == sum(p.numel() for p in net.parameters())
     assert text["flops_fwdbwd"] > plain["flops_fwdbwd"] and flops.network_flops("tiny", 16, 2, text=(32, 8))["flops_fwd"] < text["flops_fwd"]
 
+def test_every_resnet_of_a_captioned_unet_reads_the_caption_not_its_middle_alone(clip):
+    """`small` has attention only in its middle: with that cross-attention cut, the caption still reaches the
+    output through the time embedding (trained, its prompts were followed only so: docs/text.md)."""
+    torch.manual_seed(0)
+    net = models.build_network("small", 16, text_dim=32)
+    texts, _ = captions.caption_table([["red"], ["blue"]])
+    net.captions = captions.cached_embeddings(captions.load_text_encoder(str(clip)), texts, log=None)
+    for block in net.mid_block.attentions:
+        block.forward = lambda hidden_states, *args, **kwargs: (hidden_states,)
+    x, t = torch.randn(1, 3, 16, 16).expand(2, -1, -1, -1), torch.tensor([500, 500])
+    out = net(x, t, class_labels=torch.tensor([0, 1]), return_dict=False)[0]
+    assert not torch.allclose(out[0], out[1])
+
 
 @pytest.mark.parametrize("network", ["tiny", "dit-tiny"])
 @pytest.mark.parametrize("scope", ["whole", "regional"])
