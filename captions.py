@@ -2,8 +2,8 @@
 
     folder_captions(folder, paths) -> [[str]]          each image's captions: metadata.jsonl or a .txt beside it
     column_captions(dataset, requested, source) -> [[str]]   a `datasets` dataset's text column
-    caption_table(per_image) -> (captions, choices)     the distinct captions, the empty one last (the
-        unconditional caption), and a (images, most captions) LongTensor of each image's ids, -1 padded
+    caption_table(per_image, first) -> (captions, choices)   the distinct captions (`first` first), the empty one last
+        (the unconditional caption), and a (images, most captions) LongTensor of each image's ids, -1 padded
     draw(choices, generator=None) -> ids               one of each row's captions, drawn on its device
     load_text_encoder(id_or_path) -> TextEncoder        a transformers CLIP or T5 encoder and its tokenizer
     cached_embeddings(encoder, captions, root=None, log=print) -> Embeddings
@@ -115,12 +115,13 @@ def column_captions(dataset, requested, source):
     return [_texts(value, f"dataset {source}, row {row} of column '{column}'") for row, value in enumerate(dataset[column])]
 
 
-def caption_table(per_image):
+def caption_table(per_image, first=()):
     """(the distinct captions in first-seen order with the empty caption last, a LongTensor (images, most
     captions of an image) of each image's caption ids padded with -1). The empty caption's id, len(captions) - 1,
-    is the unconditional one that classifier-free guidance trains with."""
+    is the unconditional one that classifier-free guidance trains with. `first`: captions that lead the table
+    whether an image has them or not (a run's grid prompts: the grids take the first captions)."""
     ids, captions = {}, []
-    for texts in per_image:
+    for texts in [first or [], *per_image]:
         for text in texts:
             if text not in ids:
                 ids[text] = len(captions)

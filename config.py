@@ -109,6 +109,10 @@ DERIVED_KEYS = (
 # checkpoint that run once resumed from).
 INVOCATION_KEYS = ("overwrite_output_dir", "resume", "resume_from_checkpoint", "dry_run")
 
+# What a --config file may say that no flag does: a captioned run's grid prompts (a list of captions, which no flag's
+# single value holds; the grids take the training set's first captions without it).
+FILE_KEYS = ("grid_prompts",)
+
 # What train.py always does where a flag once chose (issue 33): settings, not flags, that
 # `resolve` puts on every configuration for the code that reads them, and that a run's
 # train_config.json records under "settings" (`recorded`). The speed ones are `python -m bench`'s
@@ -482,6 +486,7 @@ def build_parser(prog="train.py", source=""):
          f"capture calls and 1 warm-up): a trace, a table and chart of the top {SETTINGS['profile_top']} kernels (or "
          "of the operators that launched them) in output_dir/profile/", nargs="?", const="kernels",
          choices=PROFILE_LEVELS)  # fmt: skip
+    p.set_defaults(grid_prompts=None)  # FILE_KEYS: a --config file's alone
     return p
 
 
@@ -502,11 +507,22 @@ def parse_args(argv=None):
     if args.config is None:
         return args
     try:
-        from_file = file_flags(args.config, parser)
+        raw = read_file(args.config)
+        from_file = file_flags(raw, args.config, parser)
+        prompts = grid_prompts(raw.get("grid_prompts"), args.config)
     except ConfigError as e:
         parser.error(str(e))
     build_parser(source=f"--config {args.config}: ").parse_args(from_file)  # its bad values, named as the file's
-    return parser.parse_args(from_file + argv)
+    args = parser.parse_args(from_file + argv)
+    args.grid_prompts = prompts
+    return args
+
+
+def grid_prompts(value, path):
+    """A --config file's `grid_prompts`: a list of captions (None: the grids take the training set's first)."""
+    if value is not None and (not isinstance(value, list) or not value or not all(isinstance(p, str) and p.strip() for p in value)):
+        raise ConfigError(f"--config {path}: grid_prompts takes a list of captions, such as [\"a red car\", \"a cat\"]")
+    return value
 
 
 def read_file(path):
@@ -531,16 +547,16 @@ def read_file(path):
     return values
 
 
-def file_flags(path, parser):
-    """The command-line words that say what the file at `path` says, to be parsed before the real ones."""
+def file_flags(raw, path, parser):
+    """The command-line words that say what `raw` (read_file's, of the file at `path`) says, to be parsed before the
+    real ones."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
-    raw = read_file(path)
     if not any(key in raw for key in DERIVED_KEYS):  # a file of yours, not a run's record: what it asks, it means
         typed_only = [key for key in INVOCATION_KEYS if key in actions and raw.get(key) not in (None, False)]
         if typed_only:
             raise ConfigError(f"--config {path}: '{typed_only[0]}' acts only when typed: pass --{typed_only[0]} on "
                               "the command line")  # fmt: skip
-    values = {k: v for k, v in raw.items() if k not in DERIVED_KEYS and k not in INVOCATION_KEYS}
+    values = {k: v for k, v in raw.items() if k not in (*DERIVED_KEYS, *INVOCATION_KEYS, *FILE_KEYS)}
     values.pop("settings", None)  # a run's (`recorded`): what its train.py did, as today's does
     for key in values:
         if key in REMOVED:  # a file of yours, or a run's train_config.json of an earlier version
@@ -633,6 +649,8 @@ def _check_captions(args):
     if not args.text_encoder:
         if args.caption_column:
             raise ConfigError("--caption_column names the captions a --text_encoder run trains from: add --text_encoder")
+        if args.grid_prompts:
+            raise ConfigError("grid_prompts are a captioned run's grid rows: add --text_encoder, or leave them out")
         return
     if args.class_conditional:
         raise ConfigError("--text_encoder conditions on captions, --class_conditional on class labels: pick one")

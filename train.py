@@ -236,7 +236,7 @@ def set_up_data(args, processes, unreadable):
     resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
     flow_sigmas = objectives.sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
     # a captioned run's captions, read before any image decodes: a bad one stops the run here (captions.py)
-    texts, choices = captions.caption_table(data.run_captions(args)) if args.text_encoder else (None, None)
+    texts, choices = captions.caption_table(data.run_captions(args), args.grid_prompts) if args.text_encoder else (None, None)
     if args.vae:  # the checkpoint is chosen, and its latent space checked, before a dataset is encoded
         source = latent_source(args, unreadable)
         start_from = choose_start(args, processes, source.class_names, source.latent_space, flow_sigmas, resume_from)
@@ -831,15 +831,16 @@ class Evaluation:
         args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
         seeds = sampling.image_seeds(args.seed, args.eval_batch_size)
         rows = sampling.grid_rows(args.eval_batch_size, args.image_size)
-        labels = sampling.grid_labels(min(self.num_classes, rows) if self.texts else self.num_classes,
-                                      args.eval_batch_size, args.image_size)  # fmt: skip
+        # a captioned run's rows: its grid prompts (a --config file's), else its first captions, in turn
+        shown = min(len(args.grid_prompts or ()) or self.num_classes, rows) if self.texts else self.num_classes
+        labels = sampling.grid_labels(shown, args.eval_batch_size, args.image_size)
         images = sampling.generate(self.averaged_network(), self.pieces.sampling_scheduler, seeds, args.num_inference_steps,
                                  self.processes.accelerator.autocast, labels, args.guidance_scale[0], self.guide,
                                  self.decode)  # fmt: skip
         try:
             sampling.save_grid(images, path)
             if self.texts:  # the prompt of each row, beside the grid
-                path.with_suffix(".txt").write_text("".join(f"row {r + 1}: {self.texts[r % self.num_classes]}\n"
+                path.with_suffix(".txt").write_text("".join(f"row {r + 1}: {self.texts[r % shown]}\n"
                                                             for r in range(rows)))  # fmt: skip
         except OSError as e:
             raise RunError(checkpoint.cannot_write(path, e)) from None

@@ -61,10 +61,10 @@ def test_a_runs_train_config_json_resolves_to_the_same_configuration(tmp_path):
     train.main(train.parse_args([*map(str, argv)]))
     assert not (tmp_path / "run" / "logs").exists()  # --logger none: no tensorboard logs
     saved = tmp_path / "run" / "train_config.json"
-    # it records today's flags, the facts of the run and, apart, the settings: no removed flag, nothing derived of one
+    # it records today's flags, a --config file's keys, the facts of the run and, apart, the settings: nothing removed
     written = json.loads(saved.read_text())
     flags = {a.dest for a in config.build_parser()._actions if a.option_strings}
-    assert not set(written) - flags - set(config.DERIVED_KEYS) - {"settings"}, "neither a flag nor a fact of the run"
+    assert not set(written) - flags - {*config.DERIVED_KEYS, *config.FILE_KEYS, "settings"}, "neither a flag nor a fact of the run"
     assert not set(written) & set(config.REMOVED) and not set(written) & set(config.SETTING_NAMES)
     assert written["settings"] == {name: getattr(resolved(*argv), name) for name in config.SETTING_NAMES}
     again = vars(resolved("--config", saved))

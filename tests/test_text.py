@@ -271,6 +271,22 @@ def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(cli
     assert "trained from captions: say what to draw with --prompt" in capsys.readouterr().err
 
 
+def test_a_config_file_s_grid_prompts_are_the_grid_s_rows_and_are_refused_where_they_cannot_be(clip, tmp_path, capsys):
+    data, file = captioned_folder(tmp_path / "data", 4), tmp_path / "run.yaml"
+    file.write_text('grid_prompts: ["a purple square", "a red square"]\n')
+    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    config_ = run(tmp_path / "run", "--config", file, *flags, "--max_train_steps", 1, "--checkpointing_steps", 1)
+    grid = sorted((tmp_path / "run" / "samples").glob("*.txt"))[-1].read_text().splitlines()
+    assert grid[:3] == ["row 1: a purple square", "row 2: a red square", "row 3: a purple square"]
+    assert config_["grid_prompts"] == ["a purple square", "a red square"] and "(encoded 8 into" in capsys.readouterr().out  # 6 + its own + ""
+    for text, words in [("grid_prompts: a cat\n", "grid_prompts takes a list of captions"),
+                        ('grid_prompts: ["a cat"]\ndataset: shapes\n', "grid_prompts are a captioned run's")]:  # fmt: skip
+        file.write_text(text)
+        with pytest.raises(SystemExit):
+            run(tmp_path / "refused", "--config", file)
+        assert words in capsys.readouterr().err
+
+
 def test_prompts_are_for_a_captioned_run_and_a_prompt_file_must_be_readable(tmp_path):
     args = sample.parse_args(["run", "--prompt", "a cat"])
     with pytest.raises(ConfigError, match="--prompt is for a run trained from captions"):
