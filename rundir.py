@@ -149,7 +149,8 @@ def save_network(unet, folder, noise_scheduler=None, text=None):
     saves it again from the last checkpoint rather than take a half-written or an older one for saved."""
     folder = Path(folder)
     mark = pipeline_mark(noise_scheduler is not None)
-    (folder / mark).unlink(missing_ok=True)
+    for stale in (pipeline_mark(True), mark):  # a pipeline an earlier run left here would load this network as its own
+        (folder / stale).unlink(missing_ok=True)
     staging = folder / STAGING
     shutil.rmtree(staging, ignore_errors=True)  # what a save cut short left
     if text is not None:  # the network as diffusers' own class: model.TextUNet and TextDiT add no weights

@@ -557,8 +557,10 @@ def test_another_runs_output_dir_is_not_overwritten_without_the_flag(tmp_path, c
     run(out, "--max_train_steps", 2)
     assert exit_code(out, "--no-resume") == 2
     assert "--overwrite_output_dir" in capsys.readouterr().err
-    run(out, "--no-resume", "--overwrite_output_dir", "--max_train_steps", 1, "--checkpointing_steps", 10)
+    assert (out / "model_index.json").is_file()  # a DDPM run's pipeline
+    run(out, "--no-resume", "--overwrite_output_dir", "--max_train_steps", 1, "--checkpointing_steps", 10, "--objective", "edm")
     assert checkpoints(out) == ["checkpoint-1"]
+    assert not (out / "model_index.json").exists()  # an EDM run's network alone: no stale pipeline to load it as DDPM
 
 
 # accelerate's --cpu launcher starts one process; --multi_gpu starts torchrun, and
