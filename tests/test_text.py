@@ -311,23 +311,30 @@ def test_two_processes_train_a_captioned_run_as_one(clip, tmp_path):
     assert type(models.load_network(out / "unet")).__name__ == "TextUNet"
 
 
-def test_a_captioned_run_on_latents_reads_each_latent_s_captions_by_its_image(clip, tmp_path, capsys):
+def test_a_captioned_run_on_latents_reads_each_latent_s_captions_by_its_image_and_resumes_bit_for_bit(clip, tmp_path, capsys):
     """The latents keep their images' indices: an unreadable image is left out of the cache, and the images after it
-    keep their own captions."""
+    keep their own captions. Resumed, it draws the captions the run would have."""
     from test_latents import make_kl
 
     data = captioned_folder(tmp_path / "data")
     (data / "05.png").write_bytes(b"not a png")  # its latent missing: every later row one place up
-    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    flags = [str(f).format(clip=clip, data=data) for f in RUN] + ["--vae", make_kl(tmp_path / "vae"), "--checkpointing_steps", 1]
     found = []
     real = train.set_up_data
     with pytest.MonkeyPatch.context() as m:
         m.setattr(train, "set_up_data", lambda *a: found.append(real(*a)) or found[-1])
-        config_ = run(tmp_path / "run", *flags, "--vae", make_kl(tmp_path / "vae"), "--max_train_steps", 2)
+        config_ = run(tmp_path / "run", *flags, "--max_train_steps", 2)
     assert config_["latents"] and config_["num_captions"] == 6 and "captions: 6 distinct" in capsys.readouterr().out
     texts, choices = captions.caption_table(captions.folder_captions(data, sorted(data.glob("*.png"))))
     kept = [i for i in range(16) if i != 5]
     assert torch.equal(found[0].labels, choices[kept])  # row r: image kept[r]'s captions
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "checkpoint-1", resumed / "checkpoints" / "checkpoint-1")
+    run(resumed, *flags, "--max_train_steps", 2)
+    a, _ = tensors_of(tmp_path / "run" / "unet")
+    b, _ = tensors_of(resumed / "unet")
+    assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_ddpm_run_on_a_vae_s_latents_with_clip_saves_a_stable_diffusion_pipeline(clip, tmp_path):
@@ -376,6 +383,9 @@ def test_a_ddpm_dit_on_a_vae_s_latents_with_t5_saves_a_pixart_alpha_pipeline(tmp
     images = pipeline("a red square", num_inference_steps=2, guidance_scale=3, output_type="np",
                       use_resolution_binning=False).images  # fmt: skip
     assert images.shape == (1, 16, 16, 3) and "PixArtAlphaPipeline.from_pretrained" in (out / "README.md").read_text()
+    sample.main(sample.parse_args([str(out), "--prompt", "green", "--num_images", "1", "--num_inference_steps", "2",
+                                   "--output", str(tmp_path / "drawn"), "--no-copies", "--device", "cpu"]))  # fmt: skip
+    assert (tmp_path / "drawn" / "000000.png").is_file()  # sample.py reads the pipeline too
 
 
 def test_a_saved_datasets_dataset_trains_from_its_caption_column_with_edm(clip, tmp_path, capsys):
@@ -392,3 +402,7 @@ def test_a_saved_datasets_dataset_trains_from_its_caption_column_with_edm(clip, 
     config_ = run(tmp_path / "run", *flags, "--objective", "edm", "--max_train_steps", 2)
     assert config_["num_captions"] == 4 and "captions: 4 distinct captions" in capsys.readouterr().out
     assert (tmp_path / "run" / "unet" / "config.json").is_file()
+    sample.main(sample.parse_args([str(tmp_path / "run"), "--prompt", "a blue square", "--num_images", "1",
+                                   "--num_inference_steps", "2", "--output", str(tmp_path / "drawn"), "--no-copies",
+                                   "--device", "cpu"]))  # fmt: skip
+    assert (tmp_path / "drawn" / "000000.png").is_file()
