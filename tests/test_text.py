@@ -200,6 +200,7 @@ def test_the_flops_count_the_cross_attention():
     assert type(net).__name__ == "TextUNet" and text["params"] == sum(p.numel() for p in net.parameters())
     assert text["flops_fwdbwd"] > plain["flops_fwdbwd"] and flops.network_flops("tiny", 16, 2, text=(32, 8))["flops_fwd"] < text["flops_fwd"]
 
+
 def test_every_resnet_of_a_captioned_unet_reads_the_caption_not_its_middle_alone(clip):
     """`small` has attention only in its middle: with that cross-attention cut, the caption still reaches the
     output through the time embedding (trained, its prompts were followed only so: docs/text.md)."""
