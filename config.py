@@ -622,9 +622,6 @@ def resolve(args):
     if args.text_encoder and not models.family(args.model)[0].text_build:
         raise ConfigError(f"--text_encoder: {models.family(args.model)[0].called} cannot attend to captions yet; train a "
                           "UNet or DiT preset (--model small, dit-b2, ...) from captions (docs/text.md)")  # fmt: skip
-    if args.text_encoder and args.token_routing:
-        raise ConfigError("--token_routing routes a class-conditional DiT's tokens; a captioned DiT (PixArt-α's blocks) "
-                          "does not route them yet: drop one of them")  # fmt: skip
     loss_terms.check(loss_terms.parse(args.loss_terms), objectives.of(args.objective),
                      models.family_name(args.model), args.train_batch_size, bool(args.token_routing))  # fmt: skip
     if args.logger == "wandb" and importlib.util.find_spec("wandb") is None:

@@ -23,6 +23,10 @@ sine-cosine embedding of their rows and columns (a square's is diffusers' own), 
 diffusers' but for its output, puts the patches back in rows and columns (diffusers' assumes a square).
 diffusers' DiTTransformer2DModel loads only a square network.
 
+A captioned DiT (`text_dim` > 0, --text_encoder) takes caption ids for labels: it attends to the caption's tokens in
+every block, and its pooled caption stands where the class label's embedding does (DiT._read_captions). diffusers has
+no class for it: it is saved as DiT.
+
 Token routing (TREAD, Krause et al. 2025; --token_routing): while training, a random share of each image's
 tokens skips from an early block to a late one and rejoins there unchanged; the others go through. The
 count routed is fixed (static shapes for compile and CUDA graphs) and drawn on the device. Sampling, and
@@ -39,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from diffusers import DiTTransformer2DModel
 from diffusers.configuration_utils import register_to_config
-from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
+from diffusers.models.attention_processor import Attention
+from diffusers.models.embeddings import PixArtAlphaTextProjection, TextTimeEmbedding, get_2d_sincos_pos_embed_from_grid
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from errors import ConfigError
@@ -110,17 +115,18 @@ class DiT(DiTTransformer2DModel):
     # A saved network's embedders of the blocks after the first (all equal to block 0's) are not in the state
     # dict, which holds the tied one once (_tied_held_once): from_pretrained loads block 0's and says nothing
     _keys_to_ignore_on_load_unexpected = (r"^transformer_blocks\.[1-9][0-9]*\.norm1\.emb\.",)
+    captions = None  # a captioned DiT's caption table (captions.Embeddings), set as model.TextUNet's; never saved
 
     @register_to_config
     def __init__(
         self, num_classes=None, num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=None,
         num_layers=28, dropout=0.0, norm_num_groups=32, attention_bias=True, sample_size=32, patch_size=2,
         activation_fn="gelu-approximate", num_embeds_ada_norm=None, upcast_attention=False, norm_type="ada_norm_zero",
-        norm_elementwise_affine=False, norm_eps=1e-5,
+        norm_elementwise_affine=False, norm_eps=1e-5, text_dim=0,
     ):  # fmt: skip
         # DiTTransformer2DModel's arguments (its config keys, so that it loads what this saves), and
         # num_classes: 0 unconditional (one class), else the classes; None (a plain DiTTransformer2DModel's
-        # config, e.g. facebook/DiT-XL-2-256): its num_embeds_ada_norm
+        # config, e.g. facebook/DiT-XL-2-256): its num_embeds_ada_norm; text_dim > 0: captioned (_read_captions)
         if num_classes is None:
             num_classes = num_embeds_ada_norm or 0
         height, width = (sample_size, sample_size) if isinstance(sample_size, int) else sample_size
@@ -131,19 +137,38 @@ class DiT(DiTTransformer2DModel):
             activation_fn=activation_fn, num_embeds_ada_norm=max(num_classes, 1), upcast_attention=upcast_attention,
             norm_type=norm_type, norm_elementwise_affine=norm_elementwise_affine, norm_eps=norm_eps,
         )  # fmt: skip
-        self.register_to_config(num_classes=num_classes, num_embeds_ada_norm=max(num_classes, 1), sample_size=sample_size)
+        self.register_to_config(num_classes=num_classes, num_embeds_ada_norm=max(num_classes, 1), sample_size=sample_size,
+                                text_dim=text_dim)  # fmt: skip
         if width != height:  # diffusers' PatchEmbed holds a square's positions
             embed = self.pos_embed
             self.width, embed.height, embed.width = width, height // patch_size, width // patch_size
             embed.register_buffer("pos_embed", positions(self.inner_dim, embed.height, embed.width), persistent=False)
+        if text_dim:
+            self._read_captions(text_dim)
         self._tie()
         self.routing = None  # a Routing while training with --token_routing (training.build)
         self.register_state_dict_post_hook(_tied_held_once)
         self.register_load_state_dict_pre_hook(_tied_filled_in)
 
+    def _read_captions(self, text_dim):
+        """A captioned DiT: the caption's tokens projected to the blocks' width once (PixArt-α's projection), each
+        block attending to them (cross-attention after the self-attention, as PixArt-α's), and the caption pooled by
+        attention in the class label's place in the adaLN conditioning every block and the final layer read (the
+        UNet's pooled caption, diffusers' "text" addition embedding). Its `class_labels` are caption ids into
+        `captions`, as model.TextUNet's."""
+        dim, heads = self.inner_dim, self.config.num_attention_heads
+        self.caption_projection = PixArtAlphaTextProjection(text_dim, dim)
+        self.caption_pool = TextTimeEmbedding(dim, dim, num_heads=heads)
+        self.transformer_blocks[0].norm1.emb.class_embedder = torch.nn.Identity()  # the pooled caption, as it is
+        for block in self.transformer_blocks:
+            block.norm2 = torch.nn.LayerNorm(dim, self.config.norm_eps, self.config.norm_elementwise_affine)
+            block.attn2 = Attention(dim, cross_attention_dim=dim, heads=heads, dim_head=dim // heads,
+                                    bias=self.config.attention_bias)  # fmt: skip
+
     def _tie(self):
         shared = self.transformer_blocks[0].norm1.emb
-        shared.class_embedder.dropout_prob = 0.0  # train.py drops labels, once per image
+        if not self.config.text_dim:
+            shared.class_embedder.dropout_prob = 0.0  # train.py drops labels, once per image
         for block in self.transformer_blocks[1:]:
             block.norm1.emb = shared
 
@@ -160,6 +185,12 @@ class DiT(DiTTransformer2DModel):
             fill = self.config.num_classes if self.config.num_classes else 0
             class_labels = torch.full((len(sample),), fill, dtype=torch.long, device=sample.device)
         labels, p, channels = class_labels.reshape(-1), self.patch_size, self.out_channels
+        words = words_mask = None
+        if self.config.text_dim:  # the caption's tokens to attend to (the mask as a bias, PixArt's), pooled as the label
+            table = self.captions
+            words, words_mask = self.caption_projection(table.embeddings[labels].to(sample.dtype)), table.mask[labels]
+            words_mask = ((~words_mask).to(sample.dtype) * -10000.0).unsqueeze(1)
+            labels = self.caption_pool(words)
         rows, columns = sample.shape[-2] // p, sample.shape[-1] // p
         x = self.pos_embed(sample)
         route = self.routing if self.training and torch.is_grad_enabled() else None
@@ -167,7 +198,7 @@ class DiT(DiTTransformer2DModel):
             if route and i == route.first:  # the kept tokens go on; the others wait here, as they are
                 waiting, kept = x, kept_tokens(x, route.share)
                 x = x.gather(1, kept)
-            inputs = (x, None, None, None, timestep, cross_attention_kwargs, labels)
+            inputs = (x, None, words, words_mask, timestep, cross_attention_kwargs, labels)
             checkpointed = torch.is_grad_enabled() and self.gradient_checkpointing
             x = self._gradient_checkpointing_func(block, *inputs) if checkpointed else block(*inputs)
             if route and i == route.last:
@@ -192,7 +223,8 @@ class DiT(DiTTransformer2DModel):
                 block.norm1.emb = shared
         config = Path(args[0] if args else kwargs["save_directory"]) / self.config_name
         saved = json.loads(config.read_text())  # the class diffusers knows (num_classes: an extra key it ignores)
-        config.write_text(json.dumps(saved | {"_class_name": DiTTransformer2DModel.__name__}, indent=2, sort_keys=True) + "\n")
+        if not saved.pop("text_dim"):  # a captioned DiT is none of diffusers': saved as DiT
+            config.write_text(json.dumps(saved | {"_class_name": DiTTransformer2DModel.__name__}, indent=2, sort_keys=True) + "\n")
         return result
 
     @classmethod

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
-from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel, UNet2DConditionModel, UNet2DModel
+from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 
 import dit
 import sizes
@@ -312,7 +312,8 @@ class Family(NamedTuple):
     lr_schedule: str = "cosine"  # --lr_scheduler where its preset names none (EDM2's: constant after warm-up)
     routes_tokens: bool = False  # --token_routing applies (a DiT's blocks all take the same tokens: dit.py)
     # A captioned run's (--text_encoder) network: (settings, sample_size, channels, text_dim) -> one attending to the
-    # captions' embeddings, and its class; None where the family takes no captions.
+    # captions' embeddings (None where the family takes no captions), and the class it loads as where that is not
+    # network_class (one saved as `text_class` or its diffusers base).
     text_build: Callable = None
     text_class: type = None
 
@@ -357,29 +358,9 @@ def _build_text_unet(settings, sample_size, channels, text_dim):
     return net
 
 
-class TextDiT(PixArtTransformer2DModel):
-    """diffusers' PixArtTransformer2DModel (PixArt-α's blocks: self-attention, cross-attention to the caption's
-    embeddings projected to the blocks' width, a feed-forward layer, one adaLN-single timestep embedding shared by
-    all), whose `class_labels` are caption ids, as TextUNet's; the timestep may be a number or one per image."""
-
-    captions = None  # as TextUNet's
-    _repeated_blocks = ("BasicTransformerBlock",)
-
-    def forward(self, sample, timestep, class_labels=None, return_dict=True):
-        table = self.captions
-        timestep = torch.as_tensor(timestep, device=sample.device).reshape(-1).expand(len(sample))
-        return super().forward(sample, encoder_hidden_states=table.embeddings[class_labels].to(sample.dtype),
-                               timestep=timestep, added_cond_kwargs=dict(resolution=None, aspect_ratio=None),
-                               encoder_attention_mask=table.mask[class_labels], return_dict=return_dict)  # fmt: skip
-
-
 def _build_text_dit(settings, sample_size, channels, text_dim):
-    """A captioned run's DiT: the preset's depth, heads and patches in PixArt-α's blocks (TextDiT), attending to
-    `text_dim`-wide embeddings. A wide image's patches get the sine-cosine positions of their rows and columns."""
-    side = sample_size if isinstance(sample_size, int) else max(sample_size)
-    return TextDiT(in_channels=channels, out_channels=channels, sample_size=side, caption_channels=text_dim,
-                   cross_attention_dim=settings["num_attention_heads"] * settings["attention_head_dim"],
-                   use_additional_conditions=False, **settings)  # fmt: skip  (PixArt's size inputs: its 1024px model's)
+    """A captioned run's DiT: the project's own (dit.DiT), attending to `text_dim`-wide embeddings."""
+    return DiT(sample_size=sample_size, in_channels=channels, out_channels=channels, text_dim=text_dim, **settings)
 
 
 def stand_in_captions(net, batch_size, text, device="meta"):
@@ -450,10 +431,10 @@ FAMILIES = {
     "dit": Family(lambda settings, size, channels, classes: DiT(sample_size=size, num_classes=classes,
                                                                 in_channels=channels, out_channels=channels, **settings),
                   lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks,
-                  network_class=DiT, classes=("DiTTransformer2DModel", "DiT", "TextDiT"), source_class=DiTTransformer2DModel,
+                  network_class=DiT, classes=("DiTTransformer2DModel", "DiT"), source_class=DiTTransformer2DModel,
                   layout=("num_layers", "num_attention_heads", "attention_head_dim", "patch_size"),
                   compile_costs=DIT_COSTS, called="a DiT", card_lines=_dit_card_lines, routes_tokens=True,
-                  text_build=_build_text_dit, text_class=TextDiT),
+                  text_build=_build_text_dit),
 }  # fmt: skip
 
 

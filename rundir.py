@@ -112,14 +112,15 @@ def pipeline_mark(pipeline):
 
 
 # A captioned run's diffusers pipeline: (pipeline class, its network's folder, the family and encoder it takes)
-TEXT_PIPELINES = {"StableDiffusionPipeline": ("unet", "unet", "CLIP"), "PixArtAlphaPipeline": ("transformer", "dit", "T5")}
+TEXT_PIPELINES = {"StableDiffusionPipeline": ("unet", "unet", "CLIP")}
 
 
 def text_pipeline_parts(config, vae, encoder):
     """A captioned run's diffusers pipeline beside its network and scheduler: {"pipeline": its class name, and its
     VAE, text encoder and tokenizer}, where the pipeline samples what the run trained: Stable Diffusion's recipe (a
-    UNet, a CLIP encoder) or PixArt-α's (a DiT, a T5 encoder), on latents scaled by the VAE's scaling_factor alone,
-    with DDPM's objective (the pipelines' schedulers step DDPM's noise); else None (sample.py samples it)."""
+    UNet, a CLIP encoder, on latents scaled by the VAE's scaling_factor alone, with DDPM's objective: the pipeline's
+    scheduler steps DDPM's noise); else None (sample.py samples it). diffusers has no pipeline for a captioned DiT:
+    the project's own network (dit.py), not PixArt-α's."""
     normalization = (config.get("latents") or {}).get("normalization") or {}
     if not (config.get("text_encoder") and config.get("objective") == "ddpm" and normalization.get("kind") == "vae"
             and not normalization.get("shift_factor") and "latents_mean" not in normalization
@@ -141,7 +142,7 @@ def text_pipeline_of(folder):
 
 def save_network(unet, folder, noise_scheduler=None, text=None):
     """What RunDir.load reads back: a DDPMPipeline in `folder` (a DDPM run: pass its
-    `noise_scheduler`), a StableDiffusionPipeline or PixArtAlphaPipeline (`text`: text_pipeline_parts', with the scheduler), or the
+    `noise_scheduler`), a StableDiffusionPipeline (`text`: text_pipeline_parts', with the scheduler), or the
     network alone in folder/unet (an EDM run: no diffusers pipeline samples it; model.load_network reads it).
 
     Its mark (pipeline_mark) goes first; the network is written whole into folder/STAGING, then moved into
@@ -153,13 +154,12 @@ def save_network(unet, folder, noise_scheduler=None, text=None):
         (folder / stale).unlink(missing_ok=True)
     staging = folder / STAGING
     shutil.rmtree(staging, ignore_errors=True)  # what a save cut short left
-    if text is not None:  # the network as diffusers' own class: model.TextUNet and TextDiT add no weights
+    if text is not None:  # the network as diffusers' own class: model.TextUNet adds no weights
         text = dict(text)
         name = text.pop("pipeline")
         plain = type(unet).__base__.from_config(unet.config)
         plain.load_state_dict(unet.state_dict())
-        if name == "StableDiffusionPipeline":
-            text.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        text.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         getattr(diffusers, name)(scheduler=noise_scheduler, **{TEXT_PIPELINES[name][0]: plain}, **text).save_pretrained(str(staging))
     elif noise_scheduler is not None:
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(str(staging))
@@ -228,11 +228,10 @@ def write_model_card(folder, config):
     lines += ["## Use", ""]
     pipeline = text_pipeline_of(folder)
     if pipeline:
-        binning = ", use_resolution_binning=False" if pipeline == "PixArtAlphaPipeline" else ""  # its sizes: 256 to 1024
         lines += ["```python", f"from diffusers import {pipeline}", "",
                   f'pipeline = {pipeline}.from_pretrained("USER/REPO")  # or this folder',
                   f'images = pipeline("a prompt", num_inference_steps={config.get("num_inference_steps")}, '
-                  f"guidance_scale={config.get('guidance_scale', [1])[0]}{binning}).images", "```", "",
+                  f"guidance_scale={config.get('guidance_scale', [1])[0]}).images", "```", "",
                   "`python sample.py FOLDER --prompt TEXT` samples it too.", ""]  # fmt: skip
     elif objectives.saves_pipeline(config) and not conditional and not latent:
         lines += ["```python", "from diffusers import DDPMPipeline", "",

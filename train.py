@@ -789,7 +789,7 @@ class Evaluation:
         self.args, self.output_dir, self.processes, self.pieces = args, Path(args.output_dir), processes, pieces
         self.evaluator, self.guide, self.decode, self.vae = evaluator, guide, decode, vae
         self.num_classes, self.class_counts = num_classes, class_counts  # a conditional run's: labels drawn as in the data
-        self.texts = texts  # a captioned run's captions (its labels are their ids): the grid's rows take the first
+        self.texts = texts  # a captioned run's captions (its labels are their ids), which the grid's rows ask for
         self.text_pipeline = text_pipeline  # a captioned run's pipeline and its parts (rundir.text_pipeline_parts), or None
         self.images = images
         self.last_copy_check = None  # the latest evaluation's copy check, for run.json
@@ -830,18 +830,18 @@ class Evaluation:
         a conditional run's rows go through the classes in turn."""
         args, path = self.args, self.output_dir / "samples" / f"{epoch:04d}.png"
         seeds = sampling.image_seeds(args.seed, args.eval_batch_size)
-        rows = sampling.grid_rows(args.eval_batch_size, args.image_size)
-        # a captioned run's rows: its grid prompts (a --config file's), else its first captions, in turn
-        shown = min(len(args.grid_prompts or ()) or self.num_classes, rows) if self.texts else self.num_classes
-        labels = sampling.grid_labels(shown, args.eval_batch_size, args.image_size)
+        # a captioned run's rows: its grid prompts (a --config file's, first in its table), else its captions spread
+        # over the rows (a folder sorted by class would otherwise show one class)
+        labels = sampling.grid_labels(len(args.grid_prompts or ()) or self.num_classes, args.eval_batch_size, args.image_size)
         images = sampling.generate(self.averaged_network(), self.pieces.sampling_scheduler, seeds, args.num_inference_steps,
                                  self.processes.accelerator.autocast, labels, args.guidance_scale[0], self.guide,
                                  self.decode)  # fmt: skip
         try:
             sampling.save_grid(images, path)
             if self.texts:  # the prompt of each row, beside the grid
-                path.with_suffix(".txt").write_text("".join(f"row {r + 1}: {self.texts[r % shown]}\n"
-                                                            for r in range(rows)))  # fmt: skip
+                row_labels = labels[:: sampling.grid_columns(len(labels), *sizes.height_width(args.image_size))].tolist()
+                path.with_suffix(".txt").write_text("".join(f"row {r + 1}: {self.texts[label]}\n"
+                                                            for r, label in enumerate(row_labels)))  # fmt: skip
         except OSError as e:
             raise RunError(checkpoint.cannot_write(path, e)) from None
 

@@ -177,7 +177,6 @@ def test_captions_are_encoded_once_and_a_preempted_encode_keeps_its_pieces(clip,
 
 @pytest.mark.parametrize("flags, words", [
     (["--model", "edm2tiny"], "an EDM2 network cannot attend to captions yet"),
-    (["--model", "dit-tiny", "--token_routing", "0.5"], "does not route them yet"),
     (["--class_conditional"], "pick one"),
     (["--dataset", "shapes"], "the built-in shapes have none"),
 ])  # fmt: skip
@@ -199,6 +198,24 @@ def test_the_flops_count_the_cross_attention():
     net = models.build_network("tiny", 16, text_dim=32)
     assert type(net).__name__ == "TextUNet" and text["params"] == sum(p.numel() for p in net.parameters())
     assert text["flops_fwdbwd"] > plain["flops_fwdbwd"] and flops.network_flops("tiny", 16, 2, text=(32, 8))["flops_fwd"] < text["flops_fwd"]
+    dit = flops.network_flops("dit-tiny", 16, 2, text=(32, 16))
+    assert dit["params"] == sum(p.numel() for p in models.build_network("dit-tiny", 16, text_dim=32).parameters())
+    assert dit["flops_fwd"] > flops.network_flops("dit-tiny", 16, 2)["flops_fwd"]
+
+
+def test_a_captioned_dit_reads_the_caption_in_every_block_s_adaln_not_its_cross_attention_alone(clip):
+    """The pooled caption takes the class label's place in the conditioning each block's adaLN and the final layer
+    read: with every cross-attention cut, two captions still give two outputs (PixArt-α's blocks, which condition
+    by cross-attention alone, did not follow their prompts: docs/text.md)."""
+    torch.manual_seed(0)
+    net = models.build_network("dit-tiny", 16, text_dim=32)
+    texts, _ = captions.caption_table([["red"], ["blue"]])
+    net.captions = captions.cached_embeddings(captions.load_text_encoder(str(clip)), texts, log=None)
+    for block in net.transformer_blocks:
+        block.attn2 = None
+    x, t = torch.randn(1, 3, 16, 16).expand(2, -1, -1, -1), torch.tensor([500, 500])
+    out = net(x, t, class_labels=torch.tensor([0, 1]), return_dict=False)[0]
+    assert not torch.allclose(out[0], out[1])
 
 
 def test_every_resnet_of_a_captioned_unet_reads_the_caption_not_its_middle_alone(clip):
@@ -241,17 +258,17 @@ RUN = ["--text_encoder", "{clip}", "--dataset", "{data}", "--train_batch_size", 
        "--checkpointing_steps", 4, "--save_images_epochs", 100, "--eval_batch_size", 8]  # fmt: skip
 
 
-@pytest.mark.parametrize("network", ["tiny", "dit-tiny"])
+@pytest.mark.parametrize("network", [["--model", "tiny"], ["--model", "dit-tiny", "--token_routing", "0.5"]])
 def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(clip, tmp_path, capsys, network):
     data = captioned_folder(tmp_path / "data")
-    flags = [str(f).format(clip=clip, data=data) for f in RUN] + ["--model", network]
+    flags = [str(f).format(clip=clip, data=data) for f in RUN] + network
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     config_ = run(straight, *flags)
     out = capsys.readouterr().out
     assert "captions: 6 distinct captions" in out and "(encoded 7 into" in out  # green and yellow have two
     assert config_["num_captions"] == 6 and config_["text_dim"] == 32 and config_["num_classes"] == 0
     grid = sorted((straight / "samples").glob("*.txt"))[-1].read_text().splitlines()
-    assert grid[:3] == ["row 1: a red square", "row 2: a green square", "row 3: green"]  # each row's prompt
+    assert grid == ["row 1: a red square", "row 2: green", "row 3: a yellow square"]  # the captions spread over the rows
     assert "text-to-image" in (straight / "README.md").read_text() and not (straight / "model_index.json").exists()
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "checkpoint-4", resumed / "checkpoints" / "checkpoint-4")
@@ -270,6 +287,27 @@ def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(cli
     with pytest.raises(SystemExit):
         sample.main(sample.parse_args([str(straight), "--num_images", "1", "--output", str(tmp_path / "x"), "--device", "cpu"]))
     assert "trained from captions: say what to draw with --prompt" in capsys.readouterr().err
+
+
+def test_a_captioned_run_s_fid_samples_ask_for_its_images_captions(clip, tmp_path, monkeypatch):
+    """The evaluation draws its samples from captions as the data holds them (each image's first), never the empty
+    one, and scores them."""
+    import metrics
+    from test_metrics import TinyFeatures
+
+    monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
+    asked, real = [], train.sampling.generate_batches
+    monkeypatch.setattr(train.sampling, "generate_batches", lambda *a, **kw: asked.append(a[7]) or real(*a, **kw))
+    (tmp_path / "inception.pth").touch()
+    flags = [str(f).format(clip=clip, data=captioned_folder(tmp_path / "data")) for f in RUN]
+    run(tmp_path / "run", *flags, "--max_train_steps", 4, "--eval_every_epochs", 1, "--eval_num_samples", 6,
+        "--fid_weights", tmp_path / "inception.pth")  # fmt: skip
+    texts, _ = captions.caption_table(captions.folder_captions(tmp_path / "data", sorted((tmp_path / "data").glob("*.png"))))
+    firsts = {texts.index(f"a {c} square") for c in COLOURS}
+    labels = [a for a in asked if a is not None and len(a) == 6][0]  # the evaluation's (the grid asks its rows)
+    assert set(labels.tolist()) <= firsts and len(set(labels.tolist())) > 1
+    (result,) = json.loads((tmp_path / "run" / "eval_results.json").read_text())
+    assert result["num_images"] == 6 and result["fid"] >= 0
 
 
 def test_a_config_file_s_grid_prompts_are_the_grid_s_rows_and_are_refused_where_they_cannot_be(clip, tmp_path, capsys):
@@ -370,23 +408,21 @@ def test_the_labelled_set_s_captions_are_its_class_names_in_templates(tmp_path):
     assert captions.folder_captions(tmp_path / "train", paths)[1] == [t.format("coins") for t in labelled.TEMPLATES]
 
 
-def test_a_ddpm_dit_on_a_vae_s_latents_with_t5_saves_a_pixart_alpha_pipeline(tmp_path):
-    """PixArt-α's recipe (its blocks, a T5 encoder, DDPM on latents): the run saves diffusers' PixArtAlphaPipeline,
-    which generates from a prompt."""
-    from diffusers import PixArtAlphaPipeline
+def test_a_ddpm_dit_on_a_vae_s_latents_with_t5_saves_its_network_for_sample_py(tmp_path):
+    """PixArt-α's recipe (a DiT, a T5 encoder, DDPM on latents) on the project's DiT, which no diffusers pipeline
+    holds: the run saves the network alone, saved as a DiT (never as diffusers' DiTTransformer2DModel, which would
+    load it without its captions' layers), and its card sends the user to sample.py, which draws from a prompt."""
     from test_latents import make_kl
 
     data, out = captioned_folder(tmp_path / "data"), tmp_path / "run"
     flags = [str(f).format(clip=write_t5(tmp_path / "t5"), data=data) for f in RUN]
     run(out, *flags, "--model", "dit-tiny", "--vae", make_kl(tmp_path / "vae", scaling_factor=0.5), "--objective", "ddpm",
         "--max_train_steps", 2)  # fmt: skip
-    pipeline = PixArtAlphaPipeline.from_pretrained(out)
-    images = pipeline("a red square", num_inference_steps=2, guidance_scale=3, output_type="np",
-                      use_resolution_binning=False).images  # fmt: skip
-    assert images.shape == (1, 16, 16, 3) and "PixArtAlphaPipeline.from_pretrained" in (out / "README.md").read_text()
+    assert not (out / "model_index.json").exists() and "sample.py" in (out / "README.md").read_text()
+    assert json.loads((out / "unet" / "config.json").read_text())["_class_name"] == "DiT"
     sample.main(sample.parse_args([str(out), "--prompt", "green", "--num_images", "1", "--num_inference_steps", "2",
                                    "--output", str(tmp_path / "drawn"), "--no-copies", "--device", "cpu"]))  # fmt: skip
-    assert (tmp_path / "drawn" / "000000.png").is_file()  # sample.py reads the pipeline too
+    assert (tmp_path / "drawn" / "000000.png").is_file()
 
 
 def test_a_saved_datasets_dataset_trains_from_its_caption_column_with_edm(clip, tmp_path, capsys):
