@@ -96,11 +96,6 @@ def grid_columns(count, height, width):
     return math.ceil(math.sqrt(count * height / width))
 
 
-def grid_rows(count, image_size=1):
-    """The rows of save_grid's grid of `count` images of `image_size`."""
-    return math.ceil(count / grid_columns(count, *sizes.height_width(image_size)))
-
-
 def grid_labels(num_classes, count, image_size=1):
     """A conditional run's grid of `count` images of `image_size` (sizes): row r shows class r (mod the classes),
     or with more classes than rows, classes spread over the rows."""
