@@ -1,8 +1,8 @@
 """Curves and crossings from a record's scores (python curves.py DIR CANDIDATE BASELINE): each run's score at each
 checkpoint with its training seconds (DIR/scores.txt's at_s; faces FD from the line, or class match and photos FD
 from DIR/NAME-atSTEPS.json), then for each seed the seconds and the steps CANDIDATE_sN needs to reach BASELINE_sN's
-final FD, over BASELINE_sN's (the first crossing, straight between scored points). 2026-12-02-cpu-muon-small reads it
-too."""
+final FD, over BASELINE_sN's (the first crossing, straight between scored points). 2026-12-02-cpu-muon-small and
+2026-12-02-cpu-muon-4x read it too."""
 
 import json
 import re
@@ -12,7 +12,7 @@ from pathlib import Path
 where, candidate, baseline = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 runs = {}  # name -> [(steps, seconds, FD, match % or None)]
 for line in (where / "scores.txt").read_text().splitlines():
-    m = re.match(r"(\S+) steps (\d+) at_s=(\d+) .*\| (.*)", line)
+    m = re.match(r"(\S+) steps (\d+) (?:\(.*?\) )?at_s=(\d+) .*\| (.*)", line)
     if not m:
         continue
     fd = re.search(r"faces FD ([\d.]+)", m[4])
