@@ -4,11 +4,12 @@
     column_captions(dataset, requested, source) -> [[str]]   a `datasets` dataset's text column
     caption_table(per_image, first) -> (captions, choices)   the distinct captions (`first` first), the empty one last
         (the unconditional caption), and a (images, most captions) LongTensor of each image's ids, -1 padded
-    draw(choices, generator=None) -> ids               one of each row's captions, drawn on its device
     load_text_encoder(id_or_path) -> TextEncoder        a transformers CLIP or T5 encoder and its tokenizer
-    cached_embeddings(encoder, captions, root=None, log=print) -> Embeddings
+    cached_embeddings(encoder, captions, root=None, log=print) -> Table
         Each caption encoded once, in pieces, into a folder keyed by the encoder's weights, tokenizer, length and
         dtype and by the captions: a second run (or process) reads it; a preempted encode keeps its pieces.
+    Table.rows(ids, device) -> Words                    a batch's embeddings and masks, from host memory to `device`
+    Draws(table, choices, seed).batch(indices, epoch, device) -> Words   each image's caption drawn, as the step takes it
 
 Bad captions are one-line ConfigErrors before any training: an image without a caption, an empty or non-UTF-8
 caption file, a metadata.jsonl line that is not JSON or names a missing file.
@@ -132,14 +133,6 @@ def caption_table(per_image, first=()):
     for row, texts in enumerate(per_image):
         choices[row, : len(texts)] = torch.tensor([ids[text] for text in texts])
     return captions, choices
-
-
-def draw(choices, generator=None):
-    """One caption id of each row of `choices` (caption_table's, on any device), each of the row's captions as
-    likely, drawn on the rows' device."""
-    counts = (choices >= 0).sum(1)
-    pick = (torch.rand(len(choices), device=choices.device, generator=generator) * counts).long()
-    return choices.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
 # --- the encoder ---------------------------------------------------------------------------------
@@ -270,18 +263,65 @@ def encode(encoder, captions, device=None):
     return tuple(torch.cat(column) for column in zip(*parts))
 
 
-# --- the cache -----------------------------------------------------------------------------------
+# --- the table a run reads ---------------------------------------------------------------------
 
 
-class Embeddings(NamedTuple):
-    embeddings: torch.Tensor  # (captions, max_length, D), STORED
-    mask: torch.Tensor  # (captions, max_length) bool: the tokens a caption has
-    lengths: torch.Tensor  # each caption's tokens before cutting
-    folder: Path
-    encoded: int  # captions this call encoded (0: all read from the cache)
+class Words(NamedTuple):
+    """A batch's captions as a captioned network reads them (its `class_labels`): (N, tokens, width) embeddings and
+    the (N, tokens) bool mask of the positions it attends to, on the batch's device."""
 
-    def to(self, device):
-        return self._replace(embeddings=self.embeddings.to(device), mask=self.mask.to(device))
+    embeddings: torch.Tensor
+    mask: torch.Tensor
+
+    def where(self, replaced, other):
+        """Row i of `other` (one row: broadcast) where `replaced[i]`, else row i of these: label dropout."""
+        return Words(torch.where(replaced[:, None, None], other.embeddings, self.embeddings),
+                     torch.where(replaced[:, None], other.mask, self.mask))  # fmt: skip
+
+    def cat(self, other):
+        """These rows, then `other`'s (one row: repeated as often)."""
+        n = len(self.embeddings)
+        return Words(torch.cat([self.embeddings, other.embeddings.expand(n, -1, -1)]), torch.cat([self.mask, other.mask.expand(n, -1)]))
+
+
+class Table:
+    """Every caption's embeddings, held in host memory (memory-mapped from the cache's pieces, so that 100,000
+    CLIP-L captions, 12 GB, cost the device nothing): `rows(ids, device)` gathers a batch's rows there and moves
+    them. A network's copies (its EMA's, for grids and saving) share it rather than copy it."""
+
+    def __init__(self, pieces, folder=None, encoded=0):
+        self.pieces = pieces  # [(embeddings, mask, lengths)], each of PIECE rows but the last
+        self.folder, self.encoded = folder, encoded  # where it was cached; captions this run encoded (0: all read)
+        self.lengths = torch.cat([p[2] for p in pieces])  # each caption's tokens before cutting
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    @property
+    def nbytes(self):
+        return sum(t.nbytes for p in self.pieces for t in p[:2])
+
+    def rows(self, ids, device):
+        """Words of caption ids `ids` (any device), gathered on the host and moved to `device` (pinned for a GPU)."""
+        ids = torch.as_tensor(ids).reshape(-1).cpu()
+        size = len(self.pieces[0][0])
+        first = self.pieces[0]
+        embeddings = torch.empty((len(ids), *first[0].shape[1:]), dtype=first[0].dtype)
+        mask = torch.empty((len(ids), first[1].shape[1]), dtype=torch.bool)
+        for piece in (ids // size).unique().tolist():
+            at = ids // size == piece
+            embeddings[at], mask[at] = self.pieces[piece][0][ids[at] % size], self.pieces[piece][1][ids[at] % size]
+        device = torch.device(device)
+        if device.type == "cuda":
+            embeddings, mask = embeddings.pin_memory(), mask.pin_memory()
+        return Words(embeddings.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+
+    def null(self, device):
+        """The empty caption's Words (one row): the unconditional caption, the table's last."""
+        return self.rows([len(self) - 1], device)
 
     def line(self, max_length):
         """The data line's words on the captions: how many, their mean tokens, how many were cut."""
@@ -292,40 +332,67 @@ class Embeddings(NamedTuple):
                 f"({how} {self.folder})")  # fmt: skip
 
 
-def _world():
-    import torch.distributed as dist
+def table_of(embeddings, mask, lengths):
+    """A Table of captions encoded here (sample.py's prompts), in memory."""
+    return Table([(embeddings, mask, lengths)])
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), dist.barrier
-    return 0, 1, lambda: None
+
+DRAW_SALT = 0x5EED_CA9  # the caption draw's stream, apart from a latent run's draws of the same (seed, epoch, index)
+
+
+class Draws:
+    """A captioned run's labels as data.Batches hands them to the step: each image's caption drawn from its
+    caption_table row by (seed, epoch, image index) alone, so that a resumed run draws what it would have, then
+    looked up in the Table on the host."""
+
+    def __init__(self, table, choices, seed):
+        self.table, self.choices, self.seed = table, choices, seed
+
+    def __len__(self):
+        return len(self.choices)
+
+    def batch(self, indices, epoch, device):
+        """The Words of the images at (host) `indices` in `epoch`, on `device`."""
+        rows = self.choices[indices]
+        keys = latents._draw_keys(self.seed ^ DRAW_SALT, epoch, indices)
+        pick = keys.remainder((rows >= 0).sum(1))
+        return self.table.rows(rows.gather(1, pick.unsqueeze(1)).squeeze(1), device)
+
+
+# --- the cache -----------------------------------------------------------------------------------
 
 
 def cached_embeddings(encoder, captions, root=None, device=None, log=print):
-    """The embeddings of `captions` (caption_table's), from the cache folder of their key, encoding the pieces it
-    lacks: with several processes, process r encodes pieces r, r + world, ... and all read the whole after a barrier.
-    Each piece is written under a temporary name and renamed, so a preempted encode keeps its finished pieces and
-    two runs writing one piece leave one whole file."""
+    """The Table of `captions` (caption_table's), from the cache folder of their key, encoding the pieces it lacks:
+    with several processes, process r encodes pieces r, r + world, ... and every process's folder then holds them all
+    (latents.in_every_folder: nodes with folders of their own, and a failure on one process stopping all). Each piece
+    is written under a temporary name and renamed, so a preempted encode keeps its finished pieces and two runs
+    writing one piece leave one whole file."""
     key = dict(encoder=encoder_identity(encoder), captions=hashlib.sha256("\n".join(captions).encode()).hexdigest(),
                count=len(captions))  # fmt: skip
     folder = latents.cache_root(root) / f"text-{latents._key_hash(key)[:32]}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
-    rank, world, barrier = _world()
+    rank, world = latents._world()
     starts = range(0, len(captions), PIECE)
-    encoded = 0
-    for number, start in enumerate(starts):
-        piece = folder / f"piece-{start:09d}.pt"
-        if number % world != rank or piece.is_file():
-            continue
-        part = encode(encoder, captions[start : start + PIECE], device)
-        tmp = folder / f".{piece.name}.{uuid.uuid4().hex[:8]}"
-        torch.save(part, tmp)
-        os.replace(tmp, piece)
-        encoded += len(captions[start : start + PIECE])
-    barrier()
-    parts = [torch.load(folder / f"piece-{start:09d}.pt", weights_only=True) for start in starts]
-    embeddings, mask, lengths = (torch.cat(column) for column in zip(*parts))
-    found = Embeddings(embeddings, mask, lengths, folder, encoded)
+    names = [f"piece-{start:09d}.pt" for start in starts]
+
+    def encode_mine():
+        encoded = 0
+        for number, start in enumerate(starts):
+            piece = folder / names[number]
+            if number % world != rank or piece.is_file():
+                continue
+            part = encode(encoder, captions[start : start + PIECE], device)
+            tmp = folder / f".{piece.name}.{uuid.uuid4().hex[:8]}"
+            torch.save(part, tmp)
+            os.replace(tmp, piece)
+            encoded += len(captions[start : start + PIECE])
+        return encoded
+
+    encoded = encode_mine() if world == 1 else latents.in_every_folder(folder, names, encode_mine, "encode its captions")
+    pieces = [torch.load(folder / name, mmap=True, weights_only=True) for name in names]
+    found = Table(pieces, folder, encoded)
     if log:
         log(f"captions: {found.line(encoder.max_length)}")
     return found

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 import model as models
 import objectives
@@ -443,7 +444,7 @@ class StepGraph:
 
     def _prepare(self, micro_batches):
         """Static inputs, tensor learning rates, then (on a GPU) the capture."""
-        self.static_batches = [tuple(t.clone() for t in b) if isinstance(b, (tuple, list)) else b.clone() for b in micro_batches]
+        self.static_batches = [tree_map(torch.clone, b) for b in micro_batches]
         optimizer = getattr(self.step.optimizer, "optimizer", self.step.optimizer)  # accelerate wraps it
         device = _tensors(self.static_batches[0])[0].device
         for group in optimizer.param_groups:
@@ -480,8 +481,8 @@ class StepGraph:
 
 
 def _tensors(batch):
-    """A micro-batch's tensors: (images,) or (images, labels)."""
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    """A micro-batch's tensors: (images,), (images, labels), or (images, a captioned batch's embeddings, mask)."""
+    return tuple(tree_leaves(batch))
 
 
 class GraphEMA:
@@ -763,13 +764,16 @@ COMPILE_RECORD_FILE = "train_py_compiles.json"
 
 
 def compile_key(args, device, mode, scope):
-    """What decides a step's compiled graphs: torch, the device, the network and its input, the batch,
-    the precision and how it is compiled."""
+    """What decides a step's compiled graphs: torch, the device, the network and its input (classes, or captions'
+    embeddings), the batch, the precision, the tokens routed, the loss's extra terms, the optimizer and how it is
+    compiled."""
     shape = sizes.with_channels(getattr(args, "latent_size", None) or args.image_size, models.network_channels(vars(args)))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    text = getattr(args, "text_dim", None) and f"{args.text_dim}x{args.text_length}"
     return (f"torch {torch.__version__} | {name} | {args.model} {shape} | classes "
-            f"{bool(args.class_conditional)} | batch {args.train_batch_size} | {args.mixed_precision} | "
-            f"{mode} {scope} | checkpointing {bool(args.gradient_checkpointing)}")  # fmt: skip
+            f"{bool(args.class_conditional)} | captions {text or None} | batch {args.train_batch_size} | "
+            f"{args.mixed_precision} | routing {args.token_routing or None} | loss terms {args.loss_terms or None} | "
+            f"{args.optimizer} | {mode} {scope} | checkpointing {bool(args.gradient_checkpointing)}")  # fmt: skip
 
 
 def compile_record_path():

@@ -65,7 +65,7 @@ DEFAULT_LR_REF_STEPS = 70_000
 # EDM's noise levels for --timestep_sampling lognormal, diffusers' example's batch.
 PRESET_FALLBACKS = dict(prediction_type="epsilon", timestep_sampling="uniform", P_mean_std=[objectives.P_MEAN, objectives.P_STD],
                         train_batch_size=16, num_epochs=8, ema="standard")  # fmt: skip
-# ... but a class-conditional DDPM run predicts v: with epsilon it learns its labels late (at high noise
+# ... but a class-conditional or captioned DDPM run predicts v: with epsilon it learns its labels late (at high noise
 # epsilon is nearly the noisy input itself, whatever the class; docs/conditional.md). Measured on the
 # labelled photos for `small` and `dit-small` at two seeds (BENCHMARKS.md, Quality: the conditional
 # defaults, and their record).
@@ -382,7 +382,7 @@ def build_parser(prog="train.py", source=""):
          metavar="P_MEAN,P_STD", type=Range(numbers(2, "pair"), lambda v: v[1] > 0, "two numbers, P_std greater than 0"))  # fmt: skip
     flag(m, "prediction_type", "DDPM: what the network predicts (default: the preset's; "
          f"{SMALL.ddpm['prediction_type']} for small, else {PRESET_FALLBACKS['prediction_type']}; "
-         f"{CONDITIONAL_FALLBACKS['prediction_type']} when --class_conditional)",
+         f"{CONDITIONAL_FALLBACKS['prediction_type']} when --class_conditional or --text_encoder)",
          choices=("epsilon", "v_prediction", "sample"))  # fmt: skip
     flag(m, "snr_gamma", "DDPM: min-SNR-gamma loss weighting (Hang et al. 2023; 5 in their paper; default: off)",
          type=positive)  # fmt: skip
@@ -799,7 +799,7 @@ def _take_from_source(args):
             )
         if trained.get("refused"):
             raise ConfigError(f"{trained['refused']}: add --objective to say what to train it with")
-        args.objective = trained["objective"] or "ddpm"
+        args.objective = objectives.recorded(trained["objective"])
     kind = objectives.of(args.objective)
     if trained and trained["objective"] and objectives.of(trained["objective"]) is kind and kind.discrete:
         for name in ("prediction_type", "beta_schedule"):
@@ -830,7 +830,8 @@ def _fill_from_preset(args):
     _fill_sampling(args, defaulted)
     # The preset's DDPM settings (for a DDPM run) and other defaults, else the fallbacks
     ddpm = dict(preset.ddpm) if kind.discrete else {}
-    fallbacks = PRESET_FALLBACKS | (CONDITIONAL_FALLBACKS if args.class_conditional and kind.discrete else {})
+    conditional = args.class_conditional or args.text_encoder  # captions are conditioning as labels are
+    fallbacks = PRESET_FALLBACKS | (CONDITIONAL_FALLBACKS if conditional and kind.discrete else {})
     for name, value in (fallbacks | ddpm | dict(preset.flags)).items():
         if not kind.ddpm_schedule and name in DDPM_ONLY:
             continue  # none for a flow run: its train_config.json must not read back as DDPM's flags

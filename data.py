@@ -882,8 +882,9 @@ class Batches:
         self.unreadable = Unreadable() if unreadable is None else unreadable
         if labels is not None and len(labels) != len(source):
             raise ValueError(f"{len(labels)} labels for {len(source)} images")
-        # Preloaded labels sit where the images do, so that one index picks both.
-        self.labels = labels.to(source.device) if labels is not None and self.preloaded else labels
+        # Preloaded labels sit where the images do, so that one index picks both; a captioned run's captions are
+        # drawn and looked up on the host (captions.Draws), each batch's rows then moved.
+        self.labels = labels.to(source.device) if isinstance(labels, torch.Tensor) and self.preloaded else labels
         self.loader = None  # streamed images' or a latent run's draws' DataLoader, made once for every epoch
 
     def __len__(self):
@@ -906,6 +907,12 @@ class Batches:
         self.loader.batch_sampler.batches, self.loader.batch_sampler.epoch = batches, epoch
         return iterate(self.loader)
 
+    def _labels(self, indices, epoch):
+        """The labels of the images at host `indices`, on the device."""
+        if isinstance(self.labels, torch.Tensor):
+            return self.labels[indices].to(self.device, non_blocking=True)
+        return self.labels.batch(indices, epoch, self.device)  # captions.Draws
+
     def epoch(self, epoch, start=0):
         """The epoch's batches from batch index `start` on."""
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
@@ -920,7 +927,7 @@ class Batches:
                 draws = map(self.source.batch, batches)
             for index, latents in zip(batches, draws):
                 latents = latents.to(self.device, non_blocking=True)
-                yield latents if self.labels is None else (latents, self.labels[index].to(self.device, non_blocking=True))
+                yield latents if self.labels is None else (latents, self._labels(index, epoch))
             return
         if self.preloaded:
             # picks: the indices each batch takes; rows: where their images lie. A PreloadedImages' unreadable
@@ -933,14 +940,16 @@ class Batches:
             # copy per batch would make the host wait for the GPU at every step.
             order = torch.stack(rows).to(images.device) if rows else []
             taken = order  # where the labels lie: at the indices, where a PreloadedImages' rows are not
-            if picks is not rows and picks and self.labels is not None:
+            if picks is not rows and picks and isinstance(self.labels, torch.Tensor):
                 taken = torch.stack(picks).to(images.device)
             for step, index in enumerate(order):
                 batch = images[index].to(self.device, non_blocking=True)
                 if self.labels is None:
                     yield batch
-                else:
+                elif isinstance(self.labels, torch.Tensor):
                     yield batch, self.labels[taken[step]].to(self.device, non_blocking=True)
+                else:
+                    yield batch, self._labels(picks[step], epoch)
             if failure is not None:
                 raise ConfigError(failure)
             return
@@ -949,18 +958,15 @@ class Batches:
             self.unreadable.report(errors)
             if images is None:
                 raise ConfigError(f"every image of a batch was unreadable ({errors[0]}): check the dataset")
-            labels = None if self.labels is None else self.labels[index[decoded]]
+            taken = index[decoded]
             if len(images) < len(index):
                 # The batch's readable images, from its first on, again in the places of the unreadable: a
                 # captured or compiled step's static shapes need the full batch, and what repeats depends
                 # only on which images failed, so the same seed still gives the same batches.
                 fill = _refill(len(images), len(index))
-                images, labels = images[fill], None if labels is None else labels[fill]
+                images, taken = images[fill], taken[fill]
             images = images.to(self.device, non_blocking=True)
-            if labels is None:
-                yield images
-            else:
-                yield images, labels.to(self.device, non_blocking=True)
+            yield images if self.labels is None else (images, self._labels(taken, epoch))
 
 
 def _refill(readable, size):

@@ -54,6 +54,21 @@ SIZES = {"s": (12, 384, 6), "b": (12, 768, 12), "l": (24, 1024, 16), "xl": (28, 
 PATCHES = (2, 4, 8)
 
 
+def pooled_caption(embedding, words, mask):
+    """diffusers' TextTimeEmbedding `embedding` (attention pooling: Imagen's pooled text) of `words` (N, tokens, width)
+    over each caption's real tokens (`mask`, N x tokens bool) alone: padding (most of a T5 caption's 120 positions)
+    joins neither the mean that forms the query nor the attention. With every position real it is diffusers' own."""
+    pool, x = embedding.pool, embedding.norm1(words)
+    n, _, width = x.shape
+    real = mask.to(x.dtype).unsqueeze(-1)
+    token = (x * real).sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp(min=1) + pool.positional_embedding.to(x.dtype)
+    x = torch.cat([token, x], 1)
+    heads = lambda y: y.view(n, -1, pool.num_heads, pool.dim_per_head).transpose(1, 2)  # noqa: E731
+    attend = torch.cat([torch.ones_like(mask[:, :1]), mask], 1)[:, None, None, :]  # the pooled token and the real ones
+    a = F.scaled_dot_product_attention(heads(pool.q_proj(token)), heads(pool.k_proj(x)), heads(pool.v_proj(x)), attn_mask=attend)
+    return embedding.norm2(embedding.proj(a.transpose(1, 2).reshape(n, width)))
+
+
 class Routing(NamedTuple):
     """--token_routing: the share of tokens routed, from block `first` to block `last` (0-based, inclusive)."""
 
@@ -115,7 +130,7 @@ class DiT(DiTTransformer2DModel):
     # A saved network's embedders of the blocks after the first (all equal to block 0's) are not in the state
     # dict, which holds the tied one once (_tied_held_once): from_pretrained loads block 0's and says nothing
     _keys_to_ignore_on_load_unexpected = (r"^transformer_blocks\.[1-9][0-9]*\.norm1\.emb\.",)
-    captions = None  # a captioned DiT's caption table (captions.Embeddings), set as model.TextUNet's; never saved
+    captions = None  # a captioned DiT's caption table (captions.Table), set as model.TextUNet's; never saved
 
     @register_to_config
     def __init__(
@@ -154,8 +169,8 @@ class DiT(DiTTransformer2DModel):
         """A captioned DiT: the caption's tokens projected to the blocks' width once (PixArt-α's projection), each
         block attending to them (cross-attention after the self-attention, as PixArt-α's), and the caption pooled by
         attention in the class label's place in the adaLN conditioning every block and the final layer read (the
-        UNet's pooled caption, diffusers' "text" addition embedding). Its `class_labels` are caption ids into
-        `captions`, as model.TextUNet's."""
+        UNet's pooled caption, diffusers' "text" addition embedding). Its `class_labels` are captions.Words, as
+        model.TextUNet's."""
         dim, heads = self.inner_dim, self.config.num_attention_heads
         self.caption_projection = PixArtAlphaTextProjection(text_dim, dim)
         self.caption_pool = TextTimeEmbedding(dim, dim, num_heads=heads)
@@ -184,13 +199,14 @@ class DiT(DiTTransformer2DModel):
         if class_labels is None:  # conditional: the null label (no class); unconditional: its one class
             fill = self.config.num_classes if self.config.num_classes else 0
             class_labels = torch.full((len(sample),), fill, dtype=torch.long, device=sample.device)
-        labels, p, channels = class_labels.reshape(-1), self.patch_size, self.out_channels
+        elif not self.config.text_dim:
+            class_labels = class_labels.reshape(-1)
+        labels, p, channels = class_labels, self.patch_size, self.out_channels
         words = words_mask = None
         if self.config.text_dim:  # the caption's tokens to attend to (the mask as a bias, PixArt's), pooled as the label
-            table = self.captions
-            words, words_mask = self.caption_projection(table.embeddings[labels].to(sample.dtype)), table.mask[labels]
-            words_mask = ((~words_mask).to(sample.dtype) * -10000.0).unsqueeze(1)
-            labels = self.caption_pool(words)
+            words = self.caption_projection(class_labels.embeddings.to(sample.dtype))
+            labels = pooled_caption(self.caption_pool, words, class_labels.mask)
+            words_mask = ((~class_labels.mask).to(sample.dtype) * -10000.0).unsqueeze(1)
         rows, columns = sample.shape[-2] // p, sample.shape[-1] // p
         x = self.pos_embed(sample)
         route = self.routing if self.training and torch.is_grad_enabled() else None

@@ -101,7 +101,7 @@ def _count_network_flops(model_name, image_size, batch_size, gradient_checkpoint
         net.routing = dit.routing(routing, len(net.transformer_blocks))
     x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
-    captioned = models.stand_in_captions(net, batch_size, text)
+    captioned = models.stand_in_captions(batch_size, text)
 
     def forward():
         return net(x, t, return_dict=False, **captioned)[0]

@@ -1074,6 +1074,66 @@ def _folder_leaders(seen):
     return [find(r) for r in range(len(seen))]
 
 
+def _folders(final, rank, world, group):
+    """(people, leaders): each process's (host, pid, token) and the lowest rank that sees its folder of `final`
+    (several nodes each have a folder of their own). Each process leaves a marker beside `final`, and after a
+    barrier lists the markers it sees; rank 0's token names this meeting."""
+    import torch.distributed as dist
+
+    people = [None] * world
+    dist.all_gather_object(people, (socket.gethostname(), os.getpid(), uuid.uuid4().hex[:12]), group=group)
+    token = people[0][2]
+    final.parent.mkdir(parents=True, exist_ok=True)
+    marker = final.parent / f".{final.name}.mark-{token}-{rank}"
+    try:
+        marker.touch()
+        dist.barrier(group=group)
+        mine = {int(p.name.rsplit("-", 1)[1]) for p in final.parent.glob(f".{final.name}.mark-{token}-*")}
+        seen = [None] * world
+        dist.all_gather_object(seen, sorted(mine | {rank}), group=group)  # every listing done before a marker goes
+    finally:
+        marker.unlink(missing_ok=True)
+    return people, _folder_leaders(seen)
+
+
+def in_every_folder(folder, names, make, what):
+    """With several processes (a torch.distributed group), each runs `make()`, which writes some of the files
+    `names` into `folder` (each whole, under its final name), then every process's `folder` holds all of them:
+    where processes do not share one folder (a node's own disk), each file a folder lacks travels to it from a
+    process that has it. The waits are in a gloo group of ENCODE_WAIT; a failure of `make` on any process stops
+    every process (that one with its error). Returns what `make` returned here."""
+    import torch.distributed as dist
+
+    rank, world = _world()
+    group = dist.new_group(backend="gloo", timeout=ENCODE_WAIT)
+    try:
+        outcome, failure, made = dict(rank=rank), None, None
+        try:
+            made = make()
+        except Exception as e:  # told to every process below, so that none waits for this one
+            failure, outcome["error"] = e, _error(e)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, outcome, group=group)
+        _raise_failed(everyone, failure, what)
+        _, leaders = _folders(folder, rank, world, group)
+        sizes = {n: (folder / n).stat().st_size for n in names if (folder / n).is_file()}
+        held = [None] * world
+        dist.all_gather_object(held, sizes, group=group)
+        for name in names:  # in one fixed order on every process
+            sender = min(r for r in range(world) if name in held[r])
+            for receiver in sorted({leaders[r] for r in range(world) if name not in held[leaders[r]]}):
+                if rank == sender:
+                    _send_file(folder / name, receiver, group)
+                elif rank == receiver:
+                    tmp = folder / f".{name}.{uuid.uuid4().hex[:8]}"
+                    _recv_file(tmp, held[sender][name], sender, group)
+                    os.replace(tmp, folder / name)
+        dist.barrier(group=group)  # every folder whole
+        return made
+    finally:
+        dist.destroy_process_group(group)
+
+
 def _send_file(file, dst, group):
     import torch.distributed as dist
 
@@ -1150,22 +1210,8 @@ def _encode_shared(vae, images, key, final, rank, world, max_gib, device, num_im
     _remove_leftovers(final)
     group = dist.new_group(backend="gloo", timeout=ENCODE_WAIT)  # the long waits: not the default (NCCL) group
     try:
-        host, pid = socket.gethostname(), os.getpid()
-        people = [None] * world
-        dist.all_gather_object(people, (host, pid, uuid.uuid4().hex[:12]), group=group)
-        token = people[0][2]  # rank 0's: this build's
-        # Which processes see this folder: each leaves a marker, and after a barrier lists the markers it sees.
-        marker = final.parent / f".{final.name}.mark-{token}-{rank}"
-        try:
-            marker.touch()
-            dist.barrier(group=group)
-            mine = {int(p.name.rsplit("-", 1)[1]) for p in final.parent.glob(f".{final.name}.mark-{token}-*")}
-            seen = [None] * world
-            dist.all_gather_object(seen, sorted(mine | {rank}), group=group)  # every listing done before a marker goes
-        finally:
-            marker.unlink(missing_ok=True)
-        leaders = _folder_leaders(seen)
-        leader = leaders[rank]
+        people, leaders = _folders(final, rank, world, group)
+        token, leader = people[0][2], leaders[rank]
         tmp = _temporary(final, *people[leader][:2], token)  # named for its leader: whose death makes it a leftover
         tmp.mkdir(exist_ok=True)
         _IN_PROGRESS.add(str(tmp))

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+import dit
 import model as models
 import optimizer as optimizers
 import sizes
@@ -176,20 +177,25 @@ class AutocastLike(torch.overrides.TorchFunctionMode):
 _COUNTED = {}
 
 
-def count_step(model_name, image_size, batch_size, channels=3, precision="no", gradient_checkpointing=False, text=None):
+def count_step(model_name, image_size, batch_size, channels=3, precision="no", gradient_checkpointing=False, text=None,
+               routing=None):  # fmt: skip
     """{'peak', 'gradients'}: the most bytes one eager forward and backward of `batch_size` inputs hold at
     once beyond the weights (the gradients included, as they are made), and the gradients' bytes, counted on
     the meta device (no memory, no arithmetic) with CUDA autocast's casts where `precision` is bf16, fp16 or fp8
     and attention as a fused kernel holds it (AutocastLike). The loss is the output's mean square, in fp32.
-    `text`: a captioned run's embeddings' (width, tokens) (flops.network_flops)."""
-    key = (model_name, image_size, batch_size, channels, precision, bool(gradient_checkpointing), text and tuple(text))
+    `text`: a captioned run's embeddings' (width, tokens), a batch of which the step holds; `routing`: --token_routing's
+    share, a DiT's routed blocks holding the tokens they take (flops.network_flops)."""
+    key = (model_name, image_size, batch_size, channels, precision, bool(gradient_checkpointing), text and tuple(text),
+           routing or None)  # fmt: skip
     if key not in _COUNTED:
         _COUNTED[key] = _count_step(*key)
     return dict(_COUNTED[key])
 
 
-def _count_step(model_name, image_size, batch_size, channels, precision, gradient_checkpointing, text):
+def _count_step(model_name, image_size, batch_size, channels, precision, gradient_checkpointing, text, routing):
     net = models.build_network(model_name, image_size, device="meta", channels=channels, text_dim=text and text[0])
+    if routing:
+        net.routing = dit.routing(routing, len(net.transformer_blocks))
     # fp8: torchao's Float8Linear keeps its input and weight for the backward in the autocast's bf16 and casts to
     # FP8 inside the matmul, so the step holds what a bf16 step holds (fp8.py)
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp8=torch.bfloat16).get(precision)
@@ -202,8 +208,8 @@ def _count_step(model_name, image_size, batch_size, channels, precision, gradien
     weights = tracker.now
     x = torch.empty(batch_size, channels, *sizes.height_width(image_size), device="meta")
     t = torch.zeros(batch_size, dtype=torch.long, device="meta")
-    captioned = models.stand_in_captions(net, batch_size, text)
     with tracker:
+        captioned = models.stand_in_captions(batch_size, text)  # the batch's caption rows, held as its images are
         with AutocastLike(dtype) as casts:
             out = net(x, t, return_dict=False, **captioned)[0]
             casts.cache.clear()  # autocast's cache ends with its region; the backward keeps what it saved
@@ -268,9 +274,10 @@ class Plan:
     (docs/performance.md, Memory).
     """
 
-    def __init__(self, weights, gradients, optimizer, ema, step_peak, batch_size, buckets=0, ema_copies=1):
+    def __init__(self, weights, gradients, optimizer, ema, step_peak, batch_size, buckets=0, ema_copies=1, host=0):
         self.weights, self.gradients, self.optimizer, self.ema = weights, gradients, optimizer, ema
         self.step_peak, self.batch_size, self.buckets, self.ema_copies = step_peak, batch_size, buckets, ema_copies
+        self.host = host  # held in host memory, not on the device: a captioned run's caption table
 
     @property
     def state(self):
@@ -293,14 +300,14 @@ class Plan:
         return max(0, int(room // (self.step_peak / self.batch_size)))
 
 
-def plan(trained, optimizer, ema, count, batch_size, num_processes=1):
+def plan(trained, optimizer, ema, count, batch_size, num_processes=1, host=0):
     """The Plan of a run: `trained` the tensors the step trains with (the network's parameters and buffers, the
-    objective's parameters), `count` count_step's result for its micro-batch."""
+    objective's parameters), `count` count_step's result for its micro-batch, `host` the caption table's bytes."""
     trained = list(trained)
     gradients = tensor_bytes([t for t in trained if t.requires_grad])
     copies = len(ema.shadows) if hasattr(ema, "shadows") else (1 if ema is not None else 0)
     return Plan(tensor_bytes(trained), gradients, optimizer_state_bytes(optimizer), tensor_bytes(ema_tensors(ema)),
-                count["peak"], batch_size, buckets=gradients if num_processes > 1 else 0, ema_copies=copies)  # fmt: skip
+                count["peak"], batch_size, buckets=gradients if num_processes > 1 else 0, ema_copies=copies, host=host)  # fmt: skip
 
 
 def gib(n):
@@ -319,8 +326,9 @@ def plan_line(p, capacity=None, where=None, compiled=False):
         parts.append(f"DDP buckets {gib(p.buckets)}")
     parts.append(f"activations {gib(p.activations)}" + (" (eager count; compiled holds less)" if compiled else ""))
     line = f"memory: {' + '.join(parts)} = {gib(p.total)} GiB"
+    host = f"; the caption table: {gib(p.host)} GiB in host memory (memory-mapped), a batch's rows on the device" if p.host else ""
     if capacity is None:
-        return line
+        return line + host
     line += f" of {gib(capacity)}" + (f" on {where}" if where else "")
     largest = p.largest_batch(capacity)
     if largest < 1:
@@ -329,7 +337,7 @@ def plan_line(p, capacity=None, where=None, compiled=False):
         line += f"; does not fit{' eager' if compiled else ''}: about batch {largest} would, with --gradient_accumulation_steps"
     else:
         line += f"; about batch {largest} would fit"
-    return line
+    return line + host
 
 
 def end_line(p, peak_bytes):

@@ -10,7 +10,7 @@ what each one costs.
 import json
 import math
 from pathlib import Path
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 from typing import Callable, NamedTuple
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 
+import captions
 import dit
 import sizes
 from dit import DiT
@@ -327,16 +328,19 @@ def _build_unet(settings, sample_size, channels, num_classes):
 
 
 class TextUNet(UNet2DConditionModel):
-    """diffusers' UNet2DConditionModel whose `class_labels` are caption ids: it attends to row i of its `captions`
-    (captions.Embeddings: each caption's cached embeddings and token mask, the empty caption last), so that the
-    step, the grids and guidance hand it ids as they hand a class-conditional network its labels."""
+    """diffusers' UNet2DConditionModel whose `class_labels` are captions.Words (a batch's caption embeddings and
+    masks), so that the step, the grids and guidance hand it its condition as they hand a class-conditional network
+    its labels; its caption is pooled over the real tokens alone (dit.pooled_caption)."""
 
-    captions = None  # set for a run (train.py) or a sampling (sample.py); never saved: the weights hold no words
+    captions = None  # a run's or a sampling's caption table (captions.Table: ids -> Words); never saved
 
     def forward(self, sample, timestep, class_labels=None, **kwargs):
-        table = self.captions
-        return super().forward(sample, timestep, encoder_hidden_states=table.embeddings[class_labels].to(sample.dtype),
-                               encoder_attention_mask=table.mask[class_labels], **kwargs)  # fmt: skip
+        return super().forward(sample, timestep, encoder_hidden_states=class_labels.embeddings.to(sample.dtype),
+                               encoder_attention_mask=class_labels.mask, added_cond_kwargs=dict(mask=class_labels.mask),
+                               **kwargs)  # fmt: skip
+
+    def get_aug_embed(self, emb, encoder_hidden_states, added_cond_kwargs):
+        return dit.pooled_caption(self.add_embedding, encoder_hidden_states, added_cond_kwargs["mask"])
 
 
 def _build_text_unet(settings, sample_size, channels, text_dim):
@@ -363,15 +367,14 @@ def _build_text_dit(settings, sample_size, channels, text_dim):
     return DiT(sample_size=sample_size, in_channels=channels, out_channels=channels, text_dim=text_dim, **settings)
 
 
-def stand_in_captions(net, batch_size, text, device="meta"):
-    """The kwargs that call a network counted on `device` (flops.py, memory.py) as a step calls it: for a TextUNet
-    (`text`: its embeddings' (width, tokens)), the class_labels of a stand-in caption every image attends to."""
+def stand_in_captions(batch_size, text, device="meta"):
+    """The kwargs that call a network counted on `device` (flops.py, memory.py) as a step calls it: for a captioned
+    one (`text`: its embeddings' (width, tokens)), class_labels of stand-in captions, every token real."""
     if not text:
         return {}
     width, length = text
-    net.captions = SimpleNamespace(embeddings=torch.empty(1, length, width, device=device),
-                                   mask=torch.ones(1, length, dtype=torch.bool, device=device))  # fmt: skip
-    return dict(class_labels=torch.zeros(batch_size, dtype=torch.long, device=device))
+    return dict(class_labels=captions.Words(torch.empty(batch_size, length, width, device=device),
+                                            torch.ones(batch_size, length, dtype=torch.bool, device=device)))  # fmt: skip
 
 
 def _unet_middle(names):
@@ -531,7 +534,7 @@ def num_classes_of(net):
     """The classes a network was built for (0: unconditional), read from its config; a TextUNet's: its captions
     but the empty one, so that its null label is the empty caption's id."""
     if getattr(net, "captions", None) is not None:
-        return len(net.captions.embeddings) - 1
+        return len(net.captions) - 1
     config = net.config
     if "num_class_embeds" in config:  # UNet2DModel: one embedding more, the null label
         return (config["num_class_embeds"] or 1) - 1

@@ -4,7 +4,8 @@ Each class holds its loss and everything else the code asks of an objective: the
 network family (`time_input`), its samplers and their default, how guidance combines its networks (through
 `time_input`), the scheduler its pipeline saves and how a saved one maps back to it (`from_scheduler`), what
 resume and a guide must share (`same`), its refusals of other objectives' flags (`check`) and its model
-card's words. No code outside this module compares an objective's name: it asks `of(objective)`.
+card's words. No code outside this module compares an objective's name: it asks `of(objective)` (or compares
+`recorded` values whole: a guide's and its model's).
 A new objective is its class and one entry in OBJECTIVES.
 """
 
@@ -520,9 +521,14 @@ def parse_objective(text):
     return kind, value
 
 
+def recorded(objective):
+    """An --objective value as a run recorded it: DDPM's for a run that recorded none (older runs, pipelines)."""
+    return objective or "ddpm"
+
+
 def of(objective):
     """The objective class (OBJECTIVES) of an --objective value (None: DDPM's, a run that did not record it)."""
-    return OBJECTIVES[parse_objective(objective or "ddpm")[0]]
+    return OBJECTIVES[parse_objective(recorded(objective))[0]]
 
 
 def from_scheduler(scheduler, source):

@@ -25,6 +25,9 @@ would need a step of its own that writes each update back. A UNet's Muon therefo
 projections and its ResNet blocks' time projections alone (docs/muon.md).
 """
 
+import inspect
+import warnings
+
 import torch
 from torch.optim import _muon
 
@@ -91,8 +94,9 @@ class SplitMuon(torch.optim.Muon):
     update lands in the matrix, and its momentum in the one buffer the matrix keeps (so its state dict is torch's)."""
 
     def step(self, closure=None):
-        """torch's step; on a CPU with Newton-Schulz in float32 (newton_schulz_fp32) for the step's length."""
-        if self.param_groups[0]["params"][0].device.type != "cpu":
+        """torch's step; on a CPU with Newton-Schulz in float32 (newton_schulz_fp32) for the step's length, where
+        torch's private function still takes its arguments (fp32_fits)."""
+        if self.param_groups[0]["params"][0].device.type != "cpu" or not fp32_fits():
             return super().step(closure)
         in_bf16, _muon._zeropower_via_newtonschulz = _muon._zeropower_via_newtonschulz, newton_schulz_fp32
         try:
@@ -106,6 +110,21 @@ class SplitMuon(torch.optim.Muon):
             for tensors in (params, grads, buffers):
                 tensors[:] = [block for tensor in tensors for block in tensor.chunk(group["chunks"])]
         return has_complex
+
+
+_FITS = {}  # torch's _zeropower_via_newtonschulz -> whether newton_schulz_fp32 takes its place
+
+
+def fp32_fits():
+    """Whether torch's private _zeropower_via_newtonschulz takes newton_schulz_fp32's arguments (its signature differs
+    in torch's main branch). Where not, torch's own (bf16) runs, said once in a warning, not a TypeError at a step."""
+    torch_s = _muon._zeropower_via_newtonschulz
+    if torch_s not in _FITS:
+        _FITS[torch_s] = inspect.signature(torch_s).parameters.keys() == inspect.signature(newton_schulz_fp32).parameters.keys()
+        if not _FITS[torch_s]:
+            warnings.warn(f"--optimizer muon: this torch's Newton-Schulz takes {inspect.signature(torch_s)}, not "
+                          "(grad, ns_coefficients, ns_steps, eps): on a CPU it runs in torch's bf16, slower")  # fmt: skip
+    return _FITS[torch_s]
 
 
 def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):

@@ -122,7 +122,7 @@ def text_pipeline_parts(config, vae, encoder):
     scheduler steps DDPM's noise); else None (sample.py samples it). diffusers has no pipeline for a captioned DiT:
     the project's own network (dit.py), not PixArt-α's."""
     normalization = (config.get("latents") or {}).get("normalization") or {}
-    if not (config.get("text_encoder") and config.get("objective") == "ddpm" and normalization.get("kind") == "vae"
+    if not (config.get("text_encoder") and objectives.of(config.get("objective")).discrete and normalization.get("kind") == "vae"
             and not normalization.get("shift_factor") and "latents_mean" not in normalization
             and normalization.get("target_std") == 1.0):  # fmt: skip
         return None

@@ -183,7 +183,7 @@ def prompt_labels(args, config, net):
         raise ConfigError(f"{args.run_dir} was trained from captions: say what to draw with --prompt TEXT (or --prompt_file FILE)")
     encoder = captions.load_text_encoder(config["text_encoder"])
     embeddings, mask, lengths = captions.encode(encoder, prompts + [""], args.device)
-    net.captions = captions.Embeddings(embeddings, mask, lengths, None, len(prompts) + 1).to(args.device)
+    net.captions = captions.table_of(embeddings, mask, lengths)
     return torch.arange(args.num_images) % len(prompts)
 
 

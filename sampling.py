@@ -8,6 +8,7 @@ import math
 import numpy as np
 import torch
 
+import captions
 import data
 import latents
 import model as models
@@ -55,13 +56,14 @@ class Guided(torch.nn.Module):
         w, labels = self.scale, self.labels
         if w == 1 or (self.guide is None and labels is None):  # nothing to guide by
             return (self._call(self.net, x, t, labels),)
+        words = isinstance(labels, captions.Words)  # a captioned run's: the guide (same encoder) reads them too
         if self.guide is not None:
-            guide_labels = labels if models.num_classes_of(self.guide) else None
+            guide_labels = labels if words or models.num_classes_of(self.guide) else None
             guided = self._call(self.guide, x, t, guide_labels)
             main = guided if w == 0 else self._call(self.net, x, t, labels)
         else:  # the conditional and unconditional outputs in one batch
-            both = self._call(self.net, torch.cat([x, x]), torch.cat([t, t]) if torch.is_tensor(t) and t.ndim else t,
-                              torch.cat([labels, torch.full_like(labels, self.null_label)]))  # fmt: skip
+            null = labels.cat(self.null_label) if words else torch.cat([labels, torch.full_like(labels, self.null_label)])
+            both = self._call(self.net, torch.cat([x, x]), torch.cat([t, t]) if torch.is_tensor(t) and t.ndim else t, null)
             main, guided = both.chunk(2)
         return (guided + w * (main - guided),)
 
@@ -78,12 +80,13 @@ def parse_scales(text, flag):
     return scales
 
 
-def guided_network(net, labels=None, scale=1.0, guide=None):
-    """`net` as `generate` calls it: itself when there is nothing to guide or condition, else Guided."""
+def guided_network(net, labels=None, scale=1.0, guide=None, table=None):
+    """`net` as `generate` calls it: itself when there is nothing to guide or condition, else Guided. `table`: a
+    captioned run's (captions.Table), whose empty caption is the null label."""
     if labels is None and guide is None:
         return net
-    num_classes = models.num_classes_of(net)
-    return Guided(net, scale, labels, models.null_label(num_classes), guide)
+    null = table.null(labels.mask.device) if table is not None and labels is not None else models.null_label(models.num_classes_of(net))
+    return Guided(net, scale, labels, null, guide)
 
 
 def spread_labels(num_classes, count):
@@ -114,11 +117,11 @@ def labels_as_in_data(class_counts, count, seed):
 
 
 def check_guide(main, guide):
-    """A one-line ConfigError unless the run configs `main` and `guide` can be combined:
-    the same objective, image size, classes and latent space (VAE and normalisation; none for
-    pixel runs), and for DDPM the same noise schedule and prediction, since their outputs are
-    combined as they are."""
-    keys = ["objective", "image_size", "class_names", *objectives.of(main.get("objective")).same]
+    """A one-line ConfigError unless the run configs `main` and `guide` can be combined: the same objective, image
+    size, classes, text encoder (the guide reads the model's caption embeddings) and latent space (VAE and
+    normalisation; none for pixel runs), and for DDPM the same noise schedule and prediction, since their outputs
+    are combined as they are."""
+    keys = ["objective", "image_size", "class_names", "text_encoder", *objectives.of(main.get("objective")).same]
     # the latent space as resume compares it: the encoder's weights and the normalisation, not the --vae text
     space, guide_space = latents.recorded_latent_space(main), latents.recorded_latent_space(guide)
     if space != guide_space:
@@ -130,7 +133,7 @@ def check_guide(main, guide):
         else:
             a, b = main.get(key), guide.get(key)
         if key == "objective":
-            a, b = a or "ddpm", b or "ddpm"
+            a, b = objectives.recorded(a), objectives.recorded(b)
         if a != b:
             raise ConfigError(f"the guide was trained with {key} {b!r}, the model with {a!r}: "
                               f"guide with a run of the same {key.replace('_', ' ')}")  # fmt: skip
@@ -167,11 +170,12 @@ def generate(net, scheduler, seeds, num_inference_steps, autocast=contextlib.nul
     run's latents -> images in [-1, 1] (RunDir.decoder: through its VAE).
     """
     device = objectives.network_device(net)
+    table = getattr(net, "captions", None)  # a captioned run's: its labels are caption ids, looked up here
     kind = objectives.sampled_by(scheduler)  # each network called with its family's time input
     net = kind.timed(net, models.family_of(net).time_input)
     guide = None if guide is None else kind.timed(guide, models.family_of(guide).time_input)
-    labels = None if labels is None else torch.as_tensor(labels).to(device)
-    net = guided_network(net, labels, guidance_scale, guide)
+    labels = None if labels is None else table.rows(labels, device) if table is not None else torch.as_tensor(labels).to(device)
+    net = guided_network(net, labels, guidance_scale, guide, table)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     x = objectives.image_noise(generators, image_shape(net), device)
     if isinstance(scheduler, objectives.EDMHeunSampler):

@@ -32,7 +32,7 @@ class TrainStep:
     `mark(phase)` is called at each phase boundary (train.py's Breakdown).
 
     A micro-batch is a uint8 image tensor, or (images, labels) for a
-    class-conditional or captioned run: each label is replaced by `null_label` with
+    class-conditional or captioned run (its labels captions.Words): each label is replaced by `null_label` with
     probability `label_dropout` (drawn on the device), so that the network
     learns the unconditional model classifier-free guidance needs beside the
     conditional one (Ho & Salimans 2022).
@@ -84,12 +84,14 @@ class TrainStep:
 
     def drop_labels(self, labels):
         """`labels` with each replaced by the null label with probability label_dropout. A captioned run's labels are
-        each image's caption ids (captions.caption_table): one of them is drawn first."""
-        if labels.dim() == 2:
-            labels = captions.draw(labels)
+        its batch's captions (captions.Words), its null label the empty caption's."""
         if not self.label_dropout:
             return labels
-        dropped = torch.rand(labels.shape, device=labels.device) < self.label_dropout
+        words = isinstance(labels, captions.Words)
+        rows = labels.mask if words else labels
+        dropped = torch.rand(len(rows), device=rows.device) < self.label_dropout
+        if words:
+            return labels.where(dropped, self.null_label)
         return torch.where(dropped, torch.full_like(labels, self.null_label), labels)
 
     def _accumulate(self):

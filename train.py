@@ -414,11 +414,13 @@ def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps, clas
 
 def memory_plan(args, pieces, world):
     """What this process will hold on its device (memory.Plan): the pieces' own bytes, and the activations of
-    one micro-batch counted on the meta device."""
+    one micro-batch counted on the meta device; beside it, a captioned run's caption table in host memory."""
     step_of = (args.model, network_size(args), args.train_batch_size, models.network_channels(vars(args)), args.mixed_precision)
-    count = memory.count_step(*step_of, args.gradient_checkpointing, text_shape(args))
+    count = memory.count_step(*step_of, args.gradient_checkpointing, text_shape(args), args.token_routing)
     trained = [*pieces.network.parameters(), *pieces.network.buffers(), *pieces.objective.parameters()]
-    return memory.plan(trained, pieces.optimizer, pieces.ema, count, args.train_batch_size, world)
+    table = getattr(pieces.network, "captions", None)
+    return memory.plan(trained, pieces.optimizer, pieces.ema, count, args.train_batch_size, world,
+                       host=table.nbytes if table is not None else 0)  # fmt: skip
 
 
 def announce(args, config, compile_why, accelerator, network, memory_plan, start_step, unreadable):
@@ -524,8 +526,9 @@ class Run:
         set_seed(args.seed, device_specific=True)  # each process draws its own noise
         if isinstance(images, PRELOADED) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: --preload_data's MAX_GIB
+        conditions = labels if table is None else captions.Draws(table, labels, args.seed)  # each image's caption drawn
         self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
-                                    self.world, args.dataloader_num_workers, self.unreadable, labels)  # fmt: skip
+                                    self.world, args.dataloader_num_workers, self.unreadable, conditions)  # fmt: skip
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             # autoguidance's network: building it (a checkpoint's) draws random numbers, which must not change the
             # network trained or its noise: with or without --guide, the same --seed trains the same weights
@@ -534,8 +537,8 @@ class Run:
         self.pieces = build_pieces(args, accelerator, self.total_steps, num_classes, self.config["lr_ref_steps"],
                                    class_names)
         self.config["params"] = sum(p.numel() for p in self.pieces.network.parameters())  # with a class embedding
-        if table:  # what its cross-attention reads: the step, the grids and FID give it caption ids (model.TextUNet)
-            self.pieces.network.captions = table.to(self.device)
+        if table:  # its captions' ids -> embeddings, for the grids and FID (the step's come with its batches)
+            self.pieces.network.captions = table
         self.guard = step.NonFiniteGuard(self.pieces.optimizer, args.on_fault, self.device)
         self.memory = memory_plan(args, self.pieces, self.world)
         self.startup.mark("network")
@@ -567,11 +570,13 @@ class Run:
     def build_step(self, meter):
         """The step, from the uint8 batch to the EMA (step.py), reporting its phases to `meter`."""
         pieces, mode = self.pieces, None if self.config["step_compile_mode"] == "eager" else self.config["step_compile_mode"]
+        table = getattr(pieces.network, "captions", None)  # a captioned run's null label: the empty caption's Words
+        null_label = table.null(self.device) if table is not None else models.null_label(self.conditions)
         whole = step.TrainStep(pieces.model, pieces.model, pieces.objective, pieces.optimizer, pieces.lr_scheduler,
                                pieces.ema, self.guard, self.args.max_grad_norm, data.random_flips(self.args),
                                accelerator=self.accelerator,
                                mark=meter.breakdown.phase_done, label_dropout=self.args.label_dropout,
-                               null_label=models.null_label(self.conditions))  # fmt: skip
+                               null_label=null_label)  # fmt: skip
         fast = compiling.FastStep(whole, mode, self.device, say=meter.write, scope=self.config["step_compile_scope"])
         if compiling.compiles(mode) and self.step < self.total_steps:
             loaded = compiling.load_compile_artifacts(self.output_dir / COMPILE_CACHE_FILE, self.device)

@@ -107,6 +107,11 @@ def test_a_counted_step_grows_with_the_batch_and_shrinks_with_bf16_and_checkpoin
     assert memory.count_step("tiny", 16, 4, 3, gradient_checkpointing=True)["peak"] < four["peak"]
 
 
+def test_a_routed_dit_step_holds_the_routed_blocks_on_the_tokens_they_take():
+    every, routed = memory.count_step("dit-tiny", 32, 4, 3), memory.count_step("dit-tiny", 32, 4, 3, routing=0.5)
+    assert routed["gradients"] == every["gradients"] and routed["peak"] < every["peak"]
+
+
 def test_the_line_says_what_fits_on_a_gpu():
     gib = memory.GIB
     plan = memory.Plan(gib, gib, 2 * gib, gib, step_peak=9 * gib, batch_size=64)

@@ -90,6 +90,22 @@ def test_on_a_cpu_newton_schulz_runs_in_float32_and_torch_s_own_is_back_after_th
     assert (stepped - in_fp32).abs().max() < 1e-6 < 1e-4 < (stepped - in_bf16).abs().max()
 
 
+def test_a_torch_whose_newton_schulz_takes_other_arguments_keeps_its_own_and_says_so(monkeypatch):
+    """torch's private function is swapped only while it takes newton_schulz_fp32's arguments."""
+    original, called = optimizers._muon._zeropower_via_newtonschulz, []
+
+    def changed(grad, ns_coefficients, ns_steps, eps, dtype=torch.bfloat16):  # as a later torch might have it
+        called.append(dtype)
+        return original(grad, ns_coefficients, ns_steps, eps)
+
+    monkeypatch.setattr(optimizers._muon, "_zeropower_via_newtonschulz", changed)
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    p.grad = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="on a CPU it runs in torch's bf16"):
+        optimizers.SplitMuon([p], lr=0.1, weight_decay=0.0).step()
+    assert called and optimizers._muon._zeropower_via_newtonschulz is changed
+
+
 def test_the_lr_schedule_moves_muons_learning_rate_too_after_a_load():
     _, _, optimizer = built("dit-tiny")
     schedule = models.make_lr_scheduler("cosine", optimizer, 2, 10)

@@ -3,8 +3,10 @@ with save_pretrained and read back by the real loading code, its embeddings cach
 them, a run that resumes bit for bit, grids labelled by their prompts, and sample.py --prompt."""
 
 import json
+import os
 import shutil
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,9 +105,14 @@ def test_each_of_an_images_captions_is_drawn_as_often_and_the_empty_one_is_last(
     texts, choices = captions.caption_table([["a cat"], ["a dog", "two dogs", "a cat"]])
     assert texts == ["a cat", "a dog", "two dogs", ""]
     assert choices.tolist() == [[0, -1, -1], [1, 2, 0]]
-    drawn = captions.draw(choices.repeat(3000, 1), torch.Generator().manual_seed(0)).view(3000, 2)
+    table = captions.table_of(torch.arange(4.0).view(4, 1, 1), torch.ones(4, 1, dtype=torch.bool), torch.ones(4))
+    draws = captions.Draws(table, choices.repeat(3000, 1), seed=0)  # the rows' embedding is its caption's id
+    drawn = draws.batch(torch.arange(6000), 0, "cpu").embeddings.long().view(3000, 2)
     assert (drawn[:, 0] == 0).all()  # padding never drawn
     assert torch.bincount(drawn[:, 1], minlength=3).tolist() == pytest.approx([1000, 1000, 1000], abs=90)
+    again = draws.batch(torch.tensor([5, 1, 3]), 0, "cpu").embeddings  # by (seed, epoch, image) alone: any batch
+    assert torch.equal(again.long().flatten(), drawn.flatten()[[5, 1, 3]])
+    assert not torch.equal(draws.batch(torch.arange(6000), 1, "cpu").embeddings.long().view(3000, 2), drawn)
 
 
 # --- the encoder and its cache ---
@@ -159,13 +166,14 @@ def test_captions_are_encoded_once_and_a_preempted_encode_keeps_its_pieces(clip,
     monkeypatch.setattr(captions, "PIECE", 4)
     lines = []
     first = captions.cached_embeddings(encoder, texts, log=lines.append)
-    assert first.encoded == 11 and first.embeddings.shape == (11, 16, 32) and first.embeddings.dtype == captions.STORED
-    assert first.lengths[-1] == 2 and first.mask.all()  # the empty caption's start and end; CLIP: every position
+    rows = first.rows(range(11), "cpu")
+    assert first.encoded == 11 and rows.embeddings.shape == (11, 16, 32) and rows.embeddings.dtype == captions.STORED
+    assert first.lengths[-1] == 2 and rows.mask.all()  # the empty caption's start and end; CLIP: every position
     whole, _, _ = captions.encode(encoder, texts)
-    assert torch.equal(first.embeddings, whole)  # in pieces, as in one
+    assert torch.equal(rows.embeddings, whole)  # in pieces, as in one
     (first.folder / "piece-000000004.pt").unlink()  # as a preempted encode leaves it
     again = captions.cached_embeddings(encoder, texts, log=lines.append)
-    assert again.encoded == 4 and torch.equal(again.embeddings, first.embeddings)
+    assert again.encoded == 4 and torch.equal(again.rows(range(11), "cpu").embeddings, rows.embeddings)
     assert captions.cached_embeddings(encoder, texts, log=lines.append).encoded == 0
     assert lines[-1].startswith("captions: 10 distinct captions, 12.2 tokens on average, 1 cut at 16 tokens (read from")
     next(encoder.model.parameters()).data += 1  # other weights: another key, another folder
@@ -214,7 +222,7 @@ def test_a_captioned_dit_reads_the_caption_in_every_block_s_adaln_not_its_cross_
     for block in net.transformer_blocks:
         block.attn2 = None
     x, t = torch.randn(1, 3, 16, 16).expand(2, -1, -1, -1), torch.tensor([500, 500])
-    out = net(x, t, class_labels=torch.tensor([0, 1]), return_dict=False)[0]
+    out = net(x, t, class_labels=net.captions.rows([0, 1], "cpu"), return_dict=False)[0]
     assert not torch.allclose(out[0], out[1])
 
 
@@ -228,14 +236,14 @@ def test_every_resnet_of_a_captioned_unet_reads_the_caption_not_its_middle_alone
     for block in net.mid_block.attentions:
         block.forward = lambda hidden_states, *args, **kwargs: (hidden_states,)
     x, t = torch.randn(1, 3, 16, 16).expand(2, -1, -1, -1), torch.tensor([500, 500])
-    out = net(x, t, class_labels=torch.tensor([0, 1]), return_dict=False)[0]
+    out = net(x, t, class_labels=net.captions.rows([0, 1], "cpu"), return_dict=False)[0]
     assert not torch.allclose(out[0], out[1])
 
 
 @pytest.mark.parametrize("network", ["tiny", "dit-tiny"])
 @pytest.mark.parametrize("scope", ["whole", "regional"])
 def test_a_compiled_captioned_network_gives_the_eager_outputs(clip, scope, network, monkeypatch):
-    """Dynamo's eager backend traces the graphs as Inductor's would: the caption lookup in the forward, whole
+    """Dynamo's eager backend traces the graphs as Inductor's would: the captions' Words into the forward, whole
     (one graph) and in the repeated blocks (its cross-attention's Attention among them)."""
     import compiling
 
@@ -245,11 +253,12 @@ def test_a_compiled_captioned_network_gives_the_eager_outputs(clip, scope, netwo
     net = models.build_network(network, 16, text_dim=32)
     texts, _ = captions.caption_table([["a cat"], ["a dog"]])
     net.captions = captions.cached_embeddings(captions.load_text_encoder(str(clip)), texts, log=None)
-    x, t, ids = torch.randn(3, 3, 16, 16), torch.tensor([3, 500, 900]), torch.tensor([0, 1, 2])
+    x, t = torch.randn(3, 3, 16, 16), torch.tensor([3, 500, 900])
+    words, flipped = net.captions.rows([0, 1, 2], "cpu"), net.captions.rows([2, 1, 0], "cpu")
     call = real(net, backend="eager", fullgraph=True) if scope == "whole" else compiling.RegionalNetwork(net)
-    eager = net(x, t, class_labels=ids, return_dict=False)[0]
-    assert torch.allclose(call(x, t, class_labels=ids, return_dict=False)[0], eager, atol=1e-5)
-    assert not torch.allclose(eager[0], net(x, t, class_labels=ids.flip(0), return_dict=False)[0][0])  # it reads them
+    eager = net(x, t, class_labels=words, return_dict=False)[0]
+    assert torch.allclose(call(x, t, class_labels=words, return_dict=False)[0], eager, atol=1e-5)
+    assert not torch.allclose(eager[0], net(x, t, class_labels=flipped, return_dict=False)[0][0])  # it reads them
 
 
 # --- a run ---
@@ -443,3 +452,164 @@ def test_a_saved_datasets_dataset_trains_from_its_caption_column_with_edm(clip, 
                                    "--num_inference_steps", "2", "--output", str(tmp_path / "drawn"), "--no-copies",
                                    "--device", "cpu"]))  # fmt: skip
     assert (tmp_path / "drawn" / "000000.png").is_file()
+
+
+# --- the captioned path's edges (issue 87) ---
+
+
+def test_a_captioned_run_autoguides_with_a_captioned_guide_and_refuses_one_of_another_encoder(clip, tmp_path, capsys):
+    """sample.py --guide on a captioned run: the guide reads the prompts' embeddings as the model does; a guide
+    trained on another text encoder (its embeddings mean something else) is refused in one line, exit 2."""
+    data = captioned_folder(tmp_path / "data", 4)
+    flags = [str(f).format(clip=clip, data=data) for f in RUN]
+    run(tmp_path / "main", *flags, "--max_train_steps", 2, "--checkpointing_steps", 2)
+    run(tmp_path / "guide", *flags, "--max_train_steps", 1, "--checkpointing_steps", 1)
+    drawn = tmp_path / "drawn"
+    ask = [str(tmp_path / "main"), "--prompt", "red", "--num_images", "2", "--num_inference_steps", "2",
+           "--guidance_scale", "2", "--no-copies", "--device", "cpu"]  # fmt: skip
+    sample.main(sample.parse_args([*ask, "--guide", str(tmp_path / "guide"), "--output", str(drawn)]))
+    assert (drawn / "000001.png").is_file()
+    from bench import labelled
+
+    other = labelled.write_random_clip(tmp_path / "clip2", seed=1, positions=16)
+    run(tmp_path / "other", *[str(f).format(clip=other, data=data) for f in RUN], "--max_train_steps", 1,
+        "--checkpointing_steps", 1)  # fmt: skip
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        sample.main(sample.parse_args([*ask, "--guide", str(tmp_path / "other"), "--output", str(tmp_path / "x")]))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "same text encoder" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_captioned_ddpm_run_predicts_v_as_a_class_conditional_one_does(clip, tmp_path):
+    data = captioned_folder(tmp_path / "data", 4)
+    base = ["--dataset", str(data), "--image_size", "16", "--model", "tiny", "--objective", "ddpm", "--output_dir", str(tmp_path / "o")]
+    assert config.resolve(config.parse_args(base)).prediction_type == "epsilon"
+    assert config.resolve(config.parse_args([*base, "--text_encoder", str(clip)])).prediction_type == "v_prediction"
+
+
+def mapped_from(tensor, file):
+    """Whether `tensor`'s memory lies in a mapping of `file` (memory-mapped, not read into memory)."""
+    for line in open("/proc/self/maps"):
+        low, high = (int(a, 16) for a in line.split()[0].split("-"))
+        if low <= tensor.data_ptr() < high:
+            return line.rstrip().endswith(str(file))
+    return False
+
+
+def test_the_caption_table_stays_in_host_memory_memory_mapped_shared_by_copies_and_counted(clip, tmp_path, capsys):
+    """The table is read from its cache's pieces as mappings of the files; the network's deep copies (its EMA's, for
+    grids and saving) hold the same table, not a copy; the memory line says its size; a batch's rows reach the step
+    as Words."""
+    import copy
+
+    encoder = captions.load_text_encoder(str(clip))
+    table = captions.cached_embeddings(encoder, [f"caption {i}" for i in range(5)] + [""], log=None)
+    assert mapped_from(table.pieces[0][0], table.folder / "piece-000000000.pt")
+    net = models.build_network("tiny", 16, text_dim=32)
+    net.captions = table
+    assert copy.deepcopy(net).captions is table
+    data = captioned_folder(tmp_path / "data", 4)
+    seen = []
+    real = train.step.TrainStep.descend
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train.step.TrainStep, "descend", lambda self, batches, n=None: seen.append(batches[0]) or real(self, batches, n))
+        run(tmp_path / "run", *[str(f).format(clip=clip, data=data) for f in RUN], "--max_train_steps", 1)
+    out = capsys.readouterr().out
+    memory_line = next(line for line in out.splitlines() if line.startswith("memory: weights"))
+    assert "the caption table: " in memory_line and "GiB in host memory (memory-mapped)" in memory_line
+    images, words = seen[0]
+    assert isinstance(words, captions.Words) and words.embeddings.shape == (4, 16, 32)
+
+
+def test_the_pooled_caption_reads_the_real_tokens_alone():
+    """A T5 caption's padding (its mask's False positions) changes nothing the pooled caption gives; with every
+    position real the pooling is diffusers' TextTimeEmbedding's own."""
+    import dit
+    from diffusers.models.embeddings import TextTimeEmbedding
+
+    torch.manual_seed(0)
+    pool = TextTimeEmbedding(32, 48, num_heads=4)
+    words, mask = torch.randn(2, 10, 32), torch.ones(2, 10, dtype=torch.bool)
+    assert torch.allclose(dit.pooled_caption(pool, words, mask), pool(words), atol=1e-5)
+    mask[:, 4:] = False
+    padded = words.clone()
+    padded[:, 4:] = torch.randn(2, 6, 32) * 5
+    assert torch.allclose(dit.pooled_caption(pool, words, mask), dit.pooled_caption(pool, padded, mask), atol=1e-5)
+    assert torch.allclose(dit.pooled_caption(pool, words, mask), pool(words[:, :4]), atol=1e-5)
+
+
+@pytest.mark.parametrize("network", ["tiny", "dit-tiny"])
+def test_a_captioned_network_reads_neither_the_padding_nor_its_values(network):
+    """Both the cross-attention and the pooled caption skip a caption's padding (a T5 caption's mask): what the
+    padded positions hold changes nothing the network gives."""
+    torch.manual_seed(0)
+    net = models.build_network(network, 16, text_dim=32).eval()
+    embeddings, mask = torch.randn(2, 12, 32), torch.ones(2, 12, dtype=torch.bool)
+    mask[:, 5:] = False
+    padded = embeddings.clone()
+    padded[:, 5:] = torch.randn(2, 7, 32) * 5
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([10, 700])
+    with torch.no_grad():
+        a = net(x, t, class_labels=captions.Words(embeddings, mask), return_dict=False)[0]
+        b = net(x, t, class_labels=captions.Words(padded, mask), return_dict=False)[0]
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def _encode_on_two_nodes(spec):
+    """A forked process of test_two_nodes_...: joins a gloo group of two, its own cache folder (a node's disk),
+    encodes the captions (rank 1 failing where told), and writes what it read or the error it stopped with."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, out = spec["rank"], Path(spec["out"])
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))  # fmt: skip
+        os.environ[latents.CACHE_ENV] = str(out / f"node{rank}")
+        captions.PIECE = 2
+        encoder = captions.load_text_encoder(spec["clip"])
+        if spec["fail"] and rank == 1:
+            captions.encode = lambda *a, **kw: (_ for _ in ()).throw(ValueError("the encoder ran out of memory"))
+        try:
+            table = captions.cached_embeddings(encoder, spec["texts"], log=None)
+            torch.save(dict(rows=table.rows(range(len(spec["texts"])), "cpu"), encoded=table.encoded,
+                            pieces=sorted(p.name for p in table.folder.glob("piece-*"))), out / f"rank{rank}.pt")  # fmt: skip
+        except Exception as e:
+            (out / f"rank{rank}.error").write_text(f"{type(e).__name__}: {e}")
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail", [False, True])
+def test_two_nodes_with_their_own_cache_folders_each_end_with_every_caption_and_a_failure_stops_both(clip, tmp_path, fail):
+    """Two gloo processes, each with its own cache folder (the environment variable that moves the cache): each
+    encodes its pieces, and each folder then holds all of them (the other's sent over), the table the one-process
+    table; where one process fails while encoding, both stop with an error rather than the other waiting."""
+    import multiprocessing
+
+    from test_latents_dist import free_port
+
+    texts = [f"caption {i}" for i in range(6)] + [""]  # 4 pieces of 2: rank 0 encodes pieces 0 and 2, rank 1 1 and 3
+    spec = dict(port=free_port(), out=str(tmp_path), clip=str(clip), texts=texts, fail=fail)
+    procs = [multiprocessing.get_context("fork").Process(target=_encode_on_two_nodes, args=(dict(spec, rank=r),)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, (tmp_path / "rank0.err").read_text() if (tmp_path / "rank0.err").exists() else p.exitcode
+    if fail:
+        assert (tmp_path / "rank1.error").read_text() == "ValueError: the encoder ran out of memory"
+        assert "rank 1 could not encode its captions" in (tmp_path / "rank0.error").read_text()
+        return
+    whole, mask, _ = captions.encode(captions.load_text_encoder(str(clip)), texts)
+    for rank in range(2):
+        found = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert found["pieces"] == [f"piece-{s:09d}.pt" for s in (0, 2, 4, 6)] and found["encoded"] == [4, 3][rank]
+        assert torch.equal(found["rows"].embeddings, whole) and torch.equal(found["rows"].mask, mask)

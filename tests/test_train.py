@@ -357,6 +357,17 @@ def test_the_run_starts_the_compile_workers_once_it_has_planned_its_step(tmp_pat
     assert calls == [("cpu", planned), "network"]
 
 
+def test_the_compile_record_keys_what_changes_the_step_s_graphs():
+    """Routing, captions, the optimizer and the loss's extra terms each change what a step compiles: a record of one
+    never plans another's compile."""
+    import argparse
+
+    base = vars(config_args(train.parse_args(list(map(str, TINY)))))
+    key = lambda **kw: compiling.compile_key(argparse.Namespace(**(base | kw)), torch.device("cpu"), "default", "regional")  # noqa: E731
+    changed = [dict(token_routing=0.5), dict(text_dim=32, text_length=16), dict(optimizer="muon"), dict(loss_terms="dispersive:0.25")]
+    assert len({key(), *(key(**kw) for kw in changed)}) == 1 + len(changed)
+
+
 def config_args(args):
     """`args` resolved as train.py resolves them (compile_key reads the resolved size, precision and batch)."""
     from config import resolve
