@@ -109,3 +109,12 @@ def test_the_checker_finds_a_cycle_and_an_inner_import(tmp_path):
 def test_the_tools_live_in_bench():
     assert not [p.name for p in ROOT.glob("*.py") if p.stem in ("bench", "sweep", "quality")]
     assert {"bench.speed", "bench.sweep", "bench.quality", "bench.trust"} <= set(project_modules())
+
+
+def test_no_module_but_objectives_compares_an_objective_s_name():
+    """objectives.py's promise: elsewhere the code asks objectives.of(...) (or objectives.recorded), never `== "ddpm"`
+    or `or "ddpm"`."""
+    compared = re.compile(r"""(==|!=|\bor\b|\bin\b)\s*\(?["'](ddpm|edm|flow)["']""")
+    found = [f"{path.name}:{number}" for path in ROOT.glob("*.py") if path.stem != "objectives"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if compared.search(line)]  # fmt: skip
+    assert not found
