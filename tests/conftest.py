@@ -78,3 +78,20 @@ def default_shape_scorer(shape_scorer, monkeypatch):
     monkeypatch.setattr(shapescore, "TRAIN_IMAGES", shape_scorer.num_images)
     monkeypatch.setattr(shapescore, "TRAIN_STEPS", shape_scorer.steps)
     return shape_scorer
+
+
+# --- the two tiers: `-m "not slow"` for the loop, the whole suite for CI ---
+
+UNMARKED_SLOW_S = 10.0  # an unmarked test slower than this is named at the end of the run: mark it `slow`
+_UNMARKED_SLOW = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > UNMARKED_SLOW_S and "slow" not in report.keywords:
+        _UNMARKED_SLOW.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for nodeid, seconds in _UNMARKED_SLOW:
+        terminalreporter.write_line(f"unmarked slow test: {nodeid} took {seconds:.1f} s (over {UNMARKED_SLOW_S:g} s): "
+                                    "mark it @pytest.mark.slow")  # fmt: skip

@@ -51,6 +51,7 @@ def fixed_step():
 UNET_VARIANTS = [v for v in VARIANTS if v["name"] not in bench.DIT_ROWS_BY_NAME]  # a DiT's rows: their own tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", UNET_VARIANTS, ids=[v["name"] for v in UNET_VARIANTS])
 def test_each_variant_matches_the_fp32_eager_step(fixed_step, variant):
     if variant["cuda_only"]:
@@ -220,6 +221,7 @@ def test_fused_norm_is_off_in_train_py_and_bench_pys_needs_a_gpu_and_channels_la
     assert bench.train_settings(fused_norm=True)["channels_last"]  # fused_norm turns channels_last on, which it needs
 
 
+@pytest.mark.slow
 def test_bench_on_a_cpu_over_two_batch_sizes(tmp_path, capsys):
     argv = ["--workload", "tiny", "--batch_sizes", "2,1", "--steps", "2", "--warmup", "1", "--output", str(tmp_path),
             "--variants", "reference,tf32,train_default", "--tag", "run"]  # fmt: skip
@@ -298,6 +300,7 @@ def fake_run_variant(out_of_memory_above, variant_name):
     return run
 
 
+@pytest.mark.slow
 def test_the_batch_sweep_stops_a_variant_at_out_of_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run_variant", fake_run_variant(1, "fused_adamw"))
     monkeypatch.setattr(bench, "reference_step", lambda *args: None)
@@ -312,6 +315,7 @@ def test_the_batch_sweep_stops_a_variant_at_out_of_memory(tmp_path, monkeypatch)
     assert status[("fused_adamw", 4)] == ("skipped", "out of memory at batch 2")
 
 
+@pytest.mark.slow
 def test_the_ladder_starts_the_compile_workers_early_unless_told_inductors_timing(tmp_path, monkeypatch):
     """As train.py, the ladder asks for Inductor's compile workers at its start (compiling.start_compile_workers: on a
     GPU); --compile_workers inductor leaves them to Inductor, for on_gpu.sh's cold part to compare the two."""
@@ -351,6 +355,7 @@ runpy.run_module("bench", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_130_while_bench_imports_and_while_it_times(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "bench", "--output", str(tmp_path)], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -410,6 +415,7 @@ def test_a_read_only_output_is_refused_before_the_timing(tmp_path, capsys, monke
     assert stopped.value.code == 2 and "cannot write in" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_py_runs_compiled_channels_last_with_fused_adamw(tmp_path, capsys, monkeypatch):
     """channels_last has no train.py flag; the ladder sets it on the configuration, as here."""
     built = spy_on_build(monkeypatch)
@@ -461,6 +467,7 @@ def test_the_fast_path_is_on_by_default_only_with_a_gpu(monkeypatch):
     assert forced_cpu.compile_mode == "off" and not forced_cpu.cudnn_benchmark
 
 
+@pytest.mark.slow
 def test_a_dit_workload_runs_train_pys_step_eager_compiled_and_as_train_py_picks(tmp_path, monkeypatch):
     """The dit workloads' rows without --variants: train.py's step (train_default's settings) with --compile_mode off,
     default compiled whole and regionally, and auto; the others' rows stay every row. On a GPU, auto compiles DiT-XL/2 in
@@ -485,6 +492,7 @@ def test_a_dit_workload_runs_train_pys_step_eager_compiled_and_as_train_py_picks
     assert picked["compile_mode"] == "default" and picked["compile_scope"] == "whole"
 
 
+@pytest.mark.slow
 def test_bench_times_a_dit_on_latents(tmp_path, capsys):
     """A latent workload's step takes float latents of its channels (a --vae run's batch after its cache), checked against
     the fp32 eager step on them, with the DiT's FLOPs at its latents' size and channels."""
@@ -554,6 +562,7 @@ def test_a_row_s_attention_kernel_is_the_only_one_allowed():
     assert torch.isfinite(step())
 
 
+@pytest.mark.slow
 def test_the_cpu_dit_workload_is_the_small_dit_on_pixels(tmp_path):
     """dit-small: the CPU's DiT on the built-in 32px images (uint8 RGB, as `small`), its rows checked and timed."""
     argv = ["--workload", "dit-small", "--variants", "eager", "--batch_sizes", "2", "--steps", "1", "--warmup", "0",
@@ -565,6 +574,7 @@ def test_the_cpu_dit_workload_is_the_small_dit_on_pixels(tmp_path):
     assert bench.train_defaults(bench.WORKLOADS["dit-small"]).latent_channels is None
 
 
+@pytest.mark.slow
 def test_a_row_that_pins_another_attention_kernel_traces_its_step_anew(tmp_path, monkeypatch):
     """Dynamo does not guard on sdpa_kernel: a compiled graph kept from the row before would run the kernel it was
     traced with (an H100's flash and cuDNN rows did: record 2026-11-27-h100-regional-memory). A row whose kernel

@@ -26,6 +26,7 @@ class WithMiddleBlock(objectives.FlowObjective):
         return terms | {"middle": self.blocks.outputs.pop(self.middle).float().square().mean()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_term_reads_a_blocks_output_alike_in_every_compile_scope(preset, monkeypatch):
     torch.compiler.reset()

@@ -237,6 +237,7 @@ def test_every_range_is_checked_with_the_flags_name():
     assert "AdamW weight decay (a finite number, at least 0; default: 1e-06)" in text
 
 
+@pytest.mark.slow
 def test_logger_wandb_logs_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -322,6 +322,7 @@ print("exiting mid-epoch")
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_mid_epoch_ends_its_workers_which_ignore_sigterm(tmp_path):
     """DataLoader workers leave SIGTERM to the main process (data._ignore_stop_signals); multiprocessing's exit
     sends them SIGTERM and waits: data.stop_workers, at exit, ends them first, or the process would never end."""
@@ -332,6 +333,7 @@ def test_a_process_that_exits_mid_epoch_ends_its_workers_which_ignore_sigterm(tm
     assert done.returncode == 0 and done.stdout.strip() == "exiting mid-epoch", done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_decoders_before_training_and_fids_reference_read_on_through_a_groups_sigterm(tmp_path):
     """data._decoding (preloading, the latent encode) and metrics.uint8_batches (FID's reference, inside
     training's evaluation): their workers, signalled by another process, read on; one left running ends at exit."""
@@ -342,6 +344,7 @@ def test_the_decoders_before_training_and_fids_reference_read_on_through_a_group
     assert done.returncode == 0 and done.stdout.strip() == "exiting mid-epoch", done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_signal_between_a_workers_fork_and_its_start_is_not_its_death(monkeypatch):
     """A group's SIGTERM that reaches a worker before it has set its signals (an epoch's start) waits, blocked
     since the fork, and is discarded once the worker ignores it; this process's own mask is as it was."""

@@ -91,6 +91,7 @@ def test_each_objective_trains_a_dit_and_sample_py_samples_it(tmp_path, objectiv
     assert "DiTTransformer2DModel.from_pretrained" in card and "DDPMPipeline" not in card
 
 
+@pytest.mark.slow
 def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, monkeypatch, default_shape_scorer):
     """Flow (SiT's recipe) on a VAE's latents with class labels: guidance, autoguidance, FID in training, the
     power EMA's snapshots, sample.py by class name."""
@@ -202,6 +203,7 @@ def test_a_dit_checkpoint_is_saved_without_accelerate_s_shared_tensor_warning(tm
     assert all(torch.equal(p, saved[name]) for name, p in net.named_parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing, optimizer", [("0", "adamw"), ("0.5", "adamw"), ("0", "muon")])
 def test_two_processes_train_a_dit_as_one(tmp_path, routing, optimizer):
     """Each rank its own σ and images (and tokens routed), the same weights at every step (gradients averaged, and

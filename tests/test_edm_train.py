@@ -31,6 +31,7 @@ def run(output_dir, *flags):
     return train.main(args)
 
 
+@pytest.mark.slow
 def test_an_edm2_run_writes_grids_checkpoints_and_a_network_that_sample_py_and_ema_py_load(tmp_path, capsys):
     out = tmp_path / "run"
     config = run(out)
@@ -141,6 +142,7 @@ torch.save(built[0].objective.state_dict(), f"{{out}}-end{{rank}}.pt")
 """
 
 
+@pytest.mark.slow
 def test_a_two_process_edm_run_learns_one_weighting_and_resumes_bit_identically(tmp_path):
     """Each process draws its noise from its own seed, EDM's u(sigma) included when it is built; every process
     must train rank 0's u, so that a resume (which loads rank 0's) continues the straight run."""

@@ -96,6 +96,7 @@ def send_at_step(monkeypatch, step, *signals):
     monkeypatch.setattr(flops.StepTimer, "step_done", step_done)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_saves_exits_and_the_same_command_resumes_exactly(tmp_path, monkeypatch, capsys, straight, sig, code):
     out = tmp_path / "run"
@@ -113,6 +114,7 @@ def test_a_signal_saves_exits_and_the_same_command_resumes_exactly(tmp_path, mon
     assert "stopped_by" not in json.loads((out / "run.json").read_text())  # the end's, over the stop's
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     send_at_step(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
@@ -161,6 +163,7 @@ def one_process_group(monkeypatch):
 
 # accelerate's end_training destroys the group at the end and after a signal; the others
 # (errors, a run already trained, Ctrl-C twice) rely on main's `finally`.
+@pytest.mark.slow
 @pytest.mark.parametrize("how, code", [
     ("the end", None), ("already trained", None), ("bad dataset", 2), ("non-finite loss", 1), ("SIGTERM", 143),
     ("Ctrl-C twice", 130),
@@ -214,6 +217,7 @@ train.main(train.parse_args(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["between accelerate's files", "before the rename"])
 def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, straight, where):
     out = tmp_path / "run"
@@ -435,6 +439,7 @@ def slow_disk(monkeypatch):
     monkeypatch.setattr(checkpoint, "_fsync_tree", lambda folder: (time.sleep(1.0), real(folder)))
 
 
+@pytest.mark.slow
 def test_a_stop_waits_for_its_checkpoint_to_reach_the_disk(tmp_path, monkeypatch, capsys, slow_disk):
     send_at_step(monkeypatch, 2, signal.SIGTERM)  # right after step 2, whose checkpoint is then on its way
     assert exit_code(tmp_path) == 143
@@ -442,6 +447,7 @@ def test_a_stop_waits_for_its_checkpoint_to_reach_the_disk(tmp_path, monkeypatch
     assert "saved " + str(tmp_path / "checkpoints" / "checkpoint-2") in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_one_checkpoint_is_on_its_way_at_a_time_and_the_end_waits_for_the_last(tmp_path, slow_disk):
     run(tmp_path, "--max_train_steps", 2, "--checkpointing_steps", 1)  # checkpoint-2 is due while 1 is flushing
     manifest = json.loads((tmp_path / "run.json").read_text())
@@ -601,6 +607,7 @@ def launch_tails(result, log_dir):
     return "\n".join([f"exit code {result.returncode}", *tails, f"--- the launcher's stderr:\n{result.stderr[-1000:]}"])
 
 
+@pytest.mark.slow
 def test_two_processes_train_checkpoint_resume_and_write_once(tmp_path):
     out = tmp_path / "run"
     # class-conditional: the labels are split between the processes with their images (tests/test_labels.py)
@@ -675,6 +682,7 @@ class Ranks:
         return f"exit codes {self.codes}\n--- rank 0 stderr:\n{self.err0[-2000:]}\n--- rank 1 stderr:\n{self.err1[-2000:]}"
 
 
+@pytest.mark.slow
 def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_path):
     out = tmp_path / "run"
     (out / "samples" / "0000.png").mkdir(parents=True)  # a folder where the first grid goes: rank 0 cannot write it
@@ -750,6 +758,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_an_evaluation_generates_a_share_of_its_samples_on_each_process(tmp_path):
     """5 samples in batches of 2: rank 0 generates batches 0 and 2 (the last, of 1 image), rank 1 batch 1; rank 0
     embeds the three in image order (the batches one process generates), and scores 5 images. The reference
@@ -795,6 +804,7 @@ train.main(train.parse_args(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_cannot_embed_its_share_of_the_reference_stops_every_process(tmp_path):
     """Rather than rank 0 embed its share and wait for rank 1's sums for MAIN_WORK_WAIT (12 hours)."""
     out = tmp_path / "run"
@@ -824,6 +834,7 @@ train.main(train.parse_args(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_the_others_wait_for_the_main_processs_work_longer_than_the_steps_timeout(tmp_path):
     """The steps' collectives time out after train.STEP_WAIT; the wait for the main process's work between
     steps (a grid here; FID in a real run, hours) is in a group of its own with MAIN_WORK_WAIT."""
@@ -834,6 +845,7 @@ def test_the_others_wait_for_the_main_processs_work_longer_than_the_steps_timeou
     assert (out / "samples" / "0000.png").is_file()
 
 
+@pytest.mark.slow
 def test_a_ranks_damaged_rng_state_stops_every_rank_at_the_resume_not_the_others_in_their_first_step(tmp_path):
     """Rank 1 cannot load its RNG state: it says which file, and rank 0 stops with it (exit 2 both), rather than
     train on into its first collective and wait there for STEP_WAIT (15 minutes) before failing."""
@@ -873,6 +885,7 @@ def assert_identical(a, b, where=""):
         assert a == b, where
 
 
+@pytest.mark.slow
 def test_two_processes_stop_together_for_sigterm_and_resume_exactly(tmp_path):
     stop_at, total = 2 * agreement.STOP_CHECK_STEPS, 2 * agreement.STOP_CHECK_STEPS + 2
     # 192 images, 8 a step: 24 steps an epoch, so step 20 is mid-epoch and no epoch's end (where the processes
@@ -963,6 +976,7 @@ train.main(train.parse_args(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_every_process_trains_rank_0_s_compile_plan(tmp_path):
     """Each process plans its compile from its own node's compile record (compiling.plan_compile); rank 0's plan is the one
     they all train with, so that nodes whose caches differ in warmth still compile the same step."""
@@ -1021,6 +1035,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_at_a_stop_every_process_waits_until_the_main_one_has_published_the_checkpoint(tmp_path):
     """SIGTERM to rank 1 alone: it must not exit while rank 0 still writes, or a launcher (torchrun) would kill
     rank 0 mid-write, 30 s after rank 1 has gone, and the checkpoint would be lost."""
@@ -1032,6 +1047,7 @@ def test_at_a_stop_every_process_waits_until_the_main_one_has_published_the_chec
     assert f"published at rank 1's exit: ['checkpoint-{stop_at}']" in ranks.out1, ranks
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_a_named_checkpoint_and_stopped_says_to_continue_with_resume_alone(tmp_path, monkeypatch, capsys):
     """The same command would go back to the named checkpoint (refused: newer ones are there now); --resume alone
     continues from the one the stop saved."""
@@ -1084,6 +1100,7 @@ train.main(train.parse_args(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_every_process_resumes_from_the_checkpoint_the_main_one_chose(tmp_path):
     out = tmp_path / "run"
     assert Ranks(start_two_ranks(flags(out, "--max_train_steps", 2))).codes == [0, 0]
@@ -1093,6 +1110,7 @@ def test_every_process_resumes_from_the_checkpoint_the_main_one_chose(tmp_path):
     assert checkpoints(out)[-1] == "checkpoint-4"
 
 
+@pytest.mark.slow
 def test_a_signal_is_answered_at_once_not_only_after_the_step(tmp_path, monkeypatch, capfd):
     """A step may take minutes (a large image on a CPU): the stop is said when the signal arrives."""
     send_at_step(monkeypatch, 1, signal.SIGINT)
@@ -1101,6 +1119,7 @@ def test_a_signal_is_answered_at_once_not_only_after_the_step(tmp_path, monkeypa
     assert "SIGINT: stopping after this step, once it is saved (Ctrl-C again: stop now, without saving)" in said, said
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_inside_the_stops_own_output_is_one_line_too(tmp_path, monkeypatch, capsys):
     """The second Ctrl-C may land inside tqdm's lock as the stop prints: the lock's release then fails with a
     RuntimeError raised while the KeyboardInterrupt was handled. Still one line, exit code 130."""

@@ -259,6 +259,7 @@ def test_a_count_on_cpu_tensors_equals_the_meta_devices(name):
     assert missed > 0  # the CPU ran its fused kernel: this test is about it
 
 
+@pytest.mark.slow
 def test_train_py_counts_a_dit_as_flops_py_does(tmp_path, capsys):
     """The dry run's FLOPs of DiT-XL/2 at 256px through SD's VAE (32x32x4 latents; offline, its assumed VAE)
     are flops.py's and the formula's, attention included."""
@@ -312,6 +313,7 @@ SMALL_TOOLS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", sorted(SMALL_TOOLS))
 def test_ctrl_c_in_a_small_tool_is_one_line_and_exit_130(tool, tmp_path):
     import signal

@@ -402,6 +402,7 @@ def assert_trained_as_one(events, steps):
     assert sum("saved" in e for e in events[0]) == 1 and not any("saved" in e for e in events[1]), events
 
 
+@pytest.mark.slow
 def test_two_processes_train_a_flow_run_as_one_and_save_its_pipeline_once(tmp_path):
     """Two gloo processes: the flow objective draws each process's own σ and noise, the step averages the
     gradients, and rank 0 alone writes the flow pipeline."""

@@ -82,6 +82,7 @@ def test_each_refusal_is_one_line_that_says_what_to_change(flags, expected, monk
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_a_refusal_exits_with_one_line_and_no_traceback():
     result = subprocess.run([sys.executable, "train.py", "--model", "tiny", "--mixed_precision", "fp8"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -101,6 +102,7 @@ def test_the_memory_estimate_is_bf16_s():
     assert memory.count_step(*step, "fp8") == memory.count_step(*step, "bf16") != memory.count_step(*step, "no")
 
 
+@pytest.mark.slow
 def test_importing_the_networks_prints_nothing_with_torchao_installed():
     result = subprocess.run([sys.executable, "-c", "import model, rundir"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)  # fmt: skip
@@ -124,6 +126,7 @@ def test_the_first_line_says_what_fp8_was_measured_to_give_on_a_gpu_and_that_a_c
     assert "emulated on a CPU" in on_cpu and "no faster in FP8" not in on_cpu
 
 
+@pytest.mark.slow
 def test_fp8_trains_close_to_bf16_resumes_bit_identically_and_saves_a_network_diffusers_loads(tmp_path, capsys):
     from diffusers import DiTTransformer2DModel
 
@@ -150,6 +153,7 @@ def test_fp8_trains_close_to_bf16_resumes_bit_identically_and_saves_a_network_di
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
+@pytest.mark.slow
 def test_two_processes_train_in_fp8(tmp_path):
     out = tmp_path / "run"
     ranks = Ranks(start_two_ranks([*map(str, FP8), "--output_dir", str(out), "--max_train_steps", "2"]))

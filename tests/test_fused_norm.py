@@ -213,6 +213,7 @@ def interpreted():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_forward_and_backward_match_fp64_reference(interpreted):
     for case, errors in zip(CASES + random_cases(), interpreted["fp64"]):
         for name in ("y", "dx", "dweight", "dbias"):

@@ -190,6 +190,7 @@ def conditional_run(output_dir, *flags):
     return train.main(args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["ddpm", "edm"])
 def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_name(tmp_path, objective, request, capsys):
     import shutil
@@ -329,6 +330,7 @@ SCORER_32PX = Path(__file__).parent / "fixtures" / "shape-scorer-32px" / "v1-32p
 SAMPLES, STEPS = 64, 10  # each scored, unguided and at w = 3
 
 
+@pytest.mark.slow
 def test_samples_asked_for_a_class_show_it_more_often_than_chance_and_more_with_guidance(tmp_path, monkeypatch):
     import shutil
 

@@ -210,6 +210,7 @@ def test_a_conditional_fine_tune_of_an_unconditional_unet_starts_as_the_source(p
     assert "a new label table for this run's 3 classes" in pieces.started_from
 
 
+@pytest.mark.slow
 def test_a_fine_tune_starts_at_step_0_records_its_source_and_a_resume_continues_it(pipeline, tmp_path, capsys):
     out = tmp_path / "out"
     flags = ["--model", "auto", "--init_from", pipeline, "--checkpointing_steps", 2, "--ema", "none"]

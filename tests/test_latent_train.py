@@ -186,6 +186,7 @@ def test_resume_refuses_another_vae_before_encoding_in_one_line(tmp_path, vae, c
     assert "(--vae: latents -> pixels)" in refused(out, capsys, "--max_train_steps", 2)
 
 
+@pytest.mark.slow
 def test_two_processes_encode_a_share_each_and_train_on_the_cache(tmp_path, vae, monkeypatch):
     """train.py --vae on two processes (gloo on the CPU): each encodes its share of a cold cache, the cache
     assembled is the one a single process makes, and both train on it."""
@@ -217,6 +218,7 @@ def test_the_same_vae_spelled_otherwise_resumes(tmp_path, vae, capsys, monkeypat
     assert (out / "checkpoints" / "checkpoint-4").is_dir()
 
 
+@pytest.mark.slow
 def test_the_cache_is_reused_and_rebuilt_for_another_vae_or_image_size(tmp_path, vae, capsys, monkeypatch):
     encoded = []
     encode_batch = latents._encode_batch
@@ -375,6 +377,7 @@ def test_the_encoder_takes_a_bounded_number_of_pixels_at_once(tmp_path, vae, mon
     assert np.allclose(np.asarray(whole.array), np.asarray(parts.array), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_every_preset_builds_for_latents():
     """At 256px, SD's VAE gives 32x32x4 latents: every preset takes them and gives them back."""
     for name in models.PRESETS:
@@ -422,6 +425,7 @@ def test_the_tests_read_no_users_hugging_face_cache():
         assert Path(cache).is_relative_to(HF_HOME), cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", LATENT_CONFIGS, ids=[p.name for p in LATENT_CONFIGS])
 def test_the_latent_configs_describe_a_256px_run_on_32x32x4_latents(tmp_path, path, capsys):
     """Offline (HF_HUB_OFFLINE=1) the dry run cannot read the VAE's config.json: it says it assumes SD's 8x, 4-channel
@@ -459,6 +463,7 @@ def test_a_file_in_the_latent_caches_place_is_one_line_before_any_encode(tmp_pat
                     f"is a file, not a folder; choose another ${latents.CACHE_ENV}")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_stop_signal_to_every_process_of_the_job_saves_the_checkpoint_with_draw_workers(tmp_path, vae, monkeypatch, capsys):
     """A cluster's preemption sends SIGTERM to every process of the job (a terminal's Ctrl-C, SIGINT, to the
     whole process group): the draw workers died of it and the main process failed at its next batch ("DataLoader

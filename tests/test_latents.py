@@ -325,6 +325,7 @@ def test_a_failed_or_killed_encode_leaves_no_cache_that_is_read(tmp_path, kl_fol
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # the leftover removed
 
 
+@pytest.mark.slow
 def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
     """A real SIGKILL mid-encode: the next call encodes afresh and removes the dead process's folder."""
     script = textwrap.dedent(
@@ -353,6 +354,7 @@ def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [cache.path.name]
 
 
+@pytest.mark.slow
 def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the_rest(tmp_path, kl_folder):
     """A real SIGKILL in the third piece of four: the next encode decodes and encodes the rest alone, and its
     cache is the uninterrupted encode's bit for bit; a torn piece is encoded again."""

@@ -257,6 +257,7 @@ def test_a_share_that_fails_fails_every_process_at_once(two_processes):
     assert ranks[0]["failure"]["seconds"] < 30  # not the encode wait's timeout
 
 
+@pytest.mark.slow
 def test_independent_runs_racing_to_publish_one_key_both_read_a_cache_never_removed(tmp_path):
     from test_latents import make_kl
 

@@ -246,6 +246,7 @@ def test_each_term_is_named_in_the_terms_and_sums_into_the_loss(preset, kind, te
         assert not reader.blocks.outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_terms_are_alike_eager_and_compiled_whole_or_by_block(preset, monkeypatch):
     text = "dispersive,layersync,deltafm,immiscible:4" if preset == "dit-tiny" else "dispersive,deltafm,immiscible:4"
@@ -271,6 +272,7 @@ def test_the_terms_are_alike_eager_and_compiled_whole_or_by_block(preset, monkey
 # --- through train.py ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_logs_its_term_and_a_resume_keeps_it_or_refuses_another(tmp_path, capsys):
     out = tmp_path / "run"
     steps = ["--max_train_steps", 2, "--logging_steps", 1, "--checkpointing_steps", 2, "--save_images_epochs", 100]

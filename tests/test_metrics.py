@@ -77,6 +77,7 @@ def test_scores_do_not_depend_on_the_batch_size(images, monkeypatch):
         assert a[name] == pytest.approx(b[name], rel=1e-4), name
 
 
+@pytest.mark.slow
 def test_generated_images_scored_a_batch_at_a_time_score_as_all_at_once(images, monkeypatch, shape_scorer, tmp_path):
     """Generated holds FID's sums, KID's first KID_MAX_IMAGES features and the shape scorer's answers, not every
     feature: batches of 7 score as the 96 images at once (the KID cut inside a batch; labels kept with theirs)."""
@@ -451,6 +452,7 @@ def test_a_runs_reference_statistics_are_keyed_by_what_its_folder_holds_as_sampl
     assert metrics.shared_reference_path(key).is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("during", ["grid", "evaluation"])
 def test_a_stop_signal_during_the_grid_or_an_evaluation_leaves_it_and_keeps_the_step(tmp_path, monkeypatch, capsys, during):
     """SIGTERM while the epoch's grid or its FID samples are drawn (an evaluation may take hours, a preemption's

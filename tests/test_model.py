@@ -47,6 +47,7 @@ PARAMS |= {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_docs_preset_table_is_generated_from_the_presets_and_every_count_is_known():
     """docs/training.md's table is flops.preset_table's (run `python flops.py --presets docs/training.md` after
     changing a preset), and every preset has the parameter count PARAMS states."""

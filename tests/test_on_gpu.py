@@ -41,6 +41,7 @@ def packed(folder, part):
         return {name.removeprefix("./") for name in tar.getnames()}
 
 
+@pytest.mark.slow
 def test_a_part_packs_every_run_into_two_files(tmp_path):
     """A train.py run inside a part (ref128's first; ON_GPU_RUNS leaves the others out, which their own test
     checks): its printed lines, run.json, train_config.json and last grid land in the pack, and its row in the
@@ -63,6 +64,7 @@ def test_a_part_packs_every_run_into_two_files(tmp_path):
     assert rows[run][1] == "0" and rows[run][3] == "eager", summary  # exit status; the mode its run.json records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", RUNS)
 def test_the_deadline_skips_runs_but_every_part_writes_its_pack(tmp_path, part):
     done = on_gpu(part, tmp_path, DEADLINE_S="0")
@@ -81,6 +83,7 @@ def test_an_unknown_part_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2 and done.stderr.strip().splitlines() == ["usage: bash bench/on_gpu.sh tests|graphs|ref128|adm64|fused|dit|cold|terms|routing [FOLDER]"]
 
 
+@pytest.mark.slow
 def test_the_terms_part_trains_a_term_on_the_labelled_photos_and_scores_it(tmp_path):
     """Issue 66's GPU part: a run with a loss term trains on the labelled photos (written by the part where
     scikit-image is installed), class-conditional at its seed; sample.py samples it and bench.labelled scores it,

@@ -302,6 +302,7 @@ def test_an_iphone_s_heic_and_an_avif_train_upright(tmp_path):
     assert len(images) == 2 and all((centres(image) - expected).abs().max() <= 8 for image in images)
 
 
+@pytest.mark.slow
 def test_without_pillow_heif_a_folder_s_heic_files_are_not_looked_for():
     import subprocess
     import sys

@@ -70,6 +70,7 @@ def plain_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_a_table_and_a_chart(tmp_path, capsys):
     out = tmp_path / "run"
     # a profile alone: --profile with --max_train_steps just long enough to record it (1 step + 1 warm-up +

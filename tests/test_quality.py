@@ -17,6 +17,7 @@ def ladder(tmp_path, *argv):
     return bench.main(bench.parse_args(args))
 
 
+@pytest.mark.slow
 def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys, monkeypatch, shape_scorer):
     # The row's train.py scores with the tests' 16px scorer (conftest.shape_scorer), told by the
     # environment it inherits (shapescore.IMAGES_ENV, STEPS_ENV), from a folder that holds only that

@@ -207,6 +207,7 @@ def trains_on(out, capsys, step, *flags, run=None):
     return stdout
 
 
+@pytest.mark.slow
 def test_a_run_resumed_with_every_safe_flag_changed_trains_on(tmp_path, capsys, monkeypatch):
     out, guide = tmp_path / "run", tmp_path / "guide"
     # DDPM runs (its --snr_gamma and --sampler ddim change below), resumed without --objective: the recorded one

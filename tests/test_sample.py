@@ -274,6 +274,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_two_processes_write_the_images_grid_and_scores_one_process_does(tiny_run, tmp_path, monkeypatch):
     """torchrun or accelerate launch: each process generates every other batch and writes its images; rank 0
     gathers them for the grid and FID. 5 images in batches of 2: the same files and scores, bit for bit."""
@@ -322,6 +323,7 @@ try:""", 1)
     assert sample.device_of_process("cpu", 3) == "cpu"
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_130_while_importing_and_while_sampling(tiny_run, tmp_path, monkeypatch, capsys):
     process = subprocess.Popen([sys.executable, "sample.py", str(tiny_run), "--output", str(tmp_path / "x")], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -104,6 +104,7 @@ def trust(shape_scorer):
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_real_images_of_another_seed_score_near_the_floor_and_damaged_ones_far_above(trust):
     floor = trust["real"]
     # Measured (16px, 512 images): real 0.06-0.66; blur of 1 px 20-25, patches shuffled 62-65,
@@ -277,6 +278,7 @@ def untrained_score(run_dir, scorer, samples):
     return metrics.score(reference, scorer, scorer.name, metrics.embed(scorer, batches, "cpu"))
 
 
+@pytest.mark.slow
 def test_a_minute_of_training_beats_the_untrained_network_by_far_and_improves_along_the_way(test_scorer, tmp_path):
     steps, every, samples = 160, 5, 96  # 16 steps an epoch: scored after 80 and 160 steps
     out = tmp_path / "run"

@@ -113,6 +113,7 @@ def stand_in_inception(tmp_path, monkeypatch):
     return tmp_path / "inception.pth"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "edm2tiny", "dit-tiny"])
 def test_every_family_trains_samples_evaluates_and_resumes_bit_exactly_at_width_by_height(tmp_path, capsys, name,
                                                                                            stand_in_inception):
@@ -137,6 +138,7 @@ def test_every_family_trains_samples_evaluates_and_resumes_bit_exactly_at_width_
         assert image.size == (24, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "edm2tiny", "dit-tiny"])
 def test_every_family_on_latents_trains_samples_and_resumes_bit_exactly_at_width_by_height(tmp_path, capsys, monkeypatch,
                                                                                            name):

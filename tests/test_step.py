@@ -261,6 +261,7 @@ class SmallNet(torch.nn.Module):
         return (self.b(h),)
 
 
+@pytest.mark.slow
 def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.compiler.reset()

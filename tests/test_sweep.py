@@ -43,6 +43,7 @@ def resolved(args, point):
     return config.resolve(config.parse_args(sweep.train_flags(args, bench.WORKLOADS["tiny"], point, "shapes", "out")))
 
 
+@pytest.mark.slow
 def test_a_batch_size_sweep_writes_its_json_table_and_plot(tmp_path, capsys):
     assert run_sweep(tmp_path, "--sweep", "batch_size", "--values", "8,4") == 0
     result = json.loads((tmp_path / "sweep.json").read_text())
@@ -81,6 +82,7 @@ def test_the_plot_is_drawn_from_the_points(tmp_path):
     assert is_png(tmp_path / "c.png")
 
 
+@pytest.mark.slow
 def test_the_data_loader_sweep_streams_each_worker_count_and_preloads_once(tmp_path):
     # 0 workers: streamed and decoded in the training process (a worker would import torch again: slow in the suite)
     assert run_sweep(tmp_path, "--sweep", "dataloader_num_workers", "--values", "0") == 0

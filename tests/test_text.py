@@ -240,6 +240,7 @@ def test_every_resnet_of_a_captioned_unet_reads_the_caption_not_its_middle_alone
     assert not torch.allclose(out[0], out[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network", ["tiny", "dit-tiny"])
 @pytest.mark.parametrize("scope", ["whole", "regional"])
 def test_a_compiled_captioned_network_gives_the_eager_outputs(clip, scope, network, monkeypatch):
@@ -267,6 +268,7 @@ RUN = ["--text_encoder", "{clip}", "--dataset", "{data}", "--train_batch_size", 
        "--checkpointing_steps", 4, "--save_images_epochs", 100, "--eval_batch_size", 8]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network", [["--model", "tiny"], ["--model", "dit-tiny", "--token_routing", "0.5"]])
 def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(clip, tmp_path, capsys, network):
     data = captioned_folder(tmp_path / "data")
@@ -344,6 +346,7 @@ def test_prompts_are_for_a_captioned_run_and_a_prompt_file_must_be_readable(tmp_
         sample.labels_of(args, {"text_encoder": "unread"}, None)
 
 
+@pytest.mark.slow
 def test_two_processes_train_a_captioned_run_as_one(clip, tmp_path):
     """Two gloo processes: both read the captions' cache (rank 0 encoded its one piece; the other waited at the
     barrier), each draws its own σ and images, the gradients are averaged, rank 0 alone saves."""
@@ -359,6 +362,7 @@ def test_two_processes_train_a_captioned_run_as_one(clip, tmp_path):
     assert type(models.load_network(out / "unet")).__name__ == "TextUNet"
 
 
+@pytest.mark.slow
 def test_a_captioned_run_on_latents_reads_each_latent_s_captions_by_its_image_and_resumes_bit_for_bit(clip, tmp_path, capsys):
     """The latents keep their images' indices: an unreadable image is left out of the cache, and the images after it
     keep their own captions. Resumed, it draws the captions the run would have."""

@@ -212,6 +212,7 @@ def test_the_reference_command_builds_the_reference_model(tmp_path, capsys):
     assert config["model_flops_per_step"] == pytest.approx(23.82e12, rel=0.005)
 
 
+@pytest.mark.slow
 def test_bad_input_from_the_command_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "train.py", "--train_batch_size", "0", "--output_dir", str(tmp_path)],
@@ -236,6 +237,7 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_train_py_imports_is_one_line_and_exit_130(tmp_path):
     """A fresh interpreter spends seconds importing torch and diffusers before main: a Ctrl-C there is one line,
     not Python's traceback from inside an import."""
