@@ -36,7 +36,7 @@ Every sampler takes classifier-free guidance and autoguidance through
 `sampling.Guided`, which combines the network's outputs (docs/conditional.md).
 """
 
-import errors  # noqa: I001 (first: the standard library only)
+from ddpm_train import errors  # noqa: I001 (first: the standard library only)
 
 if __name__ == "__main__":  # a Ctrl-C while torch and diffusers import: one line, not their traceback
     errors.quit_on_ctrl_c("sample.py")
@@ -50,17 +50,17 @@ from pathlib import Path
 
 import torch
 
-import captions
-import checkpoint
-import copies
-import data
-import metrics
-import model as models
-import objectives
-import sampling
-import sizes
-from errors import ConfigError, OneLineParser, one_line_errors
-from rundir import RunDir
+from ddpm_train.data import captions
+from ddpm_train.training import checkpoint
+from ddpm_train.evaluation import copies
+from ddpm_train.data import data
+from ddpm_train.evaluation import metrics
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.evaluation import sampling
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError, OneLineParser, one_line_errors
+from ddpm_train.training.rundir import RunDir
 
 if __name__ == "__main__":
     errors.ctrl_c_raises()  # imported: main's own handling from here
@@ -218,26 +218,6 @@ def class_labels_for(spec, config, num_classes, count, seed, as_in_data):
     return torch.tensor([wanted[i % len(wanted)] for i in range(count)])
 
 
-def load_guide(path, main_config, device, main=None):
-    """The guiding network of --guide on `device`, checked against the run config `main_config` of the model
-    it guides (sampling.check_guide); where either config is missing (a pipeline outside its run), against `main`,
-    the model's (RunDir, network), by what the folders still say (check_guide_network)."""
-    guide = RunDir(path)
-    if main_config is not None and guide.config is not None:
-        sampling.check_guide(main_config, guide.config)
-    net, _ = guide.load()
-    if main is not None and (main_config is None or guide.config is None):
-        check_guide_network(guide, net, *main)
-    return net.to(device)
-
-
-def check_guide_network(guide, guide_net, source, net):
-    """The objective (a flow pipeline's scheduler says flow) and the images' shape must be the model's."""
-    if guide.objective != source.objective or sampling.image_shape(guide_net) != sampling.image_shape(net):
-        raise ConfigError(f"the guide {guide.path} ({guide.objective}, images {sampling.image_shape(guide_net)}) does not match "
-                          f"the model ({source.objective}, images {sampling.image_shape(net)}): guide with a run of the same kind")  # fmt: skip
-
-
 def main(args):
     with one_line_errors("sample.py", interrupted="stopped before the end; the images written so far stay"):
         return run(validate(args))
@@ -306,7 +286,7 @@ def _run(args, rank, world, group):
                              args.churn, decode is None)  # fmt: skip
     sampler_name = getattr(scheduler, "name", sampler_name)  # EDM's: its Heun sampler, with its churn
     labels = labels_of(args, config, net)
-    guide = load_guide(args.guide, config, args.device, main=(source, net)) if args.guide else None
+    guide = sampling.load_guide(args.guide, config, args.device, main=(source, net)) if args.guide else None
     if labels is None and guide is None and any(w != 1 for w in args.guidance_scales):
         raise ConfigError(f"--guidance_scale guides a class-conditional run, or autoguides with --guide: {run_dir} has "
                           "no classes, so give --guide RUN (a weaker run or checkpoint) or drop --guidance_scale")  # fmt: skip

@@ -23,7 +23,7 @@ import time
 
 STARTED = time.perf_counter()  # before the imports: the "ready to train" line's first part
 
-import errors  # noqa: I001 (first: the standard library only)
+from ddpm_train import errors  # noqa: I001 (first: the standard library only)
 
 if __name__ == "__main__":  # a Ctrl-C in the seconds torch and diffusers take to import: one line, not their traceback
     errors.quit_on_ctrl_c("train.py")
@@ -39,30 +39,29 @@ from typing import NamedTuple
 
 import torch
 
-import agreement
-import captions
-import checkpoint
-import compiling
-import copies
-import data
-import ema as posthoc_ema
-import flops
-import fp8
-import latents
-import memory
-import metrics
-import model as models
-import objectives
-import profiling
-import resume
-import rundir
-import sample
-import sampling
-import sizes
-import step
-import training
-from config import network_size, parse_args, recorded, resolve
-from errors import ConfigError, RunError, one_line_errors
+from ddpm_train.training import agreement
+from ddpm_train.data import captions
+from ddpm_train.training import checkpoint
+from ddpm_train.perf import compiling
+from ddpm_train.evaluation import copies
+from ddpm_train.data import data
+from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.perf import flops
+from ddpm_train.networks import fp8
+from ddpm_train.data import latents
+from ddpm_train.perf import memory
+from ddpm_train.evaluation import metrics
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.perf import profiling
+from ddpm_train.training import resume
+from ddpm_train.training import rundir
+from ddpm_train.evaluation import sampling
+from ddpm_train import sizes
+from ddpm_train.training import step
+from ddpm_train.training import builder
+from ddpm_train.config import network_size, parse_args, recorded, resolve
+from ddpm_train.errors import ConfigError, RunError, one_line_errors
 
 if __name__ == "__main__":
     errors.ctrl_c_raises()  # imported: main's own handling from here
@@ -382,7 +381,7 @@ def make_accelerator(args):
 
     return Accelerator(
         cpu=args.cpu,
-        # fp8: bf16 autocast, as accelerate's fp8 mode runs; the FP8 layers are training.build's (fp8.py)
+        # fp8: bf16 autocast, as accelerate's fp8 mode runs; the FP8 layers are builder.build's (fp8.py)
         mixed_precision="bf16" if args.mixed_precision == "fp8" else args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.logger == "none" else args.logger,
@@ -392,11 +391,11 @@ def make_accelerator(args):
 
 
 def build_pieces(args, accelerator, total_steps, num_classes, lr_ref_steps, class_names=None):
-    """Network, objective, optimizer, learning-rate schedule and EMA (training.Pieces), as the speed ladder's rows
-    build them (training.build), prepared by accelerate and registered for checkpoints."""
+    """Network, objective, optimizer, learning-rate schedule and EMA (builder.Pieces), as the speed ladder's rows
+    build them (builder.build), prepared by accelerate and registered for checkpoints."""
     from accelerate.utils import broadcast
 
-    pieces = training.build(args, total_steps, accelerator.device, num_classes=num_classes, lr_ref_steps=lr_ref_steps,
+    pieces = builder.build(args, total_steps, accelerator.device, num_classes=num_classes, lr_ref_steps=lr_ref_steps,
                             write_ema=accelerator.is_main_process, prepare=accelerator.prepare,
                             unwrap=accelerator.unwrap_model, class_names=class_names)  # fmt: skip
     # EDM's u(sigma) was drawn from this process's own seed, and DDP does not hold it: every process takes rank 0's,
@@ -532,7 +531,7 @@ class Run:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             # autoguidance's network: building it (a checkpoint's) draws random numbers, which must not change the
             # network trained or its noise: with or without --guide, the same --seed trains the same weights
-            guide = sample.load_guide(args.guide, self.config, self.device) if args.guide else None
+            guide = sampling.load_guide(args.guide, self.config, self.device) if args.guide else None
         self.startup.mark("data to the device")
         self.pieces = build_pieces(args, accelerator, self.total_steps, num_classes, self.config["lr_ref_steps"],
                                    class_names)
@@ -785,7 +784,7 @@ class Checkpoints:
 class Evaluation:
     """What a run shows of its EMA weights between steps and at its end: sample grids (`write_samples`), FID/KID
     (`evaluate`, the samples a share on each process) and the pipeline saved (`save_pipeline`). `pieces`:
-    the run's (training.Pieces); `evaluator`: the main process's metrics.TrainingEvaluator where the run
+    the run's (builder.Pieces); `evaluator`: the main process's metrics.TrainingEvaluator where the run
     evaluates; `decode` and `vae`: a latent run's, else None; `images`: what the data was loaded into, which the
     copy check searches (copies.check)."""
 

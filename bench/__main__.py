@@ -2,7 +2,7 @@
 
 import sys
 
-import errors  # noqa: I001 (first: the standard library only)
+from ddpm_train import errors  # noqa: I001 (first: the standard library only)
 
 errors.quit_on_ctrl_c("bench")  # while torch and diffusers import: one line, not their traceback
 

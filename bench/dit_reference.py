@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import flops  # noqa: E402  (ours: the project root first on the path)
+from ddpm_train.perf import flops  # noqa: E402  (ours: the project root first on the path)
 
 
 def parse_args(argv=None):

@@ -50,7 +50,7 @@ from PIL import Image
 
 import sample
 from bench import faces
-from rundir import RunDir
+from ddpm_train.training.rundir import RunDir
 
 SIDE = 32  # the training size
 SHORT = 128  # each photo's shorter side before cropping: a crop is a quarter of it

@@ -173,7 +173,7 @@ diffusers_run() {  # diffusers_run NAME BUDGET_S DATA RESOLUTION BATCH [UNET_PRE
     return 0
   fi
   if [[ -n $preset ]] && is_chosen "$name" && (($(left) >= 20)); then  # the preset's UNet as a config file the script reads
-    "$python" -c "import model, sys; model.build_network(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
+    "$python" -c "import sys; from ddpm_train.networks import model; model.build_network(sys.argv[1], int(sys.argv[2])).save_config(sys.argv[3])" \
       "$preset" "$resolution" "$work/unet-$preset"
     config=(--model_config_name_or_path "$work/unet-$preset")
   fi
@@ -213,7 +213,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import data
+from ddpm_train.data import data
 from PIL import Image
 
 folder, n, side = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

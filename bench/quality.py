@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-import config
-import profiling
-import sampling
+from ddpm_train import config
+from ddpm_train.perf import profiling
+from ddpm_train.evaluation import sampling
 from bench import faces, labelled
-from errors import ConfigError, one_line_errors
+from ddpm_train.errors import ConfigError, one_line_errors
 
 HERE = Path(__file__).resolve().parent.parent  # the repository's root: train.py
 

@@ -54,18 +54,18 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import checkpoint
-import compiling
-import config
-import data
-import flops
-import model as models
-import objectives
-import profiling
-import step as steps
-import training
+from ddpm_train.training import checkpoint
+from ddpm_train.perf import compiling
+from ddpm_train import config
+from ddpm_train.data import data
+from ddpm_train.perf import flops
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.perf import profiling
+from ddpm_train.training import step as steps
+from ddpm_train.training import builder
 from bench import quality, sweep
-from errors import ConfigError, one_line_errors
+from ddpm_train.errors import ConfigError, one_line_errors
 
 # name -> preset, image side and the batch the issue's targets are stated for.
 WORKLOADS = {
@@ -457,7 +457,7 @@ class TrainingStep:
     """
 
     def __init__(self, settings, workload, init_state, images, device):
-        # fp8: training.build swaps a DiT's block linear layers for FP8 ones; config.py refuses a UNet's, or a GPU's
+        # fp8: builder.build swaps a DiT's block linear layers for FP8 ones; config.py refuses a UNet's, or a GPU's
         # without FP8 tensor cores
         t = self.train_args = train_defaults(workload, *(["--mixed_precision", "fp8"] if settings["precision"] == "fp8" else []),
                                              "--token_routing", settings.get("token_routing", "0"),
@@ -465,9 +465,9 @@ class TrainingStep:
         set_backend_flags(settings)
         self.device, self.images = device, images
         t.channels_last, t.fused_adam, t.fused_norm = settings["channels_last"], settings["fused_adam"], settings["fused_norm"]
-        # train.py's pieces (training.build), from the same starting weights; the EMA's update foreach or not,
+        # train.py's pieces (builder.build), from the same starting weights; the EMA's update foreach or not,
         # AdamW foreach or (diffusers' example: adam_foreach None) as torch picks
-        pieces = training.build(t, TIMED_RUN_STEPS, device, init_state=init_state, write_ema=False,
+        pieces = builder.build(t, TIMED_RUN_STEPS, device, init_state=init_state, write_ema=False,
                                 ema_foreach=settings["ema_foreach"], adam_foreach=settings["adam_foreach"])  # fmt: skip
         self.unet, self.objective, self.ema = pieces.network, pieces.objective, pieces.ema
         self.optimizer, self.lr_scheduler = pieces.optimizer, pieces.lr_scheduler

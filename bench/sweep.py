@@ -44,11 +44,11 @@ from pathlib import Path
 
 import torch
 
-import config
-import data
-import model as models
-import profiling
-from errors import ConfigError, one_line_errors
+from ddpm_train import config
+from ddpm_train.data import data
+from ddpm_train.networks import model as models
+from ddpm_train.perf import profiling
+from ddpm_train.errors import ConfigError, one_line_errors
 
 HERE = Path(__file__).resolve().parent.parent  # the repository's root: train.py
 TRAIN = str(HERE / "train.py")

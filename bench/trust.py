@@ -19,10 +19,10 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2.functional import gaussian_blur
 
-import data
-import metrics
-import shapescore
-from errors import ConfigError, OneLineParser, one_line_errors
+from ddpm_train.data import data
+from ddpm_train.evaluation import metrics
+from ddpm_train.evaluation import shapescore
+from ddpm_train.errors import ConfigError, OneLineParser, one_line_errors
 
 
 # --- images to score it on ----------------------------------------------------------------

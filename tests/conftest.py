@@ -44,7 +44,7 @@ def _fresh_accelerate_state():
 def _fid_cache(tmp_path_factory, monkeypatch):
     """FID's reference statistics shared between runs (metrics.reference_root) in a folder of each test's own:
     no test reads another's or the user's (~/.cache/ddpm-train/fid); the processes a test starts inherit it."""
-    import metrics
+    from ddpm_train.evaluation import metrics
 
     monkeypatch.setenv(metrics.REFERENCE_CACHE_ENV, str(tmp_path_factory.mktemp("fid-cache")))
 
@@ -64,7 +64,7 @@ def shape_scorer_dir(tmp_path_factory):
 def shape_scorer(shape_scorer_dir):
     """The tests' scorer: 16px, 1024 images, 300 steps (seconds to train, where the default trains on
     4096 images for 1200 steps), trained once per run."""
-    import shapescore
+    from ddpm_train.evaluation import shapescore
 
     return shapescore.load_or_train(16, num_images=1024, steps=300, log=lambda _: None)
 
@@ -73,7 +73,7 @@ def shape_scorer(shape_scorer_dir):
 def default_shape_scorer(shape_scorer, monkeypatch):
     """The tests' scorer is the default one for a test: what train.py, sample.py and metrics load
     in this process for 16px images of the built-in shapes."""
-    import shapescore
+    from ddpm_train.evaluation import shapescore
 
     monkeypatch.setattr(shapescore, "TRAIN_IMAGES", shape_scorer.num_images)
     monkeypatch.setattr(shapescore, "TRAIN_STEPS", shape_scorer.steps)

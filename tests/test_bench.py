@@ -11,14 +11,14 @@ import pytest
 import torch
 from PIL import Image
 
-import checkpoint
-import config
-import model as models
-import optimizer as optimizers
-import training
+from ddpm_train.training import checkpoint
+from ddpm_train import config
+from ddpm_train.networks import model as models
+from ddpm_train.training import optimizer as optimizers
+from ddpm_train.training import builder
 from bench import speed as bench
 from conftest import ROOT
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 from test_train import run as run_train
 from test_train import scalars, spy_on_build, visible
 
@@ -132,11 +132,11 @@ def test_train_default_row_follows_train_py(monkeypatch):
 
 
 def test_a_row_and_a_training_run_take_their_pieces_from_one_builder(fixed_step, tmp_path, monkeypatch):
-    """training.build makes a ladder row's network, objective, optimizer, LR schedule and EMA as it makes a
+    """builder.build makes a ladder row's network, objective, optimizer, LR schedule and EMA as it makes a
     run's, and the row's step takes them as built: diffusers_example's AdamW too (as torch picks: adam_foreach None)."""
     init_state, images, _, _ = fixed_step
-    built, real = [], training.build
-    monkeypatch.setattr(training, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
+    built, real = [], builder.build
+    monkeypatch.setattr(builder, "build", lambda *args, **kwargs: built.append(real(*args, **kwargs)) or built[-1])
     run_train(tmp_path / "run", "--max_train_steps", 1, "--objective", "ddpm")  # the ladder times the DDPM step
     example, default = (bench.TrainingStep(v["settings"], TINY, init_state, images, CPU)
                         for v in (bench.DIFFUSERS_EXAMPLE, bench.train_default_variant()))  # fmt: skip
@@ -187,7 +187,7 @@ def test_the_fused_norm_row_is_train_pys_step_with_fused_norm(monkeypatch):
 
 
 def test_the_fused_norm_and_force_layout_settings_reach_the_step(fixed_step, monkeypatch):
-    import fused_norm
+    from ddpm_train.networks import fused_norm
 
     init_state, images, inputs, reference = fixed_step
     calls = []

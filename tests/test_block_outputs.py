@@ -5,9 +5,9 @@ backend, as in test_time_input.py: the graphs traced as Inductor's would be)."""
 import pytest
 import torch
 
-import compiling
-import model as models
-import objectives
+from ddpm_train.perf import compiling
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
 
 PRESETS = ("tiny", "edm2tiny", "dit-tiny")  # one network of each family
 

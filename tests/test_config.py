@@ -9,13 +9,13 @@ import time
 import pytest
 import yaml
 
-import checkpoint
-import config
-import data
+from ddpm_train.training import checkpoint
+from ddpm_train import config
+from ddpm_train.data import data
 import train
 from bench import speed
 from conftest import ROOT
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 from test_train import TINY, run, visible
 
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
@@ -267,7 +267,7 @@ def test_a_file_never_carries_what_one_command_asked_for_once(tmp_path):
 
 
 def test_docs_cli_md_is_the_help_of_these_flags():
-    assert (ROOT / "docs" / "cli.md").read_text() == config.cli_markdown(), "run: python config.py docs/cli.md"
+    assert (ROOT / "docs" / "cli.md").read_text() == config.cli_markdown(), "run: python -m ddpm_train.config docs/cli.md"
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
-import copies
-import data
-from errors import ConfigError
+from ddpm_train.evaluation import copies
+from ddpm_train.data import data
+from ddpm_train.errors import ConfigError
 
 
 def random_images(count, size=8, seed=0):

@@ -5,9 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
-import data
+from ddpm_train.data import data
 from conftest import ROOT
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 
 
 def test_shapes_are_deterministic_in_the_seed():
@@ -226,7 +226,7 @@ def test_model_input_is_scaled_and_flipped():
 
 
 def run_args(*argv):
-    import config
+    from ddpm_train import config
 
     return config.resolve(config.parse_args(["--image_size", "8", "--dataloader_num_workers", "0", *map(str, argv)]))
 
@@ -296,7 +296,7 @@ def test_a_batch_of_only_unreadable_images_stops_preloaded_data_as_streamed(tmp_
 STREAM_AND_EXIT = """
 import sys, torch
 sys.path.insert(0, {root!r})
-import data
+from ddpm_train.data import data
 
 class Items(torch.utils.data.Dataset):
     def __len__(self):
@@ -308,7 +308,9 @@ class Items(torch.utils.data.Dataset):
 batches = data.Batches(Items(), 4, 0, torch.device("cpu"), num_workers=2).epoch(0)
 next(batches), next(batches)  # a batch from each worker: both have started (and set their signals)
 if {signalled}:  # the decode before training and FID's reference: workers a group's SIGTERM reaches too
-    import multiprocessing, subprocess, metrics
+    import multiprocessing
+    import subprocess
+    from ddpm_train.evaluation import metrics
     decoding = data._decoding(Items(), 2, False, None, 4, True)
     references = metrics.uint8_batches(Items(), 4, num_workers=2)
     next(decoding), next(references), next(decoding), next(references)

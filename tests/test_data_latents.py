@@ -6,10 +6,10 @@ import pytest
 import torch
 from PIL import Image
 
-import config
-import data
-import latents
-from errors import ConfigError
+from ddpm_train import config
+from ddpm_train.data import data
+from ddpm_train.data import latents
+from ddpm_train.errors import ConfigError
 
 CPU = torch.device("cpu")
 

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-import checkpoint
-import dit
-import model as models
+from ddpm_train.training import checkpoint
+from ddpm_train.networks import dit
+from ddpm_train.networks import model as models
 import sample
 from test_train import run as train
 from test_train import tensors_of
@@ -95,7 +95,7 @@ def test_each_objective_trains_a_dit_and_sample_py_samples_it(tmp_path, objectiv
 def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, monkeypatch, default_shape_scorer):
     """Flow (SiT's recipe) on a VAE's latents with class labels: guidance, autoguidance, FID in training, the
     power EMA's snapshots, sample.py by class name."""
-    import latents
+    from ddpm_train.data import latents
     from test_latents import make_kl
 
     monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
@@ -125,7 +125,7 @@ def test_a_class_conditional_latent_dit_guides_and_samples_by_class(tmp_path, mo
     assert not np.array_equal(by_class("circle", "a", "--guide", early, "--guidance_scale", "2"), unguided)
     assert np.array_equal(by_class("circle", "a1", "--guide", str(out), "--guidance_scale", "2"), unguided)
     # ema.py reconstructs another EMA from the snapshots, whose parameters name the shared embedder once
-    import ema as posthoc_ema
+    from ddpm_train.training import ema as posthoc_ema
 
     folder = posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(out), "--std", "0.05"]))
     rebuilt = models.load_network(folder / "unet")

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-import model as models
-import objectives
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
 import sample
-import sampling
-from errors import ConfigError
+from ddpm_train.evaluation import sampling
+from ddpm_train.errors import ConfigError
 
 
 def gaussian_denoiser(s):

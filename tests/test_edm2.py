@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-import model as models
-from errors import ConfigError
-from edm2 import CONFIGS, EDM2UNet, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
+from ddpm_train.networks import model as models
+from ddpm_train.errors import ConfigError
+from ddpm_train.networks.edm2 import CONFIGS, EDM2UNet, MPConv, MPFourier, mp_cat, mp_silu, mp_sum
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():

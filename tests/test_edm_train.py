@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import config
-import ema as posthoc_ema
-import model as models
-import objectives
+from ddpm_train import config
+from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
 import sample
 import train
 from conftest import ROOT

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import ema
-import loss_terms
-import model as models
+from ddpm_train.training import ema
+from ddpm_train.diffusion import loss_terms
+from ddpm_train.networks import model as models
 import train
 from test_edm_train import same
 from test_train import tensors_of
@@ -251,7 +251,7 @@ def test_the_standard_ema_is_diffusers_update_in_one_pass_over_the_weights():
 
 def test_the_averaged_copy_writes_nothing_into_the_training_objectives_block_outputs():
     """--loss_terms dispersive hooks the network's middle block to keep its output in the objective's dict
-    (loss_terms.attach, as training.build calls it). The EMA's copy (averaged_copy: grids, the saved pipeline)
+    (loss_terms.attach, as builder.build calls it). The EMA's copy (averaged_copy: grids, the saved pipeline)
     must not carry that hook: its forward wrote into the live objective's dict and pinned an activation there.
     The network's own hook still keeps its output."""
     network = models.build_network("tiny", 16)

@@ -23,18 +23,18 @@ import tqdm
 from PIL import Image
 from safetensors.torch import load_file
 
-import agreement
-import checkpoint
-import data
-import flops
+from ddpm_train.training import agreement
+from ddpm_train.training import checkpoint
+from ddpm_train.data import data
+from ddpm_train.perf import flops
 import forked
-import metrics
-import model as models
-import objectives
-import rundir
+from ddpm_train.evaluation import metrics
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import rundir
 import train
 from conftest import ROOT
-from errors import RunError
+from ddpm_train.errors import RunError
 
 TINY = [
     "--model", "tiny", "--image_size", "16", "--shapes_num_images", "32", "--train_batch_size", "4",
@@ -197,7 +197,9 @@ def test_every_exit_destroys_the_process_group(tmp_path, monkeypatch, one_proces
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import torch, checkpoint, train
+import torch
+from ddpm_train.training import checkpoint
+import train
 where = {where!r}
 if where == "between accelerate's files":  # the model is written, the optimizer is not
     real_save = torch.save
@@ -699,7 +701,8 @@ def test_when_the_main_process_fails_to_write_a_grid_the_others_stop_too(tmp_pat
 SIGTERM_AFTER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import flops, train
+from ddpm_train.perf import flops
+import train
 at = {steps!r}[int(os.environ["RANK"])]
 done = flops.StepTimer.step_done
 def step_done(self):
@@ -725,7 +728,10 @@ SHARED_EVALUATION = """
 import json, os, sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import metrics, sample, sampling, train
+from ddpm_train.evaluation import metrics
+import sample
+from ddpm_train.evaluation import sampling
+import train
 from test_metrics import TinyFeatures
 metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
 metrics.FID_BATCH_SIZE = 2
@@ -763,7 +769,7 @@ def test_an_evaluation_generates_a_share_of_its_samples_on_each_process(tmp_path
     """5 samples in batches of 2: rank 0 generates batches 0 and 2 (the last, of 1 image), rank 1 batch 1; rank 0
     embeds the three in image order (the batches one process generates), and scores 5 images. The reference
     statistics: each rank embeds half the 32 training images, rank 0 keeps the sum, as one process makes it."""
-    import metrics
+    from ddpm_train.evaluation import metrics
     from test_metrics import TinyFeatures
 
     out = tmp_path / "run"
@@ -792,8 +798,9 @@ NO_EXTRACTOR_ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import metrics, train
-from errors import ConfigError
+from ddpm_train.evaluation import metrics
+import train
+from ddpm_train.errors import ConfigError
 from test_metrics import TinyFeatures
 metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
 if os.environ["RANK"] == "1":
@@ -1019,8 +1026,8 @@ def test_a_users_folder_is_not_written_over_without_the_flag(tmp_path, capsys):
 SLOW_DISK_AT_THE_STOP = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import checkpoint
-import data
+from ddpm_train.training import checkpoint
+from ddpm_train.data import data
 fsync = checkpoint._fsync_tree
 def slow_fsync(folder):
     time.sleep(4)
@@ -1092,7 +1099,8 @@ LAGGING_VIEW = """
 import os, sys
 from datetime import timedelta
 sys.path.insert(0, {root!r})
-import checkpoint, train
+from ddpm_train.training import checkpoint
+import train
 train.STEP_WAIT = timedelta(seconds=20)
 if os.environ["RANK"] == "1":
     checkpoint.checkpoint_dirs = lambda output_dir: []

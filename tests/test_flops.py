@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-import flops
-import model as models
+from ddpm_train.perf import flops
+from ddpm_train.networks import model as models
 
 
 def test_linear_flops_match_hand_count():
@@ -298,10 +298,10 @@ def test_train_py_step_line_for_a_dit_has_flops_py_count_and_its_mfu(tmp_path, c
 # one_line_errors(interrupted=...)): one line each, exit code 130, never Python's traceback. For main's, a function
 # each tool calls from another module sends the SIGINT (the tool runs as __main__, its own functions out of reach).
 SMALL_TOOLS = {
-    "flops.py": ("import model\nopened = model.resolve_model_name\n"
+    "flops.py": ("from ddpm_train.networks import model\nopened = model.resolve_model_name\n"
                  "def interrupted(*args):\n    os.kill(os.getpid(), signal.SIGINT)\n    return opened(*args)\n"
                  "model.resolve_model_name = interrupted\n", [], "stopped: nothing was written"),
-    "ema.py": ("import rundir\nopened = rundir.RunDir.__init__\n"
+    "ema.py": ("from ddpm_train.training import rundir\nopened = rundir.RunDir.__init__\n"
                "def interrupted(self, *args):\n    os.kill(os.getpid(), signal.SIGINT)\n    opened(self, *args)\n"
                "rundir.RunDir.__init__ = interrupted\n", ["reconstruct", "{folder}", "--std", "0.1"],
                "stopped before the end: run it again to write the network whole"),

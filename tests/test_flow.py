@@ -9,13 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
-import config
-import model as models
-import objectives
-import resume as rules
+from ddpm_train import config
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import resume as rules
 import sample
-import sampling
-from errors import ConfigError
+from ddpm_train.evaluation import sampling
+from ddpm_train.errors import ConfigError
 from test_resume import resolved, write_checkpoint
 from test_train import TINY
 from test_train import run as train
@@ -274,7 +274,7 @@ def test_a_class_conditional_latent_flow_run_guides_evaluates_and_samples_by_cla
     """Flow on a VAE's latents with class labels, sampled with SiT's Euler-Maruyama (the SDE sampler, its noise
     from each image's seed; Euler has the other runs): the grids at two guidance scales, FID/KID on decoded
     images, sample.py by class name, and autoguidance through the same Guided path."""
-    import latents
+    from ddpm_train.data import latents
     from test_latents import make_kl
 
     monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "latent-cache"))
@@ -316,7 +316,7 @@ def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path
     """EDM2's networks take c_noise = logit(σ)/4 from a flow run (σ_EDM = σ / (1 - σ) on the flow path), also
     at σ = 1, the sampler's first step; the run saves unet/ (no diffusers pipeline samples an EDM2 network),
     which sample.py samples with the flow sampler, and the grids come out finite."""
-    from edm2 import EDM2UNet
+    from ddpm_train.networks.edm2 import EDM2UNet
 
     sigma = torch.tensor([0.0, 0.5, 1 - 1 / 81, 1.0])
     network = models.build_network("edm2tiny", 16)
@@ -338,7 +338,7 @@ def test_an_edm2_network_trains_with_flow_on_its_own_noise_conditioning(tmp_path
 
 def test_a_flow_run_with_the_power_ema_reconstructs_a_flow_pipeline(tmp_path):
     """ema.py reconstruct of a flow run saves the flow pipeline: FlowMatchEulerDiscreteScheduler with the run's shift."""
-    import ema
+    from ddpm_train.training import ema
     from diffusers import DDPMPipeline
 
     out = tmp_path / "run"
@@ -355,7 +355,10 @@ RECORD_EACH_RANK = """
 import json, os, sys
 sys.path.insert(0, {root!r})
 import torch
-import model, objectives, rundir, train
+from ddpm_train.networks import model
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import rundir
+import train
 log = open(os.path.join({record!r}, "rank" + os.environ["RANK"] + ".jsonl"), "a", buffering=1)
 sigmas, loss_at, save_network = objectives.FlowObjective.sigmas, objectives.FlowObjective.loss_at, rundir.save_network
 def drawn(self, n, device):

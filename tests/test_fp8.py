@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import config
-import ema as posthoc_ema
-import flops
-import fp8
-import memory
-import model as models
+from ddpm_train import config
+from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.perf import flops
+from ddpm_train.networks import fp8
+from ddpm_train.perf import memory
+from ddpm_train.networks import model as models
 from conftest import ROOT
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 from test_faults import Ranks, start_two_ranks
 from test_train import run, scalars, tensors_of
 
@@ -104,7 +104,7 @@ def test_the_memory_estimate_is_bf16_s():
 
 @pytest.mark.slow
 def test_importing_the_networks_prints_nothing_with_torchao_installed():
-    result = subprocess.run([sys.executable, "-c", "import model, rundir"], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", "from ddpm_train.networks import model; from ddpm_train.training import rundir"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)  # fmt: skip
     assert result.returncode == 0 and result.stderr == ""
 

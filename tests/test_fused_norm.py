@@ -60,7 +60,7 @@ def kernel_errors(case, dtype, device, ref_dtype, loc=5.0, scale=3.0, seed=0):
     (+F.silu) in `ref_dtype` on the same (rounded) values. Errors are
     max |kernel - reference| / max(1, max |reference|) per output.
     """
-    import fused_norm
+    from ddpm_train.networks import fused_norm
 
     N, C, H, W, groups, silu = case
     gen = torch.Generator().manual_seed(seed)
@@ -103,9 +103,9 @@ def unet_checks(batch=2):
     from diffusers import DDPMPipeline, UNet2DModel
     from diffusers.models.resnet import ResnetBlock2D
 
-    import fused_norm
-    import model
-    import objectives
+    from ddpm_train.networks import fused_norm
+    from ddpm_train.networks import model
+    from ddpm_train.diffusion import objectives
 
     calls = []
     original = fused_norm._fwd
@@ -182,7 +182,7 @@ def child_main():
     sys.path.insert(0, str(ROOT))
     import numpy
 
-    import fused_norm
+    from ddpm_train.networks import fused_norm
 
     numpy.seterr(over="ignore")  # the interpreter's exp(-z) overflows to inf for z << 0; SiLU(z) is then -0
 
@@ -264,8 +264,8 @@ def test_training_saves_only_channels_last_activations():
     """In process, without the kernels: the norms fall back to F.group_norm, which keeps
     NHWC on the CPU (on CUDA it returns NCHW, and the kernels are what keep NHWC there).
     Batch 64 reaches Upsample2D's NCHW copy, which diffusers applies from 64 up."""
-    import fused_norm
-    import model
+    from ddpm_train.networks import fused_norm
+    from ddpm_train.networks import model
 
     torch.manual_seed(0)
     unet = model.build_network("tiny", 16).to(memory_format=torch.channels_last)
@@ -290,7 +290,7 @@ def test_inductor_sees_each_kernel_write_only_its_outputs():
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    import fused_norm
+    from ddpm_train.networks import fused_norm
 
     if not isinstance(fused_norm._stats_kernel, JITFunction):
         pytest.skip("fused_norm was imported under TRITON_INTERPRET")
@@ -345,8 +345,8 @@ def test_cuda_bf16_matches_fp32_reference(case):
 
 @cuda
 def test_cuda_compiled_unet_keeps_channels_last():
-    import fused_norm
-    import model
+    from ddpm_train.networks import fused_norm
+    from ddpm_train.networks import model
 
     torch.manual_seed(0)
     unet = model.build_network("tiny", 16, device="cuda").to(memory_format=torch.channels_last)

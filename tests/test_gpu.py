@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-import compiling
-import loss_terms
-import model as models
-import objectives
-import step as steps
+from ddpm_train.perf import compiling
+from ddpm_train.diffusion import loss_terms
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import step as steps
 from test_step import assert_same_change, batches, shadows, tiny_parts
 from test_train import run, tensors_of
 
@@ -236,8 +236,8 @@ def test_reduce_overhead_through_main_captures_every_graph(tmp_path, model):
 def test_fids_statistics_made_and_scored_on_the_gpu_are_the_cpus():
     """The reference's sums and the generated images' on the device (where train.py and sample.py make them),
     KID's rows and the scores back on the host: what the CPU makes, to the features' float32 rounding."""
-    import data
-    import metrics
+    from ddpm_train.data import data
+    from ddpm_train.evaluation import metrics
     from test_metrics import TinyFeatures
 
     images = data.make_shapes(64, 16, seed=1)
@@ -306,8 +306,8 @@ def test_a_run_started_from_another_runs_weights_trains_on_the_gpu(tmp_path, cap
 
 
 def test_the_copy_search_on_the_gpu_finds_what_the_cpu_finds():
-    import copies
-    import data
+    from ddpm_train.evaluation import copies
+    from ddpm_train.data import data
 
     images = data.make_shapes(300, 16, seed=2)
     samples = torch.cat([images[:8], data.make_shapes(8, 16, seed=3)])

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import latents
-import model as models
-import objectives
+from ddpm_train.data import latents
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
 import sample
-import sampling
+from ddpm_train.evaluation import sampling
 from test_edm_train import same
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 
 
 class GaussianDenoiser(torch.nn.Module):
@@ -117,7 +117,7 @@ def test_the_null_label_of_an_edm2_network_is_the_all_zero_one_hot():
 
 
 def test_label_dropout_replaces_labels_by_the_null_label_at_its_rate():
-    import step as steps
+    from ddpm_train.training import step as steps
 
     labels = torch.randint(0, 5, (200_000,))
     for p in (0.0, 0.1, 0.5):
@@ -260,7 +260,7 @@ def test_a_conditional_run_trains_resumes_bit_identically_and_samples_by_class_n
     assert (tmp_path / "early" / "000001.png").read_bytes() != (tmp_path / "auto" / "000001.png").read_bytes()
     assert (tmp_path / "unguided" / "000001.png").read_bytes() == (tmp_path / "auto" / "000001.png").read_bytes()
     if ema:  # a post-hoc EMA of a conditional run samples by class too
-        import ema as posthoc_ema
+        from ddpm_train.training import ema as posthoc_ema
 
         rebuilt = posthoc_ema.main(posthoc_ema.parse_args(["reconstruct", str(straight), "--std", "0.08"]))
         for kind in ("circle", "square"):
@@ -309,7 +309,7 @@ def test_a_guide_leaves_the_trained_network_as_it_was(tmp_path):
 
 
 def test_class_match_has_a_baseline_of_samples_blind_to_their_labels():
-    import metrics
+    from ddpm_train.evaluation import metrics
 
     kinds, labels = torch.tensor([0, 0, 1, -1]), torch.tensor([0, 1, 1, 2])  # -1: no single kind recognised
     assert metrics.chance_match(kinds, labels) == pytest.approx(0.25 * 0.5 + 0.5 * 0.25)
@@ -334,7 +334,7 @@ SAMPLES, STEPS = 64, 10  # each scored, unguided and at w = 3
 def test_samples_asked_for_a_class_show_it_more_often_than_chance_and_more_with_guidance(tmp_path, monkeypatch):
     import shutil
 
-    import shapescore
+    from ddpm_train.evaluation import shapescore
 
     run = tmp_path / "run"
     shutil.copytree(CONDITIONAL_MODEL, run)  # sample.py caches the reference statistics in the run

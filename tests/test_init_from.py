@@ -8,12 +8,12 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMPipeline, DDPMScheduler, DiTTransformer2DModel, UNet2DModel
 
-import config
-import init_from
-import model as models
-import rundir
+from ddpm_train import config
+from ddpm_train.networks import init_from
+from ddpm_train.networks import model as models
+from ddpm_train.training import rundir
 import train
-import training
+from ddpm_train.training import builder
 from test_train import run
 
 # google/ddpm-cifar10-32's time embedding and padding, which diffusers' defaults (and so the presets) do not share
@@ -66,7 +66,7 @@ def test_a_pipeline_source_gives_the_preset_its_settings_and_its_training(pipeli
     assert (args.model, args.image_size, args.objective, args.prediction_type, args.beta_schedule) == (
         "tiny", 16, "ddpm", "epsilon", "linear")  # fmt: skip
     assert args.init_source["settings"] == GOOGLE  # the network is built as the source's, not the preset's defaults
-    pieces = training.build(args, 10)
+    pieces = builder.build(args, 10)
     source = tiny_unet()
     assert equal_states(pieces.network.state_dict(), source.state_dict())
     assert not pieces.optimizer.state  # fresh
@@ -104,7 +104,7 @@ def test_a_bare_model_folder_loads_and_needs_an_objective(tmp_path):
         resolved("--init_from", folder)
     args = resolved("--init_from", folder, "--objective", "ddpm")
     assert args.model == "tiny" and args.prediction_type == "epsilon"  # the fallback, as said
-    assert equal_states(training.build(args, 10).network.state_dict(), tiny_unet().state_dict())
+    assert equal_states(builder.build(args, 10).network.state_dict(), tiny_unet().state_dict())
 
 
 def test_a_pipelines_unet_folder_finds_the_scheduler_beside_it(pipeline):
@@ -169,7 +169,7 @@ def test_a_hub_id_is_downloaded_then_read_as_a_folder(pipeline, monkeypatch):
 def test_a_dit_in_diffusers_layout_loads_with_its_variance_and_labels_adapted(dit_pipeline):
     args = resolved("--init_from", dit_pipeline)
     assert (args.model, args.image_size, args.objective) == ("dit-tiny", 8, "ddpm")
-    pieces = training.build(args, 10)  # unconditional: its one label is the source's null label
+    pieces = builder.build(args, 10)  # unconditional: its one label is the source's null label
     source, net = tiny_dit(), pieces.network
     cut = {"proj_out_2.weight", "proj_out_2.bias", "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight"}
     theirs = {k: v for k, v in source.state_dict().items() if not k.startswith("transformer_blocks.1.norm1.emb.")}
@@ -181,7 +181,7 @@ def test_a_dit_in_diffusers_layout_loads_with_its_variance_and_labels_adapted(di
     assert "learned-variance output (6 channels) cut to the first 3" in pieces.started_from
     # another size: the fixed sin-cos position embeddings are recomputed for its patches
     args = resolved("--init_from", dit_pipeline, "--image_size", 16)
-    pieces = training.build(args, 10)
+    pieces = builder.build(args, 10)
     assert pieces.network(torch.randn(1, 3, 16, 16), 5).sample.shape == (1, 3, 16, 16)
     assert "inputs of 16x16 (its position embeddings recomputed for 8x8 patches), not its 8x8" in pieces.started_from
 
@@ -192,7 +192,7 @@ def test_untied_embedders_are_tied_to_block_0s_and_said(tmp_path):
     torch.nn.init.normal_(net.transformer_blocks[1].norm1.emb.timestep_embedder.linear_1.weight)
     net.save_pretrained(str(folder / "transformer"))
     DDPMScheduler().save_pretrained(str(folder / "scheduler"))
-    pieces = training.build(resolved("--init_from", folder), 10)
+    pieces = builder.build(resolved("--init_from", folder), 10)
     assert "tied to block 0's" in pieces.started_from
     assert torch.equal(pieces.network.transformer_blocks[1].norm1.emb.timestep_embedder.linear_1.weight,
                        net.transformer_blocks[0].norm1.emb.timestep_embedder.linear_1.weight)  # fmt: skip
@@ -200,7 +200,7 @@ def test_untied_embedders_are_tied_to_block_0s_and_said(tmp_path):
 
 def test_a_conditional_fine_tune_of_an_unconditional_unet_starts_as_the_source(pipeline):
     args = resolved("--init_from", pipeline, "--class_conditional")
-    pieces = training.build(args, 10, num_classes=3)
+    pieces = builder.build(args, 10, num_classes=3)
     table = pieces.network.class_embedding.weight
     assert table.shape == (4, pieces.network.time_embedding.linear_2.out_features) and not table.any()
     x, t = torch.randn(2, 3, 16, 16), torch.tensor([10, 900])
@@ -241,7 +241,7 @@ def test_a_run_of_this_project_is_a_source_at_step_0(tmp_path, capsys):
     args = resolved("--init_from", source, "--output_dir", out)
     assert (args.model, args.objective, args.prediction_type) == ("tiny", "ddpm", "v_prediction")
     network, _ = rundir.load_model(source)  # its EMA, as sample.py samples it
-    assert equal_states(training.build(args, 10).network.state_dict(), network.state_dict())
+    assert equal_states(builder.build(args, 10).network.state_dict(), network.state_dict())
     run(out, "--init_from", source, "--max_train_steps", 2)
     assert "initialized from" in capsys.readouterr().out
     assert json.loads((out / "run.json").read_text())["steps"] == 2  # from 0, not the source's step 3
@@ -310,12 +310,12 @@ def test_a_conditional_run_keeps_its_labels_for_its_classes_and_an_unconditional
     capsys.readouterr()
     network, _ = rundir.load_model(source)
     classes = models.num_classes_of(network)
-    kept = training.build(resolved("--init_from", source, "--class_conditional"), 10, num_classes=classes)
+    kept = builder.build(resolved("--init_from", source, "--class_conditional"), 10, num_classes=classes)
     assert equal_states(kept.network.state_dict(), network.state_dict()) and "nothing adapted" in kept.started_from
-    other = training.build(resolved("--init_from", source, "--class_conditional"), 10, num_classes=classes + 1)
+    other = builder.build(resolved("--init_from", source, "--class_conditional"), 10, num_classes=classes + 1)
     null = network.class_embedding.weight[-1]  # the source's null label: every new row starts there
     assert (other.network.class_embedding.weight == null).all() and "a new label table" in other.started_from
-    dropped = training.build(resolved("--init_from", source), 10)
+    dropped = builder.build(resolved("--init_from", source), 10)
     assert dropped.network.class_embedding is None and "its label table dropped" in dropped.started_from
     # as many classes, other names: a new table, not the source's rows by index (train.py passes the names)
     from test_metrics import image_folder

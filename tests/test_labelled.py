@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-import data  # noqa: E402
+from ddpm_train.data import data  # noqa: E402
 from bench import faces, labelled, quality  # noqa: E402
 from bench import speed as bench  # noqa: E402
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-import config
-import data
-from errors import ConfigError
+from ddpm_train import config
+from ddpm_train.data import data
+from ddpm_train.errors import ConfigError
 
 CPU = torch.device("cpu")
 UNCONDITIONAL_SHAPES_SHA256 = "83b989f65a271201a4b0e08b752647ab4199a11c78d6e5b5c0d36623b04f33bc"

@@ -13,15 +13,15 @@ import torch
 import yaml
 from PIL import Image
 
-import config as config_module
-import flops
-import latents
-import model as models
-import rundir
+from ddpm_train import config as config_module
+from ddpm_train.perf import flops
+from ddpm_train.data import latents
+from ddpm_train.networks import model as models
+from ddpm_train.training import rundir
 import sample
 import train
 from conftest import ROOT
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 from test_latents import make_kl
 from test_faults import Ranks, start_two_ranks
 from test_train import TINY, run, tensors_of, visible
@@ -285,7 +285,7 @@ def test_a_class_conditional_latent_run_samples_by_class_with_guidance_and_fid(t
 
 
 def test_a_latent_runs_fid_statistics_are_keyed_by_what_its_folder_holds_as_sample_py_keys_them(tmp_path, vae, monkeypatch):
-    import metrics
+    from ddpm_train.evaluation import metrics
     from test_metrics import TinyFeatures, folder_options, image_folder
 
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
@@ -442,7 +442,7 @@ def test_the_latent_configs_describe_a_256px_run_on_32x32x4_latents(tmp_path, pa
 def test_ema_py_reconstructs_a_latent_ddpm_run_at_its_latent_size(tmp_path, vae):
     """ema.py builds a latent run's network at its latents' size and channels (not the image's), and
     sample.py samples the reconstruction through the run's VAE."""
-    import ema as posthoc_ema
+    from ddpm_train.training import ema as posthoc_ema
 
     out = tmp_path / "run"
     train_latents(out, str(vae), "--max_train_steps", 4, "--ema", "power", "--ema_stds", "0.05,0.1",

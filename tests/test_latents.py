@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import forked
-import latents
-from errors import ConfigError
+from ddpm_train.data import latents
+from ddpm_train.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 16
@@ -333,7 +333,7 @@ def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
         import os, signal, sys, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {str(ROOT)!r})
-        import latents
+        from ddpm_train.data import latents
         vae = latents.load_vae({str(kl_folder)!r})
         x = torch.zeros(4, 3, {SIZE}, {SIZE})
         def batches():
@@ -364,7 +364,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
         import os, signal, sys, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / "tests")!r})
-        import latents
+        from ddpm_train.data import latents
         from test_latents import images, ranged
         latents.PIECE_IMAGES = 64
         vae = latents.load_vae({str(kl_folder)!r})

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import latents
+from ddpm_train.data import latents
 from test_latents import _one_thread  # noqa: F401  (autouse: convolutions this small run on one thread)
 
 TESTS = Path(__file__).resolve().parent

@@ -5,19 +5,30 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The one project module a function may import: Triton kernels, loaded only for --fused_norm on
 # a GPU (a CPU test sets TRITON_INTERPRET=1 before importing it; importing them at the top would
 # fix the mode for every test).
-LOADED_WHEN_ASKED = {"fused_norm"}
+LOADED_WHEN_ASKED = {"ddpm_train.networks.fused_norm"}
+
+
+PACKAGE = "ddpm_train"
 
 
 def project_modules():
-    """name -> path: the root's modules, and bench/'s as bench.NAME."""
+    """name -> path: the root's commands, the package's modules as ddpm_train.ROOM.NAME, and bench/'s as bench.NAME."""
     found = {p.stem: p for p in ROOT.glob("*.py")}
+    found |= {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / PACKAGE).rglob("*.py")
+              if p.stem != "__init__"}  # fmt: skip
     found |= {f"bench.{p.stem}": p for p in (ROOT / "bench").glob("*.py") if p.stem not in ("__init__", "__main__")}
     return found
+
+
+def module_name(path):
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts) if ROOT in path.parents else path.stem
 
 
 def imports(path, modules):
@@ -31,7 +42,7 @@ def imports(path, modules):
         else:
             continue
         found = {name for name in names if name in modules} or {n.split(".")[0] for n in names} & set(modules)
-        (top if node.col_offset == 0 else inner).update(found - {path.stem})
+        (top if node.col_offset == 0 else inner).update(found - {module_name(path)})
     return top, inner
 
 
@@ -108,6 +119,21 @@ def test_the_checker_finds_a_cycle_and_an_inner_import(tmp_path):
 
 def test_the_tools_live_in_bench():
     assert not [p.name for p in ROOT.glob("*.py") if p.stem in ("bench", "sweep", "quality")]
+
+
+COMMANDS = {"train", "sample", "flops", "ema", "memory", "profiling"}
+
+
+@pytest.mark.slow
+def test_the_root_holds_the_commands_alone_and_each_answers_help():
+    """`ls *.py` at the root lists what a user runs; every other module is the package's."""
+    import subprocess
+    import sys
+
+    assert {p.stem for p in ROOT.glob("*.py")} == COMMANDS
+    for name in sorted(COMMANDS - {"train", "sample"}):  # the two large ones' --help: test_train, test_sample
+        done = subprocess.run([sys.executable, f"{name}.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "usage:" in done.stdout, (name, done.stderr[-500:])
     assert {"bench.speed", "bench.sweep", "bench.quality", "bench.trust"} <= set(project_modules())
 
 
@@ -115,6 +141,6 @@ def test_no_module_but_objectives_compares_an_objective_s_name():
     """objectives.py's promise: elsewhere the code asks objectives.of(...) (or objectives.recorded), never `== "ddpm"`
     or `or "ddpm"`."""
     compared = re.compile(r"""(==|!=|\bor\b|\bin\b)\s*\(?["'](ddpm|edm|flow)["']""")
-    found = [f"{path.name}:{number}" for path in ROOT.glob("*.py") if path.stem != "objectives"
+    found = [f"{path.name}:{number}" for path in project_modules().values() if path.stem != "objectives"
              for number, line in enumerate(path.read_text().splitlines(), 1) if compared.search(line)]  # fmt: skip
     assert not found

@@ -11,20 +11,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import compiling
-import config
-import loss_terms
-import model as models
-import objectives
-import resume as rules
-from errors import ConfigError
+from ddpm_train.perf import compiling
+from ddpm_train import config
+from ddpm_train.diffusion import loss_terms
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import resume as rules
+from ddpm_train.errors import ConfigError
 from test_train import TINY, run, scalars
 
 PRESETS = ("tiny", "edm2tiny", "dit-tiny")  # one network of each family
 
 
 def objective_for(network, kind="flow"):
-    """The objective `kind` as training.build makes it for the bare `network`."""
+    """The objective `kind` as builder.build makes it for the bare `network`."""
     if kind == "ddpm":
         return objectives.DDPMObjective(objectives.make_noise_scheduler())
     args = SimpleNamespace(objective=kind, P_mean_std=[-1.2, 1.2], sigma_data=0.5, loss_weighting="uncertainty",

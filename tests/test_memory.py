@@ -9,13 +9,13 @@ import weakref
 import pytest
 import torch
 
-import checkpoint
-import config
-import ema as posthoc_ema
-import latents
-import memory
+from ddpm_train.training import checkpoint
+from ddpm_train import config
+from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.data import latents
+from ddpm_train.perf import memory
 import train
-import training
+from ddpm_train.training import builder
 from test_latent_train import FEW
 from test_latents import make_kl
 from test_train import run
@@ -24,9 +24,9 @@ FP32 = 4  # bytes
 
 
 def pieces(*flags):
-    """training.build's pieces of a tiny run (train.py's: fused AdamW, the EMA of --ema)."""
+    """builder.build's pieces of a tiny run (train.py's: fused AdamW, the EMA of --ema)."""
     args = config.resolve(config.parse_args(["--model", "tiny", "--image_size", "16", "--cpu", *flags]))
-    return training.build(args, 10)
+    return builder.build(args, 10)
 
 
 def trained_tensors(p):

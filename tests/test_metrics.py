@@ -12,14 +12,14 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 
-import data
-import metrics
-import rundir
+from ddpm_train.data import data
+from ddpm_train.evaluation import metrics
+from ddpm_train.training import rundir
 import sample
-import sampling
+from ddpm_train.evaluation import sampling
 import train
 from conftest import ROOT
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 
 
 class TinyFeatures(torch.nn.Module):
@@ -271,7 +271,7 @@ def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_o
 def test_runs_started_together_make_the_statistics_once(tmp_path, monkeypatch):
     """A run that finds another live run's claim waits, then reads the statistics that run kept; a dead run's
     claim (its process gone) is taken at once, and given up with close()."""
-    import latents
+    from ddpm_train.data import latents
     from test_latents import dead_pid
 
     options = folder_options(image_folder(tmp_path / "images", 4))

@@ -3,9 +3,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as models
-import objectives
-from errors import ConfigError
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.errors import ConfigError
 
 
 def param_count(name):
@@ -51,7 +51,7 @@ PARAMS |= {
 def test_the_docs_preset_table_is_generated_from_the_presets_and_every_count_is_known():
     """docs/training.md's table is flops.preset_table's (run `python flops.py --presets docs/training.md` after
     changing a preset), and every preset has the parameter count PARAMS states."""
-    import flops
+    from ddpm_train.perf import flops
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
     assert flops.with_preset_table(page) == page, "run: python flops.py --presets docs/training.md"
@@ -188,7 +188,7 @@ def test_lognormal_timesteps_give_edms_noise_levels(zero_terminal_snr):
 
 
 def test_the_presets_ddpm_settings_fill_what_is_unset():
-    import config
+    from ddpm_train import config
 
     def settings(*flags):
         args = config.resolve(config.parse_args(["--objective", "ddpm", *flags]))  # the presets' DDPM (flow is the default)
@@ -216,7 +216,7 @@ def test_the_presets_ddpm_settings_fill_what_is_unset():
     (["--snr_gamma", "0"], "--snr_gamma must be a finite number greater than 0"),
 ])  # fmt: skip
 def test_the_loss_weighting_flags_refuse_what_they_cannot_do(flags, message):
-    import config
+    from ddpm_train import config
 
     with pytest.raises(ConfigError, match=message):
         config.resolve(config.parse_args(flags))

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-import compiling
-import model as models
-import objectives
-import optimizer as optimizers
-import step as steps
-from errors import ConfigError
+from ddpm_train.perf import compiling
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import optimizer as optimizers
+from ddpm_train.training import step as steps
+from ddpm_train.errors import ConfigError
 from test_edm_train import same
 from test_train import run, scalars, tensors_of
 
@@ -185,7 +185,7 @@ def test_a_muon_run_learns_and_resumes_bit_identically(tmp_path, capsys, name):
 
 
 def test_the_memory_line_counts_muons_one_buffer_a_matrix_and_adamws_two_moments():
-    import memory
+    from ddpm_train.perf import memory
 
     net, extra, muon = built("dit-tiny")
     matrices = sum(p.numel() * 4 for group in optimizers.muon_matrices(net).values() for p in group)

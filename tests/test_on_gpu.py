@@ -150,7 +150,7 @@ def test_the_dit_part_compares_our_runs_with_the_reference_dit_step(tmp_path):
     assert "ready in 17.0 s: data 9.5, imports 4.0, network 3.0" in summary
     # and where its steps' time went, per step (the compile is not a step's)
     assert "per step data 12.0, forward 34.4, backward 73.6, optimizer 10.0, ema 6.0 ms (mean)" in summary
-    import profiling
+    from ddpm_train.perf import profiling
 
     assert pack_summary.STEP_PHASES == profiling.STEP_PHASES
     assert "2 checkpoint(s): the steps waited 5.0 s of 80.0 s training, then 14.5 s beside training" in summary

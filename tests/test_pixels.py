@@ -7,11 +7,11 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-import config
-import data
-import metrics
+from ddpm_train import config
+from ddpm_train.data import data
+from ddpm_train.evaluation import metrics
 import sample
-import sampling
+from ddpm_train.evaluation import sampling
 import train
 from test_latents import make_kl
 from test_train import TINY
@@ -307,7 +307,7 @@ def test_without_pillow_heif_a_folder_s_heic_files_are_not_looked_for():
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['pillow_heif'] = None; import data; print(data.IMAGE_EXTENSIONS)"
+    code = "import sys; sys.modules['pillow_heif'] = None; from ddpm_train.data import data; print(data.IMAGE_EXTENSIONS)"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert ".png" in found and ".heic" not in found
 

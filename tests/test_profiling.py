@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-import compiling
-import profiling
+from ddpm_train.perf import compiling
+from ddpm_train.perf import profiling
 import train
 
 TINY = [
@@ -46,11 +46,11 @@ def git(folder, *argv):
 
 
 def checkout(folder):
-    """A git checkout of one commit holding a profiling.py; returns the commit's hash."""
-    folder.mkdir(parents=True)
-    (folder / "profiling.py").write_text("# the code that ran\n")
+    """A git checkout of one commit holding a ddpm_train/perf/profiling.py; returns the commit's hash."""
+    (folder / "ddpm_train" / "perf").mkdir(parents=True)
+    (folder / "ddpm_train" / "perf" / "profiling.py").write_text("# the code that ran\n")
     git(folder, "init", "-q")
-    git(folder, "add", "profiling.py")
+    git(folder, "add", "ddpm_train")
     git(folder, "commit", "-q", "-m", "one commit")
     return git(folder, "rev-parse", "HEAD")
 
@@ -62,7 +62,7 @@ def plain_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("plain") / "run"
     commit = checkout(out.parent / "checkout")
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(profiling, "__file__", str(out.parent / "checkout" / "profiling.py"))
+        m.setattr(profiling, "__file__", str(out.parent / "checkout" / "ddpm_train" / "perf" / "profiling.py"))
         for name in GIT_REPOSITORY_VARIABLES:
             m.delenv(name, raising=False)
         run(out)
@@ -359,17 +359,18 @@ def test_run_manifest_has_every_field(plain_run):
 
 def test_the_commit_is_the_checkouts_with_dirty_for_local_changes_and_none_outside_git(tmp_path, monkeypatch):
     commit = checkout(tmp_path / "checkout")
-    monkeypatch.setattr(profiling, "__file__", str(tmp_path / "checkout" / "profiling.py"))
+    code = tmp_path / "checkout" / "ddpm_train" / "perf" / "profiling.py"
+    monkeypatch.setattr(profiling, "__file__", str(code))
     for name in GIT_REPOSITORY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert profiling.git_commit() == commit
     (tmp_path / "checkout" / "notes.txt").write_text("untracked")  # not a change to the code that ran
     assert profiling.git_commit() == commit
-    (tmp_path / "checkout" / "profiling.py").write_text("# changed\n")
+    code.write_text("# changed\n")
     assert profiling.git_commit() == f"{commit}-dirty"
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no checkout above it counts
-    monkeypatch.setattr(profiling, "__file__", str(tmp_path / "elsewhere" / "profiling.py"))
+    monkeypatch.setattr(profiling, "__file__", str(tmp_path / "elsewhere" / "ddpm_train" / "perf" / "profiling.py"))
     assert profiling.git_commit() is None
 
 

@@ -22,7 +22,7 @@ def test_a_row_is_trained_scored_along_the_way_and_written(tmp_path, capsys, mon
     # The row's train.py scores with the tests' 16px scorer (conftest.shape_scorer), told by the
     # environment it inherits (shapescore.IMAGES_ENV, STEPS_ENV), from a folder that holds only that
     # scorer's file: a row that trained the default one (a minute or more) would leave its file there.
-    import shapescore
+    from ddpm_train.evaluation import shapescore
 
     scorers = tmp_path / "scorers"
     scorers.mkdir()

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import config
-import latents
-import metrics
-import objectives
-import resume as rules
-from errors import ConfigError
+from ddpm_train.training import checkpoint
+from ddpm_train import config
+from ddpm_train.data import latents
+from ddpm_train.evaluation import metrics
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import resume as rules
+from ddpm_train.errors import ConfigError
 from test_config import OLD_RUNS
 from test_metrics import TinyFeatures
 from test_train import TINY, tensors_of

@@ -5,9 +5,9 @@ bad values and the runs it does not apply to are one line."""
 import pytest
 import torch
 
-import compiling
-import dit
-import flops
+from ddpm_train.perf import compiling
+from ddpm_train.networks import dit
+from ddpm_train.perf import flops
 from test_config import one_line_error
 from test_train import run as train
 

@@ -13,15 +13,15 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-import checkpoint
-import model as models
-import objectives
-import rundir
+from ddpm_train.training import checkpoint
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import rundir
 import sample
-import sampling
+from ddpm_train.evaluation import sampling
 import train
 from conftest import ROOT
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -78,20 +78,20 @@ def test_the_sde_sampler_draws_fresh_noise_along_the_way(tiny_unet, training_con
 
 @pytest.mark.parametrize("name", objectives.DDPMObjective.samplers)
 def test_sampling_scheduler_in_train_is_the_same(name):
-    """What train.py's grids and FID sample with (training.build's) is what sample.py makes of the run's
+    """What train.py's grids and FID sample with (builder.build's) is what sample.py makes of the run's
     noise scheduler, for each sampler and a v-prediction run with another beta schedule."""
-    import config
-    import training
+    from ddpm_train import config
+    from ddpm_train.training import builder
 
     args = config.resolve(config.parse_args(["--model", "tiny", "--image_size", "16", "--objective", "ddpm", "--sampler", name,
                                              "--prediction_type", "v_prediction", "--beta_schedule", "linear"]))  # fmt: skip
-    pieces = training.build(args, total_steps=10)
+    pieces = builder.build(args, total_steps=10)
     expected = objectives.make_scheduler(name, pieces.noise_scheduler.config)
     assert type(pieces.sampling_scheduler) is type(expected)
     assert dict(pieces.sampling_scheduler.config) == dict(expected.config)
     assert expected.config.prediction_type == "v_prediction" and expected.config.beta_schedule == "linear"
     args.vae = "a VAE"  # a latent run's samplers leave the latents unclipped: they are not images in [-1, 1]
-    latent = training.build(args, total_steps=10).sampling_scheduler.config
+    latent = builder.build(args, total_steps=10).sampling_scheduler.config
     assert not (latent.get("clip_sample") or latent.get("thresholding")), name
 
 
@@ -211,7 +211,7 @@ def test_a_runs_settings_and_ema_are_read_from_its_train_config_json_of_today_or
 
 
 def test_sample_reports_the_share_of_copies_of_the_training_images_and_their_picture(tiny_run, tmp_path, monkeypatch, capsys):
-    import data
+    from ddpm_train.data import data
 
     result = sample_main(tiny_run, "--num_images", 5, "--batch_size", 2, "--num_inference_steps", 2, "--output", tmp_path / "a")
     assert 0 <= result["copy_share"] <= 1 and result["copy_samples"] == 5 and result["training_images"] == 32
@@ -246,7 +246,7 @@ def test_a_run_whose_training_images_are_not_here_samples_without_the_copy_check
 
 
 def test_sample_with_fid_scores_the_images(tiny_run, tmp_path, monkeypatch, capsys):
-    import metrics
+    from ddpm_train.evaluation import metrics
     from test_metrics import TinyFeatures
 
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
@@ -263,7 +263,8 @@ SAMPLE_RANK = """
 import sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-import metrics, sample
+from ddpm_train.evaluation import metrics
+import sample
 from test_metrics import TinyFeatures
 metrics.feature_extractor = lambda weights=None: (TinyFeatures(), "tiny-features")
 try:
@@ -278,7 +279,7 @@ finally:
 def test_two_processes_write_the_images_grid_and_scores_one_process_does(tiny_run, tmp_path, monkeypatch):
     """torchrun or accelerate launch: each process generates every other batch and writes its images; rank 0
     gathers them for the grid and FID. 5 images in batches of 2: the same files and scores, bit for bit."""
-    import metrics
+    from ddpm_train.evaluation import metrics
     from test_faults import Ranks, start_two_ranks
     from test_metrics import TinyFeatures
 
@@ -305,7 +306,7 @@ def test_two_processes_write_the_images_grid_and_scores_one_process_does(tiny_ru
     (tiny_run / metrics.REFERENCE_FILE).unlink()
     shutil.rmtree(os.environ[metrics.REFERENCE_CACHE_ENV])
     no_network = script.replace("try:", """import os
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 if os.environ["RANK"] == "1":
     def missing(*args, **kwargs):
         raise ConfigError("no Inception weights on this node")
@@ -332,7 +333,7 @@ def test_ctrl_c_is_one_line_and_exit_130_while_importing_and_while_sampling(tiny
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130 and err.strip() == "sample.py: interrupted while starting: nothing was written", err
     # imported, a Ctrl-C is main's: here as the run is opened (rundir is imported first: sample.py finds it patched)
-    script = ("import os, runpy, signal, sys, rundir\n"
+    script = ("import os, runpy, signal, sys\nfrom ddpm_train.training import rundir\n"
               "opened = rundir.RunDir.__init__\n"
               "def interrupted(self, *args):\n"
               "    os.kill(os.getpid(), signal.SIGINT)\n"

@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 
-import data
-import metrics
-import objectives
+from ddpm_train.data import data
+from ddpm_train.evaluation import metrics
+from ddpm_train.diffusion import objectives
 import sample
-import sampling
-import shapescore
+from ddpm_train.evaluation import sampling
+from ddpm_train.evaluation import shapescore
 import train
 from bench import trust as trusttool
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 
 # The images of these tests: 16px, the size of the tests' scorer (conftest.shape_scorer).
 SIZE = 16
@@ -265,7 +265,7 @@ QUALITY_RUN = [*TINY[:6], "--shapes_num_images", "512", "--train_batch_size", "3
 def untrained_score(run_dir, scorer, samples):
     """The score of the run's network before its first step (the same seed builds it), sampled and
     scored as the run's evaluation does."""
-    import model as models
+    from ddpm_train.networks import model as models
 
     config = json.loads((run_dir / "train_config.json").read_text())
     torch.manual_seed(config["seed"])

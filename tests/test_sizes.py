@@ -12,17 +12,17 @@ from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.transforms import v2 as T
 
-import config
-import data
-import flops
-import latents
-import metrics
-import model as models
+from ddpm_train import config
+from ddpm_train.data import data
+from ddpm_train.perf import flops
+from ddpm_train.data import latents
+from ddpm_train.evaluation import metrics
+from ddpm_train.networks import model as models
 import sample
-import sampling
-import shapescore
-import sizes
-from errors import ConfigError
+from ddpm_train.evaluation import sampling
+from ddpm_train.evaluation import shapescore
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError
 from test_latent_train import FEW
 from test_latents import make_kl
 from test_metrics import TinyFeatures, image_folder
@@ -171,14 +171,14 @@ def test_the_crop_warning_measures_against_the_run_s_shape(tmp_path):
 
 
 def test_a_wide_dit_places_each_patch_as_a_square_one_would():
-    import dit
+    from ddpm_train.networks import dit
 
     wide, square = dit.positions(64, 2, 3)[0].view(2, 3, 64), dit.positions(64, 3, 3)[0].view(3, 3, 64)
     assert torch.equal(wide, square[:2])  # a patch's embedding is its row's and column's, whatever the grid
 
 
 def test_an_edm2_source_starts_a_run_of_another_shape():
-    import init_from
+    from ddpm_train.networks import init_from
 
     source, target = models.build_network("edm2tiny", 16).state_dict(), models.build_network("edm2tiny", WIDE).state_dict()
     record = dict(out_channels=3, in_channels=3, num_classes=0)

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-import compiling
-import data
-import ema as posthoc_ema
-import model as models
-import objectives
-import optimizer as optimizers
-import step as steps
-from errors import ConfigError, RunError, error_line
+from ddpm_train.perf import compiling
+from ddpm_train.data import data
+from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import optimizer as optimizers
+from ddpm_train.training import step as steps
+from ddpm_train.errors import ConfigError, RunError, error_line
 
 CPU = torch.device("cpu")
 
@@ -515,7 +515,7 @@ def test_the_compile_timers_are_read_where_torch_has_them_and_nothing_breaks_whe
 
 
 def test_regional_compilation_traces_a_repeated_block_once_and_leaves_sampling_eager(monkeypatch):
-    import dit
+    from ddpm_train.networks import dit
 
     trace_only(monkeypatch)
     torch.manual_seed(0)

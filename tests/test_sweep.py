@@ -6,7 +6,7 @@ import subprocess
 import pytest
 from PIL import Image
 
-import config
+from ddpm_train import config
 import forked
 from bench import speed as bench
 from bench import sweep

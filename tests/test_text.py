@@ -12,14 +12,14 @@ import pytest
 import torch
 from PIL import Image
 
-import captions
-import config
-import flops
-import latents
-import model as models
+from ddpm_train.data import captions
+from ddpm_train import config
+from ddpm_train.perf import flops
+from ddpm_train.data import latents
+from ddpm_train.networks import model as models
 import sample
 import train
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 from test_train import run, tensors_of
 
 COLOURS = ("red", "green", "blue", "yellow")
@@ -246,7 +246,7 @@ def test_every_resnet_of_a_captioned_unet_reads_the_caption_not_its_middle_alone
 def test_a_compiled_captioned_network_gives_the_eager_outputs(clip, scope, network, monkeypatch):
     """Dynamo's eager backend traces the graphs as Inductor's would: the captions' Words into the forward, whole
     (one graph) and in the repeated blocks (its cross-attention's Attention among them)."""
-    import compiling
+    from ddpm_train.perf import compiling
 
     real = torch.compile
     monkeypatch.setattr(compiling.torch, "compile", lambda fn, mode=None, **kw: real(fn, backend="eager", **kw))
@@ -303,7 +303,7 @@ def test_a_captioned_run_trains_resumes_bit_for_bit_and_samples_from_prompts(cli
 def test_a_captioned_run_s_fid_samples_ask_for_its_images_captions(clip, tmp_path, monkeypatch):
     """The evaluation draws its samples from captions as the data holds them (each image's first), never the empty
     one, and scores them."""
-    import metrics
+    from ddpm_train.evaluation import metrics
     from test_metrics import TinyFeatures
 
     monkeypatch.setattr(metrics, "feature_extractor", lambda weights=None: (TinyFeatures(), "tiny-features"))
@@ -529,7 +529,7 @@ def test_the_caption_table_stays_in_host_memory_memory_mapped_shared_by_copies_a
 def test_the_pooled_caption_reads_the_real_tokens_alone():
     """A T5 caption's padding (its mask's False positions) changes nothing the pooled caption gives; with every
     position real the pooling is diffusers' TextTimeEmbedding's own."""
-    import dit
+    from ddpm_train.networks import dit
     from diffusers.models.embeddings import TextTimeEmbedding
 
     torch.manual_seed(0)

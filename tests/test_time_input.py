@@ -1,7 +1,7 @@
 """The time input a network receives in training is the one sampling gives it at the same noise level, for
 every objective, network family and compile scope (eager, whole, regional).
 
-The objective is built as train.py builds it (training.build), and the step calls the network through a
+The objective is built as train.py builds it (builder.build), and the step calls the network through a
 wrapper: torch.compile's for the whole network, compiling.RegionalNetwork for its blocks. Sampling calls the bare
 network (sampling.generate with the run's own sampler). A forward pre-hook on the bare network records what it
 gets both ways. Compiling uses Dynamo's eager backend: the graphs are traced as Inductor's would be, in a
@@ -11,14 +11,14 @@ fraction of the time, and the wrappers are the ones the step uses.
 import pytest
 import torch
 
-import compiling
-import config
-import model as models
-import objectives
+from ddpm_train.perf import compiling
+from ddpm_train import config
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
 import sample
-import sampling
-import step as steps
-import training
+from ddpm_train.evaluation import sampling
+from ddpm_train.training import step as steps
+from ddpm_train.training import builder
 
 FAMILIES = {"unet": "tiny", "edm2": "edm2tiny", "dit": "dit-tiny"}  # the smallest preset of each
 SCOPES = ("eager", "whole", "regional")
@@ -72,11 +72,11 @@ def networks():
 
 
 def run_pieces(objective, preset):
-    """The objective and the grids' sampler that training.build makes for a CPU run of `preset` at 16px
+    """The objective and the grids' sampler that builder.build makes for a CPU run of `preset` at 16px
     (EDM's sampler without churn, so that the network sees the schedule's own σ)."""
     argv = ["--model", preset, "--image_size", "16", "--objective", objective, "--cpu", "--compile_mode", "off"]
     args = config.resolve(config.parse_args([*argv, "--churn", "0"]))
-    return training.build(args, total_steps=1, lr_ref_steps=1)  # EDM2's inverse_sqrt schedule needs one
+    return builder.build(args, total_steps=1, lr_ref_steps=1)  # EDM2's inverse_sqrt schedule needs one
 
 
 def sampled(network, recorder, scheduler):

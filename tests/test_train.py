@@ -16,9 +16,9 @@ from PIL import Image
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-import compiling
-import model as models
-import step as steps
+from ddpm_train.perf import compiling
+from ddpm_train.networks import model as models
+from ddpm_train.training import step as steps
 import train
 from conftest import ROOT
 
@@ -226,7 +226,7 @@ def test_bad_input_from_the_command_line(tmp_path):
 # import finds it patched)
 CTRL_C_WHILE_THE_DATA_LOADS = """
 import os, runpy, signal, sys
-import data
+from ddpm_train.data import data
 load_images = data.load_images
 def interrupted(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)
@@ -296,11 +296,11 @@ def test_a_compile_that_fails_falls_back_to_eager_and_trains_the_same_weights(tm
 
 
 def spy_on_build(monkeypatch):
-    """The list that each training.build call's Pieces (what the step trains) are appended to."""
-    import training
+    """The list that each builder.build call's Pieces (what the step trains) are appended to."""
+    from ddpm_train.training import builder
 
-    built, build = [], training.build
-    monkeypatch.setattr(training, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    built, build = [], builder.build
+    monkeypatch.setattr(builder, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     return built
 
 
@@ -326,7 +326,7 @@ def test_auto_trains_a_run_too_short_to_repay_its_compile_eager_and_a_warm_cache
     cold compile outweighs what 40 steps save,
     so the step is eager and the line says both numbers; with this machine's record of the same step compiled before
     (its graphs in Inductor's cache, TORCHINDUCTOR_CACHE_DIR), the warm compile pays at 40,000 steps, where the cold one does not."""
-    import compiling
+    from ddpm_train.perf import compiling
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     unet = models.FAMILIES["unet"]
@@ -350,8 +350,8 @@ def test_the_run_starts_the_compile_workers_once_it_has_planned_its_step(tmp_pat
     before the network is built (compiling.start_compile_workers: on a GPU whose step compiles they start then)."""
     calls = []
     monkeypatch.setattr(compiling, "start_compile_workers", lambda device, mode: calls.append((device.type, mode)))
-    build = train.training.build
-    monkeypatch.setattr(train.training, "build", lambda *a, **k: calls.append("network") or build(*a, **k))
+    build = train.builder.build
+    monkeypatch.setattr(train.builder, "build", lambda *a, **k: calls.append("network") or build(*a, **k))
     if planned != "eager":  # a plan that compiles, its compile left out: the test's step runs eager
         monkeypatch.setattr(compiling, "plan_compile", lambda *a, **k: compiling.CompilePlan(planned, "whole", "a test's plan"))
         monkeypatch.setattr(compiling, "compile_network", lambda model, mode, **k: model)
@@ -372,6 +372,6 @@ def test_the_compile_record_keys_what_changes_the_step_s_graphs():
 
 def config_args(args):
     """`args` resolved as train.py resolves them (compile_key reads the resolved size, precision and batch)."""
-    from config import resolve
+    from ddpm_train.config import resolve
 
     return resolve(args)

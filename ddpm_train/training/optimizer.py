@@ -31,7 +31,7 @@ import warnings
 import torch
 from torch.optim import _muon
 
-import objectives
+from ddpm_train.diffusion import objectives
 
 # The modules whose `linear` weight is several matrices stacked by rows, by class name, and how many: diffusers'
 # AdaLayerNormZero (a DiT block's norm1), whose output is cut into shift, scale and gate for attention and the MLP.

@@ -8,7 +8,7 @@ width]. Every function takes any of the three.
 import math
 import re
 
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 
 LIMITS = (8, 8192)  # each side: a larger one fills any machine's memory in its first batch
 

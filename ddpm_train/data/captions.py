@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-import latents
-from errors import ConfigError
+from ddpm_train.data import latents
+from ddpm_train.errors import ConfigError
 
 METADATA = "metadata.jsonl"  # HF ImageFolder's: one JSON object a line, {"file_name": ..., "text": ...}
 TEXT_COLUMNS = ("text", "caption", "prompt")  # a dataset's caption column, found by name

@@ -7,7 +7,7 @@ this module's filter. The patch embedding, the timestep and label embedders, the
 modulation and the final layer stay in bf16, as torchtitan's filter keeps its embeddings
 and output; everything else runs under bf16 autocast, as accelerate's own fp8 mode does.
 
-The conversion is made in training.build, which train.py and the speed ladder share, not
+The conversion is made in builder.build, which train.py and the speed ladder share, not
 in accelerate's `prepare` (accelerate's fp8 mode converts there, which the ladder never
 calls, and on a GPU without FP8 tensor cores it trains fp16 instead with a warning: here
 that GPU is refused). `Float8Linear` keeps the layer's own weight and bias, so the
@@ -20,7 +20,7 @@ On a CPU `torch._scaled_mm` runs, emulated: for tests, never faster than bf16.
 
 import torch
 
-import model as models
+from ddpm_train.networks import model as models
 
 # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later.
 MIN_CAPABILITY = (8, 9)

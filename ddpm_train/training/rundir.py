@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 
-from errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
+from ddpm_train.errors import ConfigError, error_line  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 import diffusers
 from diffusers import DDPMPipeline
 from diffusers.utils import logging as diffusers_logging
 import safetensors.torch
 
-import latents
-import model as models
-import objectives
-import sizes
-from checkpoint import checkpoint_dirs
+from ddpm_train.data import latents
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train import sizes
+from ddpm_train.training.checkpoint import checkpoint_dirs
 
 CONFIG_FILE = "train_config.json"
 

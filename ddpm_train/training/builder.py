@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-import dit
-import ema as posthoc_ema
-import fp8
-import init_from
-import loss_terms
-import model as models
-import objectives
-import optimizer as optimizers
+from ddpm_train.networks import dit
+from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.networks import fp8
+from ddpm_train.networks import init_from
+from ddpm_train.diffusion import loss_terms
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import optimizer as optimizers
 
 
 @dataclass
@@ -83,7 +83,7 @@ def build(args, total_steps, device="cpu", num_classes=0, lr_ref_steps=None, wri
         eps=args.adam_epsilon,
     )  # fmt: skip
     if args.fused_norm:  # class swaps in place: the parameters and the state dict stay as they are
-        import fused_norm  # Triton kernels: loaded only when asked for (tests/test_layout.py)
+        from ddpm_train.networks import fused_norm  # Triton kernels: loaded only when asked for (tests/test_layout.py)
 
         fused_norm.keep_channels_last(fused_norm.use_fused_norm(network))
     lr_scheduler = models.make_lr_scheduler(args.lr_scheduler, optimizer, args.lr_warmup_steps, total_steps, lr_ref_steps)

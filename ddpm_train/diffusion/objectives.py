@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
+from ddpm_train.errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DDPMScheduler
 
-import edm2
-import model as models
+from ddpm_train.networks import edm2
+from ddpm_train.networks import model as models
 
 NUM_TRAIN_TIMESTEPS = 1000  # DDPM's T (Ho et al. 2020, and every config here)
 

@@ -8,13 +8,14 @@ import math
 import numpy as np
 import torch
 
-import captions
-import data
-import latents
-import model as models
-import objectives
-import sizes
-from errors import ConfigError
+from ddpm_train.data import captions
+from ddpm_train.data import data
+from ddpm_train.data import latents
+from ddpm_train.networks import model as models
+from ddpm_train.training import rundir
+from ddpm_train.diffusion import objectives
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError
 
 
 GRID_IMAGES = 64
@@ -137,6 +138,26 @@ def check_guide(main, guide):
         if a != b:
             raise ConfigError(f"the guide was trained with {key} {b!r}, the model with {a!r}: "
                               f"guide with a run of the same {key.replace('_', ' ')}")  # fmt: skip
+
+
+def load_guide(path, main_config, device, main=None):
+    """The guiding network of --guide on `device`, checked against the run config `main_config` of the model
+    it guides (sampling.check_guide); where either config is missing (a pipeline outside its run), against `main`,
+    the model's (RunDir, network), by what the folders still say (check_guide_network)."""
+    guide = rundir.RunDir(path)
+    if main_config is not None and guide.config is not None:
+        check_guide(main_config, guide.config)
+    net, _ = guide.load()
+    if main is not None and (main_config is None or guide.config is None):
+        check_guide_network(guide, net, *main)
+    return net.to(device)
+
+
+def check_guide_network(guide, guide_net, source, net):
+    """The objective (a flow pipeline's scheduler says flow) and the images' shape must be the model's."""
+    if guide.objective != source.objective or image_shape(guide_net) != image_shape(net):
+        raise ConfigError(f"the guide {guide.path} ({guide.objective}, images {image_shape(guide_net)}) does not match "
+                          f"the model ({source.objective}, images {image_shape(net)}): guide with a run of the same kind")  # fmt: skip
 
 
 def image_shape(net):

@@ -35,11 +35,11 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-import model as models
-import objectives
-import profiling
-import sizes
-from errors import ConfigError, RunError, error_line
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.perf import profiling
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError, RunError, error_line
 
 # What --compile_mode accepts; the torch.compile modes pass through unchanged.
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -18,10 +18,10 @@ from typing import NamedTuple
 
 import torch
 
-import data
-import metrics
-import sizes
-from errors import ConfigError
+from ddpm_train.data import data
+from ddpm_train.evaluation import metrics
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError
 
 RATIO = 1 / 3  # Gu et al.'s threshold on nearest / second nearest
 # Floats in one block of the search: a chunk of training images (and its mirror images), a block of samples and

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps
 from torchvision.transforms import v2 as T
 
-import captions
-import sizes
-from errors import ConfigError
+from ddpm_train.data import captions
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError
 
 try:  # HEIC and HEIF, an iPhone's photos: pillow-heif's opener for PIL (requirements.txt), which turns them upright
     from pillow_heif import register_heif_opener

@@ -12,13 +12,13 @@ import functools
 import json
 from pathlib import Path
 
-import checkpoint
-import config
-import ema as posthoc_ema
-import latents
-import loss_terms
-import objectives
-from errors import ConfigError
+from ddpm_train.training import checkpoint
+from ddpm_train import config
+from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.data import latents
+from ddpm_train.diffusion import loss_terms
+from ddpm_train.diffusion import objectives
+from ddpm_train.errors import ConfigError
 
 # What a checkpoint holds or means: resuming it with any of these changed is
 # refused, with the list of differences (choose_start). Every flag of

@@ -64,8 +64,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import data
-import sizes
+from ddpm_train.data import data
+from ddpm_train import sizes
 
 VERSION = 1
 # One scorer per image size for every run, so that their scores compare; trained on

@@ -160,8 +160,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import sizes
-from errors import ConfigError
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError
 
 FORMAT = 1  # raise when what a cache holds, or how, changes
 PROJECT = "ddpm-train"

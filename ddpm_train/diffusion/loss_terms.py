@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-import model as models
-import objectives
-from errors import ConfigError
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.errors import ConfigError
 
 NONE = "none"
 

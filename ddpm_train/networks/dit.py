@@ -47,7 +47,7 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import PixArtAlphaTextProjection, TextTimeEmbedding, get_2d_sincos_pos_embed_from_grid
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from errors import ConfigError
+from ddpm_train.errors import ConfigError
 
 # (layers, hidden size, heads) of DiT's Table 1; the MLP is 4x wide, heads are 64 wide but XL's 72.
 SIZES = {"s": (12, 384, 6), "b": (12, 768, 12), "l": (24, 1024, 16), "xl": (28, 1152, 16)}
@@ -161,7 +161,7 @@ class DiT(DiTTransformer2DModel):
         if text_dim:
             self._read_captions(text_dim)
         self._tie()
-        self.routing = None  # a Routing while training with --token_routing (training.build)
+        self.routing = None  # a Routing while training with --token_routing (builder.build)
         self.register_state_dict_post_hook(_tied_held_once)
         self.register_load_state_dict_pre_hook(_tied_filled_in)
 

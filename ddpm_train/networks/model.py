@@ -15,14 +15,14 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
+from ddpm_train.errors import ConfigError  # noqa: I001 (before diffusers: errors.py quiets what importing torchao logs)
 from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 
-import captions
-import dit
-import sizes
-from dit import DiT
-from edm2 import EDM2UNet
+from ddpm_train.data import captions
+from ddpm_train.networks import dit
+from ddpm_train import sizes
+from ddpm_train.networks.dit import DiT
+from ddpm_train.networks.edm2 import EDM2UNet
 
 
 def _unet(channels, attention_at, layers_per_block=2, **extra):

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-import model as models
-import objectives
-import rundir
-import sizes
-from errors import ConfigError, error_line
+from ddpm_train.networks import model as models
+from ddpm_train.diffusion import objectives
+from ddpm_train.training import rundir
+from ddpm_train import sizes
+from ddpm_train.errors import ConfigError, error_line
 
 # The config keys that are the run's, not the source's: its size, channels and classes.
 RUNS_OWN = {"sample_size", "in_channels", "out_channels", "num_class_embeds", "num_classes", "num_embeds_ada_norm"}

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch
 
-from errors import ConfigError, RunError
+from ddpm_train.errors import ConfigError, RunError
 
 # With several processes, how long a process may wait for the main process's work between steps (grids, FID/KID's
 # reference statistics, the pipeline; an evaluation's samples, a share each, gathered to it), in a gloo group of its

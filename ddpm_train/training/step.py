@@ -14,10 +14,10 @@ import math
 
 import torch
 
-import captions
-import data
-import objectives
-from errors import RunError
+from ddpm_train.data import captions
+from ddpm_train.data import data
+from ddpm_train.diffusion import objectives
+from ddpm_train.errors import RunError
 
 
 class TrainStep:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from errors import ConfigError, RunError, error_line
+from ddpm_train.errors import ConfigError, RunError, error_line
 
 STATE_FILE = "trainer_state.json"
 LOCK_FILE = ".lock"  # RunLock's, in the output folder

@@ -33,10 +33,10 @@ from pathlib import Path, PurePath
 
 import torch
 
-import data
-import latents
-import shapescore
-from errors import ConfigError
+from ddpm_train.data import data
+from ddpm_train.data import latents
+from ddpm_train.evaluation import shapescore
+from ddpm_train.errors import ConfigError
 
 # torch-fidelity's URL_INCEPTION_V3, the file torchmetrics downloads (a test keeps them equal).
 INCEPTION_URL = (

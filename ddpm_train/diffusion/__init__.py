@@ -1,0 +1,1 @@
+"""The diffusion objectives (DDPM, EDM, flow matching) with their losses and samplers, and the loss's extra terms."""

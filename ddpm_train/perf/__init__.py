@@ -1,0 +1,1 @@
+"""Performance: how the step is compiled, its FLOPs and the GPU peak table, its memory, and profiling."""

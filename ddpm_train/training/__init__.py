@@ -1,0 +1,1 @@
+"""Training: the pieces built once, the step, optimizers, EMA, checkpoints, resume, run folders and the processes' agreement."""
