@@ -207,7 +207,7 @@ class RunData(NamedTuple):
     labels: object  # a conditional run's class of each image, else None
     class_names: object  # a conditional run's class names, else None
     start_from: object  # the checkpoint to continue from, or None
-    flow_sigmas: object  # a flow run's σ draw (model.flow_sigma_distribution), also in train_config.json; else None
+    flow_sigmas: object  # a flow run's σ draw (objectives.sigma_distribution), also in train_config.json; else None
     latent_space: object = None  # a latent run's VAE and normalisation, hashed: what resume compares
     latents: object = None  # a latent run's record for train_config.json: VAE, normalisation, cache
     decode: object = None  # a latent run's latents -> images, for the grids and FID

@@ -65,7 +65,7 @@ from ddpm_train.perf import profiling
 from ddpm_train.training import step as steps
 from ddpm_train.training import builder
 from bench import quality, sweep
-from ddpm_train.errors import ConfigError, one_line_errors
+from ddpm_train.errors import ConfigError, error_line, first_line, one_line_errors
 
 # name -> preset, image side and the batch the issue's targets are stated for.
 WORKLOADS = {
@@ -728,9 +728,9 @@ def run_workload(name, args, device, peaks, print_line, save):
                         row["check"]["note"] = reference_note
                 except torch.OutOfMemoryError as e:
                     out_of_memory_at[variant["name"]] = batch_size
-                    row |= dict(status="oom", reason=f"out of memory at batch {batch_size}: {_first_line(e)}")
+                    row |= dict(status="oom", reason=f"out of memory at batch {batch_size}: {first_line(e, None)}")
                 except Exception as e:  # one broken row must not lose the others' numbers
-                    row |= dict(status="error", reason=f"{type(e).__name__}: {_first_line(e)}")
+                    row |= dict(status="error", reason=error_line(e))
                 # A failed row may leave half-built graphs and CUDA-graph pools behind: drop them too.
                 release_memory(device, forget_compiled=row["status"] != "ok" or uses_cuda_graphs(row))
                 if row["status"] == "ok":
@@ -748,11 +748,6 @@ def run_workload(name, args, device, peaks, print_line, save):
             r["speedup"] = timed[0]["step_time_s_median"] / r["step_time_s_median"]
             r["loss_vs_first"] = r["mean_loss"] / timed[0]["mean_loss"] - 1
         yield group
-
-
-def _first_line(exception):
-    text = str(exception).strip().splitlines()
-    return text[0] if text else ""
 
 
 # --- output --------------------------------------------------------------------------

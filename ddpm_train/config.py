@@ -113,7 +113,7 @@ INVOCATION_KEYS = ("overwrite_output_dir", "resume", "resume_from_checkpoint", "
 # single value holds; the grids take the training set's first captions without it).
 FILE_KEYS = ("grid_prompts",)
 
-# What train.py always does where a flag once chose (issue 33): settings, not flags, that
+# What train.py always does where a flag once chose: settings, not flags, that
 # `resolve` puts on every configuration for the code that reads them, and that a run's
 # train_config.json records under "settings" (`recorded`). The speed ones are `python -m bench`'s
 # to vary: it sets them on the configurations it builds (its rows, its own flags) before resolving

@@ -42,6 +42,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {self.source}{message} (see --help)\n")
 
 
+def first_line(error, limit=160):
+    """The first line of an exception's message (its type's name where it has none), cut at `limit` characters."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 def error_line(error):
     """'Type: first line' of the exception at the bottom of a chain, for a one-line error that quotes a library's
     (torch.compile wraps the backend's own error in a BackendCompilerFailed whose first line names only the backend)."""
@@ -50,8 +56,7 @@ def error_line(error):
         if inner is None or inner is error:
             break
         error = inner
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    return f"{type(error).__name__}: {first_line(error, None)}" if str(error).strip() else type(error).__name__
 
 
 def fail(prog, message, code=2):

@@ -542,7 +542,7 @@ def test_a_piece_claimed_by_a_dead_encode_is_taken_and_a_live_ones_is_not(tmp_pa
     claim this encode holds is touched every CLAIM_BEAT_S, and released at the end."""
     monkeypatch.setattr(latents, "CLAIM_STALE_S", 0.3)
     monkeypatch.setattr(latents, "CLAIM_BEAT_S", 0.05)
-    claims = latents._Claims(tmp_path)
+    claims = latents.Claims(tmp_path)
     try:
         (tmp_path / ".claim-a").write_text(f"{latents._host()} {dead_pid()} token\n")
         assert claims.take("a")
@@ -596,13 +596,13 @@ def test_a_piece_completed_between_the_look_and_the_claim_is_linked_not_encoded(
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     partial = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch)
     done = partial.rename(tmp_path / "done")
-    take = latents._Claims.take
+    take = latents.Claims.take
 
     def completed_first(claims, name):
         shutil.copy(done / name, partial / name)  # the other encode's piece, complete
         return take(claims, name)
 
-    monkeypatch.setattr(latents._Claims, "take", completed_first)
+    monkeypatch.setattr(latents.Claims, "take", completed_first)
     vae.encode_calls = 0
     cache = latents.cached_latents(vae, ranged(x), key, root=root, num_images=130, progress=False, log=print)
     assert vae.encode_calls == 0 and cache.num_images == 130
@@ -765,7 +765,7 @@ def test_publishing_keeps_a_valid_cache_and_replaces_an_invalid_one_aside(tmp_pa
     shutil.copytree(final, tmp_path / "good")
 
     def candidate(seed):  # a complete cache of the key in a temporary folder, as an encode leaves it
-        tmp = latents._temporary(final)
+        tmp = latents.temporary(final)
         shutil.copytree(tmp_path / "good", tmp)
         array = np.load(tmp / "latents.npy")
         np.save(tmp / "latents.npy", array + seed)
@@ -846,7 +846,7 @@ def test_the_draws_generator_is_splitmix64_in_exact_uint64_arithmetic():
 
 
 def test_draws_are_standard_normal_and_independent_across_indices_and_epochs():
-    keys = latents._draw_keys(3, 0, torch.arange(512))
+    keys = latents.draw_keys(3, 0, torch.arange(512))
     eps = latents._normals(latents._words(keys, 128), 256)  # 512 images of 256 normals
     assert eps.dtype == torch.float32 and eps.shape == (512, 256)
     flat = eps.double().flatten()
@@ -857,9 +857,9 @@ def test_draws_are_standard_normal_and_independent_across_indices_and_epochs():
     assert per_element.abs().max() < 5 / 512**0.5
     assert abs(torch.corrcoef(torch.stack([eps[:-1].flatten(), eps[1:].flatten()]))[0, 1]) < 0.02  # index i vs i+1
     assert abs(torch.corrcoef(torch.stack([eps[:, :-1].flatten(), eps[:, 1:].flatten()]))[0, 1]) < 0.02
-    other = latents._normals(latents._words(latents._draw_keys(3, 1, torch.arange(512)), 128), 256)
+    other = latents._normals(latents._words(latents.draw_keys(3, 1, torch.arange(512)), 128), 256)
     assert abs(torch.corrcoef(torch.stack([eps.flatten(), other.flatten()]))[0, 1]) < 0.02  # epoch e vs e+1
-    reseeded = latents._normals(latents._words(latents._draw_keys(4, 0, torch.arange(512)), 128), 256)
+    reseeded = latents._normals(latents._words(latents.draw_keys(4, 0, torch.arange(512)), 128), 256)
     assert abs(torch.corrcoef(torch.stack([eps.flatten(), reseeded.flatten()]))[0, 1]) < 0.02
 
 

@@ -278,7 +278,7 @@ def test_runs_started_together_make_the_statistics_once(tmp_path, monkeypatch):
     key = metrics.reference_key(options, 8, "tiny", metrics.dataset_contents(options, 8))
     shared, lines = metrics.shared_reference_path(key), []
     shared.parent.mkdir(parents=True, exist_ok=True)
-    other = latents._Claims(shared.parent)
+    other = latents.Claims(shared.parent)
     assert other.take(shared.name)
 
     def other_run_keeps_them(seconds):  # while this run waits

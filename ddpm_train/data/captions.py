@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ddpm_train.data import latents
-from ddpm_train.errors import ConfigError
+from ddpm_train.errors import ConfigError, first_line
 
 METADATA = "metadata.jsonl"  # HF ImageFolder's: one JSON object a line, {"file_name": ..., "text": ...}
 TEXT_COLUMNS = ("text", "caption", "prompt")  # a dataset's caption column, found by name
@@ -191,7 +191,7 @@ def _config(id_or_path):
     except (OSError, ValueError) as e:  # offline, or no such repository (a folder's config.json was read above)
         raise ConfigError(
             f"--text_encoder {id_or_path}: no such folder, and it cannot be had from the Hugging Face Hub "
-            f"({latents._first_line(e)}): on a machine that reaches the Hub run `hf download {id_or_path} --local-dir "
+            f"({first_line(e)}): on a machine that reaches the Hub run `hf download {id_or_path} --local-dir "
             "DIR`, copy DIR here and pass --text_encoder DIR"
         ) from None
     config = getattr(config, "text_config", config)  # a whole CLIP model's: its text tower
@@ -220,7 +220,7 @@ def load_text_encoder(id_or_path):
         model = _encoder_class(config.model_type, id_or_path).from_pretrained(where, subfolder=subfolder or "")
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_where, subfolder=tokenizer_subfolder or "")
     except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"--text_encoder {id_or_path}: cannot load it ({latents._first_line(e, 200)}); check its files") from None
+        raise ConfigError(f"--text_encoder {id_or_path}: cannot load it ({first_line(e, 200)}); check its files") from None
     model.eval().requires_grad_(False)
     return TextEncoder(tokenizer, model, encoder_settings(id_or_path)[1], str(id_or_path))
 
@@ -230,7 +230,7 @@ def encoder_identity(encoder):
     vocab = json.dumps(sorted(encoder.tokenizer.get_vocab().items()))
     return dict(
         cls=type(encoder.model).__name__,
-        weights_sha256=latents._hash_tensors(sorted(encoder.model.state_dict().items())),
+        weights_sha256=latents.hash_tensors(sorted(encoder.model.state_dict().items())),
         tokenizer=type(encoder.tokenizer).__name__.removesuffix("Fast"),
         vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest(),
         max_length=encoder.max_length,
@@ -354,7 +354,7 @@ class Draws:
     def batch(self, indices, epoch, device):
         """The Words of the images at (host) `indices` in `epoch`, on `device`."""
         rows = self.choices[indices]
-        keys = latents._draw_keys(self.seed ^ DRAW_SALT, epoch, indices)
+        keys = latents.draw_keys(self.seed ^ DRAW_SALT, epoch, indices)
         pick = keys.remainder((rows >= 0).sum(1))
         return self.table.rows(rows.gather(1, pick.unsqueeze(1)).squeeze(1), device)
 
@@ -370,10 +370,10 @@ def cached_embeddings(encoder, captions, root=None, device=None, log=print):
     writing one piece leave one whole file."""
     key = dict(encoder=encoder_identity(encoder), captions=hashlib.sha256("\n".join(captions).encode()).hexdigest(),
                count=len(captions))  # fmt: skip
-    folder = latents.cache_root(root) / f"text-{latents._key_hash(key)[:32]}"
+    folder = latents.cache_root(root) / f"text-{latents.key_hash(key)[:32]}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
-    rank, world = latents._world()
+    rank, world = latents.rank_and_world()
     starts = range(0, len(captions), PIECE)
     names = [f"piece-{start:09d}.pt" for start in starts]
 

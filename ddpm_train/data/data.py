@@ -36,7 +36,7 @@ from torchvision.transforms import v2 as T
 
 from ddpm_train.data import captions
 from ddpm_train import sizes
-from ddpm_train.errors import ConfigError
+from ddpm_train.errors import ConfigError, first_line
 
 try:  # HEIC and HEIF, an iPhone's photos: pillow-heif's opener for PIL (requirements.txt), which turns them upright
     from pillow_heif import register_heif_opener
@@ -533,9 +533,8 @@ def _load_hub(name, config, split):
     try:
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # offline, unknown id, bad split, gated: all reported the same way
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"could not load dataset '{name}' from the Hugging Face Hub ({reason[:200]}); "
+            f"could not load dataset '{name}' from the Hugging Face Hub ({first_line(e, 200)}); "
             "check the id and the network, or train on the built-in dataset (leave out --dataset) "
             "or on a local folder (--dataset PATH)"
         ) from None

@@ -1,6 +1,6 @@
 """Latent diffusion's data: a VAE, the dataset encoded once to latents and cached, normalised draws.
 
-The core of issue 34, on its own: train.py, data.py and sample.py call it. The API:
+train.py, data.py and sample.py call it. The API:
 
     load_vae(id_or_path, subfolder=None) -> vae
         A diffusers AutoencoderKL, or AutoencoderTiny where that is what the folder holds (config.json's
@@ -71,7 +71,7 @@ The array is (N, F, K, C, h, w) float32: F orientations (1, or 2 with flips: [or
 where a run resumed: a resumed run draws bit-identical latents. A batch is drawn at once: its rows read
 with one fancy index (ascending, for a memory map), its orientations and noise from a counter-based
 generator in vectorised int64 ops (splitmix64 streams keyed by (seed, e, i), Box-Muller on 24-bit
-uniforms: normals to 5.77 sigma), not a torch.Generator an image (`_draw_keys`, `_words`, `_normals`).
+uniforms: normals to 5.77 sigma), not a torch.Generator an image (`draw_keys`, `_words`, `_normals`).
 
 The key and where the cache lives. The key (`cache_key`) is the dataset's identity as the caller
 gives it, the VAE's identity, the image size, the crop and the flips, with this file's FORMAT. The
@@ -98,7 +98,7 @@ starts again (after a kill, a preemption, a failure) reuses those that lie in it
 same bits (pieces begin where decode batches do). The folder goes when the cache is published (renamed aside, then
 removed); the pieces of another key (a dataset changed since) stay, named in one line by each encode, for the user
 to remove. Encodes of one key at once (runs of a sweep started together) share the pieces: each claims a piece before
-it encodes it (_Claims), skips the pieces others hold and links them once complete; a one-process encode whose key
+it encodes it (Claims), skips the pieces others hold and links them once complete; a one-process encode whose key
 another publishes meanwhile stops and reads that cache.
 A valid published cache is never deleted: a process that finds the final folder there when it
 publishes reads it, and where it is a valid cache of the key (another run encoded it at the same time)
@@ -161,7 +161,7 @@ import numpy as np
 import torch
 
 from ddpm_train import sizes
-from ddpm_train.errors import ConfigError
+from ddpm_train.errors import ConfigError, first_line
 
 FORMAT = 1  # raise when what a cache holds, or how, changes
 PROJECT = "ddpm-train"
@@ -210,7 +210,7 @@ def _from_pretrained(class_name, source, subfolder):
     try:
         vae = getattr(diffusers, class_name).from_pretrained(source, subfolder=subfolder)
     except (OSError, ValueError, RuntimeError) as e:
-        reason = _first_line(e, 200)
+        reason = first_line(e, 200)
         where = f"{source}/{subfolder}" if subfolder else source
         raise ConfigError(f"--vae {where}: cannot load the {class_name} ({reason}); check its weights") from None
     vae.eval().requires_grad_(False)
@@ -260,14 +260,9 @@ def _hub_config(repo_id, subfolder, local_only=False):
     except EntryNotFoundError:
         return None
     except Exception as e:  # a network error, a gated repo...
-        raise _Unreachable(_first_line(e)) from None
+        raise _Unreachable(first_line(e)) from None
     finally:
         hub_logger.setLevel(level)
-
-
-def _first_line(e, limit=160):
-    text = str(e).strip()
-    return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
 def locate_vae(id_or_path, subfolder=None):
@@ -384,7 +379,7 @@ def latent_size(image_size, factor):
     return sizes.divided(image_size, factor)
 
 
-def _hash_tensors(named):
+def hash_tensors(named):
     h = hashlib.sha256()
     for name, t in named:
         t = t.detach().to("cpu").contiguous()
@@ -403,7 +398,7 @@ def vae_identity(vae):
         cls=type(vae).__name__,
         config=config,
         dtype=str(next(vae.parameters()).dtype).removeprefix("torch."),
-        encoder_sha256=_hash_tensors(sorted(named, key=lambda x: x[0])),
+        encoder_sha256=hash_tensors(sorted(named, key=lambda x: x[0])),
     )
 
 
@@ -423,7 +418,7 @@ def cache_key(dataset, vae, image_size, center_crop=True, flips=True):
     )
 
 
-def _key_hash(key):
+def key_hash(key):
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -438,7 +433,7 @@ def cache_root(root=None):
 
 
 def cache_folder(key, root=None):
-    return cache_root(root) / _key_hash(key)[:32]
+    return cache_root(root) / key_hash(key)[:32]
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -483,7 +478,7 @@ def _host():
         return socket.gethostname()
 
 
-def _temporary(final, host=None, pid=None, token=None):
+def temporary(final, host=None, pid=None, token=None):
     """A hidden folder beside `final`: .NAME.tmp-HOST-PID-TOKEN, HOST (_host) and PID those of the process that owns it."""
     host = _host() if host is None else host
     pid = os.getpid() if pid is None else pid
@@ -632,7 +627,7 @@ def _partial(final):
 def _remove_pieces(partial):
     """The pieces of a published cache, no longer needed: renamed aside first, so that an encode beside this one
     sees them all or none (a piece gone from a folder still there it would encode again), then removed."""
-    aside = _temporary(partial)
+    aside = temporary(partial)
     try:
         os.rename(partial, aside)
     except OSError:
@@ -738,7 +733,7 @@ CLAIM_STALE_S = 120.0
 CLAIM_POLL_S = 0.5  # how often an encode that waits for other encodes' pieces looks for them
 
 
-class _Claims:
+class Claims:
     """The pieces this encode has claimed in `partial`, touched every CLAIM_BEAT_S until `close`, which releases them."""
 
     def __init__(self, partial):
@@ -814,7 +809,7 @@ def _encode_share(vae, images, start, stop, key, tmp, partial, progress, publish
     else:
         todo = [(None, None)]
     pieces, began = [], time.perf_counter()
-    claims = _Claims(partial) if partial is not None else None
+    claims = Claims(partial) if partial is not None else None
     try:
         with tqdm(
             total=stop - start if partial is not None else stop, desc="encoding latents", unit="img",
@@ -943,7 +938,7 @@ def _publish(tmp, final, key, max_gib):
         existing = _read(final, key, max_gib)
         if existing is not None:
             return existing, False  # another process's valid cache of this key: keep it, never delete it
-        aside = _temporary(final)
+        aside = temporary(final)
         try:
             os.rename(final, aside)  # an invalid folder: out of the way, atomically
         except OSError:
@@ -961,7 +956,7 @@ def _publish(tmp, final, key, max_gib):
     )
 
 
-def _world():
+def rank_and_world():
     """(rank, world size) of the torch.distributed process group, (0, 1) without one."""
     import torch.distributed as dist
 
@@ -1006,7 +1001,7 @@ def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_im
     """The LatentCache of `key`: read if it is there, else `images` encoded and cached (module doc). With a
     torch.distributed process group of several processes every process encodes its share (`images(start,
     stop)`, `num_images` items in all) and each cache folder is assembled once."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     if world > 1 or _takes_range(images):
         _check_images(images, num_images, world)
     final = cache_folder(key, root)
@@ -1025,7 +1020,7 @@ def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_im
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(final)
     _others_pieces(final, log)
-    tmp = _temporary(final)
+    tmp = temporary(final)
     tmp.mkdir()
     _IN_PROGRESS.add(str(tmp))
     partial = _partial(final) if _takes_range(images) else None
@@ -1104,7 +1099,7 @@ def in_every_folder(folder, names, make, what):
     every process (that one with its error). Returns what `make` returned here."""
     import torch.distributed as dist
 
-    rank, world = _world()
+    rank, world = rank_and_world()
     group = dist.new_group(backend="gloo", timeout=ENCODE_WAIT)
     try:
         outcome, failure, made = dict(rank=rank), None, None
@@ -1183,7 +1178,7 @@ def _assemble(tmp, everyone):
 
 
 def _error(e):
-    return "ConfigError" if isinstance(e, ConfigError) else type(e).__name__, _first_line(e, 300)
+    return "ConfigError" if isinstance(e, ConfigError) else type(e).__name__, first_line(e, 300)
 
 
 def _raise_failed(everyone, failure, what):
@@ -1212,7 +1207,7 @@ def _encode_shared(vae, images, key, final, rank, world, max_gib, device, num_im
     try:
         people, leaders = _folders(final, rank, world, group)
         token, leader = people[0][2], leaders[rank]
-        tmp = _temporary(final, *people[leader][:2], token)  # named for its leader: whose death makes it a leftover
+        tmp = temporary(final, *people[leader][:2], token)  # named for its leader: whose death makes it a leftover
         tmp.mkdir(exist_ok=True)
         _IN_PROGRESS.add(str(tmp))
         try:
@@ -1334,7 +1329,7 @@ def _mix_int(x):
     return x ^ (x >> 31)
 
 
-def _draw_keys(seed, epoch, indices):
+def draw_keys(seed, epoch, indices):
     """(B,) int64: each image's key, a function of (seed, epoch, index) alone."""
     base = _mix_int(_mix_int(int(seed) + _GOLDEN) + int(epoch) * _GOLDEN)
     return _mix(torch.as_tensor(indices, dtype=torch.int64) * _signed(_GOLDEN) + _signed(base))
@@ -1381,9 +1376,9 @@ class LatentCache:
     def draw(self, indices, epoch, seed):
         """Raw latents (B, C, h, w) of images `indices` for `epoch`: an orientation and the posterior noise each
         drawn from (seed, epoch, index) alone, the whole batch at once: its rows read with one fancy index (in
-        ascending order, for a memory map), its random numbers from a counter-based generator (_draw_keys)."""
+        ascending order, for a memory map), its random numbers from a counter-based generator (draw_keys)."""
         indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
-        keys = _draw_keys(seed, epoch, indices)
+        keys = draw_keys(seed, epoch, indices)
         size = math.prod(self.array.shape[3:])  # C x h x w
         # word 0 of each stream picks the orientation, words 1... the noise
         words = _words(keys, 1 + (-(-size // 2) if self.stochastic else 0))

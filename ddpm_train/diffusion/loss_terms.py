@@ -1,4 +1,4 @@
-"""The --loss_terms flag: extra terms of the objective from issue 66's methods, what each is, where it applies,
+"""The --loss_terms flag: extra terms of the objective (representation and coupling methods), what each is, where it applies,
 and the terms that read a block's output.
 
     --loss_terms dispersive:0.25,layersync:0.2,deltafm:0.05,immiscible:64   (none: the objective alone)
@@ -113,7 +113,7 @@ def check(terms, objective, family, batch_size, routed=False):
 
 
 def attach(objective, network, family, terms):
-    """`objective` (model.Objective) with `terms` (parse's) added, returned: immiscible's noise draws, deltafm's
+    """`objective` (objectives.Objective) with `terms` (parse's) added, returned: immiscible's noise draws, deltafm's
     contrast (a FlowObjective's) and the readers of dispersive and layersync on the blocks of `network` (the bare
     network as built) that its `family` (model.Family) names. Call it once, where the objective is built."""
     rule = {"dispersive": family.middle_block, "layersync": family.sync_blocks}

@@ -576,8 +576,8 @@ class FlowObjective(Objective):
     sampler's schedule is. Drawn on x0's device, so the step needs no host sync.
 
     `c_noise`: the network takes an EDM2 network's c_noise = logit(σ)/4 instead of t = 1000 σ
-    (flow_timestep). It is takes_c_noise(network) of the bare network, decided when the objective
-    is built, not from the wrapper the step calls the network through.
+    (flow_timestep). It is the bare network's family's time input (model.Family.time_input), decided when the
+    objective is built, not from the wrapper the step calls the network through.
     """
 
     name, words, tag = "flow", "flow matching (rectified flow, as SiT and SD3)", "flow-matching"
@@ -710,7 +710,7 @@ FLOW_SIGMA_EDGE = 1e-4
 
 def flow_timestep(sigma, c_noise=False):
     """What a network takes for a flow noise level σ: t = 1000 σ, as FlowMatchEulerDiscreteScheduler gives a
-    UNet2DModel or a DiT; with `c_noise` (an EDM2 network, takes_c_noise), c_noise = logit(σ) / 4."""
+    UNet2DModel or a DiT; with `c_noise` (an EDM2 network's time input), c_noise = logit(σ) / 4."""
     if c_noise:
         sigma = sigma.clamp(FLOW_SIGMA_EDGE, 1 - FLOW_SIGMA_EDGE)
         return (sigma / (1 - sigma)).log() / 4

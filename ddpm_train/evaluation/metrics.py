@@ -228,7 +228,7 @@ class Reference:
     def save(self, path):
         """Written whole or not at all, also when two runs write the same file at once (a file each, renamed)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = latents._temporary(path)
+        tmp = latents.temporary(path)
         try:
             torch.save(dict(key=self.key, fid_state=self.fid_state, kid_features=self.kid_features), tmp)
             os.replace(tmp, path)
@@ -433,7 +433,7 @@ def found_reference(folder, key, log=print):
 def claimed_reference(folder, key, log=print):
     """found_reference's statistics, else this run's claim to make them: (reference, None), or (None, claims) where
     it makes them (claims.close() once they are kept, or on failure). Runs started together on new images (a sweep)
-    make them once: a run that finds another live run's claim (latents._Claims, in the shared cache) waits for its
+    make them once: a run that finds another live run's claim (latents.Claims, in the shared cache) waits for its
     statistics, and makes them itself if that run dies."""
     shared, claims, said = shared_reference_path(key), None, False
     while True:
@@ -449,7 +449,7 @@ def claimed_reference(folder, key, log=print):
                 shared.parent.mkdir(parents=True, exist_ok=True)
             except OSError:
                 return None, None  # an unwritable shared folder (kept_reference warns): nothing to share
-            claims = latents._Claims(shared.parent)
+            claims = latents.Claims(shared.parent)
         if claims.take(shared.name):
             if not claims.held:
                 return None, claims  # a folder that takes no claims
@@ -467,7 +467,7 @@ def _run_file(folder):
 def _linked_or_saved(reference, source, path):
     """`reference` (read from the file `source`) at `path`: a hard link to `source` (no second ~110 MB on disk for
     each run of a sweep; it stays when the shared cache is cleared), else a copy (another filesystem)."""
-    tmp = latents._temporary(path)
+    tmp = latents.temporary(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(source, tmp)

@@ -1,4 +1,4 @@
-"""Model presets, the noise schedule and the DDPM training loss.
+"""The network families (model.FAMILIES: how each builds, loads, compiles and is read by the loss terms) and presets.
 
 The DDPM presets are diffusers `UNet2DModel`s, so a trained run loads with
 `DDPMPipeline.from_pretrained(output_dir)`; the EDM2 presets (family `edm2`)
@@ -263,7 +263,7 @@ class CompileCosts(NamedTuple):
     graph_mfu: float
     graph_floor_s: float
     # On a CPU, which has no peak in flops.py, the eager step's rate on a 2-core CPU takes the place of
-    # peak * MFU (issue 47's DiT-S/2 figures; the bare run's `small`), and compiling saves cpu_saved_share
+    # peak * MFU (DiT-S/2's measured there; the bare run's `small`), and compiling saves cpu_saved_share
     # of it. A UNet's is 0: compiling `tiny` made its step slower in the sweep, so its compile never pays.
     cpu_eager_flops: float
     cpu_saved_share: float

@@ -53,7 +53,7 @@ RUN_IDENTITY = (
     # a latent run's latent space: the network's inputs and outputs are latents of this encoder (its weights'
     # hash, not the --vae text), normalised so (latents.latent_space; None for a run on pixels)
     "latent_space",
-    # a flow run's σ distribution (model.flow_sigma_distribution: uniform or logit-normal(m, s); None for
+    # a flow run's σ distribution (objectives.sigma_distribution: uniform or logit-normal(m, s); None for
     # other objectives, whose --timestep_sampling and --P_mean_std may change): what the network was
     # taught where; its shift is in --objective
     "flow_sigmas",
@@ -64,7 +64,7 @@ RUN_IDENTITY = (
 DERIVED_IDENTITY = {"num_processes": None, "num_classes": 0, "latent_space": None, "flow_sigmas": None, "text_dim": None,
                     "image_channels": 3, "image_bits": 8}  # fmt: skip
 
-# Identity keys that came with latent runs (issue 34): a run that did not record them trained on pixels,
+# Identity keys that came with latent runs: a run that did not record them trained on pixels,
 # or is a latent run of before latent_space, whose train_config.json's latents record gives it.
 PIXEL_RUN = {"latent_space": None}
 

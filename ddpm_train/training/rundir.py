@@ -40,7 +40,7 @@ def find_run_folder(path):
 def kept_ema(config):
     """Whether a run with train_config.json `config` kept an EMA of its weights (True when unknown): its
     --ema is not none; a run of before --ema none wrote its --use_ema flag beside an `ema` that named the
-    kind only, and config.resolve of before issue 37 wrote use_ema too: where there is one, it decides."""
+    kind only, and an older config.resolve wrote use_ema too: where there is one, it decides."""
     config = config or {}
     if config.get("use_ema") is not None:
         return bool(config["use_ema"])

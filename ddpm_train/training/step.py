@@ -26,7 +26,7 @@ class TrainStep:
 
     `net` is what computes the network (the compiled one, or `model`);
     `model` is the module the optimizer holds, its parameters the ones the EMA
-    follows. `objective.terms(net, x0)` draws its own noise on the device (model.Objective).
+    follows. `objective.terms(net, x0)` draws its own noise on the device (objectives.Objective).
     With an `accelerator`, it accumulates gradients, scales fp16 losses and
     syncs DDP; without one (`python -m bench`), `autocast` gives the precision.
     `mark(phase)` is called at each phase boundary (train.py's Breakdown).
