@@ -27,11 +27,11 @@ copies.png in --output, the most copy-like samples each beside its nearest
 training image (copies.py, docs/copies.md).
 
 The samplers are diffusers schedulers built from the training schedule
-(`objectives.make_scheduler`); train.py uses the same ones for its grids and FID. A run
+(`samplers.make_scheduler`); train.py uses the same ones for its grids and FID. A run
 whose train_config.json says "objective": "edm" samples with EDM's
-Heun sampler instead (`objectives.edm_heun_sample`, 18 steps by default), stochastic
+Heun sampler instead (`samplers.edm_heun_sample`, 18 steps by default), stochastic
 (`--churn`, EDM's S_churn; 0 for the deterministic one). A flow run samples with
-Euler (its default), Heun or SiT's Euler-Maruyama SDE sampler (`objectives.make_flow_sampler`).
+Euler (its default), Heun or SiT's Euler-Maruyama SDE sampler (`samplers.make_flow_sampler`).
 Every sampler takes classifier-free guidance and autoguidance through
 `sampling.Guided`, which combines the network's outputs (docs/conditional.md).
 """
@@ -57,6 +57,7 @@ from ddpm_train.data import data
 from ddpm_train.evaluation import metrics
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 from ddpm_train.evaluation import sampling
 from ddpm_train import sizes
 from ddpm_train.errors import ConfigError, OneLineParser, one_line_errors
@@ -85,7 +86,7 @@ def parse_args(argv=None):
         help=f"diffusers scheduler that samples a DDPM run (default: {ddpm.default_sampler}) or a flow run (default: "
              f"{flow.default_sampler}; {', '.join(flow.samplers)}); an EDM run always samples with EDM's Heun sampler",
     )  # fmt: skip
-    p.add_argument("--churn", type=float, default=objectives.EDM_CHURN, help=objectives.CHURN_HELP)
+    p.add_argument("--churn", type=float, default=samplers.EDM_CHURN, help=samplers.CHURN_HELP)
     p.add_argument(
         "--num_inference_steps", type=int, default=None,
         help=f"sampling steps (default: {ddpm.default_steps}; an EDM run {edm.default_steps} Heun steps, {2 * edm.default_steps - 1} evaluations)",

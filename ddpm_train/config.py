@@ -47,6 +47,7 @@ from ddpm_train.diffusion import loss_terms
 from ddpm_train.evaluation import metrics
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 from ddpm_train.evaluation import sampling
 from ddpm_train import sizes
 from ddpm_train.errors import ConfigError, OneLineParser
@@ -450,7 +451,7 @@ def build_parser(prog="train.py", source=""):
     flag(o, "sampler", f"sampler for the grids and FID: DDPM's {', '.join(ddpm.samplers)} (default: "
          f"{ddpm.default_sampler}); flow's {', '.join(flow.samplers)} (default: {flow.default_sampler})",
          choices=ddpm.samplers + flow.samplers)  # fmt: skip
-    flag(o, "churn", objectives.CHURN_HELP, objectives.EDM_CHURN, type=non_negative)
+    flag(o, "churn", samplers.CHURN_HELP, samplers.EDM_CHURN, type=non_negative)
     flag(o, "num_inference_steps", f"sampling steps for the grids and FID (default: {ddpm.default_steps}; "
          f"{objectives.EDMObjective.default_steps} for EDM's Heun sampler, {2 * objectives.EDMObjective.default_steps - 1} "
          "network evaluations)",

@@ -1,4 +1,4 @@
-"""A loss term that reads a block's output (model.BlockOutputs) gets the same tensor, and trains the network the
+"""A loss term that reads a block's output (models.BlockOutputs) gets the same tensor, and trains the network the
 same way, whether the step calls the network eager, compiled whole or compiled block by block (Dynamo's eager
 backend, as in test_time_input.py: the graphs traced as Inductor's would be)."""
 
@@ -18,8 +18,8 @@ class WithMiddleBlock(objectives.FlowObjective):
 
     def __init__(self, network):
         super().__init__(c_noise=models.family_of(network).time_input == "c_noise")
-        self.middle = objectives.block_names(network)[len(objectives.block_names(network)) // 2]
-        self.blocks = objectives.BlockOutputs(network, [self.middle])
+        self.middle = models.block_names(network)[len(models.block_names(network)) // 2]
+        self.blocks = models.BlockOutputs(network, [self.middle])
 
     def terms(self, net, x0):
         terms = super().terms(net, x0)
@@ -42,7 +42,7 @@ def test_a_term_reads_a_blocks_output_alike_in_every_compile_scope(preset, monke
             torch.manual_seed(1)
             terms = objective.terms(net, torch.rand(2, network.config.in_channels, 16, 16) * 2 - 1)
         terms["middle"].backward()
-        first_block = dict(network.named_modules())[objectives.block_names(network)[0]]
+        first_block = dict(network.named_modules())[models.block_names(network)[0]]
         first = next(p for p in first_block.parameters() if p.grad is not None)  # before the middle block: reached
         results[scope] = terms["flow"].item(), terms["middle"].item(), first.grad.clone()
         assert not objective.blocks.outputs  # read once, nothing left over for the next call

@@ -8,6 +8,7 @@ import torch
 
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 import sample
 from ddpm_train.evaluation import sampling
 from ddpm_train.errors import ConfigError
@@ -24,7 +25,7 @@ def gaussian_denoiser(s):
 def test_karras_sigmas_follow_eq_5_and_match_diffusers():
     from diffusers import EDMEulerScheduler
 
-    sigmas = objectives.karras_sigmas(18)
+    sigmas = samplers.karras_sigmas(18)
     assert len(sigmas) == 19 and sigmas[-1] == 0
     assert sigmas[0].item() == pytest.approx(80) and sigmas[17].item() == pytest.approx(0.002)
     i = 5  # one entry by hand: (80^(1/7) + 5/17 (0.002^(1/7) - 80^(1/7)))^7
@@ -44,12 +45,12 @@ def test_heun_turns_noise_into_gaussian_data_with_the_right_std_and_beats_euler(
     noise = torch.randn(20000, 1, 1, 1, generator=torch.Generator().manual_seed(0))
 
     def std_error(num_steps, euler=False):
-        x = objectives.heun_sample(gaussian_denoiser(s), noise, objectives.karras_sigmas(num_steps), euler)
+        x = samplers.heun_sample(gaussian_denoiser(s), noise, samplers.karras_sigmas(num_steps), euler)
         return x.std().item() / (s * noise.std().item()) - 1  # relative to this noise's own std: no sampling error
 
     heun, euler = std_error(18), std_error(18, euler=True)
     assert abs(heun) < 0.07
-    heun_samples = objectives.heun_sample(gaussian_denoiser(s), noise, objectives.karras_sigmas(18))
+    heun_samples = samplers.heun_sample(gaussian_denoiser(s), noise, samplers.karras_sigmas(18))
     assert heun_samples.std().item() == pytest.approx(s, rel=0.07)
     assert abs(heun) < abs(euler) / 2, (heun, euler)
     assert abs(std_error(36)) < abs(heun) / 3  # second order: halving the step quarters the error
@@ -66,7 +67,7 @@ def test_stochastic_heun_forgets_a_wrong_start_and_each_image_has_its_own_noise(
 
     def run(churn, seeds):
         generators = [torch.Generator().manual_seed(k) for k in seeds]
-        return objectives.heun_sample(gaussian_denoiser(s), noise[: len(seeds)], objectives.karras_sigmas(36), churn=churn,
+        return samplers.heun_sample(gaussian_denoiser(s), noise[: len(seeds)], samplers.karras_sigmas(36), churn=churn,
                                   generators=generators)  # fmt: skip
 
     seeds = range(100, 4100)
@@ -84,7 +85,7 @@ def test_heun_costs_2n_minus_1_evaluations():
         calls.append(sigma)
         return x * 0
 
-    objectives.heun_sample(denoise, torch.randn(2, 3, 4, 4), objectives.karras_sigmas(18))
+    samplers.heun_sample(denoise, torch.randn(2, 3, 4, 4), samplers.karras_sigmas(18))
     assert len(calls) == 35 and min(calls) > 0  # the last step (to σ = 0) is Euler's: D is never asked at σ = 0
 
 
@@ -109,7 +110,7 @@ def test_preconditioning_matches_edm_table_1():
     x, F_x = torch.randn(3, 3, 4, 4, generator=g), torch.randn(3, 3, 4, 4, generator=g)
     sigma = torch.tensor([0.01, 0.5, 20.0])
     net = Recorder(F_x)
-    D = objectives.edm_precondition(net, x, sigma, sigma_data=0.5, c_noise_scale=1.0)
+    D = samplers.edm_precondition(net, x, sigma, sigma_data=0.5, c_noise_scale=1.0)
     for i, s in enumerate(sigma.tolist()):  # by hand, in float64
         c_skip = 0.25 / (s * s + 0.25)
         c_out = s * 0.5 / math.sqrt(s * s + 0.25)
@@ -117,7 +118,7 @@ def test_preconditioning_matches_edm_table_1():
         torch.testing.assert_close(net.x[i], (c_in * x[i].double()).float())
         torch.testing.assert_close(D[i], (c_skip * x[i].double() + c_out * F_x[i].double()).float())
         assert net.t[i].item() == pytest.approx(math.log(s) / 4)
-    objectives.edm_precondition(net, x, 0.5, c_noise_scale=400.0)  # a number: one σ for all
+    samplers.edm_precondition(net, x, 0.5, c_noise_scale=400.0)  # a number: one σ for all
     torch.testing.assert_close(net.t, torch.full((3,), 400 * math.log(0.5) / 4))
 
 
@@ -228,7 +229,7 @@ def test_tiny_unet_trains_with_the_objective_and_samples_with_heun():
     torch.testing.assert_close(again.logvar(torch.tensor([0.5])), objective.logvar(torch.tensor([0.5])))
 
     unet.eval()
-    images = objectives.edm_heun_sample(unet, (2, 3, 16, 16), num_steps=3, generator=torch.Generator().manual_seed(0),
+    images = samplers.edm_heun_sample(unet, (2, 3, 16, 16), num_steps=3, generator=torch.Generator().manual_seed(0),
                                         c_noise_scale=objectives.UNET_C_NOISE_SCALE)  # fmt: skip
     assert images.shape == (2, 3, 16, 16) and images.min() >= -1 and images.max() <= 1
     assert images.std() > 0.01

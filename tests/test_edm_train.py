@@ -12,6 +12,7 @@ from ddpm_train import config
 from ddpm_train.training import ema as posthoc_ema
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 import sample
 import train
 from conftest import ROOT
@@ -51,7 +52,7 @@ def test_an_edm2_run_writes_grids_checkpoints_and_a_network_that_sample_py_and_e
     assert not any("logvar" in k for k in load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors")))
 
     result = sample.main(sample.parse_args([str(out), "--num_images", "2", "--output", str(tmp_path / "gen")]))
-    assert result["sampler"] == objectives.EDMHeunSampler(churn=objectives.EDM_CHURN).name
+    assert result["sampler"] == samplers.EDMHeunSampler(churn=samplers.EDM_CHURN).name
     assert result["num_inference_steps"] == objectives.EDMObjective.default_steps
     assert (tmp_path / "gen" / "grid.png").is_file()
     # EDM's stochastic sampler: other images than the ODE's from the same noise, each image its own noise

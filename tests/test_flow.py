@@ -12,6 +12,7 @@ from PIL import Image
 from ddpm_train import config
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 from ddpm_train.training import resume as rules
 import sample
 from ddpm_train.evaluation import sampling
@@ -81,7 +82,7 @@ class PointVelocity(torch.nn.Module):
 @pytest.mark.parametrize("shift", [1.0, 3.0])
 def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
-    scheduler = objectives.make_flow_sampler(name, objectives.make_flow_scheduler(shift).config)
+    scheduler = samplers.make_flow_sampler(name, objectives.make_flow_scheduler(shift).config)
     images = sampling.generate(PointVelocity(c), scheduler, [0, 1], 5)
     assert (images.float() - sampling.to_pixels(c[None]).float()).abs().max() <= 1
 
@@ -89,7 +90,7 @@ def test_the_flow_samplers_solve_a_straight_ode_exactly(name, shift):
 def euler_maruyama_ends(c, seeds, steps, shift=1.0):
     """The float samples (before uint8) of SiT's Euler-Maruyama on PointVelocity(c), through sampling.generate."""
     ends = []
-    scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler(shift).config)
+    scheduler = samplers.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler(shift).config)
     sampling.generate(PointVelocity(c), scheduler, seeds, steps, decode=lambda x: ends.append(x) or x)
     return ends[0]
 
@@ -103,14 +104,14 @@ def test_euler_maruyama_lands_near_the_one_image_as_steps_grow(shift):
     c = torch.linspace(-0.9, 0.9, 3 * 8 * 8).view(3, 8, 8)
     seeds = list(range(16))
     rms = {n: (euler_maruyama_ends(c, seeds, n, shift) - c).pow(2).mean().sqrt().item() for n in (3, 10, 200)}
-    last = objectives.shift_sigmas(objectives.SDE_LAST_STEP_SIZE, shift)
+    last = samplers.shift_sigmas(samplers.SDE_LAST_STEP_SIZE, shift)
     assert rms[3] > rms[10] > rms[200] and rms[200] == pytest.approx(last, rel=0.15), rms
     error = (euler_maruyama_ends(c, seeds, 200, shift) - c).flatten()
     start = torch.stack([torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(s)) for s in seeds]).flatten()
     assert abs(torch.corrcoef(torch.stack([error, start]))[0, 1].item()) < 0.2
-    scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler(shift).config)
+    scheduler = samplers.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler(shift).config)
     scheduler.set_timesteps(5)  # SiT's grid 1, 0.76, 0.52, 0.28, 0.04, shifted as Euler's and training's σ
-    grid = objectives.shift_sigmas(torch.tensor([1.0, 0.76, 0.52, 0.28, 0.04]), shift)
+    grid = samplers.shift_sigmas(torch.tensor([1.0, 0.76, 0.52, 0.28, 0.04]), shift)
     assert torch.allclose(scheduler.timesteps, 1000 * grid) and scheduler.sigmas[-1] == 0
 
 
@@ -118,7 +119,7 @@ def test_euler_maruyama_draws_its_noise_from_the_seeds():
     """Same seeds, same images; other seeds, other images; image i's noise (the start and every step's)
     from its own seed, whatever else is in the batch."""
     c = torch.linspace(-0.9, 0.9, 3 * 4 * 4).view(3, 4, 4)
-    scheduler = objectives.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler().config)
+    scheduler = samplers.make_flow_sampler("euler_maruyama", objectives.make_flow_scheduler().config)
     images = sampling.generate(PointVelocity(c), scheduler, [0, 1, 2], 4)
     assert torch.equal(images, sampling.generate(PointVelocity(c), scheduler, [0, 1, 2], 4))
     assert not torch.equal(images, sampling.generate(PointVelocity(c), scheduler, [3, 4, 5], 4))
@@ -174,7 +175,7 @@ def test_a_flow_run_saves_a_pipeline_that_diffusers_samples_as_train_py_does(flo
     seeds = [5, 6, 7]
     theirs = pipeline(batch_size=3, generator=[torch.Generator().manual_seed(s) for s in seeds], num_inference_steps=6,
                       output_type="np").images  # fmt: skip
-    scheduler = objectives.make_flow_sampler("euler", pipeline.scheduler.config)
+    scheduler = samplers.make_flow_sampler("euler", pipeline.scheduler.config)
     ours = sampling.generate(pipeline.unet, scheduler, seeds, 6).permute(0, 2, 3, 1).numpy()
     assert np.abs(np.round(theirs * 255) - ours.astype(np.float64)).max() <= 1
     assert ours.std() > 5  # images, not a constant

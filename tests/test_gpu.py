@@ -81,7 +81,7 @@ def assert_terms_train_alike_captured(graph_mode, objective_of, varying):
 
 @pytest.mark.parametrize("graph_mode", ["step-graph", "eager-graph"])
 def test_a_term_on_a_blocks_output_trains_alike_under_a_cuda_graph(graph_mode):
-    """model.BlockOutputs under a captured step: the middle block's term (test_block_outputs) replays with the
+    """models.BlockOutputs under a captured step: the middle block's term (test_block_outputs) replays with the
     rest of the step, and the loss, the term and the weights follow the eager step's."""
     from test_block_outputs import WithMiddleBlock
 

@@ -15,6 +15,7 @@ import torch
 from ddpm_train.data import latents
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 import sample
 from ddpm_train.evaluation import sampling
 from test_edm_train import same
@@ -49,7 +50,7 @@ class GaussianDenoiser(torch.nn.Module):
 
 
 def denoise(net, x, sigma):
-    return objectives.edm_precondition(net, x, sigma).double()
+    return samplers.edm_precondition(net, x, sigma).double()
 
 
 @pytest.mark.parametrize("w", [0.0, 1.0, 2.5])
@@ -79,7 +80,7 @@ def test_autoguidance_pulls_samples_away_from_the_guide():
     seeds = list(range(8))
     spread = {}
     for w in (1.0, 2.0):
-        images = sampling.generate(main, objectives.EDMHeunSampler(), seeds, 32, guidance_scale=w, guide=guide)
+        images = sampling.generate(main, samplers.EDMHeunSampler(), seeds, 32, guidance_scale=w, guide=guide)
         spread[w] = (images.float() / 127.5 - 1).std().item()
     assert abs(spread[1.0] - 0.5) < 0.05, spread
     assert spread[2.0] < spread[1.0] - 0.05, spread
@@ -94,7 +95,7 @@ def test_ddpm_guidance_one_is_the_conditional_model_and_zero_the_unconditional()
     unet, seeds = tiny_conditional_unet(), [1, 2, 3, 4]
     labels = torch.tensor([0, 1, 2, 0])
     null = torch.full_like(labels, models.null_label(3))
-    scheduler = objectives.make_scheduler("ddim", objectives.make_noise_scheduler().config)
+    scheduler = samplers.make_scheduler("ddim", objectives.make_noise_scheduler().config)
 
     def run(labels, w):
         return sampling.generate(unet, scheduler, seeds, 4, labels=labels, guidance_scale=w)

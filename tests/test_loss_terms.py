@@ -103,7 +103,7 @@ def test_where_each_term_applies_it_resolves_to_its_spelling():
 
 def test_each_family_names_its_middle_block_and_layersyncs_blocks_scaled_to_its_depth():
     family = lambda preset: models.family(preset)[0]  # noqa: E731
-    names = lambda preset: objectives.block_names(models.build_network(preset, 32))  # noqa: E731
+    names = lambda preset: models.block_names(models.build_network(preset, 32))  # noqa: E731
     assert family("small").middle_block(names("small")) == "mid_block.resnets.1"  # the mid-block's output
     assert family("edm2small").middle_block(names("edm2small")) == "dec.8x8_in1"
     dit = [f"transformer_blocks.{i}" for i in range(28)]

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from ddpm_train.training import checkpoint
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 from ddpm_train.training import rundir
 import sample
 from ddpm_train.evaluation import sampling
@@ -37,7 +38,7 @@ def training_config():
 
 @pytest.mark.parametrize("name", objectives.DDPMObjective.samplers)
 def test_each_sampler_gives_images_of_the_right_shape_and_range_deterministic_by_seed(name, tiny_unet, training_config):
-    scheduler = objectives.make_scheduler(name, training_config)
+    scheduler = samplers.make_scheduler(name, training_config)
     seeds = sampling.image_seeds(0, 3)
     images = sampling.generate(tiny_unet, scheduler, seeds, num_inference_steps=4)
     assert images.shape == (3, 3, 16, 16) and images.dtype == torch.uint8
@@ -55,7 +56,7 @@ def test_each_sampler_gives_images_of_the_right_shape_and_range_deterministic_by
 def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(training_config):
     """The configuration that keeps fast samplers from saturating on an under-trained model."""
     for name in objectives.DDPMObjective.samplers:
-        scheduler = objectives.make_scheduler(name, training_config)
+        scheduler = samplers.make_scheduler(name, training_config)
         clips = scheduler.config.get("clip_sample") or (
             scheduler.config.get("thresholding") and scheduler.config.sample_max_value == 1.0
         )
@@ -63,16 +64,16 @@ def test_samplers_clip_the_clean_image_estimate_and_start_from_pure_noise(traini
         scheduler.set_timesteps(25)
         if name != "ddpm":
             assert scheduler.timesteps[0] == training_config.num_train_timesteps - 1, name
-    assert objectives.make_scheduler("dpmsolver", training_config).config.algorithm_type == "dpmsolver++"
-    assert objectives.make_scheduler("dpmsolver_sde", training_config).config.algorithm_type == "sde-dpmsolver++"
+    assert samplers.make_scheduler("dpmsolver", training_config).config.algorithm_type == "dpmsolver++"
+    assert samplers.make_scheduler("dpmsolver_sde", training_config).config.algorithm_type == "sde-dpmsolver++"
 
 
 def test_the_sde_sampler_draws_fresh_noise_along_the_way(tiny_unet, training_config):
     """Same starting noise, same model: the SDE form ends elsewhere than the ODE form, because it
     adds noise at each step (that the noise follows the seeds: the parametrised test above)."""
     seeds = sampling.image_seeds(0, 2)
-    ode = sampling.generate(tiny_unet, objectives.make_scheduler("dpmsolver", training_config), seeds, 4)
-    sde = sampling.generate(tiny_unet, objectives.make_scheduler("dpmsolver_sde", training_config), seeds, 4)
+    ode = sampling.generate(tiny_unet, samplers.make_scheduler("dpmsolver", training_config), seeds, 4)
+    sde = sampling.generate(tiny_unet, samplers.make_scheduler("dpmsolver_sde", training_config), seeds, 4)
     assert (ode.int() - sde.int()).abs().float().mean() > 2
 
 
@@ -86,7 +87,7 @@ def test_sampling_scheduler_in_train_is_the_same(name):
     args = config.resolve(config.parse_args(["--model", "tiny", "--image_size", "16", "--objective", "ddpm", "--sampler", name,
                                              "--prediction_type", "v_prediction", "--beta_schedule", "linear"]))  # fmt: skip
     pieces = builder.build(args, total_steps=10)
-    expected = objectives.make_scheduler(name, pieces.noise_scheduler.config)
+    expected = samplers.make_scheduler(name, pieces.noise_scheduler.config)
     assert type(pieces.sampling_scheduler) is type(expected)
     assert dict(pieces.sampling_scheduler.config) == dict(expected.config)
     assert expected.config.prediction_type == "v_prediction" and expected.config.beta_schedule == "linear"

@@ -15,6 +15,7 @@ from ddpm_train.perf import compiling
 from ddpm_train import config
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 import sample
 from ddpm_train.evaluation import sampling
 from ddpm_train.training import step as steps
@@ -88,8 +89,8 @@ def sampled(network, recorder, scheduler):
         assert torch.equal(t, t[:1].expand_as(t))
         if not received or received[-1] != t[0]:
             received.append(t[0])
-    if isinstance(scheduler, objectives.EDMHeunSampler):
-        levels = objectives.karras_sigmas(SAMPLING_STEPS, scheduler.sigma_min, scheduler.sigma_max, scheduler.rho)[:-1]
+    if isinstance(scheduler, samplers.EDMHeunSampler):
+        levels = samplers.karras_sigmas(SAMPLING_STEPS, scheduler.sigma_min, scheduler.sigma_max, scheduler.rho)[:-1]
     elif objectives.sampled_by(scheduler) is objectives.FlowObjective:
         levels = scheduler.timesteps.double() / objectives.NUM_TRAIN_TIMESTEPS  # the samplers give t = 1000 σ
     else:

@@ -117,7 +117,7 @@ def attach(objective, network, family, terms):
     contrast (a FlowObjective's) and the readers of dispersive and layersync on the blocks of `network` (the bare
     network as built) that its `family` (model.Family) names. Call it once, where the objective is built."""
     rule = {"dispersive": family.middle_block, "layersync": family.sync_blocks}
-    names = objectives.block_names(network)
+    names = models.block_names(network)
     readers = []
     for name, value in terms.items():
         if name == "immiscible":
@@ -127,7 +127,7 @@ def attach(objective, network, family, terms):
         else:
             blocks = rule[name](names)
             blocks = (blocks,) if isinstance(blocks, str) else blocks
-            readers.append(BlockTerm(name, value, objectives.BlockOutputs(network, blocks), blocks))
+            readers.append(BlockTerm(name, value, models.BlockOutputs(network, blocks), blocks))
     objective.readers = tuple(readers)
     return objective
 

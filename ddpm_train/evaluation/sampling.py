@@ -14,6 +14,7 @@ from ddpm_train.data import latents
 from ddpm_train.networks import model as models
 from ddpm_train.training import rundir
 from ddpm_train.diffusion import objectives
+from ddpm_train.diffusion import samplers
 from ddpm_train import sizes
 from ddpm_train.errors import ConfigError
 
@@ -184,13 +185,13 @@ def generate(net, scheduler, seeds, num_inference_steps, autocast=contextlib.nul
              guidance_scale=1.0, guide=None, decode=None, bits=8):  # fmt: skip
     """uint8 images (len(seeds), C, S, S), uint16 with `bits` 16; image i starts from noise drawn with seed seeds[i].
 
-    `scheduler` is one of objectives.make_scheduler's, or an objectives.EDMHeunSampler for a network
+    `scheduler` is one of samplers.make_scheduler's, or an samplers.EDMHeunSampler for a network
     trained with the EDM objective (`objectives.make_sampler` picks by the run's objective).
     `labels`: image i's class (a conditional network); `guidance_scale` and
     `guide`: classifier-free guidance or autoguidance (Guided). `decode`: a latent
     run's latents -> images in [-1, 1] (RunDir.decoder: through its VAE).
     """
-    device = objectives.network_device(net)
+    device = samplers.network_device(net)
     table = getattr(net, "captions", None)  # a captioned run's: its labels are caption ids, looked up here
     kind = objectives.sampled_by(scheduler)  # each network called with its family's time input
     net = kind.timed(net, models.family_of(net).time_input)
@@ -198,8 +199,8 @@ def generate(net, scheduler, seeds, num_inference_steps, autocast=contextlib.nul
     labels = None if labels is None else table.rows(labels, device) if table is not None else torch.as_tensor(labels).to(device)
     net = guided_network(net, labels, guidance_scale, guide, table)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    x = objectives.image_noise(generators, image_shape(net), device)
-    if isinstance(scheduler, objectives.EDMHeunSampler):
+    x = samplers.image_noise(generators, image_shape(net), device)
+    if isinstance(scheduler, samplers.EDMHeunSampler):
         x = scheduler.sample(net, x, num_inference_steps, autocast, generators)
     else:
         scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep solver's history

@@ -377,6 +377,36 @@ def stand_in_captions(batch_size, text, device="meta"):
                                             torch.ones(batch_size, length, dtype=torch.bool, device=device)))  # fmt: skip
 
 
+# --- the repeated blocks that Muon, compiling and the loss terms read ---------------------------------------
+
+
+def block_names(network):
+    """The names of `network`'s repeated blocks (the classes its `_repeated_blocks` declares: a UNet's ResNet and
+    attention blocks, a DiT's transformer blocks, EDM2's blocks), in the order of the forward pass."""
+    kinds = tuple(getattr(network, "_repeated_blocks", None) or ())
+    return [name for name, module in network.named_modules() if type(module).__name__ in kinds]
+
+
+class BlockOutputs:
+    """The way a loss term reads a network's intermediate activations: the outputs of the blocks named (see
+    block_names), kept during each forward call by a forward hook on each block of the bare network, registered
+    once when the objective is built. After `net(...)` a term reads `outputs[name]`, a tensor of the graph, so
+    its gradient reaches the network. The hooks run inside the compiled call of torch.compile (whole or
+    regional: Dynamo keeps the tensors as the graph's outputs; tests/test_block_outputs.py), and a captured
+    step graph captures them with the rest of the step (not yet run on a GPU)."""
+
+    def __init__(self, network, names):
+        modules = dict(network.named_modules())
+        self.outputs = {}
+        self.handles = [modules[name].register_forward_hook(self._keeper(name)) for name in names]
+
+    def _keeper(self, name):
+        def keep(module, args, output):
+            self.outputs[name] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+
 def _unet_middle(names):
     """A diffusers UNet's middle: its mid-block's output (the last ResNet of mid_block), at the lowest resolution."""
     return [name for name in names if name.startswith("mid_block.")][-1]

@@ -36,7 +36,6 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ddpm_train.networks import model as models
-from ddpm_train.diffusion import objectives
 from ddpm_train.perf import profiling
 from ddpm_train import sizes
 from ddpm_train.errors import ConfigError, RunError, error_line
@@ -287,7 +286,7 @@ def repeated_blocks(model):
     in `_repeated_blocks`, diffusers' declaration for ModelMixin.compile_repeated_blocks."""
     network = getattr(model, "module", model)
     modules = dict(network.named_modules())
-    return [modules[name] for name in objectives.block_names(network)]
+    return [modules[name] for name in models.block_names(network)]
 
 
 # Regional compilation keeps one compiled graph per block class and shape: a UNet's blocks come in

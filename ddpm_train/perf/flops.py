@@ -25,7 +25,6 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 

@@ -15,7 +15,6 @@ import os
 import platform
 import re
 import subprocess
-import sys
 import time
 import warnings
 from datetime import datetime, timezone

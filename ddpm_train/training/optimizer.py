@@ -2,7 +2,7 @@
 
 `build(args.optimizer, network, ...)` makes it. --optimizer adamw is torch's AdamW over every parameter.
 --optimizer muon is torch.optim.Muon for the 2-D weights of the network's repeated blocks
-(objectives.block_names: a DiT's transformer blocks, a UNet's ResNet and attention blocks, EDM2's blocks),
+(models.block_names: a DiT's transformer blocks, a UNet's ResNet and attention blocks, EDM2's blocks),
 except those of an embedder a block holds (a DiT's norm1.emb, one module that every block shares). AdamW,
 built as for --optimizer adamw, takes the rest: embeddings, norms, biases, gains, the layers before and after
 the blocks (a DiT's patch projection, proj_out_1 and proj_out_2), every conv kernel, and the objective's
@@ -31,7 +31,7 @@ import warnings
 import torch
 from torch.optim import _muon
 
-from ddpm_train.diffusion import objectives
+from ddpm_train.networks import model as models
 
 # The modules whose `linear` weight is several matrices stacked by rows, by class name, and how many: diffusers'
 # AdaLayerNormZero (a DiT block's norm1), whose output is cut into shift, scale and gate for attention and the MLP.
@@ -77,7 +77,7 @@ def muon_matrices(network):
     network's order, each under the number of blocks of rows it is orthogonalized in (1: whole; FUSED's for a
     fused matrix). An embedder's weights (a module whose class name says Embedding) are left to AdamW."""
     modules = dict(network.named_modules())
-    blocks = [modules[name] for name in objectives.block_names(network)]
+    blocks = [modules[name] for name in models.block_names(network)]
     embedders = {id(p) for block in blocks for m in block.modules() if "Embedding" in type(m).__name__ for p in m.parameters()}
     chunks = {id(m.linear.weight): FUSED[type(m).__name__] for m in network.modules() if type(m).__name__ in FUSED}
     found, seen = {}, set(embedders)
