@@ -46,6 +46,7 @@ from ddpm_train.data import latents
 from ddpm_train.diffusion import loss_terms
 from ddpm_train.evaluation import metrics
 from ddpm_train.networks import model as models
+from ddpm_train.training import optimizer as optimizers
 from ddpm_train.diffusion import objectives
 from ddpm_train.diffusion import samplers
 from ddpm_train.evaluation import sampling
@@ -418,7 +419,7 @@ def build_parser(prog="train.py", source=""):
          type=Range(numbers(2, "pair"), lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"))  # fmt: skip
     flag(t, "weight_decay", "AdamW weight decay", 1e-6, type=non_negative)
     flag(t, "optimizer", "adamw; muon: torch.optim.Muon for the blocks' 2-D weights (a fused adaLN matrix split "
-         "per modulation), AdamW for the rest, at one --learning_rate (docs/muon.md)", "adamw", choices=("adamw", "muon"))  # fmt: skip
+         "per modulation), AdamW for the rest, at one --learning_rate (docs/muon.md)", "adamw", choices=tuple(optimizers.OPTIMIZERS))  # fmt: skip
     flag(t, "max_grad_norm", "clip gradients to this norm (0: off)", 1.0, type=non_negative)
     flag(t, "ema", "the average of the weights that samples, is saved and is scored: none (the raw weights), "
          "standard (decay with warm-up: --ema_max_decay, --ema_power) or power (Karras et al. 2024's power-function "

@@ -14,6 +14,7 @@ from ddpm_train import config
 from ddpm_train.training import ema as posthoc_ema
 from ddpm_train.data import latents
 from ddpm_train.perf import memory
+from ddpm_train.training import optimizer as optimizers
 import train
 from ddpm_train.training import builder
 from test_latent_train import FEW
@@ -63,7 +64,7 @@ def test_the_power_ema_holds_one_copy_per_width_and_ddp_a_second_copy_of_the_gra
 
 def test_adamws_state_after_a_step_is_what_was_counted_before_it():
     p = pieces("--ema", "none")
-    before = memory.optimizer_state_bytes(p.optimizer)
+    before = optimizers.state_bytes(p.optimizer)
     for t in p.network.parameters():
         t.grad = torch.zeros_like(t)
     p.optimizer.step()

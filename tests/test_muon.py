@@ -185,9 +185,7 @@ def test_a_muon_run_learns_and_resumes_bit_identically(tmp_path, capsys, name):
 
 
 def test_the_memory_line_counts_muons_one_buffer_a_matrix_and_adamws_two_moments():
-    from ddpm_train.perf import memory
-
     net, extra, muon = built("dit-tiny")
     matrices = sum(p.numel() * 4 for group in optimizers.muon_matrices(net).values() for p in group)
     everything = sum(p.numel() * 4 for p in [*net.parameters(), extra])
-    assert memory.optimizer_state_bytes(muon) == 2 * everything - matrices
+    assert optimizers.state_bytes(muon) == 2 * everything - matrices

@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ddpm_train.networks import model as models
+from ddpm_train.training import optimizer as optimizers
 from ddpm_train.perf import profiling
 from ddpm_train import sizes
 from ddpm_train.errors import ConfigError, RunError, error_line
@@ -234,8 +235,9 @@ def graph_blockers(args, device, num_processes, mode="eager-graph"):
         found.append("--on_fault stop reads the loss on the host every step")
     if not args.fused_adam:
         found.append("AdamW not fused (the non-finite skip happens inside the fused optimizer)")
-    if mode in STEP_GRAPH_MODES and getattr(args, "optimizer", "adamw") == "muon":
-        found.append("--optimizer muon (the non-finite guard and Muon's learning rate are read on the host)")
+    host_reads = optimizers.OPTIMIZERS[getattr(args, "optimizer", "adamw")].host_reads
+    if mode in STEP_GRAPH_MODES and host_reads:
+        found.append(f"--optimizer {args.optimizer} ({host_reads})")
     return found
 
 

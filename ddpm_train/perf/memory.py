@@ -240,20 +240,6 @@ def tensor_bytes(tensors):
     return sum(seen.values())
 
 
-def optimizer_state_bytes(optimizer):
-    """Bytes the optimizer's state will hold once its first step has made it: AdamW's two moments per trained
-    parameter (three with amsgrad), Muon's one momentum buffer per matrix (--optimizer muon holds both), each
-    of its parameter's dtype; None for another optimizer. The per-parameter step counts are left out."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW | torch.optim.Muon | optimizers.MuonAdamW):
-        return None
-    total = 0
-    for group in inner.param_groups:
-        buffers = 1 if "ns_steps" in group else 3 if group.get("amsgrad") else 2  # Muon's groups say ns_steps
-        total += buffers * sum(p.numel() * p.element_size() for p in group["params"] if p.requires_grad)
-    return total
-
-
 def ema_tensors(ema):
     """The tensors an EMA holds: diffusers' EMAModel one copy of the weights, ema.PowerEMA one per --ema_stds."""
     if ema is None:
@@ -306,7 +292,7 @@ def plan(trained, optimizer, ema, count, batch_size, num_processes=1, host=0):
     trained = list(trained)
     gradients = tensor_bytes([t for t in trained if t.requires_grad])
     copies = len(ema.shadows) if hasattr(ema, "shadows") else (1 if ema is not None else 0)
-    return Plan(tensor_bytes(trained), gradients, optimizer_state_bytes(optimizer), tensor_bytes(ema_tensors(ema)),
+    return Plan(tensor_bytes(trained), gradients, optimizers.state_bytes(optimizer), tensor_bytes(ema_tensors(ema)),
                 count["peak"], batch_size, buckets=gradients if num_processes > 1 else 0, ema_copies=copies, host=host)  # fmt: skip
 
 

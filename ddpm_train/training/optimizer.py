@@ -27,6 +27,7 @@ projections and its ResNet blocks' time projections alone (docs/muon.md).
 
 import inspect
 import warnings
+from typing import Callable, NamedTuple
 
 import torch
 from torch.optim import _muon
@@ -40,22 +41,43 @@ FUSED = {"AdaLayerNormZero": 6}
 
 def build(kind, network, fused=False, also=(), foreach=True, **adamw):
     """The optimizer of `network`'s parameters and `also` (more to train: EDM's learned loss weighting) for
-    --optimizer `kind`: torch's AdamW ("adamw"), or a MuonAdamW ("muon": Muon for muon_matrices(network) at
-    `adamw`'s lr and weight_decay, AdamW for the rest).
+    --optimizer `kind` (OPTIMIZERS): torch's AdamW ("adamw"), or a MuonAdamW ("muon": Muon for
+    muon_matrices(network) at `adamw`'s lr and weight_decay, AdamW for the rest).
 
     AdamW is fused (one kernel reads each parameter, gradient and moment once per step) when `fused` and torch
     has the kernel for the device, else foreach (a few multi-tensor kernels); never the per-parameter loop,
     unless `foreach` is None: then torch picks, as diffusers' example builds its AdamW (the speed ladder's
     yardstick). `adamw`: lr, betas, weight_decay, eps.
     """
-    parameters = list(network.parameters()) + list(also)
-    if kind == "adamw":
-        return _adamw(parameters, fused, foreach, adamw)
+    return OPTIMIZERS[kind].build(network, list(network.parameters()) + list(also), fused, foreach, adamw)
+
+
+def _build_adamw(network, parameters, fused, foreach, adamw):
+    return _adamw(parameters, fused, foreach, adamw)
+
+
+def _build_muon(network, parameters, fused, foreach, adamw):
     matrices = muon_matrices(network)
     taken = {id(p) for group in matrices.values() for p in group}
     muon = SplitMuon([{"params": group, "chunks": chunks} for chunks, group in matrices.items()], lr=adamw["lr"],
                      weight_decay=adamw["weight_decay"], adjust_lr_fn="match_rms_adamw")  # fmt: skip
     return MuonAdamW(muon, _adamw([p for p in parameters if id(p) not in taken], fused, foreach, adamw))
+
+
+def state_bytes(optimizer):
+    """Bytes the optimizer's state will hold once its first step has made it: AdamW's two moments per trained
+    parameter (three with amsgrad), Muon's one momentum buffer per matrix (a MuonAdamW holds both), each of its
+    parameter's dtype; None for an optimizer of another kind. The per-parameter step counts are left out."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+    if isinstance(inner, MuonAdamW):
+        return state_bytes(inner.muon) + state_bytes(inner.adamw)
+    if isinstance(inner, torch.optim.Muon):
+        buffers = lambda group: 1  # noqa: E731
+    elif isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        buffers = lambda group: 3 if group.get("amsgrad") else 2  # noqa: E731
+    else:
+        return None
+    return sum(buffers(g) * sum(p.numel() * p.element_size() for p in g["params"] if p.requires_grad) for g in inner.param_groups)
 
 
 def _adamw(parameters, fused, foreach, settings):
@@ -172,3 +194,16 @@ class MuonAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
+
+
+class Kind(NamedTuple):
+    """What the rest of the code asks of an --optimizer."""
+
+    build: Callable  # (network, parameters, fused, foreach, adamw settings) -> the optimizer
+    host_reads: str = ""  # what its step reads on the host, which a captured step graph cannot hold ("": none)
+
+
+OPTIMIZERS = {
+    "adamw": Kind(_build_adamw),
+    "muon": Kind(_build_muon, "the non-finite guard and Muon's learning rate are read on the host"),
+}
