@@ -617,7 +617,7 @@ def resolve(args):
     args.loss_terms = loss_terms.spell(loss_terms.parse(args.loss_terms, latents=bool(args.vae)))
     if args.token_routing:
         kind, settings = models.family(args.model)
-        if not kind.routes_tokens:
+        if not kind.transformer:
             raise ConfigError(f"--token_routing routes a DiT's tokens past its middle blocks, not {kind.called}'s: "
                               f"drop it for --model {args.model}")  # fmt: skip
         dit.routing(args.token_routing, settings["num_layers"])  # its blocks are the network's

@@ -41,7 +41,7 @@ def torch_version(text=None):
 
 def refusal(args, device):
     """Why this run cannot train in FP8 (None: it can), in one line that says what to change."""
-    if models.family_name(args.model) != "dit":
+    if not models.family(args.model)[0].transformer:
         return (f"--mixed_precision fp8 trains a transformer's linear layers in FP8, and {args.model} has none to "
                 "convert (a network of convolutions): use bf16, or a dit-* preset")  # fmt: skip
     if torch_version() < MIN_TORCH:

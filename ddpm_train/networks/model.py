@@ -311,7 +311,9 @@ class Family(NamedTuple):
     called: str = ""  # what a model card calls one ("a DiT")
     card_lines: Callable = None  # (square) -> the model card's lines on loading its network alone, where it has some
     lr_schedule: str = "cosine"  # --lr_scheduler where its preset names none (EDM2's: constant after warm-up)
-    routes_tokens: bool = False  # --token_routing applies (a DiT's blocks all take the same tokens: dit.py)
+    # Its blocks are transformer blocks that all take the same tokens (dit.py): --token_routing and FP8's linear
+    # layers apply to it, and its rows of the preset table are docs/dit.md's
+    transformer: bool = False
     # A captioned run's (--text_encoder) network: (settings, sample_size, channels, text_dim) -> one attending to the
     # captions' embeddings (None where the family takes no captions), and the class it loads as where that is not
     # network_class (one saved as `text_class` or its diffusers base).
@@ -466,7 +468,7 @@ FAMILIES = {
                   lambda settings: settings["patch_size"], "patches", "flow", False, _dit_middle, _dit_sync_blocks,
                   network_class=DiT, classes=("DiTTransformer2DModel", "DiT"), source_class=DiTTransformer2DModel,
                   layout=("num_layers", "num_attention_heads", "attention_head_dim", "patch_size"),
-                  compile_costs=DIT_COSTS, called="a DiT", card_lines=_dit_card_lines, routes_tokens=True,
+                  compile_costs=DIT_COSTS, called="a DiT", card_lines=_dit_card_lines, transformer=True,
                   text_build=_build_text_dit),
 }  # fmt: skip
 

@@ -298,7 +298,7 @@ def preset_table():
     GFLOP per image at that size, and its description (a DiT's are docs/dit.md's, at its latents' size)."""
     rows = ["| `--model` | image size | parameters | GFLOP/img fwd+bwd | what it is |", "|---|---|---|---|---|"]
     for name, preset in models.PRESETS.items():
-        if preset.family == "dit":
+        if models.FAMILIES[preset.family].transformer:
             continue
         counted = network_flops(name, preset.image_size, 1)
         rows.append(f"| `{name}` | {preset.image_size} | {counted['params']:,} | {counted['flops_fwdbwd'] / 1e9:.2f} | "
