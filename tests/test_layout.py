@@ -84,7 +84,8 @@ def test_no_import_cycle():
 def layers(text):
     """module -> its row in docs/layout.md's table of layers (0: the top row), from the backticked
     names of each row's modules column (`bench/speed.py` is bench.speed)."""
-    rows = [line.split("|")[2] for line in text.splitlines() if line.startswith("| ") and "`" in line.split("|")[2]]
+    table = text[text.index("| layer | modules |"):].split("\n\n")[0]  # the layers' table alone
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and "`" in line.split("|")[2]]
     found = {}
     for row, cell in enumerate(rows):
         for name in re.findall(r"`([\w/]+)\.py`", cell):
