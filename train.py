@@ -48,6 +48,7 @@ from ddpm_train.data import data
 from ddpm_train.training import ema as posthoc_ema
 from ddpm_train.perf import flops
 from ddpm_train.networks import fp8
+from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.perf import memory
 from ddpm_train.evaluation import metrics
@@ -279,12 +280,12 @@ def choose_start(args, processes, class_names, latent_space, flow_sigmas, resume
 def latent_source(args, unreadable):
     """A latent run's VAE and dataset, nothing encoded yet (a LatentSource): the VAE loaded and hashed (its
     latent space, what resume compares), the dataset opened (its identity, count and classes) and the cache's key."""
-    vae = latents.load_vae(args.latents["source"], args.latents["subfolder"])  # config.resolve found it
+    vae = autoencoder.load_vae(args.latents["source"], args.latents["subfolder"])  # config.resolve found it
     identity, images, count, class_names = data.images_to_encode(args, unreadable)
     key = latents.cache_key(identity, vae, args.image_size, center_crop=True, flips=data.random_flips(args))
     kind = args.latent_normalization
-    latent_space = latents.latent_space(key["vae"]["encoder_sha256"],
-                                        dict(kind=kind) | (latents.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
+    latent_space = autoencoder.latent_space(key["vae"]["encoder_sha256"],
+                                        dict(kind=kind) | (autoencoder.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
     # read once here, not again for FID's reference statistics (seconds a 100k files)
     contents = None if args.dataset == data.BUILTIN else {k: v for k, v in identity.items() if k not in data.LABELLING}
     return LatentSource(vae, images, count, class_names, key, latent_space, contents)
@@ -308,7 +309,7 @@ def latent_data(args, source, processes):
     vae.to("cpu")
     # EDM expects data of std sigma_data (0.5); DDPM's forward process, unit std (LDM's latents)
     target_std = objectives.of(args.objective).data_std(args)
-    normalization = latents.normalization(cache, vae, args.latent_normalization, target_std)
+    normalization = autoencoder.normalization(cache, vae, args.latent_normalization, target_std)
     low, high = min(normalization["normalized_std"]), max(normalization["normalized_std"])
     if normalization["kind"] == "vae" and not 0.5 * target_std <= low <= high <= 2 * target_std:
         say(
@@ -321,7 +322,7 @@ def latent_data(args, source, processes):
         normalization=normalization, cache=str(cache.path), cache_key=key, memmapped=cache.memmapped,
         encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
     )  # fmt: skip
-    decode = lambda z: latents.decode(vae.to(z.device), z, normalization)  # noqa: E731  (the VAE joins the latents to decode)
+    decode = lambda z: autoencoder.decode(vae.to(z.device), z, normalization)  # noqa: E731  (the VAE joins the latents to decode)
     return latents.LatentDataset(cache, normalization, seed=args.seed), cache.labels, record, decode
 
 

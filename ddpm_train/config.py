@@ -42,6 +42,7 @@ from ddpm_train.networks import dit
 from ddpm_train.training import ema as posthoc_ema
 from ddpm_train.networks import fp8
 from ddpm_train.networks import init_from
+from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.diffusion import loss_terms
 from ddpm_train.evaluation import metrics
@@ -590,7 +591,7 @@ def _words(action, key, value, path):
 def resolve(args):
     """Check every range, fill every value left unset, check the combinations; returns `args`.
 
-    Filled: a --vae run's latent size, channels and normalisation (its config.json: latents.vae_settings);
+    Filled: a --vae run's latent size, channels and normalisation (its config.json: autoencoder.vae_settings);
     --model auto (by the size the network takes); the preset's objective, DDPM settings (prediction type, timestep
     sampling and its P_mean/P_std), batch size, epochs, EMA, learning rate, lr_scheduler and
     (inverse_sqrt) lr_ref_steps; num_inference_steps by the objective's sampler;
@@ -727,8 +728,8 @@ def _fill_pixels(args):
 
 
 def _fill_latents(args):
-    """A --vae run: what its VAE's config.json says, before any weights load (latents.vae_settings): the
-    size and channels of the latents the network takes, and the normalisation (latents.normalization_kind).
+    """A --vae run: what its VAE's config.json says, before any weights load (autoencoder.vae_settings): the
+    size and channels of the latents the network takes, and the normalisation (autoencoder.normalization_kind).
     `args.latents` holds the VAE's settings (train.py adds the normalisation and the cache). All None for
     a run on pixels."""
     args.latent_size = args.latent_channels = args.latent_normalization = args.latents = None
@@ -741,10 +742,10 @@ def _fill_latents(args):
         )
     # a file in the cache's place; a read-only cache may be complete already, and is read (latents.cached_latents)
     checkpoint.check_writable(latents.cache_root(), f"${latents.CACHE_ENV}", writable=False)
-    source, wanted = latents.parse_vae_flag(args.vae)
+    source, wanted = autoencoder.parse_vae_flag(args.vae)
     try:
-        found = latents.vae_settings(source)
-    except latents.DownloadNeeded as e:
+        found = autoencoder.vae_settings(source)
+    except autoencoder.DownloadNeeded as e:
         if not args.dry_run:
             raise
         found = dict(ASSUMED_VAE, source=source, assumed=str(e))
@@ -756,9 +757,9 @@ def _fill_latents(args):
                           "(leave out --vae) to keep it, or save the images as RGB")  # fmt: skip
     # a VAE encodes 8-bit RGB: grayscale repeated in three channels, 16 bits rounded to 8 (docs/images.md)
     args.image_channels, args.image_bits = 3, 8
-    args.latent_size = latents.latent_size(args.image_size, found["factor"])
+    args.latent_size = autoencoder.latent_size(args.image_size, found["factor"])
     args.latent_channels = found["channels"]
-    args.latent_normalization = wanted if "assumed" in found else latents.normalization_kind(found, wanted)
+    args.latent_normalization = wanted if "assumed" in found else autoencoder.normalization_kind(found, wanted)
     args.latents = found
 
 
@@ -777,7 +778,7 @@ def _fill_from_source(args):
                           f"--model {record['model']}: drop --model")  # fmt: skip
     args.model, args.init_source = record["model"], record
     if args.image_size is None:
-        factor = latents.vae_settings(latents.parse_vae_flag(args.vae)[0])["factor"] if args.vae else 1
+        factor = autoencoder.vae_settings(autoencoder.parse_vae_flag(args.vae)[0])["factor"] if args.vae else 1
         size = record["sample_size"] or models.PRESETS[args.model].image_size
         args.image_size = sizes.times(size, factor)
 

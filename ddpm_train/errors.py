@@ -72,7 +72,7 @@ def one_line_errors(prog, interrupted=None):
     exit code 130."""
     try:
         yield
-    except ConfigError as e:  # and its subclasses (latents.DownloadNeeded)
+    except ConfigError as e:  # and its subclasses (autoencoder.DownloadNeeded)
         fail(prog, e, 2)
     except RunError as e:
         fail(prog, e, 1)

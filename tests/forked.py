@@ -31,9 +31,28 @@ REAL_RUN = subprocess.run
 
 def can_fork(cmd):
     """A Python command, in a process that computes on one thread (conftest's workers: a child forked
-    after OpenMP ran on several could hang) and has no CUDA."""
+    after OpenMP ran on several could hang), has no CUDA, and whose children can still run autograd."""
     return (isinstance(cmd, (list, tuple)) and len(cmd) > 1 and cmd[0] == sys.executable
-            and torch.get_num_threads() == 1 and not torch.cuda.is_initialized())  # fmt: skip
+            and torch.get_num_threads() == 1 and not torch.cuda.is_initialized() and autograd_survives_fork())  # fmt: skip
+
+
+_AUTOGRAD_FORKS = [True]  # False once a child forked from here could not run a backward: it stays so
+
+
+def autograd_survives_fork():
+    """Whether a child forked now can run a backward. Once autograd's threads have started in this process (after
+    some torch.compile and training in one test worker), torch refuses a backward in any forked child ("Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"): a child tried once tells."""
+    if _AUTOGRAD_FORKS[0]:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                torch.ones(1, requires_grad=True).sum().backward()
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        _AUTOGRAD_FORKS[0] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    return _AUTOGRAD_FORKS[0]
 
 
 class Forked:

@@ -8,6 +8,7 @@ from PIL import Image
 
 from ddpm_train import config
 from ddpm_train.data import data
+from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.errors import ConfigError
 
@@ -137,7 +138,7 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
     labels) the main process draws, at the epoch asked for."""
     from test_latents import make_kl
 
-    vae = latents.load_vae(make_kl(tmp_path / "kl"))
+    vae = autoencoder.load_vae(make_kl(tmp_path / "kl"))
     images = torch.randint(0, 256, (12, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     labels = torch.arange(12) % 3
     key = latents.cache_key(dict(name="prefetch"), vae, 16)
@@ -145,7 +146,7 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
                                    log=lambda line: None)  # fmt: skip
     cache = latents.LatentCache(cache.path, max_gib=0.0 if memmapped else 8.0)
     assert cache.memmapped == memmapped
-    record = latents.normalization(cache, vae, "dataset")
+    record = autoencoder.normalization(cache, vae, "dataset")
     dataset = latents.LatentDataset(cache, record, seed=3)
     here = data.Batches(dataset, 4, 3, CPU, labels=cache.labels)
     ahead = data.Batches(dataset, 4, 3, CPU, num_workers=2, labels=cache.labels)
@@ -159,7 +160,7 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
         assert len(got) == 3
         for (z, y), (same_z, same_y), index in zip(got, drawn[epoch], data.epoch_batches(12, 4, 3, epoch), strict=True):
             assert torch.equal(z, same_z) and torch.equal(y, same_y) and torch.equal(y, labels[index])
-            assert torch.equal(z, latents.normalize(cache.draw(index, epoch, 3), record))
+            assert torch.equal(z, autoencoder.normalize(cache.draw(index, epoch, 3), record))
     resumed = list(ahead.epoch(1, start=2))
     assert len(resumed) == 1 and torch.equal(resumed[0][0], drawn[1][2][0])
     assert in_here == []  # every batch drawn by the workers

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpm_train.data import latents
+from ddpm_train.data import autoencoder
+
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
 from ddpm_train.diffusion import samplers
@@ -156,19 +157,19 @@ def test_a_guide_must_match_the_run():
 
 
 def test_a_guide_must_be_of_the_same_latent_space_however_its_vae_is_spelled():
-    """The rule resume applies (latents.latent_space): the encoder's weights and the normalisation, not --vae's text;
+    """The rule resume applies (autoencoder.latent_space): the encoder's weights and the normalisation, not --vae's text;
     a run of before latent_space says it through its latents record."""
     norm = dict(kind="vae", scaling_factor=0.18215, shift_factor=None, shift=[0.0] * 4, scale=[0.18215] * 4)
     record = dict(vae="/a/vae", encoder_sha256="ab" * 32, normalization=norm)
     main = dict(objective="edm", image_size=32, class_names=None, vae="/a/vae",
-                latent_space=latents.latent_space(record["encoder_sha256"], norm), latents=record)  # fmt: skip
+                latent_space=autoencoder.latent_space(record["encoder_sha256"], norm), latents=record)  # fmt: skip
     sampling.check_guide(main, main | dict(vae="../a/vae,vae", latents=record | dict(vae="/b/vae")))  # spelled otherwise
     sampling.check_guide(main, {k: v for k, v in main.items() if k != "latent_space"})  # an older run's record says it
-    other_weights = main | dict(latent_space=latents.latent_space("cd" * 32, norm))
+    other_weights = main | dict(latent_space=autoencoder.latent_space("cd" * 32, norm))
     with pytest.raises(ConfigError, match=r"another latent space \(--vae: another VAE \(its encoder's weights"):
         sampling.check_guide(main, other_weights)
     with pytest.raises(ConfigError, match="another latent space .the latents' normalisation"):
-        sampling.check_guide(main, main | dict(latent_space=latents.latent_space("ab" * 32, dict(kind="dataset"))))
+        sampling.check_guide(main, main | dict(latent_space=autoencoder.latent_space("ab" * 32, dict(kind="dataset"))))
     with pytest.raises(ConfigError, match=r"\(--vae: pixels -> latents\)"):
         sampling.check_guide(main, dict(main, latent_space=None, latents=None))
 

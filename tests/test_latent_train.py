@@ -15,6 +15,7 @@ from PIL import Image
 
 from ddpm_train import config as config_module
 from ddpm_train.perf import flops
+from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.networks import model as models
 from ddpm_train.training import rundir
@@ -317,10 +318,10 @@ def test_the_step_trains_on_each_epochs_draws_as_drawn(tmp_path, vae):
     with their labels, and the step takes them as they are (flips were drawn with them)."""
     images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
     labels = torch.arange(8) % 3
-    loaded = latents.load_vae(vae)
+    loaded = autoencoder.load_vae(vae)
     key = latents.cache_key(dict(name="unit"), loaded, 16)
     cache = latents.cached_latents(loaded, lambda: [(images, labels)], key, progress=False, log=lambda line: None)
-    record = latents.normalization(cache, loaded, "dataset")
+    record = autoencoder.normalization(cache, loaded, "dataset")
     dataset = latents.LatentDataset(cache, record, seed=3)
     batches = train.data.Batches(dataset, 4, 3, torch.device("cpu"), labels=cache.labels)
     for epoch in (0, 1):
@@ -328,7 +329,7 @@ def test_the_step_trains_on_each_epochs_draws_as_drawn(tmp_path, vae):
         got = list(batches.epoch(epoch, start=1))  # a resumed epoch starts mid-way
         assert len(got) == 1
         (z, y), index = got[0], order[1]
-        assert torch.equal(z, latents.normalize(cache.draw(index, epoch, 3), record)) and torch.equal(y, labels[index])
+        assert torch.equal(z, autoencoder.normalize(cache.draw(index, epoch, 3), record)) and torch.equal(y, labels[index])
         assert train.data.to_model_input(z) is z
     assert not torch.equal(list(batches.epoch(0))[0][0], list(batches.epoch(1))[0][0])
 
@@ -336,23 +337,23 @@ def test_the_step_trains_on_each_epochs_draws_as_drawn(tmp_path, vae):
 def test_the_vae_flag_and_what_its_config_says_before_any_weights_load(tmp_path, vae):
     from test_latents import make_tiny
 
-    assert latents.parse_vae_flag("org/vae") == ("org/vae", None)
-    assert latents.parse_vae_flag("some/folder,dataset") == ("some/folder", "dataset")
-    assert latents.parse_vae_flag("a,b/vae,vae") == ("a,b/vae", "vae") and latents.parse_vae_flag("a,b") == ("a,b", None)
-    found = latents.vae_settings(vae)
+    assert autoencoder.parse_vae_flag("org/vae") == ("org/vae", None)
+    assert autoencoder.parse_vae_flag("some/folder,dataset") == ("some/folder", "dataset")
+    assert autoencoder.parse_vae_flag("a,b/vae,vae") == ("a,b/vae", "vae") and autoencoder.parse_vae_flag("a,b") == ("a,b", None)
+    found = autoencoder.vae_settings(vae)
     assert (found["cls"], found["factor"], found["channels"], found["scaling_factor"]) == ("AutoencoderKL", 2, 4, True)
-    tiny = latents.vae_settings(make_tiny(tmp_path / "tiny"))
-    assert (tiny["cls"], tiny["factor"]) == ("AutoencoderTiny", latents.vae_factor(latents.load_vae(tmp_path / "tiny")))
-    assert latents.normalization_kind(found) == "vae" and latents.normalization_kind(found, "dataset") == "dataset"
+    tiny = autoencoder.vae_settings(make_tiny(tmp_path / "tiny"))
+    assert (tiny["cls"], tiny["factor"]) == ("AutoencoderTiny", autoencoder.vae_factor(autoencoder.load_vae(tmp_path / "tiny")))
+    assert autoencoder.normalization_kind(found) == "vae" and autoencoder.normalization_kind(found, "dataset") == "dataset"
     # a config.json without a scaling_factor: the dataset's by default, and ",vae" is one line
     config = json.loads((vae / "config.json").read_text())
     del config["scaling_factor"]
     shutil.copytree(vae, tmp_path / "unscaled")
     (tmp_path / "unscaled" / "config.json").write_text(json.dumps(config))
-    unscaled = latents.vae_settings(tmp_path / "unscaled")
-    assert latents.normalization_kind(unscaled) == "dataset"
+    unscaled = autoencoder.vae_settings(tmp_path / "unscaled")
+    assert autoencoder.normalization_kind(unscaled) == "dataset"
     with pytest.raises(ConfigError, match="sets no scaling_factor to normalise by: use --vae .*,dataset"):
-        latents.normalization_kind(unscaled, "vae")
+        autoencoder.normalization_kind(unscaled, "vae")
 
 
 def test_immiscible_alone_takes_the_authors_k_for_latents(vae):
@@ -364,13 +365,13 @@ def test_the_encoder_takes_a_bounded_number_of_pixels_at_once(tmp_path, vae, mon
     """A batch of 64 images and their flips at 256px through SD's VAE at once held 21 GiB: the encoder gets
     ENCODE_PIXELS at a time, and the latents are the same."""
     images = torch.rand(6, 3, 16, 16) * 2 - 1
-    loaded = latents.load_vae(vae)
+    loaded = autoencoder.load_vae(vae)
     whole = latents.cached_latents(loaded, lambda: [images], latents.cache_key({}, loaded, 16), root=tmp_path / "a",
                                    progress=False, log=lambda line: None)  # fmt: skip
     sizes = []
     encode_batch = latents._encode_batch
     monkeypatch.setattr(latents, "_encode_batch", lambda v, x: sizes.append(len(x)) or encode_batch(v, x))
-    monkeypatch.setattr(latents, "ENCODE_PIXELS", 5 * 16 * 16)
+    monkeypatch.setattr(autoencoder, "ENCODE_PIXELS", 5 * 16 * 16)
     parts = latents.cached_latents(loaded, lambda: [images], latents.cache_key({}, loaded, 16), root=tmp_path / "b",
                                    progress=False, log=lambda line: None)  # fmt: skip
     assert sizes == [5, 5, 2]  # 6 images and their 6 flips

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import forked
+from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.errors import ConfigError
 
@@ -106,9 +107,9 @@ def encode(vae, x, tmp_path, dataset="toy", lines=None, **kw):
 def test_load_vae_from_a_folder_a_pipeline_layout_and_a_tiny_folder(tmp_path, kl_folder):
     from diffusers import AutoencoderKL, AutoencoderTiny
 
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     assert type(vae) is AutoencoderKL and vae.latents_source == {"vae": str(kl_folder), "subfolder": None}
-    assert latents.vae_factor(vae) == 2 and latents.latent_channels(vae) == 4
+    assert autoencoder.vae_factor(vae) == 2 and autoencoder.latent_channels(vae) == 4
     assert not vae.training and not any(p.requires_grad for p in vae.parameters())
     saved = AutoencoderKL.from_pretrained(kl_folder)
     assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), saved.state_dict().values()))
@@ -116,30 +117,30 @@ def test_load_vae_from_a_folder_a_pipeline_layout_and_a_tiny_folder(tmp_path, kl
     pipeline = tmp_path / "pipeline"
     make_kl(pipeline / "vae", seed=3)
     (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
-    vae = latents.load_vae(str(pipeline))
+    vae = autoencoder.load_vae(str(pipeline))
     assert type(vae) is AutoencoderKL and vae.latents_source["subfolder"] == "vae"
     saved = AutoencoderKL.from_pretrained(pipeline / "vae")
     assert torch.equal(vae.encoder.conv_in.weight, saved.encoder.conv_in.weight)
-    assert latents.load_vae(pipeline, subfolder="vae").latents_source["subfolder"] == "vae"
+    assert autoencoder.load_vae(pipeline, subfolder="vae").latents_source["subfolder"] == "vae"
 
-    tiny = latents.load_vae(make_tiny(tmp_path / "tiny"))
+    tiny = autoencoder.load_vae(make_tiny(tmp_path / "tiny"))
     assert type(tiny) is AutoencoderTiny
-    assert latents.vae_factor(tiny) == 4 and latents.latent_channels(tiny) == 4
+    assert autoencoder.vae_factor(tiny) == 4 and autoencoder.latent_channels(tiny) == 4
     assert tiny.encode(images(1)).latents.shape[-1] == SIZE // 4  # the factor is the encoder's
 
 
 def test_bad_vae_inputs_are_one_line_errors(tmp_path, kl_folder, monkeypatch):
-    one_line_error(lambda: latents.load_vae(tmp_path / "missing"), "no such folder", str(tmp_path / "missing"))
+    one_line_error(lambda: autoencoder.load_vae(tmp_path / "missing"), "no such folder", str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
-    one_line_error(lambda: latents.load_vae(tmp_path / "empty"), "holds no VAE", "pipeline folder with vae/")
+    one_line_error(lambda: autoencoder.load_vae(tmp_path / "empty"), "holds no VAE", "pipeline folder with vae/")
     (tmp_path / "unet").mkdir()
     (tmp_path / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
-    one_line_error(lambda: latents.load_vae(tmp_path / "unet"), "holds no VAE", "is a UNet2DModel")
-    one_line_error(lambda: latents.load_vae(kl_folder / "config.json"), "is a file")
+    one_line_error(lambda: autoencoder.load_vae(tmp_path / "unet"), "holds no VAE", "is a UNet2DModel")
+    one_line_error(lambda: autoencoder.load_vae(kl_folder / "config.json"), "is a file")
     broken = tmp_path / "no_weights"
     broken.mkdir()
     (broken / "config.json").write_text((kl_folder / "config.json").read_text())
-    one_line_error(lambda: latents.load_vae(broken), "cannot load the AutoencoderKL")
+    one_line_error(lambda: autoencoder.load_vae(broken), "cannot load the AutoencoderKL")
 
     # A Hub id, offline and with an empty Hub cache: what to download, and where to point --vae.
     import huggingface_hub.constants as hub
@@ -149,23 +150,23 @@ def test_bad_vae_inputs_are_one_line_errors(tmp_path, kl_folder, monkeypatch):
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
     one_line_error(
-        lambda: latents.load_vae("stabilityai/sd-vae-ft-mse"),
+        lambda: autoencoder.load_vae("stabilityai/sd-vae-ft-mse"),
         "stabilityai/sd-vae-ft-mse", "hf download stabilityai/sd-vae-ft-mse --local-dir DIR", "--vae DIR",
     )  # fmt: skip
 
 
 def test_image_size_must_be_a_multiple_of_the_factor():
-    one_line_error(lambda: latents.check_image_size(20, 8), "--image_size 20", "factor 8", "use 16 or 24")
-    one_line_error(lambda: latents.latent_size(4, 8), "use 8")
-    latents.check_image_size(256, 8)
-    assert latents.latent_size(256, 8) == 32
+    one_line_error(lambda: autoencoder.check_image_size(20, 8), "--image_size 20", "factor 8", "use 16 or 24")
+    one_line_error(lambda: autoencoder.latent_size(4, 8), "use 8")
+    autoencoder.check_image_size(256, 8)
+    assert autoencoder.latent_size(256, 8) == 32
 
 
 # --- the cache --------------------------------------------------------------------------------
 
 
 def test_what_is_stored_is_the_posterior_of_each_image_and_of_its_flip(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     x = images()
     cache = encode(vae, x, tmp_path)
     assert cache.array.shape == (10, 2, 2, 4, SIZE // 2, SIZE // 2)
@@ -180,7 +181,7 @@ def test_what_is_stored_is_the_posterior_of_each_image_and_of_its_flip(tmp_path,
     # Why both orientations are encoded: the latent of the flipped image is not the flipped latent ...
     assert (flipped.mean - dist.mean.flip(3)).abs().mean() > 0.3 * dist.mean.abs().mean()
     # ... not even with mirror-symmetric kernels: the downsamplers' sampling grid is not mirror-symmetric.
-    symmetric = latents.load_vae(kl_folder)
+    symmetric = autoencoder.load_vae(kl_folder)
     with torch.no_grad():
         for conv in (m for m in symmetric.modules() if isinstance(m, torch.nn.Conv2d)):
             conv.weight.copy_((conv.weight + conv.weight.flip(-1)) / 2)
@@ -202,7 +203,7 @@ def test_what_is_stored_is_the_posterior_of_each_image_and_of_its_flip(tmp_path,
 
 
 def test_a_second_call_reads_the_cache_encodes_nothing_and_says_so(tmp_path, kl_folder):
-    vae = count_encodes(latents.load_vae(kl_folder))
+    vae = count_encodes(autoencoder.load_vae(kl_folder))
     x, lines = images(), []
     first = encode(vae, x, tmp_path, lines=lines)
     assert vae.encode_calls == 3  # 10 images in batches of 4, both orientations in one call
@@ -219,13 +220,13 @@ def test_a_second_call_reads_the_cache_encodes_nothing_and_says_so(tmp_path, kl_
     assert len(lines) == 1 and "reusing the cache" in lines[0] and "encoding nothing" in lines[0], lines
     assert again.path == first.path and np.array_equal(again.array, first.array)
     # A VAE loaded afresh (another run, a resume) has the same key.
-    assert latents.cache_key(dict(name="toy"), latents.load_vae(kl_folder), SIZE) == latents.cache_key(
+    assert latents.cache_key(dict(name="toy"), autoencoder.load_vae(kl_folder), SIZE) == latents.cache_key(
         dict(name="toy"), vae, SIZE
     )
 
 
 def test_another_vae_image_size_dataset_or_flip_setting_encodes_afresh(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     first = encode(vae, images(), tmp_path)
 
     def encodes(vae, x, **kw):
@@ -233,15 +234,15 @@ def test_another_vae_image_size_dataset_or_flip_setting_encodes_afresh(tmp_path,
         cache = encode(vae, x, tmp_path, **kw)
         return vae.encode_calls > 0, cache
 
-    other_weights = latents.load_vae(make_kl(tmp_path / "other", seed=1))
+    other_weights = autoencoder.load_vae(make_kl(tmp_path / "other", seed=1))
     fresh, cache = encodes(other_weights, images())
     assert fresh and cache.path != first.path and not np.array_equal(cache.array, first.array)
-    other_config = latents.load_vae(make_kl(tmp_path / "wider", seed=0, latent_channels=8))
+    other_config = autoencoder.load_vae(make_kl(tmp_path / "wider", seed=0, latent_channels=8))
     assert encodes(other_config, images())[0]
-    fresh, cache = encodes(latents.load_vae(kl_folder), images(size=32))
+    fresh, cache = encodes(autoencoder.load_vae(kl_folder), images(size=32))
     assert fresh and cache.resolution == 16
-    assert encodes(latents.load_vae(kl_folder), images(), dataset="another")[0]
-    assert encodes(latents.load_vae(kl_folder), images(), flips=False)[0]
+    assert encodes(autoencoder.load_vae(kl_folder), images(), dataset="another")[0]
+    assert encodes(autoencoder.load_vae(kl_folder), images(), flips=False)[0]
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     assert latents.cache_key(dict(name="toy"), vae, SIZE, center_crop=False) != key
 
@@ -250,10 +251,10 @@ def test_another_vae_image_size_dataset_or_flip_setting_encodes_afresh(tmp_path,
     import shutil
 
     shutil.copytree(kl_folder, tmp_path / "copy")
-    assert not encodes(latents.load_vae(tmp_path / "copy"), images())[0]
+    assert not encodes(autoencoder.load_vae(tmp_path / "copy"), images())[0]
     config = json.loads((tmp_path / "copy" / "config.json").read_text())
     (tmp_path / "copy" / "config.json").write_text(json.dumps(config | {"scaling_factor": 0.5, "shift_factor": 0.1}))
-    assert not encodes(latents.load_vae(tmp_path / "copy"), images())[0]
+    assert not encodes(autoencoder.load_vae(tmp_path / "copy"), images())[0]
 
 
 def test_cache_root_honours_the_flag_then_its_variable_then_xdg(tmp_path, monkeypatch):
@@ -269,7 +270,7 @@ def test_cache_root_honours_the_flag_then_its_variable_then_xdg(tmp_path, monkey
 
 
 def test_labels_are_cached_with_their_latents(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     labels = torch.arange(10) % 3
     cache = encode(vae, images(), tmp_path, labels=labels)
     assert torch.equal(cache.labels, labels)
@@ -280,7 +281,7 @@ def test_labels_are_cached_with_their_latents(tmp_path, kl_folder):
 
 
 def test_the_cache_is_memory_mapped_above_the_budget(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     in_memory = encode(vae, images(), tmp_path, max_gib=1.0)
     assert not in_memory.memmapped and not isinstance(in_memory.array, np.memmap)
     size = (in_memory.path / latents.LATENTS_FILE).stat().st_size
@@ -293,7 +294,7 @@ def test_the_cache_is_memory_mapped_above_the_budget(tmp_path, kl_folder):
 
 
 def test_a_failed_or_killed_encode_leaves_no_cache_that_is_read(tmp_path, kl_folder, monkeypatch):
-    vae = count_encodes(latents.load_vae(kl_folder))
+    vae = count_encodes(autoencoder.load_vae(kl_folder))
     x = images()
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     folder = latents.cache_folder(key, tmp_path / "cache")
@@ -333,8 +334,9 @@ def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
         import os, signal, sys, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {str(ROOT)!r})
+        from ddpm_train.data import autoencoder
         from ddpm_train.data import latents
-        vae = latents.load_vae({str(kl_folder)!r})
+        vae = autoencoder.load_vae({str(kl_folder)!r})
         x = torch.zeros(4, 3, {SIZE}, {SIZE})
         def batches():
             yield x
@@ -348,7 +350,7 @@ def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
     assert done.returncode == -signal.SIGKILL, done.stderr
     (left,) = list((tmp_path / "cache").iterdir())
     assert ".tmp-" in left.name
-    vae = count_encodes(latents.load_vae(kl_folder))
+    vae = count_encodes(autoencoder.load_vae(kl_folder))
     cache = encode(vae, images(), tmp_path)
     assert vae.encode_calls == 3 and cache.num_images == 10
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [cache.path.name]
@@ -364,10 +366,11 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
         import os, signal, sys, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / "tests")!r})
+        from ddpm_train.data import autoencoder
         from ddpm_train.data import latents
         from test_latents import images, ranged
         latents.PIECE_IMAGES = 64
-        vae = latents.load_vae({str(kl_folder)!r})
+        vae = autoencoder.load_vae({str(kl_folder)!r})
         x, labels = images(200), torch.arange(200) % 3
         def killed(start, stop):
             if start >= 128:
@@ -379,7 +382,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
     )
     done = forked.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    vae = count_encodes(latents.load_vae(kl_folder))
+    vae = count_encodes(autoencoder.load_vae(kl_folder))
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     partial = latents._partial(latents.cache_folder(key, cache_root))
     assert sorted(p.name for p in partial.glob("piece-*[0-9].npy")) == [latents._piece_name(0, 64), latents._piece_name(64, 128)]
@@ -420,7 +423,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
 
 
 def test_a_dataset_of_unreadable_images_only_is_a_one_line_error_in_pieces_too(tmp_path, kl_folder, monkeypatch):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     monkeypatch.setattr(latents, "PIECE_IMAGES", 64)  # no call sees the whole dataset (--on_fault skip left all out)
     one_line_error(lambda: latents.cached_latents(vae, ranged(images(100), left_out=range(100)), key, root=tmp_path,
@@ -428,7 +431,7 @@ def test_a_dataset_of_unreadable_images_only_is_a_one_line_error_in_pieces_too(t
 
 
 def test_an_encode_says_what_pieces_of_other_keys_the_cache_root_holds(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     for name in ("0123abcd", "4567cdef"):  # an encode of a dataset whose files changed since, and another's
         (tmp_path / f".{name}.partial").mkdir()
@@ -496,7 +499,7 @@ def test_the_plan_reuses_kept_pieces_and_cuts_the_rest_at_piece_boundaries(monke
 
 
 def test_a_filesystem_without_hard_links_encodes_and_keeps_nothing(tmp_path, kl_folder, monkeypatch):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     x = images(70)
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
@@ -520,7 +523,7 @@ def pieces_of_a_failed_publish(vae, x, key, root, monkeypatch):
 
 def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_encoded(tmp_path, kl_folder, monkeypatch):
     """Another job published the key and removed the pieces just after this one listed them."""
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     x, root = images(70), tmp_path / "cache"
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     partial, listed = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch), latents._kept_pieces
@@ -567,7 +570,7 @@ def test_a_piece_claimed_by_a_dead_encode_is_taken_and_a_live_ones_is_not(tmp_pa
 def test_an_encode_whose_key_another_publishes_meanwhile_stops_and_reads_that_cache(tmp_path, kl_folder, monkeypatch):
     """Two runs of a sweep encoding one key: the other published (and removed the pieces) after this one's second
     piece; this one encodes no more and reads the published cache."""
-    vae = count_encodes(latents.load_vae(kl_folder))
+    vae = count_encodes(autoencoder.load_vae(kl_folder))
     x, root = images(200), tmp_path / "cache"
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
@@ -591,7 +594,7 @@ def test_an_encode_whose_key_another_publishes_meanwhile_stops_and_reads_that_ca
 
 def test_a_piece_completed_between_the_look_and_the_claim_is_linked_not_encoded(tmp_path, kl_folder, monkeypatch):
     """Its claimer linked it and released its claim just before this encode claimed it."""
-    vae = count_encodes(latents.load_vae(kl_folder))
+    vae = count_encodes(autoencoder.load_vae(kl_folder))
     x, root = images(130), tmp_path / "cache"
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     partial = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch)
@@ -612,21 +615,21 @@ def test_a_piece_completed_between_the_look_and_the_claim_is_linked_not_encoded(
 
 
 def test_vae_normalisation_uses_scaling_and_shift_factor_and_round_trips(tmp_path):
-    vae = latents.load_vae(make_kl(tmp_path / "vae", scaling_factor=0.5, shift_factor=0.25))
+    vae = autoencoder.load_vae(make_kl(tmp_path / "vae", scaling_factor=0.5, shift_factor=0.25))
     cache = encode(vae, images(), tmp_path)
-    record = latents.normalization(cache, vae, "vae")
+    record = autoencoder.normalization(cache, vae, "vae")
     assert record["kind"] == "vae" and record["scaling_factor"] == 0.5 and record["shift_factor"] == 0.25
     assert record["shift"] == [0.25] * 4 and record["scale"] == [0.5] * 4
     assert record["normalized_std"] == pytest.approx([s * 0.5 for s in cache.stats["std"]])
     json.dumps(record)  # goes into the run's config
     z = cache.draw(range(10), epoch=0, seed=0)
-    torch.testing.assert_close(latents.normalize(z, record), (z - 0.25) * 0.5)
-    torch.testing.assert_close(latents.denormalize(latents.normalize(z, record), record), z)
-    edm = latents.normalization(cache, vae, "vae", target_std=0.5)
-    torch.testing.assert_close(latents.normalize(z, edm), (z - 0.25) * 0.25)
+    torch.testing.assert_close(autoencoder.normalize(z, record), (z - 0.25) * 0.5)
+    torch.testing.assert_close(autoencoder.denormalize(autoencoder.normalize(z, record), record), z)
+    edm = autoencoder.normalization(cache, vae, "vae", target_std=0.5)
+    torch.testing.assert_close(autoencoder.normalize(z, edm), (z - 0.25) * 0.25)
 
     # decode undoes the normalisation, then decodes: images in [-1, 1]
-    decoded = latents.decode(vae, latents.normalize(z[:3], record), record, batch_size=2)
+    decoded = autoencoder.decode(vae, autoencoder.normalize(z[:3], record), record, batch_size=2)
     with torch.no_grad():
         expected = vae.decode(z[:3]).sample.clamp(-1, 1)
     torch.testing.assert_close(decoded, expected, atol=1e-5, rtol=1e-4)
@@ -636,35 +639,35 @@ def test_vae_normalisation_uses_scaling_and_shift_factor_and_round_trips(tmp_pat
     config = json.loads((tmp_path / "vae" / "config.json").read_text())
     means, stds = [0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 4.0, 8.0]
     (tmp_path / "vae" / "config.json").write_text(json.dumps(config | dict(latents_mean=means, latents_std=stds)))
-    per_channel = latents.normalization(cache, latents.load_vae(tmp_path / "vae"), "vae")
+    per_channel = autoencoder.normalization(cache, autoencoder.load_vae(tmp_path / "vae"), "vae")
     assert per_channel["shift"] == means and per_channel["scale"] == pytest.approx([0.5 / s for s in stds])
-    torch.testing.assert_close(latents.normalize(z, per_channel)[:, 3], (z[:, 3] - 0.4) * 0.5 / 8)
+    torch.testing.assert_close(autoencoder.normalize(z, per_channel)[:, 3], (z[:, 3] - 0.4) * 0.5 / 8)
 
     # A config.json that does not set scaling_factor (diffusers would fill in SD's 0.18215)
     del config["scaling_factor"]
     (tmp_path / "vae" / "config.json").write_text(json.dumps(config))
-    bare = latents.load_vae(tmp_path / "vae")
-    one_line_error(lambda: latents.normalization(cache, bare, "vae"), "no scaling_factor", "dataset")
-    one_line_error(lambda: latents.normalization(cache, bare, "pixels"), "'vae' or 'dataset'")
+    bare = autoencoder.load_vae(tmp_path / "vae")
+    one_line_error(lambda: autoencoder.normalization(cache, bare, "vae"), "no scaling_factor", "dataset")
+    one_line_error(lambda: autoencoder.normalization(cache, bare, "pixels"), "'vae' or 'dataset'")
 
 
 def test_dataset_normalisation_gives_zero_mean_unit_std_per_channel(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     cache = encode(vae, images(64), tmp_path)
-    record = latents.normalization(cache, vae, "dataset")
+    record = autoencoder.normalization(cache, vae, "dataset")
     assert record["kind"] == "dataset" and record["mean"] == cache.stats["mean"] and record["std"] == cache.stats["std"]
     assert record["normalized_std"] == pytest.approx([1.0] * 4)
-    z = torch.cat([latents.normalize(cache.draw(range(64), epoch=e, seed=0), record) for e in range(8)])
+    z = torch.cat([autoencoder.normalize(cache.draw(range(64), epoch=e, seed=0), record) for e in range(8)])
     assert z.mean((0, 2, 3)).abs().max() < 0.05
     assert (z.std((0, 2, 3)) - 1).abs().max() < 0.05
-    raw = latents.denormalize(z, record)
-    torch.testing.assert_close(latents.normalize(raw, record), z, atol=1e-5, rtol=1e-5)
-    half = latents.normalization(cache, vae, "dataset", target_std=0.5)
+    raw = autoencoder.denormalize(z, record)
+    torch.testing.assert_close(autoencoder.normalize(raw, record), z, atol=1e-5, rtol=1e-5)
+    half = autoencoder.normalization(cache, vae, "dataset", target_std=0.5)
     assert half["normalized_std"] == pytest.approx([0.5] * 4)
 
 
 def test_draws_are_fresh_each_epoch_and_identical_for_the_same_seed_epoch_and_index(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     cache = encode(vae, images(), tmp_path)
     a = cache.draw([0, 1, 2, 3], epoch=5, seed=7)
     # the same (seed, epoch, index) in another batch, another order, a cache read afresh (a resume)
@@ -686,19 +689,19 @@ def test_draws_are_fresh_each_epoch_and_identical_for_the_same_seed_epoch_and_in
         sides.add(side)
     assert sides == {0, 1}
 
-    dataset = latents.LatentDataset(cache, latents.normalization(cache, vae, "dataset"), seed=7)
+    dataset = latents.LatentDataset(cache, autoencoder.normalization(cache, vae, "dataset"), seed=7)
     dataset.set_epoch(5)
-    torch.testing.assert_close(dataset[2], latents.normalize(a[2:3], dataset.record)[0])
-    assert torch.equal(dataset.batch([0, 1, 2, 3]), latents.normalize(a, dataset.record))
+    torch.testing.assert_close(dataset[2], autoencoder.normalize(a[2:3], dataset.record)[0])
+    assert torch.equal(dataset.batch([0, 1, 2, 3]), autoencoder.normalize(a, dataset.record))
     dataset.set_epoch(6)
-    assert not torch.equal(dataset.batch([0, 1, 2, 3]), latents.normalize(a, dataset.record))
+    assert not torch.equal(dataset.batch([0, 1, 2, 3]), autoencoder.normalize(a, dataset.record))
     assert len(dataset) == 10
 
 
 def test_a_tiny_vae_stores_its_latents_alone(tmp_path):
     from diffusers import AutoencoderTiny
 
-    vae = latents.load_vae(make_tiny(tmp_path / "tiny"))
+    vae = autoencoder.load_vae(make_tiny(tmp_path / "tiny"))
     assert isinstance(vae, AutoencoderTiny)
     x = images()
     cache = encode(vae, x, tmp_path)
@@ -708,9 +711,9 @@ def test_a_tiny_vae_stores_its_latents_alone(tmp_path):
     torch.testing.assert_close(torch.from_numpy(np.array(cache.array[:, 0, 0])), expected, atol=1e-5, rtol=1e-5)
     draws = {tuple(cache.draw([0], epoch=e, seed=0).flatten().tolist()) for e in range(12)}
     assert len(draws) == 2  # the two orientations, no noise
-    record = latents.normalization(cache, vae, "vae")  # TAESD's scaling_factor 1.0, shift 0
+    record = autoencoder.normalization(cache, vae, "vae")  # TAESD's scaling_factor 1.0, shift 0
     assert record["scale"] == [1.0] * 4 and record["shift"] == [0.0] * 4
-    assert latents.decode(vae, cache.draw([0, 1], 0, 0), record).shape == (2, 3, SIZE, SIZE)
+    assert autoencoder.decode(vae, cache.draw([0, 1], 0, 0), record).shape == (2, 3, SIZE, SIZE)
 
 
 # --- shares, publishing, leftovers ------------------------------------------------------------
@@ -743,7 +746,7 @@ def ranged(x, labels=None, batch_size=64, left_out=()):
 
 
 def test_images_of_start_and_stop_encode_as_the_whole_dataset_does_on_one_process(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     x, labels = images(70), torch.arange(70) % 3
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     whole = latents.cached_latents(vae, lambda: batches(x, 64, labels), key, root=tmp_path / "a", progress=False, log=print)
@@ -758,7 +761,7 @@ def test_images_of_start_and_stop_encode_as_the_whole_dataset_does_on_one_proces
 
 
 def test_publishing_keeps_a_valid_cache_and_replaces_an_invalid_one_aside(tmp_path, kl_folder, monkeypatch):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     first = encode(vae, images(), tmp_path)
     final, inode = first.path, (first.path / "latents.npy").stat().st_ino
@@ -864,7 +867,7 @@ def test_draws_are_standard_normal_and_independent_across_indices_and_epochs():
 
 
 def test_a_batch_draw_is_the_draws_of_its_images_alone(tmp_path, kl_folder):
-    vae = latents.load_vae(kl_folder)
+    vae = autoencoder.load_vae(kl_folder)
     cache = encode(vae, images(64), tmp_path)
     a, b = cache.draw([5], epoch=3, seed=1), cache.draw([40], epoch=3, seed=1)
     assert torch.equal(cache.draw([5, 40], epoch=3, seed=1), torch.cat([a, b]))
@@ -884,15 +887,15 @@ def test_a_batch_draw_is_the_draws_of_its_images_alone(tmp_path, kl_folder):
 
 
 def test_decode_is_bounded_by_pixels(tmp_path, kl_folder, monkeypatch):
-    vae = count_decodes(latents.load_vae(kl_folder))
+    vae = count_decodes(autoencoder.load_vae(kl_folder))
     z = torch.randn(7, 4, SIZE // 2, SIZE // 2)
     record = dict(shift=[0.0] * 4, scale=[1.0] * 4)
-    monkeypatch.setattr(latents, "ENCODE_PIXELS", 3 * SIZE * SIZE)  # 3 images of SIZE px at once
-    out = latents.decode(vae, z, record)
+    monkeypatch.setattr(autoencoder, "ENCODE_PIXELS", 3 * SIZE * SIZE)  # 3 images of SIZE px at once
+    out = autoencoder.decode(vae, z, record)
     assert vae.sizes == [3, 3, 1] and out.shape == (7, 3, SIZE, SIZE)
-    monkeypatch.setattr(latents, "ENCODE_PIXELS", 32 * SIZE * SIZE)
+    monkeypatch.setattr(autoencoder, "ENCODE_PIXELS", 32 * SIZE * SIZE)
     vae.sizes.clear()
-    latents.decode(vae, z, record)
+    autoencoder.decode(vae, z, record)
     assert vae.sizes == [7]
 
 

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from ddpm_train.data import autoencoder
+
 from ddpm_train.data import latents
 from test_latents import _one_thread  # noqa: F401  (autouse: convolutions this small run on one thread)
 
@@ -88,7 +90,7 @@ def worker(spec):
     from test_latents import count_encodes, ranged
 
     rank, world, out = spec["rank"], spec["world"], Path(spec["out"])
-    vae = count_encodes(latents.load_vae(spec["vae"]))
+    vae = count_encodes(autoencoder.load_vae(spec["vae"]))
     x, labels = dataset()
     results = {}
 
@@ -169,7 +171,7 @@ def two_processes(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("dist")
     vae_folder = make_kl(folder / "vae")
-    vae = latents.load_vae(vae_folder)
+    vae = autoencoder.load_vae(vae_folder)
     x, labels = dataset()
     key = latents.cache_key(dict(name="toy"), vae, x.shape[-1])
     reference = latents.cached_latents(vae, ranged(x, labels, left_out={LEFT_OUT}), key, root=folder / "one",

@@ -12,6 +12,7 @@ import torch
 from ddpm_train.training import checkpoint
 from ddpm_train import config
 from ddpm_train.training import ema as posthoc_ema
+from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.perf import memory
 from ddpm_train.training import optimizer as optimizers
@@ -156,7 +157,7 @@ def vae(tmp_path_factory):
 
 
 def test_cudnn_does_not_benchmark_the_vaes_convolutions(vae, monkeypatch):
-    kl = latents.load_vae(str(vae))
+    kl = autoencoder.load_vae(str(vae))
     seen = []
 
     def spy(method):
@@ -170,14 +171,14 @@ def test_cudnn_does_not_benchmark_the_vaes_convolutions(vae, monkeypatch):
     monkeypatch.setattr(kl, "decode", spy(kl.decode))
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     z = latents._encode_batch(kl, torch.zeros(2, 3, 16, 16))
-    latents.decode(kl, z[:, 0], dict(scale=[1.0] * 4, shift=[0.0] * 4))
+    autoencoder.decode(kl, z[:, 0], dict(scale=[1.0] * 4, shift=[0.0] * 4))
     assert seen == [False, False] and torch.backends.cudnn.benchmark
 
 
 def test_a_latent_run_says_what_it_holds_and_keeps_its_vae_off_the_device_but_while_decoding(tmp_path, vae, capsys,
                                                                                               monkeypatch):  # fmt: skip
     """The VAE moves to the CPU once the data is encoded, and to the device and back around each grid."""
-    moves, load = [], latents.load_vae
+    moves, load = [], autoencoder.load_vae
 
     def load_vae(*args, **kwargs):
         kl = load(*args, **kwargs)
@@ -185,7 +186,7 @@ def test_a_latent_run_says_what_it_holds_and_keeps_its_vae_off_the_device_but_wh
         monkeypatch.setattr(kl, "to", lambda device: moves.append(str(device)) or to(device))
         return kl
 
-    monkeypatch.setattr(latents, "load_vae", load_vae)
+    monkeypatch.setattr(autoencoder, "load_vae", load_vae)
     write_samples = train.Evaluation.write_samples
     monkeypatch.setattr(train.Evaluation, "write_samples", lambda evaluation, epoch: (moves.append("grid"),
                                                                                      write_samples(evaluation, epoch)))  # fmt: skip
@@ -223,7 +224,7 @@ def test_on_a_gpu_decoding_a_grid_allocates_its_activations_not_a_benchmark_work
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        latents.decode(kl, z, record, batch_size=16)
+        autoencoder.decode(kl, z, record, batch_size=16)
         decoding = (torch.cuda.max_memory_allocated() - before) / memory.GIB
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -14,7 +14,7 @@ import torch
 
 from ddpm_train.training import checkpoint
 from ddpm_train import config
-from ddpm_train.data import latents
+from ddpm_train.data import autoencoder
 from ddpm_train.evaluation import metrics
 from ddpm_train.diffusion import objectives
 from ddpm_train.training import resume as rules
@@ -47,7 +47,7 @@ CHANGED = dict(
 # How a refusal names a change of each identity key: "--flag before -> after", or in words.
 def change_words(key, before, after):
     if key == "latent_space":
-        return latents.latent_space_change(before, after)
+        return autoencoder.latent_space_change(before, after)
     if key == "num_processes":  # what to change is the launch, not a flag
         return f"processes {before!r} -> {after!r}: launch it with {before}"
     return f"{named(key)} {before!r} -> {after!r}"

@@ -15,6 +15,7 @@ from torchvision.transforms import v2 as T
 from ddpm_train import config
 from ddpm_train.data import data
 from ddpm_train.perf import flops
+from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.evaluation import metrics
 from ddpm_train.networks import model as models
@@ -53,7 +54,7 @@ def test_each_side_must_be_the_family_s_multiple():
     with pytest.raises(ConfigError, match="--image_size 96x60: it halves its input 5 times, so each side must be a multiple of 32"):
         models.check_image_size("ref128", "96x60")
     with pytest.raises(ConfigError, match="not a multiple of the VAE's factor 8 .*: use 16 or 24x16"):
-        latents.check_image_size("20x16", 8)
+        autoencoder.check_image_size("20x16", 8)
 
 
 def test_an_image_is_resized_to_cover_the_box_then_cropped():

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from ddpm_train.data import autoencoder
+
 from ddpm_train.data import latents
 from ddpm_train.errors import ConfigError, first_line
 
@@ -230,7 +232,7 @@ def encoder_identity(encoder):
     vocab = json.dumps(sorted(encoder.tokenizer.get_vocab().items()))
     return dict(
         cls=type(encoder.model).__name__,
-        weights_sha256=latents.hash_tensors(sorted(encoder.model.state_dict().items())),
+        weights_sha256=autoencoder.hash_tensors(sorted(encoder.model.state_dict().items())),
         tokenizer=type(encoder.tokenizer).__name__.removesuffix("Fast"),
         vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest(),
         max_length=encoder.max_length,

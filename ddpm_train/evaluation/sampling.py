@@ -10,7 +10,7 @@ import torch
 
 from ddpm_train.data import captions
 from ddpm_train.data import data
-from ddpm_train.data import latents
+from ddpm_train.data import autoencoder
 from ddpm_train.networks import model as models
 from ddpm_train.training import rundir
 from ddpm_train.diffusion import objectives
@@ -125,9 +125,9 @@ def check_guide(main, guide):
     are combined as they are."""
     keys = ["objective", "image_size", "class_names", "text_encoder", *objectives.of(main.get("objective")).same]
     # the latent space as resume compares it: the encoder's weights and the normalisation, not the --vae text
-    space, guide_space = latents.recorded_latent_space(main), latents.recorded_latent_space(guide)
+    space, guide_space = autoencoder.recorded_latent_space(main), autoencoder.recorded_latent_space(guide)
     if space != guide_space:
-        raise ConfigError("the guide was trained on another latent space (" + latents.latent_space_change(guide_space, space) +
+        raise ConfigError("the guide was trained on another latent space (" + autoencoder.latent_space_change(guide_space, space) +
                           "): guide with a run on the same VAE's latents, normalised the same way")  # fmt: skip
     for key in keys:
         if key == "num_train_timesteps":  # a setting (config.SETTINGS), not a flag

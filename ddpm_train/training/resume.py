@@ -15,7 +15,7 @@ from pathlib import Path
 from ddpm_train.training import checkpoint
 from ddpm_train import config
 from ddpm_train.training import ema as posthoc_ema
-from ddpm_train.data import latents
+from ddpm_train.data import autoencoder
 from ddpm_train.diffusion import loss_terms
 from ddpm_train.diffusion import objectives
 from ddpm_train.errors import ConfigError
@@ -51,7 +51,7 @@ RUN_IDENTITY = (
     # fp16 saves a GradScaler's state and loads one: compared as fp16 or not (bf16 <-> no saves the same)
     "mixed_precision",
     # a latent run's latent space: the network's inputs and outputs are latents of this encoder (its weights'
-    # hash, not the --vae text), normalised so (latents.latent_space; None for a run on pixels)
+    # hash, not the --vae text), normalised so (autoencoder.latent_space; None for a run on pixels)
     "latent_space",
     # a flow run's σ distribution (objectives.sigma_distribution: uniform or logit-normal(m, s); None for
     # other objectives, whose --timestep_sampling and --P_mean_std may change): what the network was
@@ -161,7 +161,7 @@ def saved_identity(start):
     if "flow_sigmas" not in known:  # derived from what the run recorded: none of flow's before flow runs
         known["flow_sigmas"] = objectives.sigma_distribution(known)
     if "latent_space" not in known and known.get("latents"):  # a latent run of before latent_space
-        known["latent_space"] = latents.recorded_latent_space(known)
+        known["latent_space"] = autoencoder.recorded_latent_space(known)
     saved = {}
     for key in RUN_IDENTITY:
         if key in known:
@@ -227,7 +227,7 @@ def differences(saved, current):
 
 def _difference(key, saved, now):
     if key == "latent_space":
-        return latents.latent_space_change(saved, now)
+        return autoencoder.latent_space_change(saved, now)
     if key == "num_processes":  # no flag: the launcher's
         return f"processes {saved!r} -> {now!r}: launch it with {saved}"
     return f"{key if key in DERIVED_IDENTITY else '--' + key} {saved!r} -> {now!r}"

@@ -21,7 +21,8 @@ from diffusers import DDPMPipeline
 from diffusers.utils import logging as diffusers_logging
 import safetensors.torch
 
-from ddpm_train.data import latents
+from ddpm_train.data import autoencoder
+
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
 from ddpm_train import sizes
@@ -374,13 +375,13 @@ class RunDir:
         record = self.get("latents")
         if not record:
             return None
-        vae = latents.load_vae(record["vae"], record.get("subfolder")).to(device)
-        if latents.vae_identity(vae)["encoder_sha256"] != record["encoder_sha256"]:
+        vae = autoencoder.load_vae(record["vae"], record.get("subfolder")).to(device)
+        if autoencoder.vae_identity(vae)["encoder_sha256"] != record["encoder_sha256"]:
             raise ConfigError(
                 f"the VAE at {record['vae']} is not the one {self.folder} was trained on (its encoder's weights "
                 "differ): put that VAE back there"
             )
-        return lambda z: latents.decode(vae, z, record["normalization"])
+        return lambda z: autoencoder.decode(vae, z, record["normalization"])
 
 
 def load_model(path, ema=None):
