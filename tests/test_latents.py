@@ -16,7 +16,7 @@ import torch
 
 import forked
 from ddpm_train.data import autoencoder
-from ddpm_train.data import latents
+from ddpm_train.data import keyed_random, latents
 from ddpm_train.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -841,16 +841,16 @@ def test_leftovers_are_removed_for_this_host_exactly(tmp_path, monkeypatch):
 
 def test_the_draws_generator_is_splitmix64_in_exact_uint64_arithmetic():
     values = [0, 1, 2**32 - 1, 2**63 - 1, 2**63, 2**64 - 1, 0x123456789ABCDEF0]
-    mixed = latents._mix(torch.tensor([latents._signed(v) for v in values], dtype=torch.int64))
-    assert [v % 2**64 for v in mixed.tolist()] == [latents._mix_int(v) for v in values]
-    assert latents._mix_int(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF  # splitmix64's first output for seed 0
+    mixed = keyed_random.mix(torch.tensor([keyed_random.signed(v) for v in values], dtype=torch.int64))
+    assert [v % 2**64 for v in mixed.tolist()] == [keyed_random.mix_int(v) for v in values]
+    assert keyed_random.mix_int(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF  # splitmix64's first output for seed 0
     x = torch.tensor([5, -7])
-    assert latents._shr(x, 1).tolist() == [2, 2**63 - 4]  # logical
+    assert keyed_random.shr(x, 1).tolist() == [2, 2**63 - 4]  # logical
 
 
 def test_draws_are_standard_normal_and_independent_across_indices_and_epochs():
-    keys = latents.draw_keys(3, 0, torch.arange(512))
-    eps = latents._normals(latents._words(keys, 128), 256)  # 512 images of 256 normals
+    keys = keyed_random.draw_keys(3, 0, torch.arange(512))
+    eps = keyed_random.normals(keyed_random.words(keys, 128), 256)  # 512 images of 256 normals
     assert eps.dtype == torch.float32 and eps.shape == (512, 256)
     flat = eps.double().flatten()
     assert abs(flat.mean()) < 0.01 and abs(flat.std() - 1) < 0.01
@@ -860,9 +860,9 @@ def test_draws_are_standard_normal_and_independent_across_indices_and_epochs():
     assert per_element.abs().max() < 5 / 512**0.5
     assert abs(torch.corrcoef(torch.stack([eps[:-1].flatten(), eps[1:].flatten()]))[0, 1]) < 0.02  # index i vs i+1
     assert abs(torch.corrcoef(torch.stack([eps[:, :-1].flatten(), eps[:, 1:].flatten()]))[0, 1]) < 0.02
-    other = latents._normals(latents._words(latents.draw_keys(3, 1, torch.arange(512)), 128), 256)
+    other = keyed_random.normals(keyed_random.words(keyed_random.draw_keys(3, 1, torch.arange(512)), 128), 256)
     assert abs(torch.corrcoef(torch.stack([eps.flatten(), other.flatten()]))[0, 1]) < 0.02  # epoch e vs e+1
-    reseeded = latents._normals(latents._words(latents.draw_keys(4, 0, torch.arange(512)), 128), 256)
+    reseeded = keyed_random.normals(keyed_random.words(keyed_random.draw_keys(4, 0, torch.arange(512)), 128), 256)
     assert abs(torch.corrcoef(torch.stack([eps.flatten(), reseeded.flatten()]))[0, 1]) < 0.02
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ddpm_train.data import autoencoder
 
-from ddpm_train.data import latents
+from ddpm_train.data import keyed_random, latents
 from ddpm_train.errors import ConfigError, first_line
 
 METADATA = "metadata.jsonl"  # HF ImageFolder's: one JSON object a line, {"file_name": ..., "text": ...}
@@ -356,7 +356,7 @@ class Draws:
     def batch(self, indices, epoch, device):
         """The Words of the images at (host) `indices` in `epoch`, on `device`."""
         rows = self.choices[indices]
-        keys = latents.draw_keys(self.seed ^ DRAW_SALT, epoch, indices)
+        keys = keyed_random.draw_keys(self.seed ^ DRAW_SALT, epoch, indices)
         pick = keys.remainder((rows >= 0).sum(1))
         return self.table.rows(rows.gather(1, pick.unsqueeze(1)).squeeze(1), device)
 

@@ -48,7 +48,7 @@ The array is (N, F, K, C, h, w) float32: F orientations (1, or 2 with flips: [or
 where a run resumed: a resumed run draws bit-identical latents. A batch is drawn at once: its rows read
 with one fancy index (ascending, for a memory map), its orientations and noise from a counter-based
 generator in vectorised int64 ops (splitmix64 streams keyed by (seed, e, i), Box-Muller on 24-bit
-uniforms: normals to 5.77 sigma), not a torch.Generator an image (`draw_keys`, `_words`, `_normals`).
+uniforms: normals to 5.77 sigma), not a torch.Generator an image (keyed_random.py).
 
 The key and where the cache lives. The key (`cache_key`) is the dataset's identity as the caller
 gives it, the VAE's identity, the image size, the crop and the flips, with this file's FORMAT. The
@@ -129,7 +129,7 @@ import numpy as np
 import torch
 
 from ddpm_train import sizes
-from ddpm_train.data import autoencoder
+from ddpm_train.data import autoencoder, keyed_random
 from ddpm_train.errors import ConfigError, first_line
 
 FORMAT = 1  # raise when what a cache holds, or how, changes
@@ -1020,63 +1020,6 @@ def _read(folder, key, max_gib):
         return None
 
 
-# A counter-based generator: splitmix64 (Steele, Lea and Flood 2014) on int64 tensors, whose arithmetic wraps
-# modulo 2^64 as unsigned arithmetic does, with shifts made logical. Each image's words are a splitmix64 stream
-# seeded by its key, itself the element `index` of a stream seeded by (seed, epoch): a draw depends on (seed,
-# epoch, index) alone, and a whole batch is drawn in a few vectorised integer ops.
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_MASK = 2**64 - 1
-
-
-def _signed(x):
-    x &= _MASK
-    return x - 2**64 if x >= 2**63 else x
-
-
-def _shr(x, s):
-    """Logical right shift of an int64 tensor (torch's >> is arithmetic)."""
-    shifted = x >> s
-    return shifted.bitwise_and_((1 << (64 - s)) - 1)
-
-
-def _mix(x):
-    """splitmix64's finaliser, elementwise on an int64 tensor (the bits of the uint64); x is not changed."""
-    x = x ^ _shr(x, 30)
-    x.mul_(_signed(_MIX1))
-    x.bitwise_xor_(_shr(x, 27)).mul_(_signed(_MIX2))
-    return x.bitwise_xor_(_shr(x, 31))
-
-
-def _mix_int(x):
-    """_mix on a Python int, in exact uint64 arithmetic: the reference the tensor version is tested against."""
-    x &= _MASK
-    x = ((x ^ (x >> 30)) * _MIX1) & _MASK
-    x = ((x ^ (x >> 27)) * _MIX2) & _MASK
-    return x ^ (x >> 31)
-
-
-def draw_keys(seed, epoch, indices):
-    """(B,) int64: each image's key, a function of (seed, epoch, index) alone."""
-    base = _mix_int(_mix_int(int(seed) + _GOLDEN) + int(epoch) * _GOLDEN)
-    return _mix(torch.as_tensor(indices, dtype=torch.int64) * _signed(_GOLDEN) + _signed(base))
-
-
-def _words(keys, count):
-    """(B, count) int64 random words: words 0, 1, ... of each key's stream."""
-    counter = torch.arange(1, count + 1, dtype=torch.int64) * _signed(_GOLDEN)
-    return _mix(keys[:, None] + counter)
-
-
-def _normals(words, count):
-    """(B, count) float32 standard normals from (B, ceil(count / 2)) words: Box-Muller on two 24-bit uniforms
-    of each word (float32 holds them exactly): bits 40-63 in (0, 1] give the radius, bits 8-31 the angle. The
-    radius tops out at sqrt(2 ln 2^24) = 5.77: a draw beyond 5.77 sigma (p = 8e-9) is left out."""
-    high = _shr(words, 40).add_(1).float().mul_(2.0**-24)
-    low = _shr(words, 8).bitwise_and_(0xFFFFFF).float().mul_(2 * math.pi * 2.0**-24)
-    radius = high.log_().mul_(-2).sqrt_()
-    return torch.cat([low.cos().mul_(radius), low.sin_().mul_(radius)], 1)[:, :count]
-
-
 class LatentCache:
     """A cache folder, read into memory or memory-mapped (above `max_gib` GiB)."""
 
@@ -1104,18 +1047,18 @@ class LatentCache:
         drawn from (seed, epoch, index) alone, the whole batch at once: its rows read with one fancy index (in
         ascending order, for a memory map), its random numbers from a counter-based generator (draw_keys)."""
         indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
-        keys = draw_keys(seed, epoch, indices)
+        keys = keyed_random.draw_keys(seed, epoch, indices)
         size = math.prod(self.array.shape[3:])  # C x h x w
         # word 0 of each stream picks the orientation, words 1... the noise
-        words = _words(keys, 1 + (-(-size // 2) if self.stochastic else 0))
-        sides = _shr(words[:, 0], 33) % self.orientations
+        words = keyed_random.words(keys, 1 + (-(-size // 2) if self.stochastic else 0))
+        sides = keyed_random.shr(words[:, 0], 33) % self.orientations
         order = torch.argsort(indices)
         rows = self.array[indices[order].numpy(), sides[order].numpy()]  # (B, K, C, h, w), ascending rows
         stored = torch.empty(rows.shape)
         stored[order] = torch.from_numpy(np.ascontiguousarray(rows))
         if not self.stochastic:
             return stored[:, 0]
-        eps = _normals(words[:, 1:], size).view_as(stored[:, 0])
+        eps = keyed_random.normals(words[:, 1:], size).view_as(stored[:, 0])
         return stored[:, 0] + stored[:, 1] * eps
 
 
