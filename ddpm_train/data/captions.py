@@ -283,7 +283,8 @@ class Words(NamedTuple):
     def cat(self, other):
         """These rows, then `other`'s (one row: repeated as often)."""
         n = len(self.embeddings)
-        return Words(torch.cat([self.embeddings, other.embeddings.expand(n, -1, -1)]), torch.cat([self.mask, other.mask.expand(n, -1)]))
+        return Words(torch.cat([self.embeddings, other.embeddings.expand(n, -1, -1)]),
+                     torch.cat([self.mask, other.mask.expand(n, -1)]))  # fmt: skip
 
 
 class Table:
@@ -309,13 +310,13 @@ class Table:
     def rows(self, ids, device):
         """Words of caption ids `ids` (any device), gathered on the host and moved to `device` (pinned for a GPU)."""
         ids = torch.as_tensor(ids).reshape(-1).cpu()
-        size = len(self.pieces[0][0])
-        first = self.pieces[0]
-        embeddings = torch.empty((len(ids), *first[0].shape[1:]), dtype=first[0].dtype)
-        mask = torch.empty((len(ids), first[1].shape[1]), dtype=torch.bool)
-        for piece in (ids // size).unique().tolist():
-            at = ids // size == piece
-            embeddings[at], mask[at] = self.pieces[piece][0][ids[at] % size], self.pieces[piece][1][ids[at] % size]
+        first_embeddings, first_mask, _ = self.pieces[0]
+        piece_of, row_of = ids // len(first_embeddings), ids % len(first_embeddings)
+        embeddings = torch.empty((len(ids), *first_embeddings.shape[1:]), dtype=first_embeddings.dtype)
+        mask = torch.empty((len(ids), first_mask.shape[1]), dtype=torch.bool)
+        for piece in piece_of.unique().tolist():
+            here = piece_of == piece
+            embeddings[here], mask[here] = self.pieces[piece][0][row_of[here]], self.pieces[piece][1][row_of[here]]
         device = torch.device(device)
         if device.type == "cuda":
             embeddings, mask = embeddings.pin_memory(), mask.pin_memory()
