@@ -53,7 +53,7 @@ import torch
 from ddpm_train.data import captions
 from ddpm_train.training import checkpoint
 from ddpm_train.evaluation import copies
-from ddpm_train.data import data
+from ddpm_train.data import pixels
 from ddpm_train.evaluation import metrics
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
@@ -296,7 +296,7 @@ def _run(args, rank, world, group):
     evaluation, failed = None, [None, False]  # rank 0's error, whether the statistics are to be made
     image_size = source.get("image_size") if decode is not None else sizes.of(*sampling.image_shape(net)[1:])
     channels = sampling.image_shape(net)[0] if decode is None else 3
-    bits = data.pixels_of(config or {}).bits if decode is None else 8  # a 16-bit run's PNGs are 16-bit
+    bits = pixels.pixels_of(config or {}).bits if decode is None else 8  # a 16-bit run's PNGs are 16-bit
     if args.fid and rank == 0:
         try:
             evaluation = metrics.SampleEvaluation(run_dir, source.folder, config, args, image_size)
@@ -329,7 +329,7 @@ def _run(args, rank, world, group):
             start = (rank + k * world) * args.batch_size
             for i, image in enumerate(images if writes else ()):
                 sampling.save_image(image, output / f"{start + i:06d}.png")
-            yield data.eight_bit(images)
+            yield pixels.eight_bit(images)
 
     for w in args.guidance_scales:
         grid, measured, done = [], [], 0  # measured: the copy check's samples

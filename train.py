@@ -45,6 +45,11 @@ from ddpm_train.training import checkpoint
 from ddpm_train.perf import compiling
 from ddpm_train.evaluation import copies
 from ddpm_train.data import data
+from ddpm_train.data import workers
+from ddpm_train.data import batches
+from ddpm_train.data import decoding
+from ddpm_train.data import sources
+from ddpm_train.data import shapes
 from ddpm_train.training import ema as posthoc_ema
 from ddpm_train.perf import flops
 from ddpm_train.networks import fp8
@@ -79,7 +84,7 @@ def main(args):
             args = resolve(args)
             return describe(args) if args.dry_run else train(args)
     finally:
-        data.stop_workers()  # the DataLoader workers, which leave SIGTERM and SIGINT to this process
+        workers.stop_workers()  # the DataLoader workers, which leave SIGTERM and SIGINT to this process
         checkpoint.RunLock.release_all()
         agreement.end_process_group()
 
@@ -146,7 +151,7 @@ def describe(args):
     from accelerate import PartialState
 
     state = PartialState(cpu=args.cpu)
-    num_images = args.shapes_num_images if args.dataset == data.BUILTIN else None
+    num_images = args.shapes_num_images if args.dataset == shapes.BUILTIN else None
     config, compile_why = describe_run(args, state.device, state.num_processes, num_images)
     if state.is_main_process:
         for key, value in config.items():
@@ -179,8 +184,8 @@ def latent_words(args):
     return line
 
 
-# Images decoded once and kept (unreadable ones remembered in their places: data.PreloadedImages).
-PRELOADED = (torch.Tensor, data.PreloadedImages)
+# Images decoded once and kept (unreadable ones remembered in their places: decoding.PreloadedImages).
+PRELOADED = (torch.Tensor, decoding.PreloadedImages)
 
 # With several processes, how long a process may wait in a collective, set explicitly (torch's defaults: NCCL 10
 # minutes, gloo 30). STEP_WAIT: the default group's, that of the steps, a checkpoint's save and the starting line, each
@@ -204,7 +209,7 @@ class RunData(NamedTuple):
     """What setting a run up found (set_up_data): the data it trains on, the checkpoint it starts from, and
     a latent run's latents and VAE (None for a run on pixels)."""
 
-    images: object  # a tensor, data.PreloadedImages or a streamed dataset; a latent run's latents.LatentDataset
+    images: object  # a tensor, decoding.PreloadedImages or a streamed dataset; a latent run's latents.LatentDataset
     labels: object  # a conditional run's class of each image, else None
     class_names: object  # a conditional run's class names, else None
     start_from: object  # the checkpoint to continue from, or None
@@ -213,7 +218,7 @@ class RunData(NamedTuple):
     latents: object = None  # a latent run's record for train_config.json: VAE, normalisation, cache
     decode: object = None  # a latent run's latents -> images, for the grids and FID
     vae: object = None  # a latent run's VAE: on the CPU but while grids and FID samples are decoded
-    dataset_contents: object = None  # a latent run's: what its images hold (data.dataset_identity), for FID's key
+    dataset_contents: object = None  # a latent run's: what its images hold (sources.Images.identity), for FID's key
     captions: object = None  # a captioned run's distinct captions, the empty one last (captions.caption_table)
 
 
@@ -226,13 +231,13 @@ class LatentSource(NamedTuple):
     class_names: object
     key: dict  # the latents cache's key (latents.cache_key)
     latent_space: dict  # the VAE and normalisation, hashed: what resume compares
-    dataset_contents: object  # what the images hold (data.dataset_identity), for FID's key; None for the built-in data
+    dataset_contents: object  # what the images hold (sources.Images.identity), for FID's key; None for the built-in data
 
 
 def set_up_data(args, processes, unreadable):
     """The run's data and starting point (a RunData). Decoded (or generated) before the model is built, so
     that a bad path or file fails in seconds; a latent run's encoded to latents, or read from their cache.
-    `unreadable` (data.Unreadable) counts the images that cannot be read. Too few images for one step: a ConfigError."""
+    `unreadable` (decoding.Unreadable) counts the images that cannot be read. Too few images for one step: a ConfigError."""
     resume_from = args.resume if isinstance(args.resume, str) else None  # --resume CHECKPOINT
     flow_sigmas = objectives.sigma_distribution(vars(args))  # a flow run's σ draw, also in train_config.json
     # a captioned run's captions, read before any image decodes: a bad one stops the run here (captions.py)
@@ -287,7 +292,7 @@ def latent_source(args, unreadable):
     latent_space = autoencoder.latent_space(key["vae"]["encoder_sha256"],
                                         dict(kind=kind) | (autoencoder.vae_constants(vae) if kind == "vae" else {}))  # fmt: skip
     # read once here, not again for FID's reference statistics (seconds a 100k files)
-    contents = None if args.dataset == data.BUILTIN else {k: v for k, v in identity.items() if k not in data.LABELLING}
+    contents = None if args.dataset == shapes.BUILTIN else {k: v for k, v in identity.items() if k not in data.LABELLING}
     return LatentSource(vae, images, count, class_names, key, latent_space, contents)
 
 
@@ -336,7 +341,7 @@ def prepare_reference(args, evaluator, processes, images, dataset_contents):
 
     def find():  # what the images hold: a latent run's read with them, a streamed dataset's from it (not opened again)
         contents = dataset_contents if args.vae else (
-            data.dataset_identity(args, images) if isinstance(images, (data.FileImages, data.HubImages)) else None)  # fmt: skip
+            images.identity(args) if isinstance(images, sources.Images) else None)  # fmt: skip
         found[0] = evaluator.find_reference(contents)
 
     processes.on_main_process(find)
@@ -494,7 +499,7 @@ class Run:
             evaluator = metrics.TrainingEvaluator(args, args.output_dir, self.device, log=accelerator.print)
         self.startup.mark("accelerate")
 
-        self.unreadable = data.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
+        self.unreadable = decoding.Unreadable(strict=args.on_fault == "stop", verbose=self.is_main)
         found = set_up_data(args, self.processes, self.unreadable)
         images, labels, class_names = found.images, found.labels, found.class_names
         # a captioned run's captions, each encoded once (or read from their cache: captions.cached_embeddings)
@@ -527,7 +532,7 @@ class Run:
         if isinstance(images, PRELOADED) and self.device.type == "cuda":
             images = images.to(self.device)  # small enough to sit on the GPU: --preload_data's MAX_GIB
         conditions = labels if table is None else captions.Draws(table, labels, args.seed)  # each image's caption drawn
-        self.batches = data.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
+        self.batches = batches.Batches(images, args.train_batch_size, args.seed, self.device, accelerator.process_index,
                                     self.world, args.dataloader_num_workers, self.unreadable, conditions)  # fmt: skip
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             # autoguidance's network: building it (a checkpoint's) draws random numbers, which must not change the

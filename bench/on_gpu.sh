@@ -213,7 +213,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from ddpm_train.data import data
+from ddpm_train.data import shapes
 from PIL import Image
 
 folder, n, side = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -221,7 +221,7 @@ folder.mkdir(parents=True, exist_ok=True)
 small = min(side, 64)  # drawn at 64px at most, then resized: quick even for 4,096 images
 
 def write(lo):
-    images = data.make_shapes(min(256, n - lo), small, seed=lo, supersample=2)
+    images = shapes.make_shapes(min(256, n - lo), small, seed=lo, supersample=2)
     for i, image in enumerate(images.permute(0, 2, 3, 1).numpy()):
         Image.fromarray(image).resize((side, side), Image.BICUBIC).save(folder / f"{lo + i:05d}.jpg", quality=90)
 

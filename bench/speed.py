@@ -58,6 +58,7 @@ from ddpm_train.training import checkpoint
 from ddpm_train.perf import compiling
 from ddpm_train import config
 from ddpm_train.data import data
+from ddpm_train.data import batches
 from ddpm_train.perf import flops
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
@@ -509,7 +510,7 @@ def flat_gradients(unet):
 def check_inputs(images, seed, device):
     """Fixed model inputs for the check: clean images (no flip), noise and timesteps."""
     g = torch.Generator().manual_seed(seed + 1)
-    clean = data.to_model_input(images, random_flip=False)
+    clean = batches.to_model_input(images, random_flip=False)
     noise = torch.randn(clean.shape, generator=g).to(device)
     timesteps = torch.randint(0, config.SETTINGS["num_train_timesteps"], (clean.shape[0],), generator=g).to(device)
     return clean, noise, timesteps
@@ -684,7 +685,7 @@ def run_workload(name, args, device, peaks, print_line, save):
         flops_per_step = per_image["model_flops"] * batch_size
         g = torch.Generator().manual_seed(args.seed)
         side = workload["image_size"]
-        if workload.get("channels"):  # a latent run's batch: floats, drawn already (data.to_model_input takes them as they are)
+        if workload.get("channels"):  # a latent run's batch: floats, drawn already (batches.to_model_input takes them as they are)
             images = torch.randn(batch_size, workload["channels"], side, side, generator=g).to(device)
         else:
             images = torch.randint(0, 256, (batch_size, 3, side, side), generator=g, dtype=torch.uint8).to(device)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from ddpm_train import config
-from ddpm_train.data import data
+from ddpm_train.data import shapes
 from ddpm_train.networks import model as models
 from ddpm_train.perf import profiling
 from ddpm_train.errors import ConfigError, one_line_errors
@@ -147,7 +147,7 @@ def add_arguments(p):
     s.add_argument("--values", default=None, help="comma-separated values to sweep (default: by sweep, see docs/performance.md)")
     s.add_argument("--sweep_epochs", type=int, default=3, help="epochs per point; the first is warm-up, not timed")
     s.add_argument("--num_images", type=int, default=2048, help="images per epoch (the built-in shapes)")
-    s.add_argument("--dataset", default=data.BUILTIN, help="train.py --dataset for every point")
+    s.add_argument("--dataset", default=shapes.BUILTIN, help="train.py --dataset for every point")
     s.add_argument(
         "--train_args",
         default="",
@@ -198,7 +198,7 @@ def validate(args, workloads):
         base = train_flags(args, workload, point, dataset=args.dataset, output_dir="unused")
         settings = config.resolve(_parse_train_flags(base))
         per_step = settings.train_batch_size * settings.gradient_accumulation_steps * processes(args, point)
-        if args.dataset == data.BUILTIN and args.num_images < per_step:
+        if args.dataset == shapes.BUILTIN and args.num_images < per_step:
             raise ConfigError(f"--num_images {args.num_images} is less than one step of {per_step} images: raise it")
     return points
 
@@ -261,7 +261,7 @@ def write_shapes_folder(folder, num_images, side, seed):
     from PIL import Image
 
     folder.mkdir(parents=True)
-    for i, image in enumerate(data.make_shapes(num_images, side, seed=seed)):
+    for i, image in enumerate(shapes.make_shapes(num_images, side, seed=seed)):
         Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i:05d}.jpg", quality=95)
     return str(folder)
 
@@ -405,7 +405,7 @@ def main(args, workloads, draw_if_possible):
     tag = args.tag or f"{profiling.device_tag(env)}_sweep-{args.sweep}_{args.workload}"
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as work:
         dataset = args.dataset
-        if args.sweep == "dataloader_num_workers" and dataset == data.BUILTIN:
+        if args.sweep == "dataloader_num_workers" and dataset == shapes.BUILTIN:
             side = 2 * workload["image_size"]
             print(f"writing {args.num_images} shapes as {side}px JPEG files for the DataLoader to decode", flush=True)
             dataset = sweep["dataset"] = write_shapes_folder(Path(work) / "images", args.num_images, side, args.seed)

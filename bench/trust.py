@@ -19,7 +19,8 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2.functional import gaussian_blur
 
-from ddpm_train.data import data
+
+from ddpm_train.data import shapes
 from ddpm_train.evaluation import metrics
 from ddpm_train.evaluation import shapescore
 from ddpm_train.errors import ConfigError, OneLineParser, one_line_errors
@@ -83,9 +84,9 @@ def trust_table(image_size=32, num_images=2048, grids=(), device="cpu", log=prin
     grids = {Path(path).name: grid_images(path, image_size) for path in grids}  # a bad file fails before any training
     scorer = shapescore.load_or_train(image_size, device=device, log=log)
     reference = metrics.Reference.from_features(
-        metrics.embed(scorer, metrics.uint8_batches(data.make_shapes(num_images, image_size, seed=0), 256), device), key={}
+        metrics.embed(scorer, metrics.uint8_batches(shapes.make_shapes(num_images, image_size, seed=0), 256), device), key={}
     )  # fmt: skip
-    other = data.make_shapes(num_images, image_size, seed=1)
+    other = shapes.make_shapes(num_images, image_size, seed=1)
     sigma = image_size / 32
     sets = [
         ("real, another seed", other),

@@ -38,6 +38,9 @@ from ddpm_train.data import captions
 from ddpm_train.training import checkpoint
 from ddpm_train.perf import compiling
 from ddpm_train.data import data
+from ddpm_train.data import sources
+from ddpm_train.data import pixels
+from ddpm_train.data import shapes
 from ddpm_train.networks import dit
 from ddpm_train.training import ema as posthoc_ema
 from ddpm_train.networks import fp8
@@ -93,7 +96,7 @@ def default_objective(model_name, dataset):
     gradients of colour (the bare run's grid). A resumed run keeps the objective it recorded
     (resume.keep_recorded_objective)."""
     family = models.family_name(model_name)
-    return "ddpm" if family == "unet" and dataset == data.BUILTIN else models.FAMILIES[family].default_objective
+    return "ddpm" if family == "unet" and dataset == shapes.BUILTIN else models.FAMILIES[family].default_objective
 
 # What a run's train_config.json holds beside its flags: facts of the run (the
 # data, the machine, the FLOPs), recomputed by every run, and the --config it was
@@ -326,7 +329,7 @@ def build_parser(prog="train.py", source=""):
 
     d = p.add_argument_group("data")
     flag(d, "dataset", "'shapes' (built in, no files), a folder of images, a dataset saved with datasets' "
-         "save_to_disk, or a Hub dataset id", data.BUILTIN)  # fmt: skip
+         "save_to_disk, or a Hub dataset id", shapes.BUILTIN)  # fmt: skip
     flag(d, "dataset_config", "Hub dataset configuration name")
     flag(d, "split", "dataset split to train on", "train")
     flag(d, "image_column", "column holding the images (default: found by type)")
@@ -654,7 +657,7 @@ def _check_captions(args):
         return
     if args.class_conditional:
         raise ConfigError("--text_encoder conditions on captions, --class_conditional on class labels: pick one")
-    if args.dataset == data.BUILTIN:
+    if args.dataset == shapes.BUILTIN:
         raise ConfigError("--text_encoder trains from captions, and the built-in shapes have none: point --dataset "
                           "at captioned images (docs/text.md)")  # fmt: skip
 
@@ -697,7 +700,7 @@ def on_gpu(args):
 def _fill_gpu_bare_run(args):
     """GPU_BARE_RUN's values where unset, for the built-in shapes at 32px with --model auto on a GPU;
     elsewhere only the built-in dataset's size."""
-    if args.dataset == data.BUILTIN and args.model == "auto" and args.image_size == 32 and not args.vae and on_gpu(args):
+    if args.dataset == shapes.BUILTIN and args.model == "auto" and args.image_size == 32 and not args.vae and on_gpu(args):
         for name, value in GPU_BARE_RUN.items():
             if name in SMALL.ddpm and not objectives.of(args.objective).discrete:
                 continue  # DDPM's settings; --objective edm or flow draws its own noise levels
@@ -719,11 +722,11 @@ def _fill_pixels(args):
     if getattr(args, "image_channels", None) is not None:  # resolved already
         return
     local = Path(args.dataset).expanduser().exists()
-    hub = not local and not data.looks_like_path(args.dataset) and not args.dry_run
+    hub = not local and not sources.looks_like_path(args.dataset) and not args.dry_run
     # a missing folder is refused where the data loads (data.load_images), with the other checks of the data
     height, width = sizes.height_width(args.image_size)
-    found = data.survey(data.open_run_dataset(args), (height, width)) if args.dataset != data.BUILTIN and (local or hub) else None
-    args.image_channels, args.image_bits = found.pixels if found else data.Pixels()
+    found = data.survey(data.open_run_dataset(args), (height, width)) if args.dataset != shapes.BUILTIN and (local or hub) else None
+    args.image_channels, args.image_bits = found.pixels if found else pixels.Pixels()
     args.data_survey = found._asdict() if found else None
 
 

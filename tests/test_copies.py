@@ -6,7 +6,9 @@ import torch
 from PIL import Image
 
 from ddpm_train.evaluation import copies
-from ddpm_train.data import data
+from ddpm_train.data import decoding
+from ddpm_train.data import sources
+from ddpm_train.data import shapes
 from ddpm_train.errors import ConfigError
 
 
@@ -43,7 +45,7 @@ def test_a_sample_far_from_all_is_not_a_copy_and_one_of_an_image_held_twice_is()
 
 
 class Items(torch.utils.data.Dataset):
-    """A streamed dataset as data.FileImages' items are: (image, None), or (None, error) for an unreadable one."""
+    """A streamed dataset as sources.FileImages' items are: (image, None), or (None, error) for an unreadable one."""
 
     def __init__(self, images, unreadable=()):
         self.images, self.unreadable = images, set(unreadable)
@@ -99,23 +101,23 @@ def test_what_cannot_be_checked_is_one_line():
 
 def test_the_runs_training_images_and_flips():
     images = random_images(6)
-    preloaded = data.PreloadedImages(images[:5], torch.tensor([True] * 5 + [False]), {5: "unreadable"})
+    preloaded = decoding.PreloadedImages(images[:5], torch.tensor([True] * 5 + [False]), {5: "unreadable"})
     assert copies.run_training_images({}, 8, images).images is images
     assert copies.run_training_images({}, 8, preloaded).images is preloaded.images
-    streamed = data.FileImages([], None)
+    streamed = sources.FileImages([], None)
     assert copies.run_training_images(dict(augment="flip"), 8, streamed).images is streamed
-    shapes = dict(dataset=data.BUILTIN, shapes_num_images=12, seed=3, augment="flip,crop")
-    expected = data.builtin_images(12, 8, 3)[0]
+    drawn = dict(dataset=shapes.BUILTIN, shapes_num_images=12, seed=3, augment="flip,crop")
+    expected = shapes.builtin_images(12, 8, 3)[0]
     for given in (None, torch.zeros(12, 4, 2, 2), streamed):  # nothing, a latent run's latents, random crops: opened
-        assert torch.equal(copies.run_training_images(shapes, 8, given).images, expected)
+        assert torch.equal(copies.run_training_images(drawn, 8, given).images, expected)
     assert [copies.trained_with_flips(o) for o in (dict(augment="none"), dict(augment="flip,crop"), {},
                                                    dict(random_flip=False))] == [False, True, True, False]  # fmt: skip
 
 
 def test_check_takes_what_train_py_has_and_writes_the_pairs(tmp_path):
-    args = argparse.Namespace(dataset=data.BUILTIN, shapes_num_images=24, seed=0, augment="flip", image_size=16,
+    args = argparse.Namespace(dataset=shapes.BUILTIN, shapes_num_images=24, seed=0, augment="flip", image_size=16,
                               class_conditional=False)  # fmt: skip
-    images = data.builtin_images(24, 16, 0)[0]
+    images = shapes.builtin_images(24, 16, 0)[0]
     samples = torch.cat([images[:3], random_images(1, size=16, seed=5)])
     for given in (images, None):  # the run's preloaded images, or opened from its flags
         result = copies.check(samples, given, args, tmp_path / "copies.png")

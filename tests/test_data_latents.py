@@ -8,6 +8,8 @@ from PIL import Image
 
 from ddpm_train import config
 from ddpm_train.data import data
+from ddpm_train.data import batches
+from ddpm_train.data import decoding
 from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
 from ddpm_train.errors import ConfigError
@@ -39,7 +41,7 @@ def symlinked_files(target, folder):
 
 
 def identity(folder, *flags):
-    return data.images_to_encode(run_args("--dataset", folder, *flags), data.Unreadable(verbose=False))[0]
+    return data.images_to_encode(run_args("--dataset", folder, *flags), decoding.Unreadable(verbose=False))[0]
 
 
 def test_identity_of_a_folder_survives_symlinks(tmp_path):
@@ -63,7 +65,7 @@ def test_identity_of_a_folder_survives_symlinks(tmp_path):
     dataset = data.open_run_dataset(args)
     (images / "b" / "3.png").unlink()
     with pytest.raises(ConfigError, match=r"cannot read image .*linked/b/3.png \(.*\): remove or replace the file"):
-        data.dataset_identity(args, dataset)
+        dataset.identity(args)
 
 
 def test_identity_of_a_saved_dataset_is_stable(tmp_path):
@@ -104,7 +106,7 @@ def test_a_range_of_the_images_to_encode_is_the_same_batches(tmp_path):
     """images(start, stop): a shard of the encoding pass, in the batches of 64 the whole pass gives (labels too)."""
     folder = write_images(tmp_path / "images", count=40)  # 80 images: batches of 64 and 16
     (folder / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")  # item 80 (sorted last), in the second batch
-    unreadable = data.Unreadable(verbose=False)
+    unreadable = decoding.Unreadable(verbose=False)
     _, images, count, class_names = data.images_to_encode(run_args("--dataset", folder, "--class_conditional"), unreadable)
     assert count == 81 and class_names == ["a", "b"]
     whole = list(images())
@@ -124,7 +126,7 @@ def test_a_range_of_the_images_to_encode_is_the_same_batches(tmp_path):
 @pytest.mark.parametrize("conditional", [False, True])
 def test_a_range_of_the_builtin_images_to_encode(conditional):
     flags = ["--shapes_num_images", 70, "--image_size", 8] + (["--class_conditional"] if conditional else [])
-    _, images, count, _ = data.images_to_encode(run_args(*flags), data.Unreadable(verbose=False))
+    _, images, count, _ = data.images_to_encode(run_args(*flags), decoding.Unreadable(verbose=False))
     whole = list(images())
     assert count == 70 and len(whole) == 2 and isinstance(whole[0], tuple) == conditional
     batches_equal(list(images(0, 64)) + list(images(64, None)), whole)
@@ -148,8 +150,8 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
     assert cache.memmapped == memmapped
     record = autoencoder.normalization(cache, vae, "dataset")
     dataset = latents.LatentDataset(cache, record, seed=3)
-    here = data.Batches(dataset, 4, 3, CPU, labels=cache.labels)
-    ahead = data.Batches(dataset, 4, 3, CPU, num_workers=2, labels=cache.labels)
+    here = batches.Batches(dataset, 4, 3, CPU, labels=cache.labels)
+    ahead = batches.Batches(dataset, 4, 3, CPU, num_workers=2, labels=cache.labels)
     drawn = {epoch: list(here.epoch(epoch)) for epoch in (0, 1)}  # this process' dataset is left at epoch 1
     in_here, batch = [], dataset.batch
     dataset.batch = lambda indices: in_here.append(indices) or batch(indices)  # a forked worker counts in its copy
@@ -158,7 +160,7 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
         got = list(ahead.epoch(epoch))
         workers.append([w.pid for w in ahead.loader._iterator._workers])
         assert len(got) == 3
-        for (z, y), (same_z, same_y), index in zip(got, drawn[epoch], data.epoch_batches(12, 4, 3, epoch), strict=True):
+        for (z, y), (same_z, same_y), index in zip(got, drawn[epoch], batches.epoch_batches(12, 4, 3, epoch), strict=True):
             assert torch.equal(z, same_z) and torch.equal(y, same_y) and torch.equal(y, labels[index])
             assert torch.equal(z, autoencoder.normalize(cache.draw(index, epoch, 3), record))
     resumed = list(ahead.epoch(1, start=2))

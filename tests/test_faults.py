@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from ddpm_train.training import agreement
 from ddpm_train.training import checkpoint
 from ddpm_train.data import data
+from ddpm_train.data import shapes
 from ddpm_train.perf import flops
 import forked
 from ddpm_train.evaluation import metrics
@@ -786,7 +787,7 @@ def test_an_evaluation_generates_a_share_of_its_samples_on_each_process(tmp_path
     assert result["num_images"] == 5 and result["step"] == 6
     assert zero["reference"] == list(range(16)) and one["reference"] == list(range(16, 32))
     saved = torch.load(out / metrics.REFERENCE_FILE, weights_only=True)
-    alone = metrics.Reference.of_images(data.builtin_images(32, 16, 0)[0], TinyFeatures(), "cpu", 2, key={})
+    alone = metrics.Reference.of_images(shapes.builtin_images(32, 16, 0)[0], TinyFeatures(), "cpu", 2, key={})
     assert int(saved["fid_state"]["real_features_num_samples"]) == 32
     for name, value in alone.fid_state.items():
         torch.testing.assert_close(saved["fid_state"][name], value, rtol=1e-12, atol=1e-12)

@@ -236,11 +236,11 @@ def test_reduce_overhead_through_main_captures_every_graph(tmp_path, model):
 def test_fids_statistics_made_and_scored_on_the_gpu_are_the_cpus():
     """The reference's sums and the generated images' on the device (where train.py and sample.py make them),
     KID's rows and the scores back on the host: what the CPU makes, to the features' float32 rounding."""
-    from ddpm_train.data import data
+    from ddpm_train.data import shapes
     from ddpm_train.evaluation import metrics
     from test_metrics import TinyFeatures
 
-    images = data.make_shapes(64, 16, seed=1)
+    images = shapes.make_shapes(64, 16, seed=1)
     scores = {}
     for device in ("cpu", "cuda"):
         statistics = metrics.statistics_of_share(images[:40], TinyFeatures(), device, 8)
@@ -306,11 +306,11 @@ def test_a_run_started_from_another_runs_weights_trains_on_the_gpu(tmp_path, cap
 
 
 def test_the_copy_search_on_the_gpu_finds_what_the_cpu_finds():
+    from ddpm_train.data import shapes
     from ddpm_train.evaluation import copies
-    from ddpm_train.data import data
 
-    images = data.make_shapes(300, 16, seed=2)
-    samples = torch.cat([images[:8], data.make_shapes(8, 16, seed=3)])
+    images = shapes.make_shapes(300, 16, seed=2)
+    samples = torch.cat([images[:8], shapes.make_shapes(8, 16, seed=3)])
     found = {device: copies.search(samples, copies.TrainingImages(images.to(device)), flips=True, device=device)
              for device in ("cpu", "cuda")}  # fmt: skip
     assert torch.equal(found["cuda"].indices.cpu(), found["cpu"].indices)

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-from ddpm_train.data import data  # noqa: E402
+from ddpm_train.data import sources
 from bench import faces, labelled, quality  # noqa: E402
 from bench import speed as bench  # noqa: E402
 
@@ -52,8 +52,8 @@ def test_no_held_apart_pixel_is_in_a_training_crop():
 
 def test_write_makes_a_class_folder_train_py_reads_and_a_held_apart_one(tmp_path):
     assert labelled.write(tmp_path, train_per_class=2, held_per_class=1) == {"train": 20, "held": 10}
-    paths = data.find_images(tmp_path / "train")
-    labels, names = data.folder_labels(tmp_path / "train", paths)
+    paths = sources.find_images(tmp_path / "train")
+    labels, names = sources.folder_labels(tmp_path / "train", paths)
     assert names == sorted(labelled.PHOTOS) and labels.tolist() == [i // 2 for i in range(20)]
     images, held_labels, held_names = labelled.read_split(tmp_path, "held")
     assert images.shape == (10, 32, 32, 3) and held_labels.tolist() == list(range(10)) and held_names == names

@@ -8,6 +8,10 @@ from PIL import Image
 
 from ddpm_train import config
 from ddpm_train.data import data
+from ddpm_train.data import batches
+from ddpm_train.data import decoding
+from ddpm_train.data import sources
+from ddpm_train.data import shapes
 from ddpm_train.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -21,7 +25,7 @@ def run_args(*argv):
 
 def load(*argv):
     """load_images of the flags `argv`, skipping unreadable images: (images, labels, class_names, unreadable)."""
-    unreadable = data.Unreadable(verbose=False)
+    unreadable = decoding.Unreadable(verbose=False)
     return (*data.load_images(run_args(*argv), unreadable), unreadable)
 
 
@@ -54,7 +58,7 @@ def test_class_folders_give_labels_and_an_unreadable_image_keeps_its_place_and_l
     images, labels, class_names, unreadable = load("--dataset", tmp_path, "--class_conditional")
     assert class_names == ["cat", "dog"]
     # preloaded as streamed: broken.png (cat's item 3) keeps its index and its label, and has no image
-    assert isinstance(images, data.PreloadedImages) and len(images) == len(labels) == 7 and len(unreadable) == 1
+    assert isinstance(images, decoding.PreloadedImages) and len(images) == len(labels) == 7 and len(unreadable) == 1
     readable = images.rows >= 0
     assert readable.tolist() == [True] * 3 + [False] + [True] * 3
     check_aligned(images.images, labels[readable], classes)
@@ -66,10 +70,10 @@ def test_class_folders_give_labels_and_an_unreadable_image_keeps_its_place_and_l
 def test_streamed_class_folders_give_aligned_labels_in_batches(tmp_path):
     classes = class_tree(tmp_path)
     dataset, labels, class_names, _ = load("--dataset", tmp_path, "--class_conditional", "--no-preload_data")
-    assert isinstance(dataset, data.FileImages) and len(labels) == len(dataset) == 7 and class_names == ["cat", "dog"]
-    unreadable = data.Unreadable(verbose=False)
-    batches = data.Batches(dataset, 7, seed=0, device=CPU, unreadable=unreadable, labels=labels)
-    [(images, batch_labels)] = batches.epoch(0)
+    assert isinstance(dataset, sources.FileImages) and len(labels) == len(dataset) == 7 and class_names == ["cat", "dog"]
+    unreadable = decoding.Unreadable(verbose=False)
+    made = batches.Batches(dataset, 7, seed=0, device=CPU, unreadable=unreadable, labels=labels)
+    [(images, batch_labels)] = made.epoch(0)
     # broken.png is left out, its place taken by a readable image of the batch, labels following
     assert len(images) == 7 and len(unreadable) == 1
     check_aligned(images, batch_labels, classes)
@@ -119,23 +123,23 @@ def test_label_column_of_plain_values_is_numbered_in_sorted_order(tmp_path, valu
 
 
 def test_builtin_shapes_are_labelled_by_their_one_shape():
-    images, labels, class_names = data.builtin_images(24, 16, seed=3, class_conditional=True)
-    _, truth = data.make_shapes(24, 16, seed=3, max_shapes=1, with_labels=True)
+    images, labels, class_names = shapes.builtin_images(24, 16, seed=3, class_conditional=True)
+    _, truth = shapes.make_shapes(24, 16, seed=3, max_shapes=1, with_labels=True)
     assert class_names == ["circle", "square", "triangle"] and labels.dtype == torch.long
     assert torch.all(truth["count"] == 1) and torch.equal(labels, truth["kind"][:, 0])
     assert set(labels.tolist()) == {0, 1, 2}
-    assert torch.equal(images, data.make_shapes(24, 16, seed=3, max_shapes=1))
+    assert torch.equal(images, shapes.make_shapes(24, 16, seed=3, max_shapes=1))
     loaded, loaded_labels, _, _ = load("--class_conditional", "--shapes_num_images", 24, "--image_size", 16, "--seed", 3)
     assert torch.equal(loaded, images) and torch.equal(loaded_labels, labels)
 
 
 def test_builtin_unconditional_images_are_unchanged():
-    images, labels, class_names = data.builtin_images(6, 16, seed=0)
+    images, labels, class_names = shapes.builtin_images(6, 16, seed=0)
     assert labels is None and class_names is None
     # make_shapes(6, 16, seed=0) before class labels existed
     assert hashlib.sha256(images.numpy().tobytes()).hexdigest() == UNCONDITIONAL_SHAPES_SHA256
     images, labels, _, _ = load("--shapes_num_images", 6, "--image_size", 16)
-    assert labels is None and torch.equal(images, data.make_shapes(6, 16, seed=0))
+    assert labels is None and torch.equal(images, shapes.make_shapes(6, 16, seed=0))
 
 
 def test_flat_folder_is_an_error_for_a_conditional_run(tmp_path):
@@ -167,16 +171,16 @@ def test_dataset_without_labels_and_a_missing_label_column_are_errors(tmp_path):
 def test_labelled_batches_keep_the_unconditional_order(tmp_path, preloaded):
     for i in range(12):
         write_image(tmp_path / f"c{i % 3}" / f"{i:02d}.png", 20 * i)
-    dataset = data.open_dataset(str(tmp_path), 8, class_conditional=True)
-    source = data.preload(dataset) if preloaded else dataset
-    plain = list(data.Batches(source, 4, seed=1, device=CPU).epoch(2, start=1))
-    labelled = list(data.Batches(source, 4, seed=1, device=CPU, labels=dataset.labels).epoch(2, start=1))
+    dataset = sources.open_dataset(str(tmp_path), 8, class_conditional=True)
+    source = decoding.preload(dataset) if preloaded else dataset
+    plain = list(batches.Batches(source, 4, seed=1, device=CPU).epoch(2, start=1))
+    labelled = list(batches.Batches(source, 4, seed=1, device=CPU, labels=dataset.labels).epoch(2, start=1))
     assert len(plain) == len(labelled) == 2
     for images, (same, labels) in zip(plain, labelled):
         assert torch.equal(images, same)
         assert labels.tolist() == [int(red) // 20 % 3 for red in images[:, 0, 0, 0]]
     # Two processes: each rank's half of every global batch, its labels still its images'
-    ranks = [list(data.Batches(source, 2, seed=1, device=CPU, rank=r, world_size=2, labels=dataset.labels).epoch(2, start=1))
+    ranks = [list(batches.Batches(source, 2, seed=1, device=CPU, rank=r, world_size=2, labels=dataset.labels).epoch(2, start=1))
              for r in (0, 1)]  # fmt: skip
     for images, (zero, one) in zip(plain, zip(*ranks)):
         assert torch.equal(torch.cat([zero[0], one[0]]), images)

@@ -267,7 +267,7 @@ def test_a_class_conditional_latent_run_samples_by_class_with_guidance_and_fid(t
     assert saved["class_names"] == ["circle", "square", "triangle"] and saved["num_classes"] == 3
     # the labels were cached with the latents: the kind of each image's one shape
     cached = latents.LatentCache(saved["latents"]["cache"])
-    _, kinds, _ = train.data.builtin_images(16, 16, 0, class_conditional=True)
+    _, kinds, _ = train.shapes.builtin_images(16, 16, 0, class_conditional=True)
     assert torch.equal(cached.labels, kinds) and saved["class_counts"] == torch.bincount(kinds, minlength=3).tolist()
     # evaluated at each guidance scale on decoded images, against the training images (not their latents)
     (result,) = json.loads((out / "eval_results.json").read_text())
@@ -314,7 +314,7 @@ def test_edm_with_an_edm2_preset_on_latents_normalised_by_the_data(tmp_path, vae
 
 
 def test_the_step_trains_on_each_epochs_draws_as_drawn(tmp_path, vae):
-    """data.Batches of a LatentDataset: the epoch's batches (data.epoch_batches' order) hold that epoch's draws,
+    """batches.Batches of a LatentDataset: the epoch's batches (batches.epoch_batches' order) hold that epoch's draws,
     with their labels, and the step takes them as they are (flips were drawn with them)."""
     images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
     labels = torch.arange(8) % 3
@@ -323,14 +323,14 @@ def test_the_step_trains_on_each_epochs_draws_as_drawn(tmp_path, vae):
     cache = latents.cached_latents(loaded, lambda: [(images, labels)], key, progress=False, log=lambda line: None)
     record = autoencoder.normalization(cache, loaded, "dataset")
     dataset = latents.LatentDataset(cache, record, seed=3)
-    batches = train.data.Batches(dataset, 4, 3, torch.device("cpu"), labels=cache.labels)
+    batches = train.batches.Batches(dataset, 4, 3, torch.device("cpu"), labels=cache.labels)
     for epoch in (0, 1):
-        order = train.data.epoch_batches(8, 4, 3, epoch)
+        order = train.batches.epoch_batches(8, 4, 3, epoch)
         got = list(batches.epoch(epoch, start=1))  # a resumed epoch starts mid-way
         assert len(got) == 1
         (z, y), index = got[0], order[1]
         assert torch.equal(z, autoencoder.normalize(cache.draw(index, epoch, 3), record)) and torch.equal(y, labels[index])
-        assert train.data.to_model_input(z) is z
+        assert train.batches.to_model_input(z) is z
     assert not torch.equal(list(batches.epoch(0))[0][0], list(batches.epoch(1))[0][0])
 
 
@@ -489,4 +489,4 @@ def test_a_stop_signal_to_every_process_of_the_job_saves_the_checkpoint_with_dra
         train_latents(out, vae, "--dataloader_num_workers", 2, "--max_train_steps", 40, "--save_images_epochs", 100)
     assert stopped.value.code == 143, capsys.readouterr().err[-2000:]
     assert (out / "checkpoints" / "checkpoint-3").is_dir() and "stopped by SIGTERM at step 3" in capsys.readouterr().out
-    assert multiprocessing.active_children() == []  # its workers ended with it (data.stop_workers)
+    assert multiprocessing.active_children() == []  # its workers ended with it (workers.stop_workers)

@@ -734,7 +734,7 @@ def test_shares_are_contiguous_aligned_to_the_decode_batch_and_cover_every_item(
 
 
 def ranged(x, labels=None, batch_size=64, left_out=()):
-    """images(start, stop) as data.decoded_batches gives them: batches of 64 items from `start`, unreadable
+    """images(start, stop) as decoding.decoded_batches gives them: batches of 64 items from `start`, unreadable
     items (`left_out`) dropped from their batch."""
 
     def images(start, stop):

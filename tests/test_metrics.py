@@ -12,7 +12,9 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 
-from ddpm_train.data import data
+
+from ddpm_train.data import sources
+from ddpm_train.data import shapes
 from ddpm_train.evaluation import metrics
 from ddpm_train.training import rundir
 import sample
@@ -36,7 +38,7 @@ class TinyFeatures(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def images():
-    return data.make_shapes(192, 16, seed=1)
+    return shapes.make_shapes(192, 16, seed=1)
 
 
 def features_of(images, batch_size):
@@ -92,9 +94,9 @@ def test_generated_images_scored_a_batch_at_a_time_score_as_all_at_once(images, 
     whole, parts = reference.scores(fake), generated.scores(reference)
     assert parts == pytest.approx(whole, rel=1e-9) and whole["kid_std"] > 0
 
-    shapes, kinds, _ = data.builtin_images(40, 16, 3, class_conditional=True)
+    drawn, kinds, _ = shapes.builtin_images(40, 16, 3, class_conditional=True)
     labels = torch.cat([kinds[:20], kinds[20:].roll(1)])  # half asked for another kind than each shows
-    features = metrics.embed(shape_scorer, [shapes], "cpu")
+    features = metrics.embed(shape_scorer, [drawn], "cpu")
     shapes_reference = metrics.Reference.from_features(features, key={})
     at_once = metrics.score(shapes_reference, shape_scorer, "s", features, labels=labels)
     generated = metrics.generated_by(shape_scorer)
@@ -108,7 +110,7 @@ def test_generated_images_scored_a_batch_at_a_time_score_as_all_at_once(images, 
     evaluator.extractor, evaluator.extractor_name, evaluator.device = shape_scorer, "s", "cpu"
     evaluator.reference, evaluator.output_dir = shapes_reference, tmp_path
     evaluator.best = metrics.BestCheckpoint(tmp_path / "best")
-    result = evaluator.evaluate(lambda w: shapes.split(6), [1.0], "euler", 2, 1, 2, lambda folder: None, labels=labels)
+    result = evaluator.evaluate(lambda w: drawn.split(6), [1.0], "euler", 2, 1, 2, lambda folder: None, labels=labels)
     assert {k: result[k] for k in at_once} == pytest.approx(at_once, rel=1e-5) and result["num_images"] == 40  # embedded by 6
     assert result["class_match"] == at_once["class_match"]
 
@@ -210,7 +212,7 @@ def test_statistics_made_batch_by_batch_are_those_of_all_features_at_once(tmp_pa
     monkeypatch.setattr(metrics, "KID_MAX_IMAGES", 4)  # a subset of the 7 items
     folder = image_folder(tmp_path / "images", 6)
     (folder / "03b.png").write_bytes(b"not a png")  # item 4 of 7, in sorted order
-    dataset = data.open_dataset(str(folder), 8)
+    dataset = sources.open_dataset(str(folder), 8)
     readable = torch.stack([image for image, _ in (dataset[i] for i in range(len(dataset))) if image is not None])
     keep = torch.randperm(7, generator=torch.Generator().manual_seed(0))[:4].sort().values  # of the 7 items
     features = features_of(readable, 6)
@@ -363,7 +365,7 @@ def test_a_weights_file_loads_the_inception_network_offline(tmp_path, no_weights
     torch.save(network.state_dict(), tmp_path / "weights.pth")
 
     extractor, name = metrics.feature_extractor(str(tmp_path / "weights.pth"))
-    features = metrics.embed(extractor, [data.make_shapes(2, 16)], "cpu")
+    features = metrics.embed(extractor, [shapes.make_shapes(2, 16)], "cpu")
     assert features.shape == (2, 2048) and name.startswith("inception-v3-compat:2048")
 
     (tmp_path / "broken.pth").write_bytes(b"not a weights file")
@@ -518,7 +520,7 @@ def image_folder(folder, n=16, size=16):
     from PIL import Image
 
     folder.mkdir(parents=True, exist_ok=True)
-    for i, image in enumerate(data.make_shapes(n, size)):
+    for i, image in enumerate(shapes.make_shapes(n, size)):
         Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i:02d}.png")
     return folder
 
@@ -556,7 +558,7 @@ def test_a_streamed_reference_skips_an_unreadable_image_with_a_warning(tmp_path,
     for i in range(3):
         Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / f"{i}.png")
     (tmp_path / "broken.png").write_bytes(b"not a png")
-    dataset = data.open_dataset(str(tmp_path), 8)
+    dataset = sources.open_dataset(str(tmp_path), 8)
     batches = list(metrics.uint8_batches(dataset, 2))
     assert sum(len(b) for b in batches) == 3
     assert "broken.png" in capsys.readouterr().err

@@ -9,6 +9,10 @@ from PIL import Image, ImageOps
 
 from ddpm_train import config
 from ddpm_train.data import data
+from ddpm_train.data import batches
+from ddpm_train.data import decoding
+from ddpm_train.data import sources
+from ddpm_train.data import pixels
 from ddpm_train.evaluation import metrics
 import sample
 from ddpm_train.evaluation import sampling
@@ -37,19 +41,19 @@ def rgb(n, size=16, seed=0, channels=3):
 
 
 def surveyed(folder):
-    return data.survey(data.open_dataset(str(folder), 16))
+    return data.survey(sources.open_dataset(str(folder), 16))
 
 
 @pytest.mark.parametrize(
-    "arrays, mode, pixels",
-    [(lambda: rgb(2), "L", data.Pixels(1, 8)), (lambda: gray16(2), None, data.Pixels(1, 16)),
-     (lambda: rgb(2, channels=4), None, data.Pixels(4, 8)), (lambda: rgb(2), None, data.Pixels(3, 8)),
-     (lambda: rgb(2), "CMYK", data.Pixels(3, 8))],
+    "arrays, mode, kind",
+    [(lambda: rgb(2), "L", pixels.Pixels(1, 8)), (lambda: gray16(2), None, pixels.Pixels(1, 16)),
+     (lambda: rgb(2, channels=4), None, pixels.Pixels(4, 8)), (lambda: rgb(2), None, pixels.Pixels(3, 8)),
+     (lambda: rgb(2), "CMYK", pixels.Pixels(3, 8))],
 )  # fmt: skip
-def test_the_survey_takes_the_channels_and_bits_from_the_images(tmp_path, arrays, mode, pixels):
+def test_the_survey_takes_the_channels_and_bits_from_the_images(tmp_path, arrays, mode, kind):
     suffix = ".tif" if mode == "CMYK" else ".png"
     found = surveyed(write(tmp_path / "set", arrays(), mode, suffix))
-    assert found.pixels == pixels and not found.mixed and found.looked == found.count == 2
+    assert found.pixels == kind and not found.mixed and found.looked == found.count == 2
 
 
 def test_a_palette_with_transparency_has_alpha(tmp_path):
@@ -57,7 +61,7 @@ def test_a_palette_with_transparency_has_alpha(tmp_path):
     im.info["transparency"] = 0
     (tmp_path / "set").mkdir()
     im.save(tmp_path / "set" / "a.png")
-    assert surveyed(tmp_path / "set").pixels == data.Pixels(4, 8)
+    assert surveyed(tmp_path / "set").pixels == pixels.Pixels(4, 8)
 
 
 def test_a_mixed_set_trains_rgb_and_says_so(tmp_path):
@@ -85,10 +89,10 @@ def test_sixteen_bits_reach_the_batch(tmp_path):
     for preload in ("--preload_data", "--no-preload_data"):
         args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--train_batch_size", "2",
                                                  preload, "--output_dir", str(tmp_path / "o")]))  # fmt: skip
-        images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+        images, _, _ = data.load_images(args, decoding.Unreadable(strict=True))
         batch = torch.stack([images[i] if isinstance(images, torch.Tensor) else images[i][0] for i in range(2)])
         assert batch.dtype == torch.uint16 and batch.shape == (2, 1, 16, 16)
-        x = data.to_model_input(batch, random_flip=False)
+        x = batches.to_model_input(batch, random_flip=False)
         assert torch.allclose(x[:, 0, 0, 0], torch.tensor([1000, 1100]) / 32767.5 - 1)
 
 
@@ -97,8 +101,8 @@ def test_the_preload_budget_counts_sixteen_bit_bytes(tmp_path):
     # 4 images of 16x16 at 2 bytes: 2,048 bytes, over a budget of 1,536 (8 bits would fit)
     args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--train_batch_size", "2",
                                              "--preload_data", str(1536 / 2**30), "--output_dir", str(tmp_path / "o")]))  # fmt: skip
-    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
-    assert isinstance(images, data.FileImages)
+    images, _, _ = data.load_images(args, decoding.Unreadable(strict=True))
+    assert isinstance(images, sources.FileImages)
 
 
 def test_inception_takes_each_kind_as_8_bit_rgb():
@@ -209,7 +213,7 @@ def test_sixteen_bit_colour_reaches_the_batch_and_sample_py_writes_it_back(tmp_p
     args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--train_batch_size", "2",
                                              "--output_dir", str(tmp_path / "o")]))  # fmt: skip
     assert (args.image_channels, args.image_bits) == (3, 16) and "2 RGB;16" in data.survey_lines(args)[0]
-    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+    images, _, _ = data.load_images(args, decoding.Unreadable(strict=True))
     assert images.dtype == torch.uint16 and images[:, :, 0, 0].tolist() == [[1000] * 3, [1100] * 3]
     written = sampling.save_image(images[1], tmp_path / "000000.png")
     assert written.name == "000000.tif" and tifffile.imread(written)[0, 0].tolist() == [1100] * 3
@@ -217,11 +221,11 @@ def test_sixteen_bit_colour_reaches_the_batch_and_sample_py_writes_it_back(tmp_p
 
 def test_sixteen_bit_colour_takes_the_run_s_channels():
     colour = torch.full((4, 2, 2), 1000.0)
-    assert data.to_pixels(colour, data.Pixels(3, 16)).shape == (3, 2, 2)
-    assert data.to_pixels(colour[:3], data.Pixels(4, 16))[3].eq(65535).all()  # made opaque
+    assert pixels.to_pixels(colour, pixels.Pixels(3, 16)).shape == (3, 2, 2)
+    assert pixels.to_pixels(colour[:3], pixels.Pixels(4, 16))[3].eq(65535).all()  # made opaque
     gray = Image.fromarray(np.full((2, 2), 1000, np.uint16))
-    assert data.to_pixels(gray, data.Pixels(3, 16)).eq(1000).all()  # 16-bit grayscale in a colour set: repeated
-    assert np.asarray(data.to_pixels(colour, data.Pixels(3, 8))).max() == 4  # a VAE's run: rounded to 8 bits
+    assert pixels.to_pixels(gray, pixels.Pixels(3, 16)).eq(1000).all()  # 16-bit grayscale in a colour set: repeated
+    assert np.asarray(pixels.to_pixels(colour, pixels.Pixels(3, 8))).max() == 4  # a VAE's run: rounded to 8 bits
 
 
 def turned_by(orientation):
@@ -251,13 +255,13 @@ def test_a_photo_stored_sideways_trains_upright_and_says_so(tmp_path, suffix):
                                              "--train_batch_size", "2", "--output_dir", str(tmp_path / "o")]))  # fmt: skip
     line = data.survey_lines(args)[0]
     assert "width 24, height 16 (1 turned upright by their EXIF orientation), aspect (width/height) 1.50;" in line
-    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+    images, _, _ = data.load_images(args, decoding.Unreadable(strict=True))
     assert (images[0].int() - images[1].int()).abs().max() <= 8  # the sideways file as the upright one
     # a cache of these images made before they were turned (latents, FID's statistics) is not read for them
-    assert data.dataset_identity(args, data.open_run_dataset(args))["turned"] == 1
+    assert data.open_run_dataset(args).identity(args)["turned"] == 1
     (tmp_path / "set" / f"b{suffix}").unlink()
     args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--output_dir", str(tmp_path / "o")]))
-    assert "turned" not in data.dataset_identity(args, data.open_run_dataset(args))  # other sets' caches keep their keys
+    assert "turned" not in data.open_run_dataset(args).identity(args)  # other sets' caches keep their keys
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -265,7 +269,7 @@ def test_each_exif_orientation_turns_a_16_bit_tensor_as_pil_turns_an_image(orien
     im = Image.fromarray(np.random.default_rng(orientation).integers(0, 256, (3, 5, 3), dtype=np.uint8))
     im.getexif()[0x0112] = orientation
     expected = torch.from_numpy(np.array(ImageOps.exif_transpose(im))).permute(2, 0, 1)
-    assert torch.equal(data.UPRIGHT[orientation](torch.from_numpy(np.array(im)).permute(2, 0, 1)), expected)
+    assert torch.equal(pixels.UPRIGHT[orientation](torch.from_numpy(np.array(im)).permute(2, 0, 1)), expected)
 
 
 @pytest.mark.parametrize("orientation, turned", [(6, True), (9, False)])
@@ -273,10 +277,10 @@ def test_a_16_bit_colour_file_is_turned_by_its_orientation_and_a_bad_one_leaves_
     array = (quadrants().astype(np.uint16) * 257)[:, :, :3]
     sideways = np.ascontiguousarray(np.rot90(array))  # stored turned 90 degrees anticlockwise
     png16(tmp_path / "a.png", sideways, exif=turned_by(orientation))
-    image, error = data.FileImages([tmp_path / "a.png"], data.image_transform("24x16" if turned else "16x24",
-                                                                              pixels=data.Pixels(3, 16)))[0]  # fmt: skip
+    image, error = sources.FileImages([tmp_path / "a.png"], pixels.image_transform("24x16" if turned else "16x24",
+                                                                              pixels=pixels.Pixels(3, 16)))[0]  # fmt: skip
     assert error is None and torch.equal(image, torch.from_numpy(array if turned else sideways).permute(2, 0, 1))
-    assert data._read_header(tmp_path / "a.png") == ("RGB;16", (24, 16) if turned else (16, 24), turned)
+    assert pixels.read_header(tmp_path / "a.png") == ("RGB;16", (24, 16) if turned else (16, 24), turned)
 
 
 def test_the_survey_decodes_no_png(tmp_path, monkeypatch):
@@ -284,7 +288,7 @@ def test_the_survey_decodes_no_png(tmp_path, monkeypatch):
 
     write(tmp_path / "set", rgb(1))
     monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", lambda self: pytest.fail("the survey decoded a PNG"))
-    assert data._read_header(tmp_path / "set" / "000.png") == ("RGB", (16, 16), False)
+    assert pixels.read_header(tmp_path / "set" / "000.png") == ("RGB", (16, 16), False)
 
 
 def test_an_iphone_s_heic_and_an_avif_train_upright(tmp_path):
@@ -296,7 +300,7 @@ def test_an_iphone_s_heic_and_an_avif_train_upright(tmp_path):
     args = config.resolve(config.parse_args([*TINY, "--dataset", str(tmp_path / "set"), "--image_size", "24x16",
                                              "--train_batch_size", "2", "--output_dir", str(tmp_path / "o")]))  # fmt: skip
     assert "2 images: 2 RGB; width 24, height 16, aspect" in data.survey_lines(args)[0]
-    images, _, _ = data.load_images(args, data.Unreadable(strict=True))
+    images, _, _ = data.load_images(args, decoding.Unreadable(strict=True))
     centres = lambda x: x[:, [4, 4, 12, 12], [6, 18, 6, 18]].int()  # noqa: E731  (lossy: each quadrant's middle)
     expected = centres(torch.from_numpy(quadrants()).permute(2, 0, 1))
     assert len(images) == 2 and all((centres(image) - expected).abs().max() <= 8 for image in images)
@@ -307,7 +311,7 @@ def test_without_pillow_heif_a_folder_s_heic_files_are_not_looked_for():
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['pillow_heif'] = None; from ddpm_train.data import data; print(data.IMAGE_EXTENSIONS)"
+    code = "import sys; sys.modules['pillow_heif'] = None; from ddpm_train.data import data; print(pixels.IMAGE_EXTENSIONS)"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert ".png" in found and ".heic" not in found
 
@@ -326,11 +330,11 @@ def test_a_jpeg_is_decoded_no_larger_than_its_crop_needs(tmp_path, monkeypatch, 
     # PIL's draft decodes a JPEG at 1/2, 1/4 or 1/8 of its size: the least that still covers the run's box once
     # turned upright (a sideways 800x100 file covers 96 wide only at full size), and alike to the full decode
     Image.fromarray(np.asarray(Image.fromarray(quadrants()).resize(stored))).save(tmp_path / "a.jpg", exif=turned_by(turn))
-    decoded, covering = [], data.covering
-    transform = data.image_transform(f"{box[1]}x{box[0]}")
-    monkeypatch.setattr(data, "covering", lambda im, h, w: decoded.append(im.size) or covering(im, h, w))
-    drafted, _ = data.FileImages([tmp_path / "a.jpg"], transform, box=box)[0]
-    whole, _ = data.FileImages([tmp_path / "a.jpg"], transform)[0]
+    decoded, covering = [], pixels.covering
+    transform = pixels.image_transform(f"{box[1]}x{box[0]}")
+    monkeypatch.setattr(pixels, "covering", lambda im, h, w: decoded.append(im.size) or covering(im, h, w))
+    drafted, _ = sources.FileImages([tmp_path / "a.jpg"], transform, box=box)[0]
+    whole, _ = sources.FileImages([tmp_path / "a.jpg"], transform)[0]
     upright = stored[::-1] if turn >= 5 else stored
     assert decoded[1] == upright and decoded[0][0] >= box[1] and decoded[0][1] >= box[0]
     assert (decoded[0] < upright) == (turn == 1)  # reduced where that still covers the box

@@ -212,7 +212,7 @@ def test_a_runs_settings_and_ema_are_read_from_its_train_config_json_of_today_or
 
 
 def test_sample_reports_the_share_of_copies_of_the_training_images_and_their_picture(tiny_run, tmp_path, monkeypatch, capsys):
-    from ddpm_train.data import data
+    from ddpm_train.data import shapes
 
     result = sample_main(tiny_run, "--num_images", 5, "--batch_size", 2, "--num_inference_steps", 2, "--output", tmp_path / "a")
     assert 0 <= result["copy_share"] <= 1 and result["copy_samples"] == 5 and result["training_images"] == 32
@@ -220,8 +220,8 @@ def test_sample_reports_the_share_of_copies_of_the_training_images_and_their_pic
     with Image.open(tmp_path / "a" / "copies.png") as picture:
         assert picture.size == (8 * 16 + 9 * 2, 2 * 16 + 3 * 2)  # 5 pairs, 4 a row
     # samples that are the run's training images (its shapes, its seed), the third mirrored: all copies
-    shapes = data.builtin_images(32, 16, json.loads((tiny_run / "train_config.json").read_text())["seed"])[0]
-    copied = torch.stack([shapes[0], shapes[1], shapes[2].flip(-1), shapes[3]])
+    drawn = shapes.builtin_images(32, 16, json.loads((tiny_run / "train_config.json").read_text())["seed"])[0]
+    copied = torch.stack([drawn[0], drawn[1], drawn[2].flip(-1), drawn[3]])
     monkeypatch.setattr(sampling, "generate_batches", lambda *a, **k: iter([copied[:2], copied[2:]]))
     result = sample_main(tiny_run, "--num_images", 4, "--batch_size", 2, "--output", tmp_path / "b")
     assert result["copy_share"] == 1 and result["median_ratio"] == 0

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from ddpm_train.data import data
+
+from ddpm_train.data import shapes
 from ddpm_train.evaluation import metrics
 from ddpm_train.diffusion import objectives
 import sample
@@ -43,13 +44,13 @@ def test_labels_leave_the_images_exactly_as_they_were():
         (8, 48, 3): "389d76d17e45bcca69644e2ae4cb234729ceb1179b4e035f81febe019977d08f",
     }
     for (n, size, seed), digest in before.items():
-        images, labels = data.make_shapes(n, size, seed=seed, with_labels=True)
-        assert sha256(images) == digest == sha256(data.make_shapes(n, size, seed=seed))
+        images, labels = shapes.make_shapes(n, size, seed=seed, with_labels=True)
+        assert sha256(images) == digest == sha256(shapes.make_shapes(n, size, seed=seed))
         assert labels["count"].shape == (n,) and labels["shape_map"].shape == (n, size, size)
 
 
 def test_labels_say_what_each_image_holds():
-    images, labels = data.make_shapes(64, 32, seed=0, with_labels=True)
+    images, labels = shapes.make_shapes(64, 32, seed=0, with_labels=True)
     drawn = labels["drawn"]
     assert torch.equal(drawn.sum(1), labels["count"]) and ((labels["kind"] >= 0) == drawn).all()
     assert (labels["visible_pixels"] <= labels["pixels"] + 1e-6).all() and (labels["pixels"][~drawn] == 0).all()
@@ -68,7 +69,7 @@ def test_labels_say_what_each_image_holds():
 
 
 def test_targets_count_only_the_shapes_that_show():
-    images, labels = data.make_shapes(512, 32, seed=0, with_labels=True)
+    images, labels = shapes.make_shapes(512, 32, seed=0, with_labels=True)
     t = shapescore.targets(labels, 32)
     assert torch.allclose(t["count"].sum(1), torch.ones(512)) and t["cells"].shape == (512, 5, 8, 8)
     shown = labels["visible_pixels"] / labels["pixels"].clamp(min=1e-6)
@@ -91,8 +92,8 @@ def test_targets_count_only_the_shapes_that_show():
 def trust(shape_scorer):
     """Scores of known sets against N real images (seed 0): real of another seed, altered, noise."""
     scorer = shape_scorer
-    reference = metrics.Reference.from_features(metrics.embed(scorer, [data.make_shapes(N, SIZE, seed=0)], "cpu"), key={})
-    real = data.make_shapes(N, SIZE, seed=1)
+    reference = metrics.Reference.from_features(metrics.embed(scorer, [shapes.make_shapes(N, SIZE, seed=0)], "cpu"), key={})
+    real = shapes.make_shapes(N, SIZE, seed=1)
     sets = {
         "real": real, "permuted": real[:, [2, 0, 1]], "blur 0.5": trusttool.blurred(real, 0.5),
         "blur 1": trusttool.blurred(real, 1), "blur 2": trusttool.blurred(real, 2),
@@ -147,7 +148,7 @@ def test_training_leaves_the_callers_random_stream_alone_and_is_reproducible():
     a = shapescore.train(8, seed=3, num_images=64, steps=3, log=lambda _: None)
     assert torch.equal(torch.rand(3), expected)
     b = shapescore.train(8, seed=3, num_images=64, steps=3, log=lambda _: None)
-    images = data.make_shapes(8, 8, seed=9)
+    images = shapes.make_shapes(8, 8, seed=9)
     with torch.no_grad():
         assert torch.equal(a(images), b(images))
 
@@ -161,7 +162,7 @@ def test_the_scorer_is_cached_by_size_seed_and_training(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shapescore, "train", lambda *a, **k: pytest.fail("trained again"))
     again = shapescore.load_or_train(8, num_images=64, steps=3, log=logs.append)
-    images = data.make_shapes(8, 8, seed=9)
+    images = shapes.make_shapes(8, 8, seed=9)
     with torch.no_grad():
         assert torch.equal(first(images), again(images)) and torch.equal(first.valid(first(images)), again.valid(again(images)))
     assert again.name == first.name and again.info == first.info
@@ -172,7 +173,7 @@ def test_the_scorer_is_cached_by_size_seed_and_training(tmp_path, monkeypatch):
 
 
 def test_a_grid_png_reads_back_as_its_images(tmp_path):
-    images = data.make_shapes(9, 16, seed=2)
+    images = shapes.make_shapes(9, 16, seed=2)
     sampling.save_grid(images, tmp_path / "grid.png")
     assert torch.equal(trusttool.grid_images(tmp_path / "grid.png", 16), images)
     with pytest.raises(ConfigError, match="not a grid of 32px images"):
@@ -241,7 +242,7 @@ def test_a_run_on_the_shapes_is_scored_offline_during_training_and_by_sample_py(
 
 
 def test_the_trust_table_scores_known_sets_and_a_grid(test_scorer, tmp_path, capsys):
-    sampling.save_grid(data.make_shapes(4, SIZE, seed=7), tmp_path / "grid.png")
+    sampling.save_grid(shapes.make_shapes(4, SIZE, seed=7), tmp_path / "grid.png")
     rows = trusttool.main(trusttool.parse_args([str(tmp_path / "grid.png"), "--image_size", str(SIZE), "--num_images", "64"]))
     names = [name for name, _, _ in rows]
     assert names[0] == "real, another seed" and names[-2:] == ["real, 4 images", "grid.png"] and "uniform noise" in names
@@ -273,7 +274,7 @@ def untrained_score(run_dir, scorer, samples):
     scheduler = objectives.make_sampler(config["objective"], config["sampler"], objectives.run_noise_scheduler(config).config)
     batches = sampling.generate_batches(network, scheduler, samples, 64, config["seed"], config["num_inference_steps"])
     reference = metrics.Reference.from_features(
-        metrics.embed(scorer, [data.make_shapes(config["shapes_num_images"], SIZE, seed=config["seed"])], "cpu"), key={}
+        metrics.embed(scorer, [shapes.make_shapes(config["shapes_num_images"], SIZE, seed=config["seed"])], "cpu"), key={}
     )  # fmt: skip
     return metrics.score(reference, scorer, scorer.name, metrics.embed(scorer, batches, "cpu"))
 

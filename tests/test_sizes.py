@@ -14,6 +14,8 @@ from torchvision.transforms import v2 as T
 
 from ddpm_train import config
 from ddpm_train.data import data
+from ddpm_train.data import pixels
+from ddpm_train.data import shapes
 from ddpm_train.perf import flops
 from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
@@ -59,28 +61,28 @@ def test_each_side_must_be_the_family_s_multiple():
 
 def test_an_image_is_resized_to_cover_the_box_then_cropped():
     wide = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 90, 3), dtype=np.uint8))
-    assert data.image_transform(WIDE)(wide).shape == (3, 16, 24)  # 90x30 -> 48x16, the middle 24 columns
-    assert data.image_transform("16x24", center_crop=False)(wide).shape == (3, 24, 16)
-    assert torch.equal(data.image_transform(WIDE)(wide), T.PILToTensor()(wide.resize((48, 16), Image.BILINEAR).crop((12, 0, 36, 16))))
+    assert pixels.image_transform(WIDE)(wide).shape == (3, 16, 24)  # 90x30 -> 48x16, the middle 24 columns
+    assert pixels.image_transform("16x24", center_crop=False)(wide).shape == (3, 24, 16)
+    assert torch.equal(pixels.image_transform(WIDE)(wide), T.PILToTensor()(wide.resize((48, 16), Image.BILINEAR).crop((12, 0, 36, 16))))
     # a square box: torchvision's Resize(side) and CenterCrop(side), as before
     stock = T.Compose([T.Resize(16, antialias=True), T.CenterCrop(16), T.PILToTensor()])
-    assert torch.equal(data.image_transform(16)(wide), stock(wide))
+    assert torch.equal(pixels.image_transform(16)(wide), stock(wide))
 
 
 def test_the_built_in_shapes_keep_their_proportions_on_a_wide_canvas():
-    images, labels = data.make_shapes(64, "48x24", seed=0, max_shapes=1, with_labels=True)
+    images, labels = shapes.make_shapes(64, "48x24", seed=0, max_shapes=1, with_labels=True)
     assert images.shape == (64, 3, 24, 48) and labels["shape_map"].shape == (64, 24, 48)
     circles = labels["kind"][:, 0] == 0
     area = math.pi * (labels["radius"][circles, 0] * 24) ** 2  # the radius is a share of the shorter side
     assert torch.allclose(labels["pixels"][circles, 0], area, rtol=0.1)
     assert (labels["center"][..., 0] <= 2).all() and (labels["center"][..., 0] > 1).any()  # x reaches the right half
-    square = data.make_shapes(4, 16, seed=3)
-    assert torch.equal(square, data.make_shapes(4, "16x16", seed=3))
+    square = shapes.make_shapes(4, 16, seed=3)
+    assert torch.equal(square, shapes.make_shapes(4, "16x16", seed=3))
 
 
 def test_the_shape_scorer_trains_on_a_wide_canvas():
     scorer = shapescore.train(WIDE, num_images=64, steps=2, log=lambda _: None)
-    assert "24x16px" in scorer.name and scorer(data.make_shapes(2, WIDE)).shape == (2, 128)
+    assert "24x16px" in scorer.name and scorer(shapes.make_shapes(2, WIDE)).shape == (2, 128)
 
 
 @pytest.mark.parametrize("name", ["tiny", "edm2tiny", "dit-tiny"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddpm_train.perf import compiling
-from ddpm_train.data import data
+from ddpm_train.data import batches
 from ddpm_train.training import ema as posthoc_ema
 from ddpm_train.networks import model as models
 from ddpm_train.diffusion import objectives
@@ -37,7 +37,7 @@ def tiny_parts(seed=0, ema_kind="standard", fused=True):
     return unet, objective, optimizer, lr_scheduler, ema
 
 
-def batches(n, seed=1):
+def image_batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=g) for _ in range(n)]
 
@@ -67,7 +67,7 @@ def the_old_loop(images_per_step, seed=0):
     torch.manual_seed(123)
     losses = []
     for step, images in enumerate(images_per_step, 1):
-        clean = data.to_model_input(images, True)
+        clean = batches.to_model_input(images, True)
         noise = torch.randn_like(clean)
         timesteps = torch.randint(0, 1000, (clean.shape[0],))
         loss = objectives.ddpm_loss(unet, clean, noise, timesteps, alphas_cumprod, "epsilon")
@@ -83,7 +83,7 @@ def the_old_loop(images_per_step, seed=0):
 
 
 def test_the_step_gives_the_loss_weights_and_ema_of_the_loop_it_replaced():
-    images = batches(3)
+    images = image_batches(3)
     old_unet, old_ema, old_losses = the_old_loop(images)
 
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
@@ -113,10 +113,10 @@ def test_a_non_finite_step_is_skipped_inside_the_fused_optimizer():
     guard = steps.NonFiniteGuard(optimizer, "skip", CPU)
     assert guard.on_device
     step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, guard, 1.0, True)
-    step(batches(1))
+    step(image_batches(1))
     before = [p.detach().clone() for p in unet.parameters()]
     objective.alphas_cumprod[:] = float("nan")  # every loss is now NaN
-    loss = step(batches(1, seed=2))[0]["loss"]
+    loss = step(image_batches(1, seed=2))[0]["loss"]
     assert not torch.isfinite(loss)
     assert guard.count() == 1
     assert all(torch.equal(a, b) for a, b in zip(unet.parameters(), before))
@@ -126,7 +126,7 @@ def test_a_non_finite_step_is_skipped_inside_the_fused_optimizer():
 def test_the_graph_split_trains_as_the_plain_step(ema_kind):
     """StepGraph without a GPU runs the host part and the device part (tensor learning
     rate, EMA decay written into a tensor) exactly as it would around a graph replay."""
-    images = batches(5)
+    images = image_batches(5)
     results = []
     for graphed in (False, True):
         unet, objective, optimizer, lr_scheduler, ema = tiny_parts(ema_kind=ema_kind)
@@ -148,7 +148,7 @@ def test_the_graph_split_trains_as_the_plain_step(ema_kind):
 def test_eager_graph_runs_the_uncompiled_network_in_the_graph_split_and_falls_back_to_eager(monkeypatch):
     """--compile_mode eager-graph: StepGraph around the network itself (nothing compiled), training as the eager
     step; a capture that raises (its 4th call, after 3 warm-up steps) falls back to eager from the same state."""
-    images = batches(6)
+    images = image_batches(6)
     results = []
     for mode, fail in ((None, False), ("eager-graph", False), ("eager-graph", True)):
         unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
@@ -180,17 +180,17 @@ def test_a_batch_that_does_not_fit_the_graphs_buffers_is_a_run_error():
     unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
     step = compiling.StepGraph(steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, ema, None, 1.0, True),
                            warmup_steps=1, capture=False)  # fmt: skip
-    for b in batches(2):  # the warm-up, then the step that makes the static buffers
+    for b in image_batches(2):  # the warm-up, then the step that makes the static buffers
         step([b])
     with pytest.raises(RunError) as e:
-        step([batches(1)[0][:3]])
+        step([image_batches(1)[0][:3]])
     assert "(4, 3, 16, 16)" in str(e.value) and "(3, 3, 16, 16)" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_the_captured_step_trains_as_the_eager_step_on_a_gpu():
     cuda = torch.device("cuda")
-    images = [b.to(cuda) for b in batches(6)]
+    images = [b.to(cuda) for b in image_batches(6)]
     results = []
     for capture in (False, True):
         unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
@@ -265,7 +265,7 @@ class SmallNet(torch.nn.Module):
 def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.compiler.reset()
-    images = batches(2)
+    images = image_batches(2)
     runs = []
     for mode in (None, "default", "default"):
         torch.manual_seed(0)
@@ -326,7 +326,7 @@ def test_graph_skips_are_read_with_their_reasons():
 
 def test_a_failing_mode_falls_back_to_the_next_from_the_same_state(monkeypatch):
     """A mode whose calls raise in its trial falls back; the state it touched is put back."""
-    images = batches(3)
+    images = image_batches(3)
     results = []
     for fail in (False, True):
         unet, objective, optimizer, lr_scheduler, ema = tiny_parts()
@@ -376,11 +376,11 @@ def test_with_several_processes_a_failing_mode_is_a_run_error_not_a_fallback(mon
     said = []
     fast = compiling.FastStep(step, "default", CPU, say=said.append, num_processes=processes)
     if processes == 1:
-        assert torch.isfinite(fast(batches(1))[0]["loss"])
+        assert torch.isfinite(fast(image_batches(1))[0]["loss"])
         assert fast.mode is None and said == ["--compile_mode default failed (RuntimeError: inductor failed); falling back to eager"]
         return
     with pytest.raises(RunError) as e:
-        fast(batches(1))
+        fast(image_batches(1))
     assert str(e.value) == ("--compile_mode default failed (RuntimeError: inductor failed); with 2 processes one cannot "
                             "fall back alone: rerun with --compile_mode off")  # fmt: skip
     assert not said and not fast.fallbacks
@@ -460,7 +460,7 @@ def test_with_several_processes_the_objectives_own_gradients_are_averaged():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accelerator = TwoProcesses()
     step = steps.TrainStep(unet, unet, objective, optimizer, lr_scheduler, None, None, 1.0, True, accelerator=accelerator)
-    step(batches(1))
+    step(image_batches(1))
     assert accelerator.reduced == [(p.shape, "mean") for p in objective.parameters()]  # the head's, not the network's
 
 

@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from ddpm_train.data import autoencoder
-
 from ddpm_train.data import keyed_random, latents
 from ddpm_train.errors import ConfigError, first_line
 
@@ -344,7 +343,7 @@ DRAW_SALT = 0x5EED_CA9  # the caption draw's stream, apart from a latent run's d
 
 
 class Draws:
-    """A captioned run's labels as data.Batches hands them to the step: each image's caption drawn from its
+    """A captioned run's labels as batches.Batches hands them to the step: each image's caption drawn from its
     caption_table row by (seed, epoch, image index) alone, so that a resumed run draws what it would have, then
     looked up in the Table on the host."""
 

@@ -16,7 +16,7 @@ train.py, data.py and sample.py call it. The API:
         themselves. Called only on a miss, so a hit decodes no image. With a torch.distributed process
         group of several processes it must be images(start, stop): each process encodes its share (below).
     shares(num_images, world_size) -> [(start, stop)]   each rank's share: contiguous, in rank order,
-        starting at multiples of SHARD_ALIGN (64, data.decoded_batches' batch)
+        starting at multiples of SHARD_ALIGN (64, decoding.decoded_batches' batch)
     LatentCache                             .num_images, .channels, .resolution, .labels, .stats, .meta,
                                             .path, .memmapped, .encode_seconds, .images_per_second
         .draw(indices, epoch, seed) -> (B, C, h, w) float32  raw latents, fresh per epoch (below)
@@ -179,7 +179,7 @@ def cache_folder(key, root=None):
 
 # --- writing -------------------------------------------------------------------------------------
 
-# Shares of the dataset begin at multiples of this: the decode batch of data.decoded_batches, so that a
+# Shares of the dataset begin at multiples of this: the decode batch of decoding.decoded_batches, so that a
 # share's batches are the batches a one-process encode sees and the latents are the same bits.
 SHARD_ALIGN = 64
 STATS_ROWS = 256  # images a chunk when the stats are summed over the assembled array: a fixed order, the same sums

@@ -18,7 +18,10 @@ from typing import NamedTuple
 
 import torch
 
-from ddpm_train.data import data
+
+from ddpm_train.data import decoding
+from ddpm_train.data import sources
+from ddpm_train.data import pixels
 from ddpm_train.evaluation import metrics
 from ddpm_train import sizes
 from ddpm_train.errors import ConfigError
@@ -59,11 +62,11 @@ class Nearest(NamedTuple):
 
 class TrainingImages:
     """The images the samples are compared with: a uint8 tensor (N, C, S, S) on any device, searched where it
-    lies; a data.PreloadedImages, its readable images' tensor; or a dataset whose items are (image, error)
-    (data.FileImages, data.HubImages), decoded chunk by chunk at each search and never held whole."""
+    lies; a decoding.PreloadedImages, its readable images' tensor; or a dataset whose items are (image, error)
+    (a sources.Images), decoded chunk by chunk at each search and never held whole."""
 
     def __init__(self, images):
-        self.images = images.images if isinstance(images, data.PreloadedImages) else images
+        self.images = images.images if isinstance(images, decoding.PreloadedImages) else images
 
     def __len__(self):
         return len(self.images)
@@ -156,7 +159,7 @@ def save_pairs(samples, training, nearest, path, count=PAIRS):
     shown = nearest.ratios().argsort(stable=True)[:count]
     matches = training.at(nearest.indices[shown, 0])
     matches = torch.where(nearest.flipped[shown, 0].view(-1, 1, 1, 1), matches.flip(3), matches)
-    pairs = torch.stack([data.eight_bit(samples[shown].cpu()), data.eight_bit(matches)], 1).flatten(0, 1)  # sample, match, ...
+    pairs = torch.stack([pixels.eight_bit(samples[shown].cpu()), pixels.eight_bit(matches)], 1).flatten(0, 1)  # sample, match, ...
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rgb = metrics.rgb8(pairs)  # a grayscale or RGBA run's, as RGB
@@ -178,9 +181,9 @@ def run_training_images(options, image_size, images=None):
     streamed dataset of fixed crops), else opened from the flags (metrics.reference_images): for a latent
     run's latents, for None, and for random crops (each epoch's differ), which are searched at the centre."""
     crops = "crop" in str(options.get("augment") or "").split(",")
-    if isinstance(images, data.PreloadedImages) or (isinstance(images, torch.Tensor) and not images.is_floating_point()):
+    if isinstance(images, decoding.PreloadedImages) or (isinstance(images, torch.Tensor) and not images.is_floating_point()):
         return TrainingImages(images)
-    if isinstance(images, (data.FileImages, data.HubImages)) and not crops:
+    if isinstance(images, sources.Images) and not crops:
         return TrainingImages(images)
     return TrainingImages(metrics.reference_images(dict(options, augment="none"), image_size))
 

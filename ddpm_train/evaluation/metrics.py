@@ -34,6 +34,11 @@ from pathlib import Path, PurePath
 import torch
 
 from ddpm_train.data import data
+from ddpm_train.data import workers
+from ddpm_train.data import decoding
+from ddpm_train.data import sources
+from ddpm_train.data import pixels
+from ddpm_train.data import shapes
 from ddpm_train.data import latents
 from ddpm_train.evaluation import shapescore
 from ddpm_train.errors import ConfigError
@@ -104,7 +109,7 @@ def feature_extractor(fid_weights=None):
 
 def uses_shape_score(options, fid_weights):
     """The built-in shapes are scored offline by the shape scorer, unless Inception weights are given."""
-    return options.get("dataset") == data.BUILTIN and fid_weights is None
+    return options.get("dataset") == shapes.BUILTIN and fid_weights is None
 
 
 def extractor_for(options, image_size, fid_weights=None, device="cpu", log=print):
@@ -129,10 +134,10 @@ def indexed_batches(images, batch_size, num_workers=0):
             batch = images[start : start + batch_size]
             yield batch, torch.arange(start, start + len(batch))
         return
-    unreadable = data.Unreadable()
-    loader = torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers, collate_fn=data._collate_decoded)
+    unreadable = decoding.Unreadable()
+    loader = torch.utils.data.DataLoader(images, batch_size=batch_size, num_workers=num_workers, collate_fn=decoding.collate_decoded)
     start = 0
-    for batch, errors, decoded in data.iterate(loader):
+    for batch, errors, decoded in workers.iterate(loader):
         unreadable.report(errors)
         if batch is not None:
             yield batch, torch.arange(start, start + len(decoded))[decoded]
@@ -152,7 +157,7 @@ def _no_tf32():
 def rgb8(images):
     """Images (B, C, S, S) as the 8-bit RGB images Inception takes: 16 bits rounded to 8, a grayscale channel
     repeated in three, an alpha channel composited over black (the colour of a transparent pixel says nothing)."""
-    images = data.eight_bit(images)
+    images = pixels.eight_bit(images)
     if images.shape[1] == 1:
         return images.expand(-1, 3, -1, -1)
     if images.shape[1] == 4:
@@ -504,26 +509,26 @@ def reference_key(options, image_size, extractor_name, contents=None):
     what the dataset holds (dataset_contents), so that images added, removed or changed are not scored
     against statistics of the images that were there before."""
     key = {name: options.get(name) for name in ("dataset", "dataset_config", "split", "image_column")}
-    folder = Path(key["dataset"]).expanduser() if key["dataset"] not in (None, data.BUILTIN) else None
+    folder = Path(key["dataset"]).expanduser() if key["dataset"] not in (None, shapes.BUILTIN) else None
     if folder is not None and folder.is_dir():  # one folder given as relative, absolute or through a link: one key
         key["dataset"] = str(folder.resolve())
     key["center_crop"] = center_crop(options)
-    if options.get("dataset") == data.BUILTIN:
+    if options.get("dataset") == shapes.BUILTIN:
         key |= dict(shapes_num_images=options.get("shapes_num_images"), seed=options.get("seed"),
                     class_conditional=bool(options.get("class_conditional")))  # one shape per image when conditional
-    if data.pixels_of(options) != data.Pixels():  # grayscale, 16 bits or alpha reach Inception otherwise (rgb8)
-        key["pixels"] = list(data.pixels_of(options))
+    if pixels.pixels_of(options) != pixels.Pixels():  # grayscale, 16 bits or alpha reach Inception otherwise (rgb8)
+        key["pixels"] = list(pixels.pixels_of(options))
     return key | dict(image_size=image_size, extractor=extractor_name, contents=contents)
 
 
 def dataset_contents(options, image_size, images=None):
-    """What the images `options` name hold (data.dataset_identity: the files' names, sizes and modification
+    """What the images `options` name hold (sources.Images.identity: the files' names, sizes and modification
     times, or a `datasets` dataset's fingerprint), read without decoding an image; None for the built-in
     shapes, which their seed and count say. `images`: reference_images' answer, where the caller has it."""
-    if options.get("dataset") == data.BUILTIN:
+    if options.get("dataset") == shapes.BUILTIN:
         return None
     images = reference_images(options, image_size) if images is None else images
-    return data.dataset_identity(argparse.Namespace(**options), images)
+    return images.identity(argparse.Namespace(**options))
 
 
 def score(reference, extractor, extractor_name, features, device="cpu", labels=None):
@@ -697,7 +702,7 @@ class SampleEvaluation:
             self.folder = None
         self.images, self.claims = None, None  # a dataset's images, opened once: for the key, and to embed on a miss
         if self.reference is None:
-            if self.options.get("dataset") != data.BUILTIN:
+            if self.options.get("dataset") != shapes.BUILTIN:
                 self.images = reference_images(self.options, image_size)
             self.key["contents"] = dataset_contents(self.options, image_size, self.images)
             self.reference, self.claims = claimed_reference(self.folder, self.key, log)
@@ -754,10 +759,10 @@ def reference_images(options, image_size):
     """The images `options` (train.py's dataset flags) name, at `image_size`: a tensor or a dataset.
 
     A conditional run on the built-in data trains on one shape per image: those are its reference."""
-    if options["dataset"] == data.BUILTIN:
+    if options["dataset"] == shapes.BUILTIN:
         conditional = bool(options.get("class_conditional"))
-        return data.builtin_images(options["shapes_num_images"], image_size, options["seed"], conditional)[0]
-    return data.open_dataset(
+        return shapes.builtin_images(options["shapes_num_images"], image_size, options["seed"], conditional)[0]
+    return sources.open_dataset(
         options["dataset"], image_size, center_crop(options), options.get("dataset_config"),
-        options.get("split") or "train", options.get("image_column"), pixels=data.pixels_of(options),
+        options.get("split") or "train", options.get("image_column"), pixels=pixels.pixels_of(options),
     )  # fmt: skip

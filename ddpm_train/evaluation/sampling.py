@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ddpm_train.data import captions
-from ddpm_train.data import data
+from ddpm_train.data import pixels
 from ddpm_train.data import autoencoder
 from ddpm_train.networks import model as models
 from ddpm_train.training import rundir
@@ -176,8 +176,8 @@ def image_seeds(seed, count):
 
 def to_pixels(images, bits=8):
     """[-1, 1] floats -> uint8 [0, 255] (or with `bits` 16, uint16 [0, 65,535]) on the CPU, as a PNG stores them."""
-    pixels = data.Pixels(bits=bits)
-    return ((images.float().clamp(-1, 1) + 1) * (pixels.top / 2)).round().to(pixels.dtype).cpu()
+    kind = pixels.Pixels(bits=bits)
+    return ((images.float().clamp(-1, 1) + 1) * (kind.top / 2)).round().to(kind.dtype).cpu()
 
 
 @torch.no_grad()
@@ -256,7 +256,7 @@ def save_grid(images, path):
     RGB, or RGBA with its transparency."""
     from torchvision.utils import make_grid
 
-    images = data.eight_bit(images)
+    images = pixels.eight_bit(images)
     grid = make_grid(images, nrow=grid_columns(len(images), *images.shape[2:]))[: images.shape[1]]  # make_grid makes one channel 3
     path.parent.mkdir(parents=True, exist_ok=True)
     save_image(grid, path)

@@ -1,7 +1,7 @@
 """The offline reference score of the built-in shapes: a small CNN that knows what they hold.
 
 FID needs Inception weights, a download. The built-in generator knows what
-every image holds (`data.make_shapes(..., with_labels=True)`), so a network
+every image holds (`shapes.make_shapes(..., with_labels=True)`), so a network
 trained on its images, once, on the CPU, gives features to measure a Fréchet
 distance ("shape FD") and KID with, and says whether an image is a
 recognisable shape image at all. metrics.py uses it in place of Inception for
@@ -64,7 +64,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpm_train.data import data
+
+from ddpm_train.data import shapes
 from ddpm_train import sizes
 
 VERSION = 1
@@ -91,7 +92,7 @@ CELL = 4  # pixels per side of a cell of the dense targets (the convolutions' st
 
 
 def targets(labels, image_size):
-    """The training targets of `data.make_shapes` labels (see the module docstring).
+    """The training targets of `shapes.make_shapes` labels (see the module docstring).
 
     count (n, 3): P(1, 2, 3 shapes show); kinds (n, 3): P(a circle, square, triangle shows);
     colors (n, 7): background RGB, shapes' mean RGB, fraction covered; cells (n, 5, H/4, W/4):
@@ -230,7 +231,7 @@ def train(image_size, seed=SEED, num_images=TRAIN_IMAGES, steps=TRAIN_STEPS, dev
     was, so a run that evaluates trains exactly as one that does not.
     """
     start = time.perf_counter()
-    images, labels = data.make_shapes(num_images, image_size, seed=seed, with_labels=True)
+    images, labels = shapes.make_shapes(num_images, image_size, seed=seed, with_labels=True)
     target = targets(labels, image_size)
     data_s = time.perf_counter() - start
     with torch.random.fork_rng(devices=[]):
@@ -267,7 +268,7 @@ def train(image_size, seed=SEED, num_images=TRAIN_IMAGES, steps=TRAIN_STEPS, dev
         scorer.real_features.copy_(real)
         scorer.real_radii.copy_(radii)
         # Sure: thresholded on held-out images.
-        held_out, held_labels = data.make_shapes(HELD_OUT_IMAGES, image_size, seed=seed + 1, with_labels=True)
+        held_out, held_labels = shapes.make_shapes(HELD_OUT_IMAGES, image_size, seed=seed + 1, with_labels=True)
         held = _features(scorer, held_out.to(device))
         scorer.sure_enough.fill_(float(torch.quantile(scorer.sureness(held).double().cpu(), SURE_QUANTILE)))
         scorer.info = dict(

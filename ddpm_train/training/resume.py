@@ -83,7 +83,7 @@ CHANGES_ON_RESUME = {
     "clipped: drawn or applied afresh each step, nothing of them saved": (
         "timestep_sampling", "P_mean_std", "snr_gamma", "max_grad_norm", "token_routing",
     ),
-    "how the data is read, not which images nor their order (data.epoch_batches: the seed and the epoch)": (
+    "how the data is read, not which images nor their order (batches.epoch_batches: the seed and the epoch)": (
         "preload_data", "dataloader_num_workers",
     ),
     "how a step runs on the machine: the same tensors are saved and loaded (tried on CPU: channels_last, "

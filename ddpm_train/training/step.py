@@ -15,7 +15,7 @@ import math
 import torch
 
 from ddpm_train.data import captions
-from ddpm_train.data import data
+from ddpm_train.data import batches
 from ddpm_train.diffusion import objectives
 from ddpm_train.errors import RunError
 
@@ -63,7 +63,7 @@ class TrainStep:
         for batch in micro_batches:
             images, labels = batch if isinstance(batch, (tuple, list)) else (batch, None)
             with self._accumulate():
-                x0 = data.to_model_input(images, self.random_flip)
+                x0 = batches.to_model_input(images, self.random_flip)
                 net = self.net if labels is None else functools.partial(self.net, class_labels=self.drop_labels(labels))
                 with self.autocast():
                     terms = self.objective.terms(net, x0)
