@@ -17,6 +17,7 @@ from ddpm_train import config as config_module
 from ddpm_train.perf import flops
 from ddpm_train.data import autoencoder
 from ddpm_train.data import latents
+from ddpm_train.data import pieces
 from ddpm_train.networks import model as models
 from ddpm_train.training import rundir
 import sample
@@ -134,12 +135,12 @@ def test_resume_is_bit_identical(tmp_path, vae, capsys):
 
 def test_a_run_stopped_while_encoding_encodes_only_the_rest_when_run_again(tmp_path, vae, capsys, monkeypatch):
     """Ctrl-C in the encode's second piece of three: one line, exit 130; the same command again reuses the first."""
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
-    write, pieces = latents._write_piece, []
+    monkeypatch.setattr(pieces, "PIECE_IMAGES", 64)
+    write, done = latents._write_piece, []
 
     def interrupted(*args):
-        pieces.append(args[3].name)
-        if len(pieces) == 2:
+        done.append(args[3].name)
+        if len(done) == 2:
             raise KeyboardInterrupt
         return write(*args)
 
@@ -152,7 +153,7 @@ def test_a_run_stopped_while_encoding_encodes_only_the_rest_when_run_again(tmp_p
     train_latents(tmp_path / "run", vae, *flags)
     out = capsys.readouterr().out
     assert "encoded 96 images to latents in" in out and ", and reused 64 that another encode of this key had encoded (interrupted" in out, out
-    assert pieces == [latents._piece_name(a, b) for a, b in ((0, 64), (64, 128))]  # the first run's: one kept
+    assert done == [pieces.piece_name(a, b) for a, b in ((0, 64), (64, 128))]  # the first run's: one kept
 
 
 def refused(out, capsys, *flags):

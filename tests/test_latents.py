@@ -16,7 +16,7 @@ import torch
 
 import forked
 from ddpm_train.data import autoencoder
-from ddpm_train.data import keyed_random, latents
+from ddpm_train.data import folders, keyed_random, latents, pieces
 from ddpm_train.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +284,7 @@ def test_the_cache_is_memory_mapped_above_the_budget(tmp_path, kl_folder):
     vae = autoencoder.load_vae(kl_folder)
     in_memory = encode(vae, images(), tmp_path, max_gib=1.0)
     assert not in_memory.memmapped and not isinstance(in_memory.array, np.memmap)
-    size = (in_memory.path / latents.LATENTS_FILE).stat().st_size
+    size = (in_memory.path / pieces.LATENTS_FILE).stat().st_size
     mapped = encode(vae, images(), tmp_path, max_gib=size / 2**30 * 0.99)
     assert mapped.memmapped and isinstance(mapped.array, np.memmap) and mapped.array.mode == "r"
     exactly = latents.LatentCache(in_memory.path, max_gib=size / 2**30)
@@ -336,6 +336,8 @@ def test_a_sigkilled_encode_is_not_read(tmp_path, kl_folder):
         sys.path.insert(0, {str(ROOT)!r})
         from ddpm_train.data import autoencoder
         from ddpm_train.data import latents
+        from ddpm_train.data import folders
+        from ddpm_train.data import pieces
         vae = autoencoder.load_vae({str(kl_folder)!r})
         x = torch.zeros(4, 3, {SIZE}, {SIZE})
         def batches():
@@ -367,9 +369,9 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
         torch.set_num_threads(1)
         sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / "tests")!r})
         from ddpm_train.data import autoencoder
-        from ddpm_train.data import latents
+        from ddpm_train.data import latents, pieces
         from test_latents import images, ranged
-        latents.PIECE_IMAGES = 64
+        pieces.PIECE_IMAGES = 64
         vae = autoencoder.load_vae({str(kl_folder)!r})
         x, labels = images(200), torch.arange(200) % 3
         def killed(start, stop):
@@ -384,8 +386,8 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
     assert done.returncode == -signal.SIGKILL, done.stderr
     vae = count_encodes(autoencoder.load_vae(kl_folder))
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
-    partial = latents._partial(latents.cache_folder(key, cache_root))
-    assert sorted(p.name for p in partial.glob("piece-*[0-9].npy")) == [latents._piece_name(0, 64), latents._piece_name(64, 128)]
+    partial = pieces.partial_folder(latents.cache_folder(key, cache_root))
+    assert sorted(p.name for p in partial.glob("piece-*[0-9].npy")) == [pieces.piece_name(0, 64), pieces.piece_name(64, 128)]
 
     calls, lines = [], []
 
@@ -394,7 +396,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
         return ranged(x, labels, left_out={5})(start, stop)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(latents, "PIECE_IMAGES", 64)
+        m.setattr(pieces, "PIECE_IMAGES", 64)
         cache = latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False, log=lines.append)
         assert calls == [(128, 192), (192, 200)] and vae.encode_calls == 2
         (line,) = lines
@@ -414,7 +416,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
             with pytest.raises(OSError, match="disk full"):
                 latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False)
         assert not list(partial.glob(".claim-*"))  # the failed encode's claims released: the next takes its pieces
-        piece = partial / latents._piece_name(64, 128)
+        piece = partial / pieces.piece_name(64, 128)
         piece.write_bytes(piece.read_bytes()[:-4])
         calls.clear()
         again = latents.cached_latents(vae, counted, key, root=cache_root, num_images=200, progress=False, log=print)
@@ -425,7 +427,7 @@ def test_a_killed_encode_keeps_its_finished_pieces_and_the_next_encodes_only_the
 def test_a_dataset_of_unreadable_images_only_is_a_one_line_error_in_pieces_too(tmp_path, kl_folder, monkeypatch):
     vae = autoencoder.load_vae(kl_folder)
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)  # no call sees the whole dataset (--on_fault skip left all out)
+    monkeypatch.setattr(pieces, "PIECE_IMAGES", 64)  # no call sees the whole dataset (--on_fault skip left all out)
     one_line_error(lambda: latents.cached_latents(vae, ranged(images(100), left_out=range(100)), key, root=tmp_path,
                                                   num_images=100, progress=False), "none of the dataset's images")  # fmt: skip
 
@@ -435,9 +437,9 @@ def test_an_encode_says_what_pieces_of_other_keys_the_cache_root_holds(tmp_path,
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     for name in ("0123abcd", "4567cdef"):  # an encode of a dataset whose files changed since, and another's
         (tmp_path / f".{name}.partial").mkdir()
-        with open(tmp_path / f".{name}.partial" / latents._piece_name(0, 64), "wb") as f:
+        with open(tmp_path / f".{name}.partial" / pieces.piece_name(0, 64), "wb") as f:
             f.truncate(2**29)  # sparse: its size without the writing
-    latents._partial(latents.cache_folder(key, tmp_path)).mkdir()  # this key's own (from an earlier try)
+    pieces.partial_folder(latents.cache_folder(key, tmp_path)).mkdir()  # this key's own (from an earlier try)
     (tmp_path / ".89abcdef.partial").mkdir()  # an encode that failed before its first piece: nothing to say
     lines = []
     latents.cached_latents(vae, ranged(images(10)), key, root=tmp_path, num_images=10, progress=False, log=lines.append)
@@ -450,75 +452,75 @@ def test_an_encode_says_what_pieces_of_other_keys_the_cache_root_holds(tmp_path,
 
 
 def test_a_piece_is_read_only_when_written_whole_and_where_a_decode_batch_begins(tmp_path):
-    piece = tmp_path / latents._piece_name(0, 64)
+    piece = tmp_path / pieces.piece_name(0, 64)
     with open(piece, "wb") as f:
-        f.write(latents._npy_header((3, 2, 2, 4, 2, 2)))
+        f.write(pieces.npy_header((3, 2, 2, 4, 2, 2)))
         f.write(np.zeros((3, 2, 2, 4, 2, 2), "<f4").tobytes())
-    np.save(latents._labels_file(piece), np.arange(3))
-    assert latents._piece_info(piece) == dict(images=3, shape=[2, 2, 4, 2, 2], latents_bytes=256 + 3 * 64 * 4,
-                                              labels_bytes=latents._labels_file(piece).stat().st_size)  # fmt: skip
-    np.save(latents._labels_file(piece), np.arange(2))
-    assert latents._piece_info(piece) is None  # labels of another count
-    latents._labels_file(piece).unlink()
-    assert latents._piece_info(piece)["labels_bytes"] == 0
+    np.save(pieces.labels_file(piece), np.arange(3))
+    assert pieces.piece_info(piece) == dict(images=3, shape=[2, 2, 4, 2, 2], latents_bytes=256 + 3 * 64 * 4,
+                                              labels_bytes=pieces.labels_file(piece).stat().st_size)  # fmt: skip
+    np.save(pieces.labels_file(piece), np.arange(2))
+    assert pieces.piece_info(piece) is None  # labels of another count
+    pieces.labels_file(piece).unlink()
+    assert pieces.piece_info(piece)["labels_bytes"] == 0
     for foreign in (np.zeros((3, 2), "<f8"), np.zeros((3, 2), "<f4").T):  # another dtype, Fortran order
         np.save(piece, foreign)
-        assert latents._piece_info(piece) is None
-    header = latents._npy_header((3, 2))
-    for foreign in (latents._npy_header((3, 2), ">f4"), header.replace(b"False", b"True ")):  # the size of a piece
+        assert pieces.piece_info(piece) is None
+    header = pieces.npy_header((3, 2))
+    for foreign in (pieces.npy_header((3, 2), ">f4"), header.replace(b"False", b"True ")):  # the size of a piece
         piece.write_bytes(foreign + bytes(24))
-        assert latents._piece_info(piece) is None
+        assert pieces.piece_info(piece) is None
     piece.write_bytes(header + bytes(24))
-    assert latents._piece_info(piece)["images"] == 3
-    piece.write_bytes(latents._npy_header(()) + bytes(4))  # one number, no rows
-    assert latents._piece_info(piece) is None
+    assert pieces.piece_info(piece)["images"] == 3
+    piece.write_bytes(pieces.npy_header(()) + bytes(4))  # one number, no rows
+    assert pieces.piece_info(piece) is None
     with open(piece, "wb") as f:  # another version of the format
         np.lib.format.write_array(f, np.zeros((3, 2), "<f4"), version=(2, 0))
-    assert latents._piece_info(piece) is None
+    assert pieces.piece_info(piece) is None
     piece.write_bytes(b"not a piece")
-    assert latents._piece_info(piece) is None
+    assert pieces.piece_info(piece) is None
     with open(piece, "wb") as f:  # a piece of no images (a range of unreadable items only)
-        f.write(latents._npy_header((0,)))
-    assert latents._piece_info(piece) == dict(images=0, shape=None, latents_bytes=256, labels_bytes=0)
+        f.write(pieces.npy_header((0,)))
+    assert pieces.piece_info(piece) == dict(images=0, shape=None, latents_bytes=256, labels_bytes=0)
 
     for a, b in ((0, 64), (64, 100), (32, 64), (128, 200), (192, 256), (64, 128)):
-        (tmp_path / latents._piece_name(a, b)).touch()
+        (tmp_path / pieces.piece_name(a, b)).touch()
     (tmp_path / "piece-64-128.npy").touch()  # not a name this module writes
     # in [64, 200): begins on a batch and ends on one or at the range's end
-    assert sorted(latents._kept_pieces(tmp_path, 64, 200)) == [(64, 128), (128, 200)]
-    assert latents._kept_pieces(tmp_path / "none", 0, 200) == []
+    assert sorted(pieces.kept_pieces(tmp_path, 64, 200)) == [(64, 128), (128, 200)]
+    assert pieces.kept_pieces(tmp_path / "none", 0, 200) == []
 
 
 def test_the_plan_reuses_kept_pieces_and_cuts_the_rest_at_piece_boundaries(monkeypatch):
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 128)
-    assert latents._plan(64, 400, []) == [(64, 128, False), (128, 256, False), (256, 384, False), (384, 400, False)]
-    assert latents._plan(0, 400, [(128, 256), (192, 256), (320, 384)]) == [
+    monkeypatch.setattr(pieces, "PIECE_IMAGES", 128)
+    assert pieces.plan(64, 400, []) == [(64, 128, False), (128, 256, False), (256, 384, False), (384, 400, False)]
+    assert pieces.plan(0, 400, [(128, 256), (192, 256), (320, 384)]) == [
         (0, 128, False), (128, 256, True), (256, 320, False), (320, 384, True), (384, 400, False)]  # fmt: skip
-    assert latents._plan(0, 100, [(0, 100)]) == [(0, 100, True)]
-    assert latents._plan(5, 5, []) == []
+    assert pieces.plan(0, 100, [(0, 100)]) == [(0, 100, True)]
+    assert pieces.plan(5, 5, []) == []
 
 
 def test_a_filesystem_without_hard_links_encodes_and_keeps_nothing(tmp_path, kl_folder, monkeypatch):
     vae = autoencoder.load_vae(kl_folder)
     x = images(70)
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    monkeypatch.setattr(pieces, "PIECE_IMAGES", 64)
     monkeypatch.setattr(latents.os, "link", lambda *a: (_ for _ in ()).throw(OSError(95, "Operation not supported")))
     monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):  # encoded whole, then kept from publishing
         latents.cached_latents(vae, ranged(x), key, root=tmp_path, num_images=70, progress=False, log=print)
-    assert list(latents._partial(latents.cache_folder(key, tmp_path)).iterdir()) == []
+    assert list(pieces.partial_folder(latents.cache_folder(key, tmp_path)).iterdir()) == []
 
 
 def pieces_of_a_failed_publish(vae, x, key, root, monkeypatch):
     """The .NAME.partial of `x` encoded in pieces of 64 whose publishing failed (PIECE_IMAGES stays 64)."""
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    monkeypatch.setattr(pieces, "PIECE_IMAGES", 64)
     publish = latents._publish
     monkeypatch.setattr(latents, "_publish", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         latents.cached_latents(vae, ranged(x), key, root=root, num_images=len(x), progress=False)
     monkeypatch.setattr(latents, "_publish", publish)
-    return latents._partial(latents.cache_folder(key, root))
+    return pieces.partial_folder(latents.cache_folder(key, root))
 
 
 def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_encoded(tmp_path, kl_folder, monkeypatch):
@@ -526,7 +528,7 @@ def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_enco
     vae = autoencoder.load_vae(kl_folder)
     x, root = images(70), tmp_path / "cache"
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
-    partial, listed = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch), latents._kept_pieces
+    partial, listed = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch), pieces.kept_pieces
     assert len(listed(partial, 0, 70)) == 2
 
     def then_removed(*a):
@@ -534,7 +536,7 @@ def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_enco
         shutil.rmtree(partial)
         return found
 
-    monkeypatch.setattr(latents, "_kept_pieces", then_removed)
+    monkeypatch.setattr(pieces, "kept_pieces", then_removed)
     lines = []
     cache = latents.cached_latents(vae, ranged(x), key, root=root, num_images=70, progress=False, log=lines.append)
     assert cache.num_images == 70 and lines[0].startswith("encoded 70 images") and "reused" not in lines[0]
@@ -543,11 +545,11 @@ def test_pieces_removed_by_another_job_between_the_listing_and_the_link_are_enco
 def test_a_piece_claimed_by_a_dead_encode_is_taken_and_a_live_ones_is_not(tmp_path, monkeypatch):
     """Dead: its process gone (this host), or its claim untouched for CLAIM_STALE_S by this process's clock; a
     claim this encode holds is touched every CLAIM_BEAT_S, and released at the end."""
-    monkeypatch.setattr(latents, "CLAIM_STALE_S", 0.3)
-    monkeypatch.setattr(latents, "CLAIM_BEAT_S", 0.05)
-    claims = latents.Claims(tmp_path)
+    monkeypatch.setattr(pieces, "CLAIM_STALE_S", 0.3)
+    monkeypatch.setattr(pieces, "CLAIM_BEAT_S", 0.05)
+    claims = pieces.Claims(tmp_path)
     try:
-        (tmp_path / ".claim-a").write_text(f"{latents._host()} {dead_pid()} token\n")
+        (tmp_path / ".claim-a").write_text(f"{folders.this_host()} {dead_pid()} token\n")
         assert claims.take("a")
         elsewhere = tmp_path / ".claim-b"
         elsewhere.write_text("another-host 1 token\n")
@@ -573,14 +575,14 @@ def test_an_encode_whose_key_another_publishes_meanwhile_stops_and_reads_that_ca
     vae = count_encodes(autoencoder.load_vae(kl_folder))
     x, root = images(200), tmp_path / "cache"
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
-    monkeypatch.setattr(latents, "PIECE_IMAGES", 64)
+    monkeypatch.setattr(pieces, "PIECE_IMAGES", 64)
     theirs = latents.cached_latents(vae, ranged(x), key, root=tmp_path / "theirs", num_images=200, progress=False)
     final = latents.cache_folder(key, root)
 
     def published_during_the_second_piece(start, stop):
         if start == 64:
             shutil.copytree(theirs.path, final)
-            shutil.rmtree(latents._partial(final))
+            shutil.rmtree(pieces.partial_folder(final))
         return ranged(x)(start, stop)
 
     lines, vae.encode_calls = [], 0
@@ -599,13 +601,13 @@ def test_a_piece_completed_between_the_look_and_the_claim_is_linked_not_encoded(
     key = latents.cache_key(dict(name="toy"), vae, SIZE)
     partial = pieces_of_a_failed_publish(vae, x, key, root, monkeypatch)
     done = partial.rename(tmp_path / "done")
-    take = latents.Claims.take
+    take = pieces.Claims.take
 
     def completed_first(claims, name):
         shutil.copy(done / name, partial / name)  # the other encode's piece, complete
         return take(claims, name)
 
-    monkeypatch.setattr(latents.Claims, "take", completed_first)
+    monkeypatch.setattr(pieces.Claims, "take", completed_first)
     vae.encode_calls = 0
     cache = latents.cached_latents(vae, ranged(x), key, root=root, num_images=130, progress=False, log=print)
     assert vae.encode_calls == 0 and cache.num_images == 130
@@ -720,7 +722,7 @@ def test_a_tiny_vae_stores_its_latents_alone(tmp_path):
 
 
 def test_shares_are_contiguous_aligned_to_the_decode_batch_and_cover_every_item():
-    assert latents.SHARD_ALIGN == 64
+    assert pieces.SHARD_ALIGN == 64
     assert latents.shares(200, 2) == [(0, 128), (128, 200)]
     assert latents.shares(20, 2) == [(0, 20), (20, 20)]  # few images: a share may be empty
     assert latents.shares(200, 1) == [(0, 200)]
@@ -768,7 +770,7 @@ def test_publishing_keeps_a_valid_cache_and_replaces_an_invalid_one_aside(tmp_pa
     shutil.copytree(final, tmp_path / "good")
 
     def candidate(seed):  # a complete cache of the key in a temporary folder, as an encode leaves it
-        tmp = latents.temporary(final)
+        tmp = folders.temporary(final)
         shutil.copytree(tmp_path / "good", tmp)
         array = np.load(tmp / "latents.npy")
         np.save(tmp / "latents.npy", array + seed)
@@ -815,7 +817,7 @@ def test_leftovers_are_removed_for_this_host_exactly(tmp_path, monkeypatch):
     final = tmp_path / "abc"
     pid = dead_pid()
     monkeypatch.setattr(latents.socket, "gethostname", lambda: "node1")
-    here = latents._host()  # node1 and this process's PID namespace
+    here = folders.this_host()  # node1 and this process's PID namespace
     assert here.startswith("node1~")  # Linux: the namespace is part of it
     hosts = (here, "node1-b" + here[5:], "node10" + here[5:], "xnode1" + here[5:], "node1~1")
     names = {host: tmp_path / f".abc.tmp-{host}-{pid}-0123abcd" for host in hosts}

@@ -16,9 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpm_train.data import autoencoder
-
-from ddpm_train.data import latents
+from ddpm_train.data import autoencoder, latents, pieces
 from test_latents import _one_thread  # noqa: F401  (autouse: convolutions this small run on one thread)
 
 TESTS = Path(__file__).resolve().parent
@@ -105,7 +103,7 @@ def worker(spec):
             return None
         results[name] = dict(path=str(cache.path), lines=lines, encodes=vae.encode_calls - calls, meta=cache.meta,
                              labels=cache.labels.tolist(), memmapped=cache.memmapped,
-                             inode=os.stat(cache.path / latents.LATENTS_FILE).st_ino)  # fmt: skip
+                             inode=os.stat(cache.path / pieces.LATENTS_FILE).st_ino)  # fmt: skip
         return cache
 
     if spec["mode"] == "distributed":
@@ -146,7 +144,7 @@ def worker(spec):
     else:  # two independent runs (no process group) encode one key at once, and race to publish it
         race = out / "race"
         race.mkdir(exist_ok=True)
-        latents.PIECE_IMAGES, latents.CLAIM_POLL_S = 64, 0.01  # 4 pieces, each one batch; the other's looked for often
+        pieces.PIECE_IMAGES, pieces.CLAIM_POLL_S = 64, 0.01  # 4 pieces, each one batch; the other's looked for often
         first = [True]
 
         def together(start, stop):
@@ -158,7 +156,7 @@ def worker(spec):
         cache = run("race", out / "cache", images=together, max_gib=0.0)
         file_barrier(race, "published", rank, world)  # both have published (or kept or read the other's)
         if cache is not None:
-            results["race"]["inode_after"] = os.stat(cache.path / latents.LATENTS_FILE).st_ino
+            results["race"]["inode_after"] = os.stat(cache.path / pieces.LATENTS_FILE).st_ino
             results["race"]["sum"] = float(np.asarray(cache.array, dtype=np.float64).sum())  # the memory map still reads
         results["listing"] = sorted(p.name for p in (out / "cache").iterdir())
     (out / f"rank{rank}.json").write_text(json.dumps(results))
@@ -200,12 +198,12 @@ def test_each_process_encodes_its_share(two_processes):
 
 def test_the_assembled_cache_is_the_one_process_cache_bit_for_bit(two_processes):
     reference, ranks, _ = two_processes
-    expected = (reference.path / latents.LATENTS_FILE).read_bytes()
+    expected = (reference.path / pieces.LATENTS_FILE).read_bytes()
     for result in ranks:
         for scenario in ("shared", "nodes", "resumed"):
             path = Path(result[scenario]["path"])
-            assert (path / latents.LATENTS_FILE).read_bytes() == expected, scenario
-            assert (path / latents.LABELS_FILE).read_bytes() == (reference.path / latents.LABELS_FILE).read_bytes()
+            assert (path / pieces.LATENTS_FILE).read_bytes() == expected, scenario
+            assert (path / pieces.LABELS_FILE).read_bytes() == (reference.path / pieces.LABELS_FILE).read_bytes()
             assert result[scenario]["labels"] == reference.labels.tolist()
             assert result[scenario]["meta"]["stats"] == reference.meta["stats"]  # the same sums, not per share
 

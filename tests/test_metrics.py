@@ -273,14 +273,15 @@ def test_sample_py_scores_against_the_statistics_of_the_images_the_run_trained_o
 def test_runs_started_together_make_the_statistics_once(tmp_path, monkeypatch):
     """A run that finds another live run's claim waits, then reads the statistics that run kept; a dead run's
     claim (its process gone) is taken at once, and given up with close()."""
-    from ddpm_train.data import latents
+    from ddpm_train.data import folders
+    from ddpm_train.data import pieces
     from test_latents import dead_pid
 
     options = folder_options(image_folder(tmp_path / "images", 4))
     key = metrics.reference_key(options, 8, "tiny", metrics.dataset_contents(options, 8))
     shared, lines = metrics.shared_reference_path(key), []
     shared.parent.mkdir(parents=True, exist_ok=True)
-    other = latents.Claims(shared.parent)
+    other = pieces.Claims(shared.parent)
     assert other.take(shared.name)
 
     def other_run_keeps_them(seconds):  # while this run waits
@@ -296,7 +297,7 @@ def test_runs_started_together_make_the_statistics_once(tmp_path, monkeypatch):
 
     shared.unlink()
     claim = shared.parent / f".claim-{shared.name}"
-    claim.write_text(f"{latents._host()} {dead_pid()} token\n")
+    claim.write_text(f"{folders.this_host()} {dead_pid()} token\n")
     reference, claims = metrics.claimed_reference(tmp_path / "run2", key, log=lines.append)
     assert reference is None and claims.held and claim.read_text() == claims.mark and len(lines) == 2  # no wait
     claims.close()

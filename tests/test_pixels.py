@@ -311,7 +311,7 @@ def test_without_pillow_heif_a_folder_s_heic_files_are_not_looked_for():
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['pillow_heif'] = None; from ddpm_train.data import data; print(pixels.IMAGE_EXTENSIONS)"
+    code = "import sys; sys.modules['pillow_heif'] = None; from ddpm_train.data import pixels; print(pixels.IMAGE_EXTENSIONS)"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert ".png" in found and ".heic" not in found
 

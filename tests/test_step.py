@@ -294,6 +294,7 @@ def test_the_compiled_step_matches_the_eager_one_and_a_second_compile_comes_from
     assert first_compile.cold and not second_compile.cold  # only a cold compile's seconds are remembered
 
 
+@pytest.mark.slow
 def test_compile_artifacts_are_saved_and_loaded_only_where_they_can_hit(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.compiler.reset()

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ddpm_train.data import autoencoder
-from ddpm_train.data import keyed_random, latents
+from ddpm_train.data import folders, keyed_random, latents
 from ddpm_train.errors import ConfigError, first_line
 
 METADATA = "metadata.jsonl"  # HF ImageFolder's: one JSON object a line, {"file_name": ..., "text": ...}
@@ -367,7 +367,7 @@ class Draws:
 def cached_embeddings(encoder, captions, root=None, device=None, log=print):
     """The Table of `captions` (caption_table's), from the cache folder of their key, encoding the pieces it lacks:
     with several processes, process r encodes pieces r, r + world, ... and every process's folder then holds them all
-    (latents.in_every_folder: nodes with folders of their own, and a failure on one process stopping all). Each piece
+    (folders.in_every_folder: nodes with folders of their own, and a failure on one process stopping all). Each piece
     is written under a temporary name and renamed, so a preempted encode keeps its finished pieces and two runs
     writing one piece leave one whole file."""
     key = dict(encoder=encoder_identity(encoder), captions=hashlib.sha256("\n".join(captions).encode()).hexdigest(),
@@ -375,7 +375,7 @@ def cached_embeddings(encoder, captions, root=None, device=None, log=print):
     folder = latents.cache_root(root) / f"text-{latents.key_hash(key)[:32]}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
-    rank, world = latents.rank_and_world()
+    rank, world = folders.rank_and_world()
     starts = range(0, len(captions), PIECE)
     names = [f"piece-{start:09d}.pt" for start in starts]
 
@@ -392,7 +392,7 @@ def cached_embeddings(encoder, captions, root=None, device=None, log=print):
             encoded += len(captions[start : start + PIECE])
         return encoded
 
-    encoded = encode_mine() if world == 1 else latents.in_every_folder(folder, names, encode_mine, "encode its captions")
+    encoded = encode_mine() if world == 1 else folders.in_every_folder(folder, names, encode_mine, "encode its captions")
     pieces = [torch.load(folder / name, mmap=True, weights_only=True) for name in names]
     found = Table(pieces, folder, encoded)
     if log:

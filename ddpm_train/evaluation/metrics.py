@@ -33,13 +33,13 @@ from pathlib import Path, PurePath
 
 import torch
 
-from ddpm_train.data import data
 from ddpm_train.data import workers
 from ddpm_train.data import decoding
 from ddpm_train.data import sources
 from ddpm_train.data import pixels
 from ddpm_train.data import shapes
-from ddpm_train.data import latents
+from ddpm_train.data import folders
+from ddpm_train.data import pieces
 from ddpm_train.evaluation import shapescore
 from ddpm_train.errors import ConfigError
 
@@ -233,7 +233,7 @@ class Reference:
     def save(self, path):
         """Written whole or not at all, also when two runs write the same file at once (a file each, renamed)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = latents.temporary(path)
+        tmp = folders.temporary(path)
         try:
             torch.save(dict(key=self.key, fid_state=self.fid_state, kid_features=self.kid_features), tmp)
             os.replace(tmp, path)
@@ -438,7 +438,7 @@ def found_reference(folder, key, log=print):
 def claimed_reference(folder, key, log=print):
     """found_reference's statistics, else this run's claim to make them: (reference, None), or (None, claims) where
     it makes them (claims.close() once they are kept, or on failure). Runs started together on new images (a sweep)
-    make them once: a run that finds another live run's claim (latents.Claims, in the shared cache) waits for its
+    make them once: a run that finds another live run's claim (pieces.Claims, in the shared cache) waits for its
     statistics, and makes them itself if that run dies."""
     shared, claims, said = shared_reference_path(key), None, False
     while True:
@@ -454,7 +454,7 @@ def claimed_reference(folder, key, log=print):
                 shared.parent.mkdir(parents=True, exist_ok=True)
             except OSError:
                 return None, None  # an unwritable shared folder (kept_reference warns): nothing to share
-            claims = latents.Claims(shared.parent)
+            claims = pieces.Claims(shared.parent)
         if claims.take(shared.name):
             if not claims.held:
                 return None, claims  # a folder that takes no claims
@@ -462,7 +462,7 @@ def claimed_reference(folder, key, log=print):
         if not said:
             log(f"waiting for another run making the FID reference statistics of these images ({shared})")
             said = True
-        time.sleep(latents.CLAIM_POLL_S)
+        time.sleep(pieces.CLAIM_POLL_S)
 
 
 def _run_file(folder):
@@ -472,7 +472,7 @@ def _run_file(folder):
 def _linked_or_saved(reference, source, path):
     """`reference` (read from the file `source`) at `path`: a hard link to `source` (no second ~110 MB on disk for
     each run of a sweep; it stays when the shared cache is cleared), else a copy (another filesystem)."""
-    tmp = latents.temporary(path)
+    tmp = folders.temporary(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(source, tmp)

@@ -15,7 +15,7 @@ from ddpm_train.errors import ConfigError, RunError
 # With several processes, how long a process may wait for the main process's work between steps (grids, FID/KID's
 # reference statistics, the pipeline; an evaluation's samples, a share each, gathered to it), in a gloo group of its
 # own: FID over 50,000 samples of a large network on one GPU takes hours, and the wait fires only when a process hangs
-# (one that dies ends it at once). A latent run's encoding waits in a group of its own too (latents.ENCODE_WAIT).
+# (one that dies ends it at once). A latent run's encoding waits in a group of its own too (folders.ENCODE_WAIT).
 MAIN_WORK_WAIT = timedelta(hours=12)
 # That group is held here, not by the run, which lives on in reference cycles after train.main returns: a group still
 # referenced after destroy_process_group keeps its gloo threads into the interpreter's shutdown, where tearing
