@@ -44,6 +44,7 @@ from ddpm_train.data import captions
 from ddpm_train.training import checkpoint
 from ddpm_train.perf import compiling
 from ddpm_train.evaluation import copies
+from ddpm_train.data import drawn
 from ddpm_train.data import data
 from ddpm_train.data import workers
 from ddpm_train.data import batches
@@ -209,7 +210,7 @@ class RunData(NamedTuple):
     """What setting a run up found (set_up_data): the data it trains on, the checkpoint it starts from, and
     a latent run's latents and VAE (None for a run on pixels)."""
 
-    images: object  # a tensor, decoding.PreloadedImages or a streamed dataset; a latent run's latents.LatentDataset
+    images: object  # a tensor, decoding.PreloadedImages or a streamed dataset; a latent run's drawn.LatentDataset
     labels: object  # a conditional run's class of each image, else None
     class_names: object  # a conditional run's class names, else None
     start_from: object  # the checkpoint to continue from, or None
@@ -297,10 +298,10 @@ def latent_source(args, unreadable):
 
 
 def latent_data(args, source, processes):
-    """A latent run's data: (latents.LatentDataset, labels, its record, decode). The latents of the dataset
+    """A latent run's data: (drawn.LatentDataset, labels, its record, decode). The latents of the dataset
     from their cache: when they are not there every process encodes its share of the dataset into it (one
     line says how fast; a cache hit decodes no image and says so), and reads the cache assembled. Each
-    epoch draws each image's latent afresh (latents.LatentCache.draw), normalised as the record (for
+    epoch draws each image's latent afresh (drawn.LatentCache.draw), normalised as the record (for
     train_config.json) says; `decode` turns latents into images for the grids and FID."""
     vae, key, name, device, say = source.vae, source.key, args.latents["source"], processes.device, processes.accelerator.print
     # Every process encodes its share on its own device (latents.cached_latents: the waits for the slowest
@@ -328,7 +329,7 @@ def latent_data(args, source, processes):
         encode_seconds=cache.encode_seconds, images_per_second=cache.images_per_second,
     )  # fmt: skip
     decode = lambda z: autoencoder.decode(vae.to(z.device), z, normalization)  # noqa: E731  (the VAE joins the latents to decode)
-    return latents.LatentDataset(cache, normalization, seed=args.seed), cache.labels, record, decode
+    return drawn.LatentDataset(cache, normalization, seed=args.seed), cache.labels, record, decode
 
 
 def prepare_reference(args, evaluator, processes, images, dataset_contents):

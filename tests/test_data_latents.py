@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from ddpm_train import config
+from ddpm_train.data import drawn
 from ddpm_train.data import data
 from ddpm_train.data import batches
 from ddpm_train.data import decoding
@@ -146,13 +147,13 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
     key = latents.cache_key(dict(name="prefetch"), vae, 16)
     cache = latents.cached_latents(vae, lambda: [(images, labels)], key, root=tmp_path / "cache", progress=False,
                                    log=lambda line: None)  # fmt: skip
-    cache = latents.LatentCache(cache.path, max_gib=0.0 if memmapped else 8.0)
+    cache = drawn.LatentCache(cache.path, max_gib=0.0 if memmapped else 8.0)
     assert cache.memmapped == memmapped
     record = autoencoder.normalization(cache, vae, "dataset")
-    dataset = latents.LatentDataset(cache, record, seed=3)
+    dataset = drawn.LatentDataset(cache, record, seed=3)
     here = batches.Batches(dataset, 4, 3, CPU, labels=cache.labels)
     ahead = batches.Batches(dataset, 4, 3, CPU, num_workers=2, labels=cache.labels)
-    drawn = {epoch: list(here.epoch(epoch)) for epoch in (0, 1)}  # this process' dataset is left at epoch 1
+    straight = {epoch: list(here.epoch(epoch)) for epoch in (0, 1)}  # this process' dataset is left at epoch 1
     in_here, batch = [], dataset.batch
     dataset.batch = lambda indices: in_here.append(indices) or batch(indices)  # a forked worker counts in its copy
     workers = []
@@ -160,11 +161,11 @@ def test_latent_draws_prefetched_by_workers_are_the_draws_of_the_main_process(tm
         got = list(ahead.epoch(epoch))
         workers.append([w.pid for w in ahead.loader._iterator._workers])
         assert len(got) == 3
-        for (z, y), (same_z, same_y), index in zip(got, drawn[epoch], batches.epoch_batches(12, 4, 3, epoch), strict=True):
+        for (z, y), (same_z, same_y), index in zip(got, straight[epoch], batches.epoch_batches(12, 4, 3, epoch), strict=True):
             assert torch.equal(z, same_z) and torch.equal(y, same_y) and torch.equal(y, labels[index])
             assert torch.equal(z, autoencoder.normalize(cache.draw(index, epoch, 3), record))
     resumed = list(ahead.epoch(1, start=2))
-    assert len(resumed) == 1 and torch.equal(resumed[0][0], drawn[1][2][0])
+    assert len(resumed) == 1 and torch.equal(resumed[0][0], straight[1][2][0])
     assert in_here == []  # every batch drawn by the workers
     # started once: the same two workers drew every epoch (forked anew, each epoch's first step waited for them)
     assert len(workers[0]) == 2 and workers[0] == workers[1] == [w.pid for w in ahead.loader._iterator._workers]

@@ -16,6 +16,7 @@ from PIL import Image
 from ddpm_train import config as config_module
 from ddpm_train.perf import flops
 from ddpm_train.data import autoencoder
+from ddpm_train.data import drawn
 from ddpm_train.data import latents
 from ddpm_train.data import pieces
 from ddpm_train.networks import model as models
@@ -199,12 +200,12 @@ def test_two_processes_encode_a_share_each_and_train_on_the_cache(tmp_path, vae,
     assert ranks.codes == [0, 0], ranks
     saved = json.loads((out / "train_config.json").read_text())
     assert saved["num_processes"] == 2 and (out / "checkpoints" / "checkpoint-2").is_dir()
-    two = latents.LatentCache(saved["latents"]["cache"])
+    two = drawn.LatentCache(saved["latents"]["cache"])
     assert [(r["rank"], r["images"]) for r in two.meta["ranks"]] == [(0, 64), (1, 16)]
     # one process, another cache folder: the same latents, byte for byte
     monkeypatch.setenv(latents.CACHE_ENV, str(tmp_path / "one-process"))
     train_latents(tmp_path / "one", vae, "--shapes_num_images", images, "--max_train_steps", 1)
-    one = latents.LatentCache(json.loads((tmp_path / "one" / "train_config.json").read_text())["latents"]["cache"])
+    one = drawn.LatentCache(json.loads((tmp_path / "one" / "train_config.json").read_text())["latents"]["cache"])
     assert one.path != two.path and np.array_equal(one.array, two.array) and one.stats == two.stats
 
 
@@ -267,7 +268,7 @@ def test_a_class_conditional_latent_run_samples_by_class_with_guidance_and_fid(t
     saved = json.loads((out / "train_config.json").read_text())
     assert saved["class_names"] == ["circle", "square", "triangle"] and saved["num_classes"] == 3
     # the labels were cached with the latents: the kind of each image's one shape
-    cached = latents.LatentCache(saved["latents"]["cache"])
+    cached = drawn.LatentCache(saved["latents"]["cache"])
     _, kinds, _ = train.shapes.builtin_images(16, 16, 0, class_conditional=True)
     assert torch.equal(cached.labels, kinds) and saved["class_counts"] == torch.bincount(kinds, minlength=3).tolist()
     # evaluated at each guidance scale on decoded images, against the training images (not their latents)
@@ -323,7 +324,7 @@ def test_the_step_trains_on_each_epochs_draws_as_drawn(tmp_path, vae):
     key = latents.cache_key(dict(name="unit"), loaded, 16)
     cache = latents.cached_latents(loaded, lambda: [(images, labels)], key, progress=False, log=lambda line: None)
     record = autoencoder.normalization(cache, loaded, "dataset")
-    dataset = latents.LatentDataset(cache, record, seed=3)
+    dataset = drawn.LatentDataset(cache, record, seed=3)
     batches = train.batches.Batches(dataset, 4, 3, torch.device("cpu"), labels=cache.labels)
     for epoch in (0, 1):
         order = train.batches.epoch_batches(8, 4, 3, epoch)

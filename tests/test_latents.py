@@ -16,7 +16,7 @@ import torch
 
 import forked
 from ddpm_train.data import autoencoder
-from ddpm_train.data import folders, keyed_random, latents, pieces
+from ddpm_train.data import drawn, folders, keyed_random, latents, pieces
 from ddpm_train.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,7 +276,7 @@ def test_labels_are_cached_with_their_latents(tmp_path, kl_folder):
     assert torch.equal(cache.labels, labels)
     again = encode(vae, images(), tmp_path)  # a hit: the labels come from the cache
     assert torch.equal(again.labels, labels)
-    z, label = latents.LatentDataset(again)[7]
+    z, label = drawn.LatentDataset(again)[7]
     assert z.shape == (4, 8, 8) and label == 1
 
 
@@ -287,7 +287,7 @@ def test_the_cache_is_memory_mapped_above_the_budget(tmp_path, kl_folder):
     size = (in_memory.path / pieces.LATENTS_FILE).stat().st_size
     mapped = encode(vae, images(), tmp_path, max_gib=size / 2**30 * 0.99)
     assert mapped.memmapped and isinstance(mapped.array, np.memmap) and mapped.array.mode == "r"
-    exactly = latents.LatentCache(in_memory.path, max_gib=size / 2**30)
+    exactly = drawn.LatentCache(in_memory.path, max_gib=size / 2**30)
     assert not exactly.memmapped
     assert np.array_equal(mapped.array, in_memory.array)
     assert torch.equal(mapped.draw([1, 5], epoch=2, seed=3), in_memory.draw([1, 5], epoch=2, seed=3))
@@ -673,7 +673,7 @@ def test_draws_are_fresh_each_epoch_and_identical_for_the_same_seed_epoch_and_in
     cache = encode(vae, images(), tmp_path)
     a = cache.draw([0, 1, 2, 3], epoch=5, seed=7)
     # the same (seed, epoch, index) in another batch, another order, a cache read afresh (a resume)
-    resumed = latents.LatentCache(cache.path)
+    resumed = drawn.LatentCache(cache.path)
     assert torch.equal(a[2], resumed.draw([9, 2], epoch=5, seed=7)[1])
     assert torch.equal(a, resumed.draw([0, 1, 2, 3], epoch=5, seed=7))
     assert not torch.equal(a, cache.draw([0, 1, 2, 3], epoch=6, seed=7))
@@ -691,7 +691,7 @@ def test_draws_are_fresh_each_epoch_and_identical_for_the_same_seed_epoch_and_in
         sides.add(side)
     assert sides == {0, 1}
 
-    dataset = latents.LatentDataset(cache, autoencoder.normalization(cache, vae, "dataset"), seed=7)
+    dataset = drawn.LatentDataset(cache, autoencoder.normalization(cache, vae, "dataset"), seed=7)
     dataset.set_epoch(5)
     torch.testing.assert_close(dataset[2], autoencoder.normalize(a[2:3], dataset.record)[0])
     assert torch.equal(dataset.batch([0, 1, 2, 3]), autoencoder.normalize(a, dataset.record))
@@ -782,15 +782,15 @@ def test_publishing_keeps_a_valid_cache_and_replaces_an_invalid_one_aside(tmp_pa
     assert np.array_equal(cache.array, first.array)
 
     # A valid cache that turns up between the look and the move aside is put back, not deleted.
-    read, looks = latents._read, []
+    read, looks = drawn.read, []
 
     def late(folder, *a):
         looks.append(folder)
         return None if len(looks) == 1 else read(folder, *a)
 
-    monkeypatch.setattr(latents, "_read", late)
+    monkeypatch.setattr(drawn, "read", late)
     cache, ours = latents._publish(tmp, final, key, 8.0)
-    monkeypatch.setattr(latents, "_read", read)
+    monkeypatch.setattr(drawn, "read", read)
     assert not ours and (final / "latents.npy").stat().st_ino == inode
     shutil.rmtree(tmp)
 
@@ -877,7 +877,7 @@ def test_a_batch_draw_is_the_draws_of_its_images_alone(tmp_path, kl_folder):
     everything = cache.draw(torch.arange(64), epoch=3, seed=1)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(cache.draw(order, epoch=3, seed=1), everything[order])
-    mapped = latents.LatentCache(cache.path, max_gib=0.0)
+    mapped = drawn.LatentCache(cache.path, max_gib=0.0)
     assert mapped.memmapped and torch.equal(mapped.draw(order, epoch=3, seed=1), everything[order])
     # Orientations: about half of the images drawn flipped in an epoch, each image both ways over epochs.
     stored = torch.from_numpy(np.array(cache.array))  # (N, 2, 2, C, h, w)

@@ -117,9 +117,9 @@ def worker(spec):
 
         def another_job_first(tmp, final, key, max_gib):
             shutil.copytree(theirs, final)
-            meta = json.loads((final / latents.META_FILE).read_text())
+            meta = json.loads((final / pieces.META_FILE).read_text())
             meta.update(encode_seconds=999.0, encode_device="another job's devices")
-            (final / latents.META_FILE).write_text(json.dumps(meta))
+            (final / pieces.META_FILE).write_text(json.dumps(meta))
             return publish(tmp, final, key, max_gib)
 
         latents._publish = another_job_first

@@ -36,7 +36,7 @@ class _IndexBatches(torch.utils.data.Sampler):
 
 
 class _EpochDraws(torch.utils.data.Dataset):
-    """A latents.LatentDataset for DataLoader workers: `__getitems__` draws a whole batch of (epoch, index)
+    """A drawn.LatentDataset for DataLoader workers: `__getitems__` draws a whole batch of (epoch, index)
     pairs with its `batch`, set to the epoch in the worker itself, so that a worker's batch is the one this
     process would draw, and one set of workers serves every epoch. A draw reads only its images' rows of the
     cache's array (a forked worker shares the array: nothing copies it)."""
@@ -87,7 +87,7 @@ def _as_drawn(batch):
 
 class Batches:
     """uint8 batches on `device`, from a preloaded tensor (or PreloadedImages) or streamed through a
-    DataLoader; or a latent run's float latents, drawn from a latents.LatentDataset for each epoch (with
+    DataLoader; or a latent run's float latents, drawn from a drawn.LatentDataset for each epoch (with
     `num_workers`, drawn ahead by that many DataLoader workers: the same batches).
 
     With `labels` (a LongTensor, one per index of `source`: the labels that
@@ -102,7 +102,7 @@ class Batches:
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.device, self.rank, self.world_size, self.num_workers = device, rank, world_size, num_workers
         self.preloaded = isinstance(source, (torch.Tensor, PreloadedImages))
-        self.drawn = hasattr(source, "set_epoch") and hasattr(source, "batch")  # latents.LatentDataset
+        self.drawn = hasattr(source, "set_epoch") and hasattr(source, "batch")  # drawn.LatentDataset
         # Streamed images are decoded every epoch; one that fails is left out, and readable images of its batch
         # take its place (`epoch`; a PreloadedImages' unreadable likewise, reported when it was preloaded).
         self.unreadable = Unreadable() if unreadable is None else unreadable
@@ -143,7 +143,7 @@ class Batches:
         """The epoch's batches from batch index `start` on."""
         batches = epoch_batches(len(self.source), self.batch_size, self.seed, epoch, self.rank, self.world_size)
         batches = batches[start:]
-        if self.drawn:  # a latent run's: each image's latent drawn for this epoch (latents.LatentDataset)
+        if self.drawn:  # a latent run's: each image's latent drawn for this epoch (drawn.LatentDataset)
             if self.num_workers and batches:
                 # Drawn ahead by worker processes, batch for batch the same as in this process (_EpochDraws);
                 # forked, they share the cache's array.
@@ -197,7 +197,7 @@ class Batches:
 
 def to_model_input(images, random_flip=True):
     """uint8 or uint16 (B, C, S, S) -> float in [-1, 1], each image flipped left-right with probability 1/2.
-    A float batch is a latent run's, drawn already (its orientation too: latents.LatentCache.draw): as it is."""
+    A float batch is a latent run's, drawn already (its orientation too: drawn.LatentCache.draw): as it is."""
     if images.is_floating_point():
         return images
     x = images.float().div_((65535 if images.dtype == torch.uint16 else 255) / 2).sub_(1)

@@ -3,12 +3,10 @@
     cache_key(dataset, vae, image_size, center_crop=True, flips=True) -> dict    the key: the dataset's identity as
         the caller gives it, the VAE's (its class, config, dtype and a hash of its encoder's weights), size, crop, flips
     cache_root(root=None) -> Path   $DDPM_TRAIN_LATENT_CACHE, else $XDG_CACHE_HOME or ~/.cache, /ddpm-train/latents
-    cached_latents(vae, images, key, ...) -> LatentCache   the cache of `key`, read when it is there (`images` not
-        touched), else `images(start, stop)` encoded by pieces (pieces.py), by every process its share (`shares`),
-        present in every node's folder (folders.py), published by rename, and read back
-    LatentCache.draw(indices, epoch, seed)   raw latents: each image's orientation and posterior noise keyed by
-        (seed, epoch, index) alone (keyed_random.py), so a resumed run or another process count draws the same
-    LatentDataset(cache, record, seed)   a torch Dataset of normalised draws
+    cached_latents(vae, images, key, ...) -> drawn.LatentCache   the cache of `key`, read when it is there (`images`
+        not touched), else `images(start, stop)` encoded by pieces (pieces.py), by every process its share (`shares`),
+        present in every node's folder (folders.py), published by rename, and read back (drawn.py: each epoch's
+        latents drawn from it)
 
 The array is (N, F, K, C, h, w) float32: F orientations (1, or 2 with flips: [original, flipped]; a flipped image's
 latent is not the flipped latent, since a VAE's stride-2 downsamplers do not sample a mirror-symmetric grid), K = 2
@@ -19,7 +17,6 @@ latent is not the flipped latent, since a VAE's stride-2 downsamplers do not sam
 import hashlib
 import inspect
 import json
-import math
 import os
 import shutil
 import socket
@@ -31,13 +28,12 @@ import numpy as np
 import torch
 
 from ddpm_train import sizes
-from ddpm_train.data import autoencoder, folders, keyed_random, pieces
+from ddpm_train.data import autoencoder, drawn, folders, pieces
 from ddpm_train.errors import ConfigError
 
 FORMAT = 1  # raise when what a cache holds, or how, changes
 PROJECT = "ddpm-train"
 CACHE_ENV = "DDPM_TRAIN_LATENT_CACHE"
-META_FILE = "meta.json"
 _IN_PROGRESS = set()  # this process's folders.temporary folders being written
 
 
@@ -317,12 +313,12 @@ def _finish(vae, key, tmp, ranks):
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     del array
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    (tmp / pieces.META_FILE).write_text(json.dumps(meta, indent=1))
     return meta
 
 
 def _publish(tmp, final, key, max_gib):
-    """Rename the complete cache `tmp` into place as `final` and read it: (LatentCache, True). A valid cache of
+    """Rename the complete cache `tmp` into place as `final` and read it: (drawn.LatentCache, True). A valid cache of
     `key` already there (another process published it first) is kept and read instead: (it, False), and the
     caller discards `tmp`. Only an invalid or mismatched folder is replaced, renamed aside atomically first
     (never removed in place, which would race another publisher)."""
@@ -332,8 +328,8 @@ def _publish(tmp, final, key, max_gib):
         except OSError:
             pass  # `final` is there (a non-empty folder)
         else:
-            return LatentCache(final, max_gib), True
-        existing = _read(final, key, max_gib)
+            return drawn.LatentCache(final, max_gib), True
+        existing = drawn.read(final, key, max_gib)
         if existing is not None:
             return existing, False  # another process's valid cache of this key: keep it, never delete it
         aside = folders.temporary(final)
@@ -341,7 +337,7 @@ def _publish(tmp, final, key, max_gib):
             os.rename(final, aside)  # an invalid folder: out of the way, atomically
         except OSError:
             continue  # gone or replaced meanwhile: look again
-        if _read(aside, key, max_gib) is not None:  # published between the look and the move: put it back
+        if drawn.read(aside, key, max_gib) is not None:  # published between the look and the move: put it back
             try:
                 os.rename(aside, final)
             except OSError:  # yet another took its place: that one is looked at next, this one is our candidate
@@ -387,14 +383,14 @@ def _encoded_line(meta, key, final, kept):
 
 
 def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_images=None, progress=True, log=print):
-    """The LatentCache of `key`: read if it is there, else `images` encoded and cached (module doc). With a
+    """The drawn.LatentCache of `key`: read if it is there, else `images` encoded and cached (module doc). With a
     torch.distributed process group of several processes every process encodes its share (`images(start,
     stop)`, `num_images` items in all) and each cache folder is assembled once."""
     rank, world = folders.rank_and_world()
     if world > 1 or _takes_range(images):
         _check_images(images, num_images, world)
     final = cache_folder(key, root)
-    cache = _read(final, key, max_gib)
+    cache = drawn.read(final, key, max_gib)
     if world > 1:
         if _everywhere(cache is not None):  # every process's folder holds it: nobody encodes
             log(_reuse_line(final, cache))
@@ -416,7 +412,7 @@ def cached_latents(vae, images, key, root=None, max_gib=8.0, device=None, num_im
     try:
         try:
             share = _encode_share(vae, images, 0, num_images, key, tmp, partial, progress,
-                                  published=lambda: _read(final, key, max_gib))  # fmt: skip
+                                  published=lambda: drawn.read(final, key, max_gib))  # fmt: skip
         except _PublishedMeanwhile as published:
             cache = published.args[0]
             log(f"latents: another process published this key's cache while this one encoded its pieces: reading "
@@ -535,7 +531,7 @@ def _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, gr
     outcomes = [None] * world
     dist.all_gather_object(outcomes, outcome, group=group)  # the folders' caches published
     folders.raise_failed(outcomes, failure, "assemble the cache")
-    cache = cache or _read(final, key, max_gib)  # the leader read it as it published it
+    cache = cache or drawn.read(final, key, max_gib)  # the leader read it as it published it
     if cache is None:
         raise RuntimeError(f"latents: rank {rank} cannot read the cache {final} that rank {leaders[rank]} published")
     in_folders = len(set(leaders))
@@ -553,85 +549,6 @@ def _build_shared(vae, images, key, final, tmp, rank, world, leaders, people, gr
 # --- reading and drawing ---------------------------------------------------------------------------
 
 
-def _read(folder, key, max_gib):
-    """The cache in `folder` if it is complete and made for `key`, else None."""
-    meta_file = folder / META_FILE
-    if not meta_file.is_file() or not (folder / pieces.LATENTS_FILE).is_file():
-        return None
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError):
-        return None
-    if json.dumps(meta.get("key"), sort_keys=True) != json.dumps(key, sort_keys=True, default=str):
-        return None
-    try:
-        return LatentCache(folder, max_gib)
-    except (OSError, ValueError):
-        return None
-
-
-class LatentCache:
-    """A cache folder, read into memory or memory-mapped (above `max_gib` GiB)."""
-
-    def __init__(self, folder, max_gib=8.0):
-        self.path = Path(folder)
-        self.meta = json.loads((self.path / META_FILE).read_text())
-        file = self.path / pieces.LATENTS_FILE
-        self.memmapped = file.stat().st_size > max_gib * 2**30
-        self.array = np.load(file, mmap_mode="r" if self.memmapped else None)
-        if list(self.array.shape) != self.meta["shape"]:
-            raise ValueError(f"{file} holds {self.array.shape}, its meta.json says {self.meta['shape']}")
-        labels = self.path / pieces.LABELS_FILE
-        self.labels = torch.from_numpy(np.load(labels)) if labels.is_file() else None
-        self.stats = self.meta["stats"]
-        self.encode_seconds = self.meta.get("encode_seconds")
-        self.images_per_second = self.meta.get("images_per_second")
-        self.num_images, self.orientations, kinds, self.channels, self.resolution, _ = self.array.shape
-        self.stochastic = kinds == 2  # (mean, std) of a KL VAE, else a Tiny VAE's latents
-
-    def __len__(self):
-        return self.num_images
-
-    def draw(self, indices, epoch, seed):
-        """Raw latents (B, C, h, w) of images `indices` for `epoch`: an orientation and the posterior noise each
-        drawn from (seed, epoch, index) alone, the whole batch at once: its rows read with one fancy index (in
-        ascending order, for a memory map), its random numbers from a counter-based generator (draw_keys)."""
-        indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
-        keys = keyed_random.draw_keys(seed, epoch, indices)
-        size = math.prod(self.array.shape[3:])  # C x h x w
-        # word 0 of each stream picks the orientation, words 1... the noise
-        words = keyed_random.words(keys, 1 + (-(-size // 2) if self.stochastic else 0))
-        sides = keyed_random.shr(words[:, 0], 33) % self.orientations
-        order = torch.argsort(indices)
-        rows = self.array[indices[order].numpy(), sides[order].numpy()]  # (B, K, C, h, w), ascending rows
-        stored = torch.empty(rows.shape)
-        stored[order] = torch.from_numpy(np.ascontiguousarray(rows))
-        if not self.stochastic:
-            return stored[:, 0]
-        eps = keyed_random.normals(words[:, 1:], size).view_as(stored[:, 0])
-        return stored[:, 0] + stored[:, 1] * eps
-
-
 # --- normalisation and decoding -----------------------------------------------------------------
 
 
-class LatentDataset(torch.utils.data.Dataset):
-    """Normalised latents drawn fresh each epoch: `set_epoch(e)`, then [i] or `batch(indices)`."""
-
-    def __init__(self, cache, record=None, seed=0):
-        self.cache, self.record, self.seed, self.epoch = cache, record, seed, 0
-        self.labels = cache.labels
-
-    def set_epoch(self, epoch):
-        self.epoch = int(epoch)
-
-    def __len__(self):
-        return len(self.cache)
-
-    def batch(self, indices):
-        z = self.cache.draw(indices, self.epoch, self.seed)
-        return autoencoder.normalize(z, self.record) if self.record is not None else z
-
-    def __getitem__(self, i):
-        z = self.batch([i])[0]
-        return z if self.labels is None else (z, self.labels[i])

@@ -15,7 +15,7 @@ import numpy as np
 from ddpm_train.data.folders import alive, temporary, this_host
 
 
-LATENTS_FILE, LABELS_FILE = "latents.npy", "labels.npy"
+LATENTS_FILE, LABELS_FILE, META_FILE = "latents.npy", "labels.npy", "meta.json"
 NPY_HEADER_BYTES = 256  # the .npy header, written before the data and filled in once the count is known
 
 
